@@ -1,0 +1,1 @@
+"""Side-by-side measurement scripts for fxdp (run them; they are not tests)."""

@@ -1,0 +1,132 @@
+"""Every private torch API fxdp uses, each behind one small function.
+
+A torch upgrade touches this module only. Verified on torch 2.13.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "fake_mode_of",
+    "make_fx_traced",
+    "inductor_compile",
+    "eager_compile",
+    "inductor_decompositions",
+    "annotate",
+    "graph_break_reason",
+    "in_compiled_autograd",
+    "current_graph_task_id",
+    "refuse_silent_eager_fallback",
+    "size_hint",
+]
+
+
+def fake_mode_of(values: Sequence[Any]):
+    """The fake mode of the first fake tensor in ``values`` (Dynamo's example values)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for v in values:
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+    raise ValueError("fxdp found no fake tensor among the graph's example values")
+
+
+def make_fx_traced(fn: Callable, args: Sequence[Any], *, fake_mode, pre_dispatch: bool = False,
+                   decompositions: dict | None = None) -> fx.GraphModule:
+    """Trace ``fn`` to an ATen graph with ``make_fx`` inside ``fake_mode``, keeping node meta."""
+    from torch.fx import traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with fake_mode, fx_traceback.preserve_node_meta():
+        return make_fx(fn, decomposition_table=decompositions or {}, pre_dispatch=pre_dispatch)(*args)
+
+
+@contextlib.contextmanager
+def annotate(info: dict):
+    """Nodes traced inside get ``node.meta["custom"]`` = ``info``."""
+    from torch.fx import traceback as fx_traceback
+
+    with fx_traceback.annotate(info):
+        yield
+
+
+def inductor_decompositions() -> dict:
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                     backward_compiler: Callable, forward_observer: Callable = lambda g: None) -> Callable:
+    """Compile with Inductor; ``backward_compiler(gm, example_inputs, inner)`` builds the backward.
+
+    ``inner(gm, example_inputs)`` is Inductor's own graph compiler with the keyword
+    arguments it was given for the backward.
+    """
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(g, inputs, **kwargs):
+        if kwargs.get("is_backward"):
+            return backward_compiler(g, inputs, lambda g2, i2: compile_fx_inner(g2, i2, **kwargs))
+        forward_observer(g)
+        return compile_fx_inner(g, inputs, **kwargs)
+
+    # The AOTAutograd cache keys on the Dynamo graph, not on the rewritten backward.
+    with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False):
+        return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
+
+
+def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                  backward_compiler: Callable, forward_observer: Callable = lambda g: None) -> Callable:
+    """AOTAutograd without Inductor: both graphs run as plain FX graphs."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch import config as functorch_config
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def fw(g, inputs):
+        forward_observer(g)
+        return make_boxed_func(g.forward)
+
+    def bw(g, inputs):
+        return backward_compiler(g, inputs, lambda g2, i2: make_boxed_func(g2.forward))
+
+    with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False):
+        return aot_module_simplified(gm, list(example_inputs), fw_compiler=fw, bw_compiler=bw)
+
+
+def graph_break_reason(gm: fx.GraphModule) -> str | None:
+    """Dynamo's reason when ``gm`` ends at a graph break, else ``None``."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is not None and getattr(reason, "graph_break", False):
+        return str(reason.reason)
+    return None
+
+
+def in_compiled_autograd() -> bool:
+    from torch._dynamo import compiled_autograd
+
+    return bool(compiled_autograd.in_compiled_autograd_region or compiled_autograd.compiled_autograd_enabled)
+
+
+def current_graph_task_id() -> int:
+    return int(torch._C._current_graph_task_id())
+
+
+def refuse_silent_eager_fallback() -> None:
+    """Make Dynamo raise at its recompile limit instead of running the frame eagerly.
+
+    An eager run would bypass the fxdp backward and leave unclipped gradients.
+    """
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def size_hint(size: Any) -> int:
+    if isinstance(size, torch.SymInt):
+        node = size.node
+        return int(node.hint if node.hint is not None else node.shape_env.size_hint(node.expr))
+    return int(size)

@@ -1,0 +1,84 @@
+"""``torch.compile(model, backend="fxdp")`` and ``fxdp.backend(**options)``."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxdp.compiler import CompiledGraph, compile_graph
+from fxdp.options import Options
+
+__all__ = ["backend", "Backend", "entry_point_backend"]
+
+
+class Backend:
+    """A Dynamo backend ``fn(gm, example_inputs)`` that compiles with fxdp.
+
+    Its options are fixed at construction; Dynamo keys its cache on the backend
+    object, so two backends with different options never share a graph.
+
+    Attributes:
+        options: The validated options.
+        records: One ``CompiledGraph`` per graph compiled, for ``explain()``.
+    """
+
+    def __init__(self, options: Options, names: dict[int, str] | None = None):
+        self.options = options
+        self.names = names
+        self.records: list[CompiledGraph] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
+        if kwargs.get("options"):
+            return Backend(Options.from_kwargs({**vars_of(self.options), **kwargs["options"]}),
+                           self.names)(gm, example_inputs)
+        if not torch.is_grad_enabled() or not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+        ):
+            return _plain(gm, example_inputs, self.options)
+        record = CompiledGraph(self.options)
+        self.records.append(record)
+        return compile_graph(gm, example_inputs, self.options, self.names, record)
+
+    def __repr__(self) -> str:
+        return f"fxdp.backend({self.options})"
+
+
+def vars_of(options: Options) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+
+
+def _plain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> Callable:
+    """No gradient can flow (``torch.no_grad()``, inference): nothing extra to do."""
+    from fxdp.compiler import RUN_STATE
+
+    if options.compiler == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, list(example_inputs))
+    else:
+        compiled = gm.forward
+
+    def run(*args):
+        RUN_STATE.ran = True
+        return compiled(*args)
+
+    return run
+
+
+def backend(**options: Any) -> Backend:
+    """A Dynamo backend with ``transform``'s options and defaults.
+
+    Example::
+
+        compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=1.0))
+    """
+    return Backend(Options.from_kwargs(options))
+
+
+def entry_point_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None,
+                        **_: Any) -> Callable:
+    """``backend="fxdp"``: ``fxdp.backend(grad_sample=True, **options)``."""
+    return Backend(Options.from_kwargs({"grad_sample": True, **(options or {})}))(gm, example_inputs)

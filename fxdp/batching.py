@@ -1,0 +1,66 @@
+"""Where the batch lives in a tensor, and how to bring it to the front.
+
+A batched tensor has its samples along one dim, possibly merged with the dims
+after it, as ``x.view(-1, d)`` merges ``[B, T, d]`` into ``[B·T, d]``:
+``BatchDim(dim=0, inner=T)`` says dim 0 has size ``B·inner`` and its index is
+``b·inner + r``. ``WHOLE`` marks a tensor that is entirely one sample (``B == 1``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+__all__ = ["BatchDim", "WHOLE", "batch_major", "batch_size_of", "scale_batch"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BatchDim:
+    """The batch dim of one tensor.
+
+    Attributes:
+        dim: Index of the dim that holds the samples; ``None`` for ``WHOLE``.
+        inner: How many rows of that dim belong to one sample (``B·inner`` in all).
+    """
+
+    dim: int | None
+    inner: Any = 1
+
+    def same_as(self, other: "BatchDim") -> bool:
+        return self.dim == other.dim and _equal(self.inner, other.inner)
+
+    def __repr__(self) -> str:
+        if self.dim is None:
+            return "WHOLE"
+        return f"BatchDim({self.dim})" if _equal(self.inner, 1) else f"BatchDim({self.dim}, inner={self.inner})"
+
+
+WHOLE = BatchDim(None)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    # Sizes may be SymInts: comparing them records a guard, which is what we want
+    # (the decision was taken on these sizes).
+    return bool(a == b)
+
+
+def batch_size_of(t: torch.Tensor, batch: BatchDim) -> Any:
+    if batch.dim is None:
+        return 1
+    return t.shape[batch.dim] // batch.inner
+
+
+def batch_major(t: torch.Tensor, batch: BatchDim) -> torch.Tensor:
+    """Return ``t`` as ``[B, *rest]``, the batch first (a view when possible)."""
+    if batch.dim is None:
+        return t.unsqueeze(0)
+    t = t.movedim(batch.dim, 0)
+    if not _equal(batch.inner, 1):
+        t = t.reshape(t.shape[0] // batch.inner, batch.inner, *t.shape[1:])
+    return t
+
+
+def scale_batch(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Multiply each sample of a batch-major ``t`` by ``factors[b]``."""
+    return t * factors.reshape(-1, *([1] * (t.dim() - 1))).to(t.dtype)

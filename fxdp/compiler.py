@@ -1,0 +1,321 @@
+"""The pipeline: one plain function that calls the passes in order, plus the thin
+runtime wrappers that move the backward's extra outputs onto the parameters."""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import threading
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxdp import _torch_internals as internals
+from fxdp.batching import BatchDim
+from fxdp.errors import Problem, UnsupportedError
+from fxdp.options import Options
+from fxdp.passes.batch_dims import batch_dim_pass
+from fxdp.passes.canonicalize import canonicalize_pass
+from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass
+from fxdp.passes.tag import tag_pass
+
+__all__ = ["compile_graph", "CompiledGraph", "RUN_STATE", "latest_record", "analyse_graph"]
+
+# Set by every compiled fxdp forward; ``DPModule`` checks it to detect a silent
+# eager fallback of Dynamo.
+RUN_STATE = threading.local()
+_step_counter = itertools.count(1)
+
+
+class CompiledGraph:
+    """What one Dynamo graph became; kept for ``explain()``.
+
+    Attributes:
+        options: The options it was compiled with.
+        stages: Stage name -> code, in order (captured, canonical, tagged, forward,
+            backward, rewritten backward).
+        annotated_backward: The rewritten backward's code, rewritten nodes annotated.
+        plan: The backward plan (strategies, costs, rule counts), once the backward
+            is compiled.
+        problems: What was refused (``strict=False``).
+        rule_counts: How often each rule fired in the tag pass.
+    """
+
+    def __init__(self, options: Options):
+        self.options = options
+        self.stages: dict[str, str] = {}
+        self.annotated_backward = ""
+        self.plan: BackwardPlan | None = None
+        self.problems: list[Problem] = []
+        self.rule_counts: dict[str, int] = {}
+        self.param_names: list[str] = []
+
+    def _stage(self, name: str, gm: fx.GraphModule) -> None:
+        self.stages[name] = gm.code
+        _dump(name, gm)
+
+
+_dump_counter = itertools.count()
+
+
+def _dump(stage: str, gm: fx.GraphModule) -> None:
+    root = os.environ.get("FXDP_DEBUG_DIR")
+    if not root:
+        return
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, f"{next(_dump_counter):04d}_{stage}.py")
+    with open(path, "w") as f:
+        f.write(annotated_code(gm))
+
+
+def annotated_code(gm: fx.GraphModule) -> str:
+    """``gm.code`` with every node that carries ``meta["fxdp"]`` annotated at line end."""
+    notes = {}
+    for node in gm.graph.nodes:
+        info = node.meta.get("fxdp")
+        if info:
+            notes[node.name] = info
+    lines = []
+    for line in gm.code.splitlines():
+        m = re.match(r"\s+(\w+) = ", line)
+        if m and m.group(1) in notes:
+            info = notes[m.group(1)]
+            note = ", ".join(f"{k}={v}" for k, v in info.items() if k != "use_ids")
+            line = f"{line}  # fxdp: {note}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+_SOURCE_KEY = re.compile(r"\['([^']+)'\]|\.([A-Za-z_]\w*)|\[(\d+)\]")
+_SKIP = {"_modules", "_parameters", "_buffers", "self", "fn", "model", "mod", "m"}
+
+
+def source_name(node: fx.Node) -> str:
+    grapharg = node.meta.get("grapharg")
+    return grapharg.source.name if grapharg is not None and hasattr(grapharg.source, "name") else node.name
+
+
+def _param_name(source: str) -> str:
+    parts = []
+    for i, m in enumerate(_SOURCE_KEY.finditer(source)):
+        key = next(g for g in m.groups() if g is not None)
+        if i == 0 or key in _SKIP:
+            continue
+        parts.append(key)
+    return ".".join(parts) or source
+
+
+def _argument_position(source: str, arg_names: Sequence[str]) -> tuple:
+    m = re.match(r"L\['args'\]\[(\d+)\]$", source)
+    if m:
+        return (0, int(m.group(1)))
+    m = re.match(r"L\['(\w+)'\]$", source)
+    if m and m.group(1) in arg_names:
+        return (0, list(arg_names).index(m.group(1)))
+    return (1, 0)
+
+
+def _arg_names() -> list[str]:
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+        return list(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
+    except Exception:  # noqa: BLE001 - outside Dynamo there is no frame to ask
+        return []
+
+
+def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+                    names: dict[int, str] | None):
+    """Split placeholders into trainable parameters and inputs; give inputs their batch dims.
+
+    Returns:
+        (placeholders, fake_args, param_names {node: name}, placeholder_batch, batch_size)
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_args = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
+    param_names: dict[fx.Node, str] = {}
+    inputs: list[tuple[tuple, fx.Node, Any]] = []
+    arg_names = _arg_names()
+    for order, (node, real, fake) in enumerate(zip(placeholders, example_inputs, fake_args)):
+        if not isinstance(real, torch.Tensor):
+            continue
+        source = source_name(node)
+        is_param = isinstance(real, torch.nn.Parameter) or "_parameters" in source
+        is_buffer = "_buffers" in source
+        if is_param:
+            if real.requires_grad:
+                param_names[node] = (names or {}).get(id(real)) or _param_name(source)
+            continue
+        if is_buffer:
+            continue
+        key = _argument_position(source, arg_names)
+        inputs.append(((*key, order), node, fake))
+    inputs.sort(key=lambda item: item[0])
+    placeholder_batch: dict[fx.Node, BatchDim | None] = {}
+    batch_size = None
+    for rank, (key, node, fake) in enumerate(inputs):
+        position = key[1] if key[0] == 0 else None
+        if options.in_dims is not None and position is not None and position < len(options.in_dims):
+            dim = options.in_dims[position]
+            explicit = True
+        else:
+            dim = options.default_batch_dim
+            explicit = False
+        if dim is None:
+            placeholder_batch[node] = None
+            continue
+        if rank == 0 or batch_size is None:
+            if fake.dim() <= dim:
+                raise ValueError(
+                    f"the first tensor argument ({source_name(node)}, shape {tuple(fake.shape)}) has no "
+                    f"batch dim {dim}; fxdp takes the batch size from it (batch_first={options.batch_first}, "
+                    f"or set in_dims)"
+                )
+            batch_size = fake.shape[dim]
+            placeholder_batch[node] = BatchDim(dim)
+            continue
+        batched = fake.dim() > dim and (explicit or bool(fake.shape[dim] == batch_size))
+        placeholder_batch[node] = BatchDim(dim) if batched else None
+    return placeholders, fake_args, param_names, placeholder_batch, batch_size
+
+
+def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+                  names: dict[int, str] | None = None):
+    """Canonicalise and analyse; no compilation. Used by ``validate`` and ``explain``."""
+    placeholders, fake_args, param_names, placeholder_batch, batch_size = classify_inputs(
+        gm, example_inputs, options, names)
+    fake_mode = internals.fake_mode_of([a for a in fake_args if isinstance(a, torch.Tensor)])
+    canon = canonicalize_pass(gm, fake_args, fake_mode=fake_mode)
+    canon_placeholders = [n for n in canon.graph.nodes if n.op == "placeholder"]
+    index = {n: i for i, n in enumerate(placeholders)}
+    c_param_names = {canon_placeholders[index[n]]: name for n, name in param_names.items()}
+    c_batch = {canon_placeholders[index[n]]: b for n, b in placeholder_batch.items()}
+    if batch_size is None and c_param_names:
+        raise ValueError("fxdp found no tensor argument to take the batch size from")
+    analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
+    if analysis.loss is not None and analysis.loss != options.loss_reduction:
+        analysis.problems.append(Problem(
+            "loss", "", "",
+            f"the loss inside the graph is a {analysis.loss} over the batch but "
+            f"loss_reduction={options.loss_reduction!r}; pass loss_reduction={analysis.loss!r}"))
+    return canon, fake_mode, c_param_names, analysis
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+                  names: dict[int, str] | None = None,
+                  record: CompiledGraph | None = None) -> Callable:
+    """Capture → canonicalise → analyse → tag → AOTAutograd → rewrite backward → lower."""
+    record = record or CompiledGraph(options)
+    record._stage("captured", gm)
+    reason = internals.graph_break_reason(gm)
+    if reason is not None and options.max_grad_norm is not None:
+        raise UnsupportedError(
+            "fxdp cannot clip globally across a graph break: each graph would clip its "
+            f"parameters separately. Dynamo broke the graph because: {reason}. Remove the "
+            "break (torch._dynamo.explain shows it) or use fxdp.transform, which compiles "
+            "with fullgraph=True."
+        )
+    internals.refuse_silent_eager_fallback()
+    canon, fake_mode, param_names, analysis = analyse_graph(gm, example_inputs, options, names)
+    record._stage("canonical", canon)
+    record.param_names = list(param_names.values())
+    excluded: set[str] = set()
+    if analysis.problems:
+        record.problems = analysis.problems
+        if options.strict:
+            raise UnsupportedError("fxdp cannot make this model per-sample:", analysis.problems)
+        excluded = {p.parameter for p in analysis.problems if p.parameter}
+        warnings.warn(
+            "fxdp: these parameters get no gradient (strict=False):\n"
+            + "\n".join(f"  - {p}" for p in analysis.problems),
+            stacklevel=2,
+        )
+        if any(not p.parameter for p in analysis.problems):
+            raise UnsupportedError(
+                "fxdp cannot make this model per-sample (problems not tied to one parameter "
+                "cannot be excluded with strict=False):",
+                [p for p in analysis.problems if not p.parameter],
+            )
+    tagged, counts = tag_pass(canon, analysis, param_names, excluded)
+    record.rule_counts = counts
+    record._stage("tagged", tagged)
+
+    def backward_compiler(bw_gm: fx.GraphModule, bw_inputs: Sequence[Any], inner: Callable) -> Callable:
+        if internals.in_compiled_autograd():
+            raise UnsupportedError("fxdp does not support compiled autograd; disable it "
+                                   "(torch._dynamo.config.compiled_autograd = False)")
+        record._stage("backward", bw_gm)
+        decomps = internals.inductor_decompositions() if options.compiler == "inductor" else None
+        new_gm, plan = backward_rewrite_pass(bw_gm, options, decompositions=decomps)
+        record.plan = plan
+        record.annotated_backward = annotated_code(new_gm)
+        record._stage("backward_rewritten", new_gm)
+        compiled = inner(new_gm, bw_inputs)
+        return _backward_runner(compiled, plan, options)
+
+    if options.compiler == "inductor":
+        compiled = internals.inductor_compile(tagged, example_inputs, backward_compiler,
+                                              lambda g: record._stage("forward", g))
+    else:
+        compiled = internals.eager_compile(tagged, example_inputs, backward_compiler,
+                                           lambda g: record._stage("forward", g))
+    return _forward_runner(compiled, record)
+
+
+def _forward_runner(compiled: Callable, record: CompiledGraph) -> Callable:
+    def run(*args):
+        RUN_STATE.ran = True
+        return compiled(*args)
+
+    run.fxdp_record = record  # type: ignore[attr-defined]
+    return run
+
+
+class StepRecord:
+    """The per-sample results of one backward, shared by the parameters it covered."""
+
+    def __init__(self, step: int, norms: torch.Tensor, clip_factors: torch.Tensor | None):
+        self.step = step
+        self.norms = norms
+        self.clip_factors = clip_factors
+
+
+def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options) -> Callable:
+    n = plan.num_grads
+    param_positions = [p.placeholder_index for p in plan.params]
+
+    def run(args: list):
+        if torch.is_grad_enabled():
+            raise UnsupportedError(
+                "fxdp does not support double backward (create_graph=True): per-sample "
+                "gradients and clipping are not differentiable here")
+        if internals.in_compiled_autograd():
+            raise UnsupportedError("fxdp does not support compiled autograd")
+        params = [args[i] for i in param_positions]
+        grad_sample_params = [args[i] for i in plan.grad_sample_params]
+        outs = compiled(args)
+        extras = list(outs[n:])
+        norms = extras.pop(0)
+        factors = extras.pop(0) if plan.has_clip_factors else None
+        step = StepRecord(next(_step_counter), norms, factors)
+        for p in params:
+            p._fxdp_step = step
+        for p, gs in zip(grad_sample_params, extras):
+            p.grad_sample = gs
+        return list(outs[:n])
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def latest_record(params) -> StepRecord | None:
+    """The most recent ``StepRecord`` among ``params``."""
+    best = None
+    for p in params:
+        rec = getattr(p, "_fxdp_step", None)
+        if rec is not None and (best is None or rec.step > best.step):
+            best = rec
+    return best

@@ -1,0 +1,46 @@
+"""Errors and the refusal records that ``fxdp.validate`` lists."""
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Problem", "UnsupportedError", "format_problems"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One thing fxdp cannot make per-sample.
+
+    Attributes:
+        op: The canonical ATen op (or other target) at fault, as text.
+        module_path: Dotted path of the module that called it ("" at top level).
+        parameter: Name of the trainable parameter it concerns, or "" if none.
+        reason: What goes wrong and what to do about it.
+    """
+
+    op: str
+    module_path: str
+    parameter: str
+    reason: str
+
+    def __str__(self) -> str:
+        where = self.module_path or "<top level>"
+        param = f", parameter {self.parameter!r}" if self.parameter else ""
+        return f"{self.op} in {where}{param}: {self.reason}"
+
+
+def format_problems(problems: list[Problem]) -> str:
+    return "\n".join(f"  - {p}" for p in problems)
+
+
+class UnsupportedError(RuntimeError):
+    """Raised when a model (or a step) cannot be made differentially private exactly.
+
+    Attributes:
+        problems: Every ``Problem`` found, not just the first.
+    """
+
+    def __init__(self, message: str, problems: list[Problem] | None = None):
+        self.problems = list(problems or [])
+        if self.problems:
+            message = f"{message}\n{format_problems(self.problems)}"
+        super().__init__(message)

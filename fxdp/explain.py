@@ -1,0 +1,139 @@
+"""Inspection: ``fxdp.explain`` shows the rewritten graphs, ``fxdp.validate`` the refusals."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxdp.compiler import CompiledGraph, analyse_graph
+from fxdp.errors import Problem
+from fxdp.options import Options
+
+__all__ = ["Explanation", "explain", "validate"]
+
+
+class Explanation:
+    """The graphs fxdp compiled. ``str()`` prints, for each graph, the forward and the
+    rewritten backward as code (every rewritten node annotated with rule, parameter
+    and strategy), then per parameter the strategy and the costs that chose it.
+
+    Attributes:
+        graphs: One ``CompiledGraph`` per Dynamo graph.
+    """
+
+    def __init__(self, graphs: list[CompiledGraph]):
+        self.graphs = list(graphs)
+
+    @property
+    def plans(self) -> list:
+        return [p for g in self.graphs if g.plan for p in g.plan.params]
+
+    @property
+    def rule_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for g in self.graphs:
+            for k, v in g.rule_counts.items():
+                counts[k] = counts.get(k, 0) + v
+        return counts
+
+    def __str__(self) -> str:
+        out = []
+        for i, g in enumerate(self.graphs):
+            out.append(f"=== fxdp graph {i} ({g.options}) ===")
+            if g.problems:
+                out.append("refused (strict=False):")
+                out.extend(f"  - {p}" for p in g.problems)
+            out.append(f"rules fired: {g.rule_counts}")
+            out.append("--- forward (after partitioning) ---")
+            out.append(g.stages.get("forward", "<not compiled>").strip())
+            out.append("--- backward (rewritten) ---")
+            out.append(g.annotated_backward.strip() or "<not compiled: run a backward>")
+            if g.plan:
+                out.append("--- per-parameter strategy ---")
+                for p in g.plan.params:
+                    costs = ", ".join(f"{k}={v:.3g} flops" for k, v in p.costs.items()) or "-"
+                    out.append(f"  {p.name}: rule={p.rule} uses={p.uses} strategy={p.strategy} costs: {costs}")
+        return "\n".join(out)
+
+    __repr__ = __str__
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` on the meta device, without copying any data."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _meta_args(args: tuple) -> tuple:
+    def to_meta(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            t = torch.empty_like(a, device="meta") if a.is_floating_point() or a.is_complex() else torch.zeros_like(a, device="meta")
+            return t.requires_grad_(a.requires_grad) if a.is_leaf else t
+        if isinstance(a, (list, tuple)):
+            return type(a)(to_meta(x) for x in a)
+        if isinstance(a, dict):
+            return {k: to_meta(v) for k, v in a.items()}
+        return a
+
+    return to_meta(args)
+
+
+def explain(model: nn.Module, *example_args: Any, **options: Any) -> Explanation:
+    """Compile a meta-device copy of ``model`` on ``example_args`` and show what fxdp did.
+
+    Nothing runs on real data and the model is not touched. Options are
+    ``transform``'s; the graphs are built with ``compiler="eager"`` unless given.
+    """
+    from fxdp.module import transform
+
+    kwargs = options.pop("kwargs", {})
+    options.setdefault("compiler", "eager")
+    dp = transform(_meta_copy(model), **options)
+    out = dp(*_meta_args(example_args), **_meta_args((kwargs,))[0])
+    loss = _as_loss(out)
+    if loss is not None and loss.requires_grad:
+        loss.backward()
+    return dp.explain()
+
+
+def _as_loss(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() == 0 else out.float().sum()
+    if isinstance(out, (list, tuple)):
+        parts = [_as_loss(o) for o in out]
+        parts = [p for p in parts if p is not None and p.requires_grad]
+        return sum(parts) if parts else None
+    if isinstance(out, dict) or hasattr(out, "values"):
+        return _as_loss(list(out.values()))
+    return None
+
+
+def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Problem]:
+    """Every op, module and parameter fxdp cannot make per-sample (empty list: all fine)."""
+    kwargs = options.pop("kwargs", {})
+    opts = Options.from_kwargs(options)
+    problems: list[Problem] = []
+    names = {id(p): n for n, p in model.named_parameters()}
+    meta_model = _meta_copy(model)
+    names = {id(p): n for n, p in meta_model.named_parameters()}
+
+    def backend(gm, example_inputs):
+        _, _, _, analysis = analyse_graph(gm, example_inputs, opts, names)
+        problems.extend(analysis.problems)
+        return gm.forward
+
+    def call(*args, **kw):
+        return meta_model(*args, **kw)
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(call, backend=backend, fullgraph=True)(*_meta_args(example_args), **_meta_args((kwargs,))[0])
+    except torch._dynamo.exc.Unsupported as e:
+        problems.append(Problem("dynamo", "", "", f"Dynamo cannot capture the model in one graph: {e}"))
+    return problems

@@ -1,0 +1,123 @@
+"""The marker op and the tagged forward ops that put it into the backward graph.
+
+The tag pass replaces ``aten.linear(x, W, b)`` (W, b trainable) by a
+``TaggedOp``: an ``autograd.Function`` whose forward is the very same ATen op and
+whose backward computes the input gradient normally but the parameter gradients
+through the opaque marker ``fxdp::param_grad(operands, param, use_id)``. After
+AOTAutograd partitions the joint graph, the forward is the non-private ATen code
+and each marker sits in the backward with exactly the operands its rule needs::
+
+    param_grad = torch.ops.fxdp.param_grad.default([tangents_1, relu], primals_4, 3)
+
+The backward rewrite replaces every marker; the marker's own kernels (the
+ordinary summed gradient) only run when a graph is executed unrewritten.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from typing import Any
+
+import torch
+
+from fxdp.batching import BatchDim, batch_major
+from fxdp.registry import GRAD, OpRule, ParamRule
+
+__all__ = ["UseInfo", "TaggedOp", "USES", "new_use_id", "param_grad"]
+
+
+@dataclasses.dataclass
+class UseInfo:
+    """One use of a trainable parameter by a rule'd op.
+
+    Attributes:
+        use_id: Key of this use (the marker's last argument).
+        rule: The ``ParamRule`` of the argument.
+        param: The parameter's name.
+        module_path: Module that made the call.
+        operand_batch: Batch dim of each marker operand, in the rule's order.
+        config: The op's static settings for the rule functions.
+    """
+
+    use_id: int
+    rule: ParamRule
+    param: str
+    module_path: str
+    operand_batch: list[BatchDim]
+    config: dict
+
+
+_ids = itertools.count()
+_lock = threading.Lock()
+# Every use ever tagged; entries are small and let an unrewritten marker run eagerly.
+USES: dict[int, UseInfo] = {}
+
+
+def new_use_id() -> int:
+    with _lock:
+        return next(_ids)
+
+
+@torch.library.custom_op("fxdp::param_grad", mutates_args=())
+def param_grad(operands: list[torch.Tensor], param: torch.Tensor, use_id: int) -> torch.Tensor:
+    """The ordinary (batch-summed) gradient of one parameter use."""
+    use = USES[use_id]
+    major = [batch_major(t, b) for t, b in zip(operands, use.operand_batch)]
+    return use.rule.sum_grad(*major, **use.config).reshape(param.shape).to(param.dtype)
+
+
+@param_grad.register_fake
+def _param_grad_fake(operands, param, use_id):
+    return torch.empty_like(param)
+
+
+_TENSOR = object()  # placeholder for a saved tensor argument
+
+
+class _Tagged(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tagged: "TaggedOp", *args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        ctx.save_for_backward(*tensors)
+        ctx.template = [_TENSOR if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.tagged = tagged
+        return tagged.rule.op(*args)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        it = iter(ctx.saved_tensors)
+        args = [next(it) if t is _TENSOR else t for t in ctx.template]
+        tagged: TaggedOp = ctx.tagged
+        grads: list[Any] = [None] * len(args)
+        for i, needs in enumerate(ctx.needs_input_grad[1:]):
+            if not needs:
+                continue
+            if i in tagged.uses:
+                use = USES[tagged.uses[i]]
+                operands = [grad_out if s == GRAD else args[s] for s in use.rule.operands]
+                grads[i] = torch.ops.fxdp.param_grad(operands, args[i], use.use_id)
+            else:
+                grads[i] = tagged.rule.input_grad(args, grad_out, i)
+        return (None, *grads)
+
+
+class TaggedOp:
+    """Call target of a tagged node in the canonical graph.
+
+    Args:
+        rule: The op's rule.
+        uses: Argument index -> use id, for the arguments that are trainable parameters.
+    """
+
+    def __init__(self, rule: OpRule, uses: dict[int, int]):
+        self.rule = rule
+        self.uses = dict(uses)
+        self.__name__ = f"fxdp_{rule.op.__name__.split('.')[0]}"
+        self.__qualname__ = self.__name__
+
+    def __call__(self, *args):
+        return _Tagged.apply(self, *args)
+
+    def __repr__(self) -> str:
+        return f"{self.__name__}[uses={self.uses}]"

@@ -1,0 +1,155 @@
+"""``fxdp.transform``: a model whose backward emits per-sample results."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from fxdp.backend import Backend
+from fxdp.compiler import RUN_STATE, latest_record
+from fxdp.errors import UnsupportedError
+from fxdp.options import Options
+
+__all__ = ["transform", "DPModule", "per_sample_norms"]
+
+
+class DPModule(nn.Module):
+    """The result of ``fxdp.transform``; shares parameters (and ``state_dict``) with the model.
+
+    Attributes:
+        per_sample_norms: ``[B]`` total L2 norm of each sample's gradient, last backward.
+        clip_factors: ``[B]`` clip factors of the last backward (with ``max_grad_norm``).
+    """
+
+    def __init__(self, model: nn.Module, options: Options):
+        super().__init__()
+        # Not registered as a submodule: state_dict keys must be the model's own.
+        object.__setattr__(self, "_module", model)
+        object.__setattr__(self, "options", options)
+        names = {id(p): n for n, p in model.named_parameters()}
+        backend = Backend(options, names)
+        object.__setattr__(self, "_backend", backend)
+
+        def call(*args, **kwargs):
+            return model(*args, **kwargs)
+
+        object.__setattr__(self, "_compiled", torch.compile(call, backend=backend, fullgraph=True))
+        self.training = model.training
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        RUN_STATE.ran = False
+        out = self._compiled(*args, **kwargs)
+        if not getattr(RUN_STATE, "ran", False) and torch.is_grad_enabled() and any(
+            p.requires_grad for p in self._module.parameters()
+        ):
+            raise UnsupportedError(
+                "the fxdp-compiled graph did not run for this call (Dynamo ran the model eagerly, "
+                "e.g. after its recompile limit); its gradients would not be private. Raise "
+                "torch._dynamo.config.recompile_limit or keep input shapes/types stable."
+            )
+        return out
+
+    # -- results of the last backward ---------------------------------------------------
+    def _trainable(self) -> list[torch.Tensor]:
+        return [p for p in self._module.parameters() if p.requires_grad]
+
+    @property
+    def per_sample_norms(self) -> torch.Tensor | None:
+        rec = latest_record(self._trainable())
+        return None if rec is None else rec.norms
+
+    @property
+    def clip_factors(self) -> torch.Tensor | None:
+        rec = latest_record(self._trainable())
+        return None if rec is None else rec.clip_factors
+
+    # -- inspection -------------------------------------------------------------------
+    def explain(self) -> "Any":
+        """The graphs this model compiled, rewritten nodes annotated (see ``fxdp.explain``)."""
+        from fxdp.explain import Explanation
+
+        return Explanation(self._backend.records)
+
+    # -- delegation: the wrapper is the model -------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        return self._module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self._module.load_state_dict(*args, **kwargs)
+
+    def named_parameters(self, *args, **kwargs) -> Iterator:
+        return self._module.named_parameters(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator:
+        return self._module.parameters(recurse)
+
+    def named_buffers(self, *args, **kwargs) -> Iterator:
+        return self._module.named_buffers(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True) -> Iterator:
+        return self._module.buffers(recurse)
+
+    def children(self) -> Iterator:
+        return self._module.children()
+
+    def named_children(self) -> Iterator:
+        return self._module.named_children()
+
+    def modules(self) -> Iterator:
+        return self._module.modules()
+
+    def named_modules(self, *args, **kwargs) -> Iterator:
+        return self._module.named_modules(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "DPModule":
+        self._module.train(mode)
+        self.training = mode
+        return self
+
+    def _apply(self, fn, recurse=True):
+        self._module._apply(fn, recurse)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._module.zero_grad(set_to_none)
+        for p in self._module.parameters():
+            if hasattr(p, "grad_sample"):
+                p.grad_sample = None
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._module, name)
+
+    def extra_repr(self) -> str:
+        return f"options={self.options}\n(module): {self._module!r}"
+
+
+def transform(model: nn.Module, max_grad_norm: float | None = None, grad_sample: bool = False,
+              loss_reduction: str = "mean", batch_first: bool = True, strict: bool = True,
+              compiler: str = "inductor", **options: Any) -> DPModule:
+    """Compile ``model`` so that one ``loss.backward()`` yields per-sample results.
+
+    See DESIGN.md's table: ``p.grad`` (clipped with ``max_grad_norm``),
+    ``p.grad_sample`` (with ``grad_sample=True``), ``per_sample_norms``,
+    ``clip_factors``. Further options: ``in_dims`` (per positional argument, its
+    batch dim or ``None``), ``memory_budget_bytes``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxdp.transform expects an nn.Module, got {type(model).__name__}")
+    opts = Options.from_kwargs(dict(
+        max_grad_norm=max_grad_norm, grad_sample=grad_sample, loss_reduction=loss_reduction,
+        batch_first=batch_first, strict=strict, compiler=compiler, **options))
+    return DPModule(model, opts)
+
+
+def per_sample_norms(model: nn.Module) -> torch.Tensor | None:
+    """The per-sample norms of the last fxdp backward that covered ``model``'s parameters."""
+    rec = latest_record([p for p in model.parameters() if p.requires_grad])
+    return None if rec is None else rec.norms

@@ -1,0 +1,71 @@
+"""The options of ``fxdp.transform`` / ``fxdp.backend``, validated once."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+__all__ = ["Options"]
+
+_LOSS_REDUCTIONS = ("mean", "sum")
+_COMPILERS = ("inductor", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the compiled backward must produce. Hashable: options are part of every cache key.
+
+    Attributes:
+        max_grad_norm: Clip each sample's gradient to this L2 norm (``None``: no clipping).
+        grad_sample: Also materialise ``p.grad_sample`` of shape ``[B, *p.shape]``.
+        loss_reduction: How the loss is reduced over the batch, "mean" or "sum".
+        batch_first: ``False`` puts the batch at dim 1 of batched inputs (``[T, B, ...]``).
+        strict: ``False`` warns about unsupported parameters (they get ``grad=None``).
+        compiler: "inductor", or "eager" to run the rewritten graphs without Inductor.
+        in_dims: Per positional argument, its batch dim or ``None`` for shared inputs,
+            as ``vmap``'s ``in_dims``; overrides the size rule of DESIGN.md.
+        memory_budget_bytes: Bytes of per-sample gradients a layer may keep alive
+            across the backward (strategy "keep"); ``None`` lets the cost decide.
+    """
+
+    max_grad_norm: float | None = None
+    grad_sample: bool = False
+    loss_reduction: str = "mean"
+    batch_first: bool = True
+    strict: bool = True
+    compiler: str = "inductor"
+    in_dims: tuple | None = None
+    memory_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        c = self.max_grad_norm
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+                raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {c!r}")
+            object.__setattr__(self, "max_grad_norm", float(c))
+        if self.loss_reduction not in _LOSS_REDUCTIONS:
+            raise ValueError(
+                f"loss_reduction must be one of {_LOSS_REDUCTIONS}, got {self.loss_reduction!r}"
+            )
+        if self.compiler not in _COMPILERS:
+            raise ValueError(f"compiler must be one of {_COMPILERS}, got {self.compiler!r}")
+        for name in ("grad_sample", "batch_first", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.in_dims is not None:
+            dims = self.in_dims if isinstance(self.in_dims, (tuple, list)) else (self.in_dims,)
+            for d in dims:
+                if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
+                    raise TypeError(f"in_dims entries must be int or None, got {d!r}")
+            object.__setattr__(self, "in_dims", tuple(dims))
+
+    @property
+    def default_batch_dim(self) -> int:
+        return 0 if self.batch_first else 1
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> "Options":
+        unknown = set(kwargs) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown fxdp option(s): {sorted(unknown)}")
+        return cls(**kwargs)

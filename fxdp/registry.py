@@ -1,0 +1,129 @@
+"""The rule table: one entry per canonical ATen op that can consume a trainable parameter.
+
+An ``OpRule`` says how the op's non-parameter inputs get their gradient and, for
+each argument that may be a parameter, which ``ParamRule`` computes that
+parameter's per-sample quantities from the *marker operands* (the output
+gradient and the op's saved inputs, brought to batch-major layout).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = [
+    "ParamRule",
+    "OpRule",
+    "RULES",
+    "register_rule",
+    "lookup",
+    "is_supported",
+    "GRAD",
+]
+
+# In ``ParamRule.operands``: the gradient of the op's output.
+GRAD = "grad"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRule:
+    """Per-sample maths of one parameter argument of one op.
+
+    Every function takes the marker operands in batch-major layout ``[B, ...]``
+    (in the order of ``operands``) plus the op's static ``config`` as keywords.
+
+    Attributes:
+        name: "<op family>.<argument>", e.g. "linear.weight".
+        operands: What the marker needs: ``GRAD`` or the index of an op argument.
+        per_sample_grad: ``-> [B, *p.shape]``, each sample's gradient.
+        sum_grad: ``-> p.shape``, the gradient summed over the batch. It is linear in
+            the output gradient, so ``sum_grad`` of a per-sample-scaled gradient is
+            the clipped gradient.
+        ghost_sq_norm: Optional ``-> [B]``, ``‖per_sample_grad‖²`` without
+            materialising it.
+        costs: Optional ``(shapes, config) -> {strategy: flops}`` for "ghost" and
+            "instantiate"; without it the rule instantiates.
+        concat_uses: Optional: merge the operand lists of several uses of one
+            parameter into one list (e.g. along a sequence axis) so that their sum is
+            one use; needed for ghost norms of tied parameters.
+    """
+
+    name: str
+    operands: tuple
+    per_sample_grad: Callable[..., torch.Tensor]
+    sum_grad: Callable[..., torch.Tensor]
+    ghost_sq_norm: Callable[..., torch.Tensor] | None = None
+    costs: Callable[..., dict[str, float]] | None = None
+    concat_uses: Callable[[list[list[torch.Tensor]]], list[torch.Tensor]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRule:
+    """How one canonical op is made per-sample.
+
+    Attributes:
+        op: The ATen overload, as it appears after canonicalisation.
+        params: Argument index -> ``ParamRule`` for arguments that may be parameters.
+        input_grad: ``(args, grad_out, index) -> Tensor``: gradient of a
+            non-parameter argument (only called when it requires grad).
+        batch_rule: ``(args_batch, args_meta, out_meta, config) -> BatchDim | None``
+            where the output's batch goes, or raises ``MixesSamples``.
+        config: ``args -> dict`` of the op's static settings passed to the
+            ``ParamRule`` functions (e.g. stride, padding).
+        check: Optional ``(args_batch, args_meta, index) -> str | None``: why this
+            use cannot be made per-sample.
+    """
+
+    op: Any
+    params: dict[int, ParamRule]
+    input_grad: Callable[..., torch.Tensor | None]
+    batch_rule: Callable[..., Any]
+    config: Callable[[Sequence[Any]], dict] = lambda args: {}
+    check: Callable[..., str | None] | None = None
+
+
+RULES: dict[Any, OpRule] = {}
+
+
+def register_rule(rule: OpRule, *, override: bool = False) -> OpRule:
+    """Add ``rule`` to the table keyed by its op.
+
+    Args:
+        rule: The rule.
+        override: Replace an existing rule for the same op; without it a
+            duplicate registration raises.
+    """
+    if rule.op in RULES and not override:
+        raise ValueError(
+            f"a rule for {rule.op} is already registered; pass override=True to replace it"
+        )
+    RULES[rule.op] = rule
+    return rule
+
+
+def lookup(op: Any) -> OpRule | None:
+    return RULES.get(op)
+
+
+def is_supported(op_or_module: Any) -> bool:
+    """Whether fxdp has a per-sample rule for an op, a module, or a module class.
+
+    A module is supported when every op its parameters feed into has a rule; for a
+    module (class) this answers from the canonical ops its kind is known to lower
+    to, see ``MODULE_OPS``.
+    """
+    from fxdp.rules import MODULE_OPS  # the module→op map lives with the rules
+
+    if isinstance(op_or_module, torch.nn.Module):
+        op_or_module = type(op_or_module)
+    if isinstance(op_or_module, type):
+        if not any(True for _ in op_or_module.__mro__ if _ is torch.nn.Module):
+            return False
+        for cls in op_or_module.__mro__:
+            if cls in MODULE_OPS:
+                return all(op in RULES for op in MODULE_OPS[cls])
+        return False
+    if isinstance(op_or_module, torch._ops.OpOverloadPacket):
+        op_or_module = op_or_module.default
+    return op_or_module in RULES

@@ -1,0 +1,742 @@
+"""Batch-dim analysis: where the batch of each value lives, and which ops mix samples.
+
+``batch_dim_pass`` walks the canonical ATen graph in order, vmap style: each
+placeholder starts with the batch dim the caller gave it (``None`` = shared by all
+samples, e.g. parameters), and each op's rule says where the output's batch goes.
+Sizes are never matched to find the batch. An op that mixes rows of the batch
+(a reduction over it other than the final loss, BatchNorm in training, indexing the
+batch) becomes a ``Problem``; so does a trainable parameter consumed by an op
+without a per-sample rule.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from fxdp.batching import WHOLE, BatchDim
+from fxdp.errors import Problem
+from fxdp.registry import lookup
+
+__all__ = ["BatchAnalysis", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name"]
+
+aten = torch.ops.aten
+
+
+class MixesSamples(Exception):
+    """Raised by a propagation rule when an op mixes the rows of the batch."""
+
+
+@dataclasses.dataclass
+class Loss:
+    """A reduction over the batch to a scalar: the loss inside the graph."""
+
+    reduction: str  # "mean" | "sum"
+
+
+@dataclasses.dataclass
+class BatchAnalysis:
+    """What ``batch_dim_pass`` found.
+
+    Attributes:
+        batch: Node -> ``BatchDim`` (batched), ``None`` (shared) or ``Loss`` (the loss);
+            tuples/lists of these for multi-output nodes.
+        problems: Everything that cannot be made per-sample.
+        param_uses: Parameter placeholder -> [(user node, argument index)].
+        loss: The reduction of the in-graph loss, or ``None`` if the loss is outside.
+    """
+
+    batch: dict[fx.Node, Any]
+    problems: list[Problem]
+    param_uses: dict[fx.Node, list[tuple[fx.Node, int]]]
+    loss: str | None
+
+
+def op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def module_path_of(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # Dynamo writes sources such as "L['self'].layers[0]" or "G['m'].0".
+    for prefix in ("L['self'].", "L['self']", "L['fn'].", "L['fn']", "L['model'].", "G['"):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+            break
+    path = path.split("'].", 1)[-1] if "']." in path else path
+    return path.replace("._modules['", ".").replace("']", "").replace("[", ".").replace("]", "")
+
+
+def _meta(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+# ---------------------------------------------------------------------------
+# Propagation rules for parameter-free ops. Each takes (node, batch of each arg)
+# and returns the output's batch.
+# ---------------------------------------------------------------------------
+
+PROPAGATION: dict[Any, Callable] = {}
+
+
+def _register(*ops: Any) -> Callable:
+    def deco(fn: Callable) -> Callable:
+        for op in ops:
+            PROPAGATION[op] = fn
+        return fn
+
+    return deco
+
+
+def _pointwise(node: fx.Node, arg_batch: list) -> Any:
+    """Broadcasting elementwise op: dims align from the right."""
+    out = _meta(node)
+    out_ndim = out.dim() if isinstance(out, torch.Tensor) else 0
+    result = None
+    for arg, b in zip(node.args, arg_batch):
+        if not isinstance(b, BatchDim) or not isinstance(arg, fx.Node):
+            continue
+        if b.dim is None:
+            candidate = WHOLE
+        else:
+            candidate = BatchDim(b.dim + out_ndim - _meta(arg).dim(), b.inner)
+        if result is None:
+            result = candidate
+        elif not result.same_as(candidate):
+            raise MixesSamples("its batched operands have their batch at different dims")
+    return result
+
+
+_EXTRA_POINTWISE = [
+    aten.dropout.default, aten.native_dropout.default, aten.clone.default, aten.contiguous.default,
+    aten.detach.default, aten.alias.default, aten._to_copy.default, aten.to.dtype, aten.to.device,
+    aten.to.dtype_layout, aten.to.other, aten.type_as.default, aten.lift_fresh_copy.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+    aten.rand_like.default, aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p,
+    aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.feature_dropout.default,
+    aten.alpha_dropout.default, aten.gelu.default, aten.silu.default, aten.hardtanh.default,
+    aten.leaky_relu.default, aten.elu.default, aten.softplus.default, aten.mish.default,
+    aten.hardswish.default, aten.hardsigmoid.default, aten.relu6.default, aten.celu.default,
+    aten.selu.default,
+    aten.copy.default, aten.copy_.default, aten.fill_.Scalar, aten.fill.Scalar,
+]
+
+
+def _is_pointwise(target: Any) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.pointwise in target.tags or target in _EXTRA_POINTWISE
+
+
+def _reshape(node: fx.Node, arg_batch: list) -> Any:
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    src = list(_meta(node.args[0]).shape)
+    dst = list(_meta(node).shape)
+    batch = src[b.dim] // b.inner
+    outer = 1
+    for s in src[: b.dim]:
+        outer = outer * s
+    # elements of one sample's slab that follow the batch index, in flat order
+    stride = b.inner
+    for s in src[b.dim + 1:]:
+        stride = stride * s
+    prefix = 1
+    for j, size in enumerate(dst):
+        if bool(prefix == outer):
+            after = 1
+            for s in dst[j + 1:]:
+                after = after * s
+            if bool(size * after == batch * stride) and bool(stride % after == 0):
+                return BatchDim(j, stride // after)
+        prefix = prefix * size
+    raise MixesSamples("it reshapes the batch dim into several dims")
+
+
+def _same(node: fx.Node, arg_batch: list) -> Any:
+    return arg_batch[0]
+
+
+def _dim_op(check_dims: Callable[[fx.Node, int], list[int]], keep_shape: bool = True):
+    """An op along some dims that must not include the batch dim."""
+
+    def rule(node: fx.Node, arg_batch: list) -> Any:
+        b = arg_batch[0]
+        if not isinstance(b, BatchDim) or b.dim is None:
+            return b
+        ndim = _meta(node.args[0]).dim()
+        dims = [_norm_dim(d, ndim) for d in check_dims(node, ndim)]
+        if b.dim in dims:
+            raise MixesSamples("it works along the batch dim")
+        return b
+
+    return rule
+
+
+def _arg_dim(index: int, default: Any = None):
+    def dims(node: fx.Node, ndim: int) -> list[int]:
+        d = node.args[index] if len(node.args) > index else node.kwargs.get("dim", default)
+        return [d] if d is not None else list(range(ndim))
+
+    return dims
+
+
+for _op, _idx in [
+    (aten.softmax.int, 1), (aten._softmax.default, 1), (aten.log_softmax.int, 1),
+    (aten._log_softmax.default, 1), (aten.cumsum.default, 1), (aten.cumprod.default, 1),
+    (aten.index_select.default, 1), (aten.gather.default, 1), (aten.flip.default, 1),
+    (aten.roll.default, 2), (aten.narrow.default, 1),
+]:
+    PROPAGATION[_op] = _dim_op(_arg_dim(_idx))
+
+
+@_register(aten.gather.default, aten.index_select.default, aten.narrow.default)
+def _indexing_along(node, arg_batch):
+    b = arg_batch[0]
+    if len(arg_batch) > 1 and isinstance(arg_batch[-1], BatchDim) and b is None:
+        raise MixesSamples("it indexes shared data with batched indices")
+    return _dim_op(_arg_dim(1))(node, arg_batch)
+
+
+@_register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+           aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default, aten.reshape_as.default)
+def _view(node, arg_batch):
+    return _reshape(node, arg_batch)
+
+
+@_register(aten.permute.default)
+def _permute(node, arg_batch):
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    ndim = _meta(node.args[0]).dim()
+    dims = [_norm_dim(d, ndim) for d in node.args[1]]
+    return BatchDim(dims.index(b.dim), b.inner)
+
+
+@_register(aten.transpose.int, aten.t.default, aten.swapaxes.default, aten.movedim.int)
+def _transpose(node, arg_batch):
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    ndim = _meta(node.args[0]).dim()
+    if node.target is aten.t.default:
+        d0, d1 = 0, 1
+    else:
+        d0, d1 = (_norm_dim(d, ndim) for d in node.args[1:3])
+    if node.target is aten.movedim.int:
+        order = list(range(ndim))
+        order.insert(d1, order.pop(d0))
+        return BatchDim(order.index(b.dim), b.inner)
+    swap = {d0: d1, d1: d0}
+    return BatchDim(swap.get(b.dim, b.dim), b.inner)
+
+
+@_register(aten.unsqueeze.default)
+def _unsqueeze(node, arg_batch):
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    d = _norm_dim(node.args[1], _meta(node).dim())
+    return BatchDim(b.dim + 1 if d <= b.dim else b.dim, b.inner)
+
+
+@_register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze(node, arg_batch):
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    shape = _meta(node.args[0]).shape
+    if node.target is aten.squeeze.default:
+        dims = [i for i, s in enumerate(shape) if bool(s == 1)]
+    else:
+        ds = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        dims = [_norm_dim(d, len(shape)) for d in ds if bool(shape[_norm_dim(d, len(shape))] == 1)]
+    if b.dim in dims:
+        raise MixesSamples("it squeezes the batch dim away")
+    return BatchDim(b.dim - sum(1 for d in dims if d < b.dim), b.inner)
+
+
+@_register(aten.expand.default, aten.expand_as.default, aten.broadcast_to.default)
+def _expand(node, arg_batch):
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    added = _meta(node).dim() - _meta(node.args[0]).dim()
+    return BatchDim(b.dim + added, b.inner)
+
+
+@_register(aten.select.int)
+def _select(node, arg_batch):
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    d = _norm_dim(node.args[1], _meta(node.args[0]).dim())
+    if d == b.dim:
+        raise MixesSamples("it selects one row of the batch")
+    return BatchDim(b.dim - 1 if d < b.dim else b.dim, b.inner)
+
+
+@_register(aten.slice.Tensor)
+def _slice(node, arg_batch):
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    x = _meta(node.args[0])
+    d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, x.dim())
+    if d == b.dim and not bool(_meta(node).shape[d] == x.shape[d]):
+        raise MixesSamples("it slices the batch dim")
+    return b
+
+
+@_register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+           aten.unsafe_split.Tensor, aten.split.sizes, aten.tensor_split.sections)
+def _split(node, arg_batch):
+    b = arg_batch[0]
+    n = len(_meta(node))
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return [b] * n
+    d = _norm_dim(node.args[2] if len(node.args) > 2 else 0, _meta(node.args[0]).dim())
+    if d == b.dim:
+        raise MixesSamples("it splits the batch dim")
+    return [b] * n
+
+
+@_register(aten.unbind.int)
+def _unbind(node, arg_batch):
+    b = arg_batch[0]
+    n = len(_meta(node))
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return [b] * n
+    d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, _meta(node.args[0]).dim())
+    if d == b.dim:
+        raise MixesSamples("it unbinds the batch dim")
+    return [BatchDim(b.dim - 1 if d < b.dim else b.dim, b.inner)] * n
+
+
+@_register(aten.cat.default, aten.stack.default)
+def _cat(node, arg_batch):
+    tensors = node.args[0]
+    batches = arg_batch[0]
+    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    out_ndim = _meta(node).dim()
+    d = _norm_dim(d, out_ndim)
+    result = None
+    for t, b in zip(tensors, batches):
+        if not isinstance(b, BatchDim):
+            continue
+        if b.dim is None:
+            cand = WHOLE
+        elif node.target is aten.stack.default:
+            cand = BatchDim(b.dim + 1 if d <= b.dim else b.dim, b.inner)
+        else:
+            if b.dim == d:
+                raise MixesSamples("it concatenates along the batch dim")
+            cand = b
+        if result is None:
+            result = cand
+        elif not result.same_as(cand):
+            raise MixesSamples("its batched operands have their batch at different dims")
+    return result
+
+
+def _reduction(node: fx.Node, arg_batch: list, kind: str) -> Any:
+    b = arg_batch[0]
+    x = _meta(node.args[0])
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        dims = list(range(x.dim()))
+    if isinstance(dims, int):
+        dims = [dims]
+    dims = [_norm_dim(d, x.dim()) for d in dims]
+    if b.dim in dims:
+        if len(dims) == x.dim() and not keepdim and kind in ("sum", "mean"):
+            return Loss(kind)
+        raise MixesSamples("it reduces over the batch dim (only the final loss may)")
+    if keepdim:
+        return b
+    return BatchDim(b.dim - sum(1 for d in dims if d < b.dim), b.inner)
+
+
+for _op, _kind in [
+    (aten.sum.dim_IntList, "sum"), (aten.sum.default, "sum"), (aten.mean.dim, "mean"),
+    (aten.mean.default, "mean"), (aten.amax.default, "max"), (aten.amin.default, "min"),
+    (aten.var.correction, "var"), (aten.var.dim, "var"), (aten.std.correction, "std"), (aten.std.dim, "std"),
+    (aten.logsumexp.default, "logsumexp"), (aten.linalg_vector_norm.default, "norm"),
+    (aten.prod.dim_int, "prod"), (aten.argmax.default, "arg"), (aten.argmin.default, "arg"),
+    (aten.any.dim, "any"), (aten.all.dim, "all"), (aten.norm.ScalarOpt_dim, "norm"),
+    (aten.var_mean.correction, "var"),
+]:
+    PROPAGATION[_op] = (lambda k: lambda node, ab: _reduction(node, ab, k))(_kind)
+
+
+@_register(aten.max.dim, aten.min.dim, aten.sort.default, aten.topk.default)
+def _values_indices(node, arg_batch):
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return [b, b]
+    x = _meta(node.args[0])
+    if node.target is aten.topk.default:
+        d = node.args[2] if len(node.args) > 2 else -1
+        keep = True
+    else:
+        d = node.args[1] if len(node.args) > 1 else -1
+        keep = node.target is aten.sort.default or (len(node.args) > 2 and node.args[2])
+    d = _norm_dim(d, x.dim())
+    if d == b.dim:
+        raise MixesSamples("it works along the batch dim")
+    out = b if keep else BatchDim(b.dim - (1 if d < b.dim else 0), b.inner)
+    return [out, out]
+
+
+def _matmul_like(node, arg_batch):
+    """``mm``/``bmm``/``matmul``: the batch may sit in a broadcast dim or a free dim."""
+    a_node, b_node = node.args[0], node.args[1]
+    ab, bb = arg_batch[0], arg_batch[1]
+    a, b = _meta(a_node), _meta(b_node)
+    out_ndim = _meta(node).dim()
+    result = None
+    for which, (bd, t) in enumerate(((ab, a), (bb, b))):
+        if not isinstance(bd, BatchDim):
+            continue
+        if bd.dim is None:
+            cand = WHOLE
+        else:
+            if t.dim() == 1:
+                raise MixesSamples("a batched vector is contracted")
+            pos = bd.dim - t.dim()  # negative index
+            if which == 0 and pos == -1 or which == 1 and pos == -2:
+                raise MixesSamples("the batch dim is contracted")
+            if which == 0 and pos == -2:
+                cand = BatchDim(out_ndim - (2 if b.dim() > 1 else 1), bd.inner)
+            elif which == 1 and pos == -1:
+                cand = BatchDim(out_ndim - 1, bd.inner)
+            else:
+                cand = BatchDim(out_ndim + pos, bd.inner)
+        if result is None:
+            result = cand
+        elif not result.same_as(cand):
+            raise MixesSamples("both operands are batched at different dims (samples are multiplied together)")
+    return result
+
+
+for _op in (aten.mm.default, aten.bmm.default, aten.matmul.default):
+    PROPAGATION[_op] = _matmul_like
+
+
+@_register(aten.addmm.default, aten.baddbmm.default)
+def _addmm(node, arg_batch):
+    inner = _matmul_like(
+        type("N", (), {"args": node.args[1:], "meta": node.meta})(), arg_batch[1:]
+    )
+    bias = arg_batch[0]
+    if isinstance(bias, BatchDim):
+        cand = BatchDim(bias.dim + _meta(node).dim() - _meta(node.args[0]).dim(), bias.inner) if bias.dim is not None else WHOLE
+        if inner is not None and not inner.same_as(cand):
+            raise MixesSamples("its operands have their batch at different dims")
+        return cand if inner is None else inner
+    return inner
+
+
+@_register(aten.scaled_dot_product_attention.default)
+def _sdpa(node, arg_batch):
+    result = None
+    for i, bd in enumerate(arg_batch[:4]):
+        if not isinstance(bd, BatchDim):
+            continue
+        t = _meta(node.args[i])
+        if bd.dim is None:
+            cand = WHOLE
+        else:
+            pos = bd.dim - t.dim()
+            if pos >= -2 and i != 3:
+                raise MixesSamples("the batch dim is a sequence or feature dim of attention")
+            cand = BatchDim(_meta(node).dim() + pos, bd.inner)
+        if result is None:
+            result = cand
+        elif not result.same_as(cand):
+            raise MixesSamples("query, key and value have their batch at different dims")
+    return result
+
+
+_LOSS_REDUCTION = {0: None, 1: "mean", 2: "sum"}
+
+
+def _loss_with_classes(node, arg_batch, reduction_index):
+    """cross_entropy / nll_loss: input ``[N, C, *d]``, target ``[N, *d]``."""
+    b = arg_batch[0] if isinstance(arg_batch[0], BatchDim) else arg_batch[1]
+    if not isinstance(b, BatchDim):
+        return None
+    args = list(node.args)
+    reduction = args[reduction_index] if len(args) > reduction_index else 1
+    if b.dim is not None and b.dim == 1 and isinstance(arg_batch[0], BatchDim):
+        raise MixesSamples("the batch dim is the class dim")
+    if _LOSS_REDUCTION[reduction] is None:
+        if b.dim is None:
+            return WHOLE
+        return BatchDim(b.dim - 1 if (isinstance(arg_batch[0], BatchDim) and b.dim > 1) else b.dim, b.inner)
+    if len(args) > 2 and args[2] is not None:
+        raise MixesSamples("class weights make the mean's normaliser depend on other samples' labels; use reduction='sum' and divide by the batch size")
+    return Loss(_LOSS_REDUCTION[reduction])
+
+
+@_register(aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default, aten.nll_loss2d.default)
+def _class_loss(node, arg_batch):
+    return _loss_with_classes(node, arg_batch, 3)
+
+
+@_register(aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
+           aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default,
+           aten.soft_margin_loss.default, aten.kl_div.default)
+def _elementwise_loss(node, arg_batch):
+    index = {
+        aten.mse_loss.default: 2, aten.l1_loss.default: 2, aten.smooth_l1_loss.default: 2,
+        aten.huber_loss.default: 2, aten.binary_cross_entropy.default: 3,
+        aten.binary_cross_entropy_with_logits.default: 4, aten.soft_margin_loss.default: 2,
+        aten.kl_div.default: 2,
+    }[node.target]
+    reduction = node.args[index] if len(node.args) > index else node.kwargs.get("reduction", 1)
+    batched = [b for b in arg_batch[:2] if isinstance(b, BatchDim)]
+    if not batched:
+        return None
+    if _LOSS_REDUCTION[reduction] is None:
+        return _pointwise(node, arg_batch)
+    return Loss(_LOSS_REDUCTION[reduction])
+
+
+@_register(aten.embedding.default)
+def _embedding(node, arg_batch):
+    if isinstance(arg_batch[0], BatchDim):
+        raise MixesSamples("the embedding table itself is batched")
+    return arg_batch[1]
+
+
+@_register(aten.layer_norm.default, aten.rms_norm.default)
+def _layer_norm(node, arg_batch):
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    nd = len(node.args[1])
+    if b.dim >= _meta(node.args[0]).dim() - nd:
+        raise MixesSamples("it normalises over the batch dim")
+    return b
+
+
+@_register(aten.group_norm.default, aten.instance_norm.default, aten.conv1d.default, aten.conv2d.default,
+           aten.conv3d.default, aten.convolution.default, aten.conv_transpose1d.default,
+           aten.conv_transpose2d.input, aten.conv_transpose3d.input, aten.max_pool2d.default,
+           aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default, aten.max_pool1d.default,
+           aten.avg_pool1d.default, aten.adaptive_avg_pool1d.default, aten.max_pool3d.default,
+           aten.avg_pool3d.default, aten.adaptive_avg_pool3d.default, aten.pixel_shuffle.default,
+           aten.upsample_nearest2d.vec, aten.upsample_bilinear2d.vec, aten.pad.default,
+           aten.constant_pad_nd.default, aten.reflection_pad2d.default, aten.replication_pad2d.default)
+def _batch_first_only(node, arg_batch):
+    """Ops over ``[N, C, *spatial]``: samples must be dim 0."""
+    result = None
+    for b in arg_batch:
+        if not isinstance(b, BatchDim):
+            continue
+        if b.dim not in (0, None):
+            raise MixesSamples("it needs the batch at dim 0 ([N, C, ...])")
+        if result is None:
+            result = b
+        elif not result.same_as(b):
+            raise MixesSamples("its operands have their batch at different dims")
+    if node.target is aten.group_norm.default and result is not None and result.dim == 0 and not bool(result.inner == 1):
+        raise MixesSamples("group norm over a merged batch dim")
+    return result
+
+
+@_register(aten.batch_norm.default, aten._native_batch_norm_legit_functional.default,
+           aten.native_batch_norm.default, aten._batch_norm_impl_index.default)
+def _batch_norm(node, arg_batch):
+    training = node.args[5]
+    if training and isinstance(arg_batch[0], BatchDim) and arg_batch[0].dim is not None:
+        raise MixesSamples(
+            "BatchNorm in training mode normalises over the batch (and its running statistics "
+            "leak data); replace it with GroupNorm/LayerNorm or call .eval() on it"
+        )
+    return _batch_first_only(node, arg_batch[:1])
+
+
+@_register(aten.index.Tensor)
+def _index(node, arg_batch):
+    b = arg_batch[0]
+    indices = node.args[1]
+    index_batches = arg_batch[1]
+    if isinstance(b, BatchDim) and b.dim is not None:
+        first = next(i for i, ix in enumerate(indices) if ix is not None)
+        if b.dim >= first:
+            raise MixesSamples("it indexes the batch dim (or a dim before it) with a tensor")
+        if any(isinstance(ib, BatchDim) for ib in index_batches if ib is not None):
+            raise MixesSamples("batched indices into a batched tensor")
+        return b
+    if any(isinstance(ib, BatchDim) for ib in index_batches if ib is not None):
+        ib = next(ib for ib in index_batches if isinstance(ib, BatchDim))
+        first = next(i for i, ix in enumerate(indices) if ix is not None)
+        if ib.dim is None:
+            return WHOLE
+        return BatchDim(first + ib.dim, ib.inner)
+    return b
+
+
+_CREATION = {
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
+    aten.full.default, aten.empty.memory_format, aten.randn.default, aten.rand.default,
+    aten.scalar_tensor.default, aten.eye.default, aten.tril.default, aten.triu.default, aten.ones_like.default,
+}
+
+
+def _arg_batch(value: Any, batch: dict) -> Any:
+    if isinstance(value, fx.Node):
+        return batch.get(value)
+    if isinstance(value, (list, tuple)):
+        return [_arg_batch(v, batch) for v in value]
+    return None
+
+
+def _any_batched(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_any_batched(v) for v in value)
+    return isinstance(value, (BatchDim, Loss))
+
+
+def batch_dim_pass(
+    gm: fx.GraphModule,
+    placeholder_batch: dict[fx.Node, BatchDim | None],
+    param_names: dict[fx.Node, str],
+    *,
+    batch_size: Any,
+) -> BatchAnalysis:
+    """Propagate batch dims through ``gm`` and collect everything that mixes samples.
+
+    Args:
+        gm: The canonical ATen graph.
+        placeholder_batch: Batch dim of each placeholder (``None`` for shared inputs,
+            parameters and buffers).
+        param_names: Trainable-parameter placeholders and their names.
+        batch_size: ``B``; with ``B == 1`` everything derived from the inputs is one
+            sample (``WHOLE``) and nothing can mix samples.
+
+    Returns:
+        The analysis; the graph is not changed (nodes get ``meta["fxdp_batch"]``).
+    """
+    batch: dict[fx.Node, Any] = {}
+    problems: list[Problem] = []
+    param_uses: dict[fx.Node, list[tuple[fx.Node, int]]] = {p: [] for p in param_names}
+    # Values computed from a parameter by an op without a rule: they must not reach
+    # anything, since their gradient could not be made per-sample.
+    param_derived: dict[fx.Node, str] = {}
+    loss_kinds: set[str] = set()
+    single = isinstance(batch_size, int) and batch_size == 1
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            b = placeholder_batch.get(node)
+            batch[node] = WHOLE if (single and b is not None) else b
+            continue
+        if node.op == "output":
+            for out in node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
+                if isinstance(out, fx.Node) and out in param_derived:
+                    problems.append(Problem("output", "", param_derived[out],
+                                            "a parameter (or a value computed from it alone) is returned; its gradient cannot be made per-sample"))
+            continue
+        if node.op != "call_function":
+            batch[node] = None
+            continue
+        target = node.target
+        path = module_path_of(node)
+        arg_batch = [_arg_batch(a, batch) for a in node.args]
+        if target is operator.getitem:
+            src = batch.get(node.args[0])
+            batch[node] = src[node.args[1]] if isinstance(src, (list, tuple)) else src
+            if node.args[0] in param_derived:
+                param_derived[node] = param_derived[node.args[0]]
+            continue
+
+        rule = lookup(target)
+        param_args = {}
+        for i, a in enumerate(node.args):
+            if isinstance(a, fx.Node) and a in param_names:
+                param_args[i] = a
+        for a in node.all_input_nodes:
+            if a in param_derived:
+                problems.append(Problem(op_name(target), path, param_derived[a],
+                                        f"the parameter reaches {op_name(target)} through ops without a per-sample rule"))
+        if param_args:
+            unsupported = [i for i in param_args if rule is None or i not in rule.params]
+            for i, p in param_args.items():
+                if i in unsupported:
+                    if rule is None and not _any_batched(arg_batch) and not single:
+                        param_derived[node] = param_names[p]
+                        continue
+                    problems.append(Problem(op_name(target), path, param_names[p],
+                                            f"no per-sample rule for a parameter used as argument {i} of "
+                                            f"{op_name(target)}; register one with fxdp.register_rule"))
+                    continue
+                reason = None if single else (rule.check(arg_batch, [_meta(x) for x in node.args], i) if rule.check else None)
+                if reason:
+                    problems.append(Problem(op_name(target), path, param_names[p], reason))
+                else:
+                    param_uses[p].append((node, i))
+
+        if not _any_batched(arg_batch) or target in _CREATION:
+            out = _meta(node)
+            batch[node] = [None] * len(out) if isinstance(out, (list, tuple)) else None
+            continue
+        if any(isinstance(b, Loss) for b in arg_batch):
+            # Only scalings of the loss by shared values may follow it.
+            if _is_pointwise(target) and not any(isinstance(b, BatchDim) for b in arg_batch):
+                batch[node] = next(b for b in arg_batch if isinstance(b, Loss))
+                continue
+            problems.append(Problem(op_name(target), path, "",
+                                    "the loss (a reduction over the batch) is used by an op other than a scaling"))
+            batch[node] = None
+            continue
+        try:
+            if single:
+                out = _meta(node)
+                batch[node] = [WHOLE] * len(out) if isinstance(out, (list, tuple)) else WHOLE
+                continue
+            if rule is not None:
+                metas = [_meta(a) for a in node.args]
+                batch[node] = rule.batch_rule(arg_batch, metas, _meta(node), rule.config(node.args))
+            elif target in PROPAGATION:
+                batch[node] = PROPAGATION[target](node, arg_batch)
+            elif _is_pointwise(target):
+                batch[node] = _pointwise(node, [b for b in arg_batch])
+            else:
+                raise MixesSamples(
+                    "fxdp does not know whether this op keeps samples independent; "
+                    "register a rule for it with fxdp.register_rule"
+                )
+            if isinstance(batch[node], Loss):
+                loss_kinds.add(batch[node].reduction)
+        except (MixesSamples, ValueError) as e:
+            problems.append(Problem(op_name(target), path, "", f"mixes samples: {e}"))
+            batch[node] = None
+
+    for node in gm.graph.nodes:
+        node.meta["fxdp_batch"] = batch.get(node)
+    loss = None
+    if loss_kinds:
+        if len(loss_kinds) > 1:
+            problems.append(Problem("loss", "", "", f"the graph adds losses of different reductions {sorted(loss_kinds)}"))
+        loss = sorted(loss_kinds)[0]
+    return BatchAnalysis(batch=batch, problems=problems, param_uses=param_uses, loss=loss)

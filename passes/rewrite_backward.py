@@ -1,0 +1,242 @@
+"""Rewrite the partitioned backward graph: markers out, per-sample maths in.
+
+For every trainable parameter of the graph the pass gathers the markers of its
+uses, computes each sample's squared gradient norm (Gram-matrix ghost norm or
+instantiation, whichever the rule's cost model finds cheaper for these sizes),
+the per-sample norms and, with ``max_grad_norm``, the clip factors once; then each
+marker becomes its rule's summed gradient of the *clipped* output gradient
+(Book-Keeping: ``Σ_n c_n g_n aₙᵀ`` is one einsum of ``c ⊙ g`` and ``a``). Nothing
+downstream of a marker runs before the factors are known, so the graph is rebuilt
+by a two-phase interpreter traced with ``make_fx``. Extra outputs (norms, clip
+factors, grad samples) are appended after the gradients::
+
+    # before
+    param_grad = torch.ops.fxdp.param_grad.default([tangents_1, relu], primals_4, 3)
+    return (None, ..., param_grad, ...)
+    # after (ghost strategy, T = 1)
+    pow_1 = torch.ops.aten.pow.Tensor_Scalar(tangents_1, 2)   # fxdp: linear.weight ghost
+    ...
+    clamp = ...                                                # fxdp: clip factors
+    mul_3 = torch.ops.aten.mul.Tensor(tangents_1, view_2)      # fxdp: linear.weight clipped
+    mm = torch.ops.aten.mm.default(permute, relu)
+    return (None, ..., mm, ..., norms, clamp)
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced
+from fxdp.batching import batch_major, scale_batch
+from fxdp.markers import USES, UseInfo
+from fxdp.options import Options
+from fxdp.registry import GRAD
+
+__all__ = ["BackwardPlan", "backward_rewrite_pass", "MARKER", "STABILITY_EPS"]
+
+MARKER = torch.ops.fxdp.param_grad.default
+# The clip factor is min(1, C / (‖g‖ + eps)), as in Opacus.
+STABILITY_EPS = 1e-6
+
+
+@dataclasses.dataclass
+class ParamPlan:
+    """How one parameter's norm is computed; what ``explain()`` prints."""
+
+    name: str
+    rule: str
+    uses: int
+    strategy: str
+    costs: dict[str, float]
+    placeholder_index: int
+
+
+@dataclasses.dataclass
+class BackwardPlan:
+    """What the rewritten backward returns beyond the gradients.
+
+    Attributes:
+        num_grads: Outputs the original backward had (the gradients).
+        params: One plan per trainable parameter, in output order of grad samples.
+        has_clip_factors: Whether clip factors follow the norms.
+        grad_sample_params: Placeholder indices (saved parameters) whose grad samples
+            follow, in order.
+        rule_counts: How often each rule fired in this graph.
+    """
+
+    num_grads: int
+    params: list[ParamPlan]
+    has_clip_factors: bool
+    grad_sample_params: list[int]
+    rule_counts: dict[str, int]
+
+
+def _descendants(gm: fx.GraphModule, roots: Sequence[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set(roots)
+    for node in gm.graph.nodes:
+        if node.op != "output" and any(a in seen for a in node.all_input_nodes):
+            seen.add(node)
+    return seen
+
+
+def _run(node: fx.Node, env: dict, gm: fx.GraphModule) -> Any:
+    args = fx.node.map_arg(node.args, lambda n: env[n])
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "get_attr":
+        obj = gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        return obj
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    raise NotImplementedError(f"fxdp cannot re-trace backward node {node.format_node()}")
+
+
+def _choose(use: UseInfo, operands: list[torch.Tensor], options: Options, keep: bool) -> tuple[str, dict]:
+    rule = use.rule
+    if keep or rule.ghost_sq_norm is None or rule.costs is None:
+        return "instantiate", {}
+    costs = rule.costs([tuple(t.shape) for t in operands], **use.config)
+    return min(costs, key=costs.get), costs
+
+
+def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
+                          decompositions: dict | None = None) -> tuple[fx.GraphModule, BackwardPlan]:
+    """Rewrite ``bw_gm`` so it emits clipped gradients, norms and grad samples.
+
+    Args:
+        bw_gm: The backward graph from AOTAutograd's partitioner, with markers.
+        options: The transform's options.
+        decompositions: Decomposition table for the re-trace (Inductor's).
+
+    Returns:
+        The new backward graph and the plan of its extra outputs.
+    """
+    nodes = list(bw_gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output_node = nodes[-1]
+    markers = [n for n in nodes if n.op == "call_function" and n.target is MARKER]
+    deferred = _descendants(bw_gm, markers)
+    by_param: dict[fx.Node, list[fx.Node]] = collections.OrderedDict()
+    for m in markers:
+        by_param.setdefault(m.args[1], []).append(m)
+    plans: list[ParamPlan] = []
+    rule_counts: collections.Counter = collections.Counter()
+    for m in markers:
+        rule_counts[USES[m.args[2]].rule.name] += 1
+    clip = options.max_grad_norm is not None
+    keep = options.grad_sample
+
+    def rewritten(*args):
+        env: dict[fx.Node, Any] = dict(zip(placeholders, args))
+        for node in nodes:
+            if node.op in ("placeholder", "output") or node in deferred:
+                continue
+            env[node] = _run(node, env, bw_gm)
+
+        def major_operands(m: fx.Node) -> list[torch.Tensor]:
+            use = USES[m.args[2]]
+            return [batch_major(env[o], b) for o, b in zip(m.args[0], use.operand_batch)]
+
+        batch_size = None
+        sq_norms = []
+        grad_samples: dict[fx.Node, torch.Tensor] = {}
+        for p, ms in by_param.items():
+            uses = [USES[m.args[2]] for m in ms]
+            ops = [major_operands(m) for m in ms]
+            if batch_size is None:
+                batch_size = ops[0][0].shape[0]
+            param = env[p]
+            first = uses[0]
+            same_rule = all(u.rule is first.rule and u.config == first.config for u in uses)
+            if same_rule and len(ms) > 1 and first.rule.concat_uses is not None:
+                merged = first.rule.concat_uses(ops)
+            elif len(ms) == 1:
+                merged = ops[0]
+            else:
+                merged = None
+            strategy, costs = ("instantiate", {}) if merged is None else _choose(first, merged, options, keep)
+            info = {"rule": first.rule.name, "param": first.param, "strategy": strategy,
+                    "module": first.module_path}
+            with annotate({"fxdp": info}):
+                if strategy == "ghost":
+                    sq = first.rule.ghost_sq_norm(*merged, **first.config)
+                else:
+                    psg = None
+                    for use, o in zip(uses, ops):
+                        g = use.rule.per_sample_grad(*o, **use.config).reshape(-1, *param.shape)
+                        psg = g if psg is None else psg + g
+                    sq = psg.flatten(1).pow(2).sum(1)
+                    if keep:
+                        grad_samples[p] = psg
+            sq_norms.append(sq)
+            plans.append(ParamPlan(
+                name=first.param, rule=first.rule.name, uses=len(ms), strategy=strategy,
+                costs={k: float(v) for k, v in costs.items()},
+                placeholder_index=placeholders.index(p),
+            ))
+
+        extras: list[torch.Tensor] = []
+        factors = None
+        with annotate({"fxdp": {"rule": "clip", "strategy": "norms and clip factors"}}):
+            if sq_norms:
+                total = torch.stack([s.to(torch.float32) if s.dtype in (torch.float16, torch.bfloat16) else s
+                                     for s in sq_norms]).sum(0)
+            else:
+                total = torch.zeros(0)
+            scale = batch_size if (options.loss_reduction == "mean" and batch_size is not None) else 1
+            norms = total.sqrt() * scale
+            extras.append(norms)
+            if clip:
+                factors = (options.max_grad_norm / (norms + STABILITY_EPS)).clamp(max=1.0)
+                extras.append(factors)
+
+        for p, ms in by_param.items():
+            for m in ms:
+                use = USES[m.args[2]]
+                info = {"rule": use.rule.name, "param": use.param,
+                        "strategy": "clipped sum" if clip else "summed gradient", "module": use.module_path}
+                with annotate({"fxdp": info}):
+                    ops = major_operands(m)
+                    if clip:
+                        ops = [scale_batch(t, factors) if s == GRAD else t for t, s in zip(ops, use.rule.operands)]
+                    param = env[p]
+                    env[m] = use.rule.sum_grad(*ops, **use.config).reshape(param.shape).to(param.dtype)
+        for node in nodes:
+            if node in deferred and node not in env:
+                env[node] = _run(node, env, bw_gm)
+        outs = fx.node.map_arg(output_node.args[0], lambda n: env[n])
+        for p in by_param:
+            if p in grad_samples:
+                extras.append(grad_samples[p] * scale)
+        return (*outs, *extras)
+
+    fake_args = [p.meta["val"] for p in placeholders]
+    # AOTAutograd's backward placeholders may live in a fake mode of their own.
+    fake_mode = fake_mode_of([a for a in fake_args if isinstance(a, torch.Tensor)])
+    new_gm = make_fx_traced(rewritten, fake_args, fake_mode=fake_mode, decompositions=decompositions)
+    new_gm.graph.eliminate_dead_code()
+    out = next(n for n in reversed(new_gm.graph.nodes) if n.op == "output")
+    num_grads = len(output_node.args[0])
+    visible = output_node.meta.get("user_visible_output_idxs")
+    if visible is not None:
+        out.meta["user_visible_output_idxs"] = list(visible) + list(range(num_grads, len(out.args[0])))
+    for node in new_gm.graph.nodes:
+        if "custom" in node.meta and "fxdp" in node.meta["custom"]:
+            node.meta["fxdp"] = node.meta["custom"]["fxdp"]
+    new_gm.graph.lint()
+    new_gm.recompile()
+    plan = BackwardPlan(
+        num_grads=num_grads,
+        params=plans,
+        has_clip_factors=clip,
+        grad_sample_params=[placeholders.index(p) for p in by_param] if keep else [],
+        rule_counts=dict(rule_counts),
+    )
+    return new_gm, plan
