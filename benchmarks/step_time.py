@@ -3,10 +3,12 @@
 For every model of ``benchmarks/models.py`` chosen with ``--models`` this script trains
 the same initial weights on the same batch with each variant and reports:
 
-* **median ms**: the median over ``--steps`` steps of one whole training step —
-  ``zero_grad``, forward, cross-entropy loss, backward, the variant's clipping and
-  noise, ``SGD.step`` — timed with ``time.perf_counter`` after ``--warmup`` steps
-  (the first of which compiles). On CUDA the device is synchronised around each step.
+* **median ms**: the median time of one whole training step — ``zero_grad``,
+  forward, cross-entropy loss, backward, the variant's clipping and noise,
+  ``SGD.step`` — timed with ``time.perf_counter`` after ``--warmup`` steps (the first
+  of which compiles), over at least ``--steps`` steps and at least ``--min-seconds``
+  of them (a fast step is repeated more, so a burst of other load on the machine
+  cannot hold all of them). On CUDA the device is synchronised around each step.
 * **peak MB**: the most memory one steady-state step holds *above the model's
   parameters*: activations, gradients, per-sample gradients or norms, noise. Before
   the measured step every per-step tensor is dropped (``p.grad``, ``p.grad_sample``,
@@ -16,7 +18,8 @@ the same initial weights on the same batch with each variant and reports:
   ``ru_maxrss`` never decreases, and ``tracemalloc`` does not see torch's allocator).
   On CUDA it is ``torch.cuda.max_memory_allocated()`` minus the bytes allocated at
   the step's start.
-* **first step s**: the first call, compilation included.
+* **first step s**: the first call, compilation included (Inductor's on-disk caches
+  make it shorter on a second run).
 
 Variants (every ratio is to ``compiled``, the non-private baseline):
 
@@ -450,6 +453,7 @@ def run_variant(
     steps: int,
     warmup: int,
     device: torch.device,
+    min_seconds: float = 0.0,
 ) -> VariantResult:
     """Warms up, times and measures one variant on a fresh copy of the model.
 
@@ -461,9 +465,10 @@ def run_variant(
         initial_model: Weights every variant starts from; copied, never trained.
         batch: ``(x, y)``, already on ``device``; used for every step.
         reference: The microbatch loop's ``(clipped sum, norms)``, or ``None``.
-        steps: Timed steps.
+        steps: Timed steps, at least.
         warmup: Untimed steps before them, the first one compiling (at least 1).
         device: Where the model runs.
+        min_seconds: Keep timing steps until they add up to this many seconds.
 
     Returns:
         The measurements.
@@ -489,14 +494,17 @@ def run_variant(
             result.samples_clipped = int((norms_reference > MAX_GRAD_NORM).sum())
         for _ in range(warmup - 1):
             trainer.step(x, y)
-        for _ in range(steps):
+        timed_s = 0.0
+        while len(result.times_ms) < steps or timed_s < min_seconds:
             if sync:
                 sync()
             start = time.perf_counter()
             trainer.step(x, y)
             if sync:
                 sync()
-            result.times_ms.append((time.perf_counter() - start) * 1e3)
+            elapsed = time.perf_counter() - start
+            timed_s += elapsed
+            result.times_ms.append(elapsed * 1e3)
         result.median_ms = statistics.median(result.times_ms)
         grads = [p.grad for p in trainer.params.values() if p.grad is not None]
         result.grads_finite = bool(grads) and all(
@@ -517,6 +525,7 @@ def run_case(
     steps: int,
     warmup: int,
     device: torch.device,
+    min_seconds: float = 0.0,
     check: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -525,9 +534,10 @@ def run_case(
     Args:
         case: The benchmark case.
         variants: Names from ``VARIANTS``.
-        steps: Timed steps per variant.
+        steps: Timed steps per variant, at least.
         warmup: Untimed steps per variant, compilation included.
         device: Where to run.
+        min_seconds: Least total time of a variant's timed steps.
         check: Whether to check private variants against the microbatch loop.
         log: Progress messages.
 
@@ -546,7 +556,15 @@ def run_case(
     for variant in variants:
         log(f"[{case.name}] {variant}")
         results[variant] = run_variant(
-            variant, case, initial_model, (x, y), reference, steps, warmup, device
+            variant,
+            case,
+            initial_model,
+            (x, y),
+            reference,
+            steps,
+            warmup,
+            device,
+            min_seconds,
         )
     param_bytes = sum(p.numel() * p.element_size() for p in initial_model.parameters())
     # Convolutions sum over more terms: DESIGN.md's looser float32 bound for them.
@@ -662,7 +680,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         type=lambda s: _parse_list(s, VARIANTS, "variant"),
         help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)",
     )
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="timed steps, at least (default 10)"
+    )
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=1.0,
+        help="time more steps until they add up to this (default 1.0), so that the "
+        "median of a fast step is not taken over a burst of other load",
+    )
     parser.add_argument(
         "--warmup",
         type=int,
@@ -694,6 +721,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "device": str(device),
         "threads": torch.get_num_threads(),
         "steps": args.steps,
+        "min_seconds": args.min_seconds,
         "warmup": args.warmup,
         "max_grad_norm": MAX_GRAD_NORM,
         "noise_multiplier": NOISE_MULTIPLIER,
@@ -706,7 +734,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         pass
     print(
         f"torch {config['torch']}, {device}, {config['threads']} threads, "
-        f"{args.steps} timed steps after {args.warmup} warm-up",
+        f"median of >= {args.steps} steps and >= {args.min_seconds:g} s "
+        f"after {args.warmup} warm-up",
         flush=True,
     )
 
@@ -719,6 +748,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             args.steps,
             args.warmup,
             device,
+            min_seconds=args.min_seconds,
             check=args.check,
             log=lambda message: print(message, file=sys.stderr, flush=True),
         )

@@ -1,18 +1,30 @@
-"""Built-in rules, one file per op family; importing this package registers them."""
+"""Built-in rules, one file per op family; importing this package registers them all.
+
+Each rule file registers its ``OpRule``s at import and may define ``MODULE_OPS``
+(module class -> canonical ops its parameters feed), merged here for
+``fxdp.is_supported``.
+"""
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 import torch
 
-from fxdp.rules import linear  # noqa: F401  (registers)
-
 __all__ = ["MODULE_OPS"]
 
-# Which canonical ops a module class's parameters feed into, for ``is_supported``.
+# Modules without parameters are trivially supported.
 MODULE_OPS: dict[type, tuple] = {
-    torch.nn.Linear: (torch.ops.aten.linear.default,),
-    torch.nn.Identity: (),
-    torch.nn.ReLU: (),
-    torch.nn.GELU: (),
-    torch.nn.Dropout: (),
-    torch.nn.Flatten: (),
+    cls: ()
+    for cls in (
+        torch.nn.Identity, torch.nn.ReLU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh,
+        torch.nn.Sigmoid, torch.nn.Dropout, torch.nn.Flatten, torch.nn.Softmax,
+        torch.nn.LogSoftmax, torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict,
+    )
 }
+
+for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if _info.name.startswith("_"):
+        continue
+    _module = importlib.import_module(f"{__name__}.{_info.name}")
+    MODULE_OPS.update(getattr(_module, "MODULE_OPS", {}))

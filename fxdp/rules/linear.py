@@ -16,7 +16,7 @@ from fxdp.batching import BatchDim
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
 from fxdp.rules._common import as_sequence, contract, contraction_cost
 
-__all__ = ["LINEAR", "linear_weight", "linear_bias"]
+__all__ = ["LINEAR", "linear_weight", "linear_bias", "MODULE_OPS"]
 
 
 def _weight_per_sample_grad(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -125,3 +125,6 @@ LINEAR = register_rule(
         check=_linear_check,
     )
 )
+
+
+MODULE_OPS = {torch.nn.Linear: (torch.ops.aten.linear.default,)}

@@ -1,0 +1,125 @@
+"""The ground truth: the microbatch loop (DESIGN.md, "Correctness ground truth").
+
+For each sample ``i`` run the original model on the batch of one ``x[i:i+1]`` with
+the same loss, call backward, read ``.grad``. Slow and obviously right.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["microbatch_grads", "reference", "assert_close_all", "tolerance", "Reference"]
+
+
+class Reference:
+    """Per-sample gradients of a model, and everything the contract derives from them.
+
+    Attributes:
+        names: Trainable parameter names, in ``named_parameters`` order.
+        per_sample: name -> ``[B, *p.shape]``, the gradient of sample i's own loss.
+        norms: ``[B]`` total L2 norm over all trainable parameters.
+    """
+
+    def __init__(self, names: list[str], per_sample: dict[str, torch.Tensor], batch_size: int):
+        self.names = names
+        self.per_sample = per_sample
+        self.batch_size = batch_size
+        if names and batch_size:
+            flat = torch.cat([per_sample[n].reshape(batch_size, -1) for n in names], dim=1)
+            self.norms = flat.norm(dim=1)
+        else:
+            self.norms = torch.zeros(batch_size)
+
+    def clip_factors(self, max_grad_norm: float) -> torch.Tensor:
+        return (max_grad_norm / (self.norms + 1e-6)).clamp(max=1.0)
+
+    def grad(self, loss_reduction: str = "mean", max_grad_norm: float | None = None) -> dict[str, torch.Tensor]:
+        """``p.grad`` as the contract defines it."""
+        scale = 1.0 / self.batch_size if loss_reduction == "mean" and self.batch_size else 1.0
+        out = {}
+        for n in self.names:
+            g = self.per_sample[n]
+            if max_grad_norm is not None:
+                c = self.clip_factors(max_grad_norm).to(g.dtype)
+                g = g * c.reshape(-1, *([1] * (g.dim() - 1)))
+            out[n] = g.sum(0) * scale
+        return out
+
+
+def _slice_batch(a: Any, i: int, batch_size: int, dim: int) -> Any:
+    if isinstance(a, torch.Tensor) and a.dim() > dim and a.shape[dim] == batch_size:
+        return a.narrow(dim, i, 1)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_slice_batch(x, i, batch_size, dim) for x in a)
+    if isinstance(a, dict):
+        return {k: _slice_batch(v, i, batch_size, dim) for k, v in a.items()}
+    return a
+
+
+def reference(model: nn.Module, args: Sequence[Any], loss_fn: Callable[..., torch.Tensor],
+              *, batch_dim: int = 0, kwargs: dict | None = None,
+              in_dims: Sequence[int | None] | None = None) -> Reference:
+    """Per-sample gradients by the microbatch loop.
+
+    Args:
+        model: The original model (not changed: a deep copy runs).
+        args: The batched forward arguments.
+        loss_fn: ``loss_fn(output, i) -> scalar`` for sample ``i`` (a batch of one);
+            it must reduce like the batched loss does for one sample.
+        batch_dim: Where the batch is in batched arguments.
+        in_dims: Per argument, batch dim or ``None`` (shared), overriding the size rule.
+    """
+    kwargs = kwargs or {}
+    first = next(a for a in args if isinstance(a, torch.Tensor))
+    batch_size = first.shape[batch_dim]
+    m = copy.deepcopy(model)
+    names = [n for n, p in m.named_parameters() if p.requires_grad]
+    params = dict(m.named_parameters())
+    grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    for i in range(batch_size):
+        m.zero_grad(set_to_none=True)
+        if in_dims is not None:
+            one = [a.narrow(d, i, 1) if d is not None else a for a, d in zip(args, in_dims)]
+        else:
+            one = [_slice_batch(a, i, batch_size, batch_dim) for a in args]
+        kw = {k: _slice_batch(v, i, batch_size, batch_dim) for k, v in kwargs.items()}
+        loss = loss_fn(m(*one, **kw), i)
+        loss.backward()
+        for n in names:
+            g = params[n].grad
+            grads[n].append(torch.zeros_like(params[n]) if g is None else g.detach().clone())
+    per_sample = {
+        n: torch.stack(v) if v else torch.zeros(0, *params[n].shape, dtype=params[n].dtype)
+        for n, v in grads.items()
+    }
+    return Reference(names, per_sample, batch_size)
+
+
+microbatch_grads = reference
+
+
+def tolerance(dtype: torch.dtype, conv: bool = False) -> float:
+    if dtype == torch.float64:
+        return 1e-9
+    return 1e-3 if conv else 1e-4
+
+
+def assert_close_all(got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor], tol: float,
+                     what: str = "") -> None:
+    """``max |got − ref| ≤ tol · max |ref|``, both maxima over all parameters."""
+    assert set(got) == set(ref), f"{what}: parameters differ: {sorted(got)} vs {sorted(ref)}"
+    scale = max((r.abs().max().item() for r in ref.values() if r.numel()), default=0.0)
+    worst, where = 0.0, ""
+    for n, r in ref.items():
+        g = got[n]
+        assert g is not None, f"{what}: {n} has no result"
+        assert g.shape == r.shape, f"{what}: {n} shape {tuple(g.shape)} != {tuple(r.shape)}"
+        if r.numel():
+            err = (g.detach().to(r.dtype) - r).abs().max().item()
+            if err > worst:
+                worst, where = err, n
+    assert worst <= tol * max(scale, 1e-30), (
+        f"{what}: max error {worst:.3g} at {where} > {tol:g} x max|ref| {scale:.3g}")
