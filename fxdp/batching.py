@@ -3,7 +3,8 @@
 A batched tensor has its samples along one dim, possibly merged with the dims
 after it, as ``x.view(-1, d)`` merges ``[B, T, d]`` into ``[B·T, d]``:
 ``BatchDim(dim=0, inner=T)`` says dim 0 has size ``B·inner`` and its index is
-``b·inner + r``. ``WHOLE`` marks a tensor that is entirely one sample (``B == 1``).
+``b·inner + r``. ``WHOLE`` marks a tensor that is entirely one sample (``B == 1``);
+``SHARED`` a tensor without batch dim that every sample sees whole (it is expanded).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BatchDim", "WHOLE", "batch_major", "batch_size_of", "scale_batch"]
+__all__ = ["BatchDim", "WHOLE", "SHARED", "batch_major", "batch_size_of", "scale_batch"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -31,12 +32,15 @@ class BatchDim:
         return self.dim == other.dim and _equal(self.inner, other.inner)
 
     def __repr__(self) -> str:
+        if self.dim == "shared":
+            return "SHARED"
         if self.dim is None:
             return "WHOLE"
         return f"BatchDim({self.dim})" if _equal(self.inner, 1) else f"BatchDim({self.dim}, inner={self.inner})"
 
 
 WHOLE = BatchDim(None)
+SHARED = BatchDim("shared")
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -46,13 +50,15 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def batch_size_of(t: torch.Tensor, batch: BatchDim) -> Any:
-    if batch.dim is None:
+    if batch.dim is None or batch.dim == "shared":
         return 1
     return t.shape[batch.dim] // batch.inner
 
 
-def batch_major(t: torch.Tensor, batch: BatchDim) -> torch.Tensor:
+def batch_major(t: torch.Tensor, batch: BatchDim, batch_size: Any = None) -> torch.Tensor:
     """Return ``t`` as ``[B, *rest]``, the batch first (a view when possible)."""
+    if batch.dim == "shared":
+        return t.unsqueeze(0).expand(batch_size, *t.shape)
     if batch.dim is None:
         return t.unsqueeze(0)
     t = t.movedim(batch.dim, 0)

@@ -78,11 +78,21 @@ _TENSOR = object()  # placeholder for a saved tensor argument
 class _Tagged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tagged: "TaggedOp", *args):
+        broadcast = tagged.broadcast
+        if broadcast is not None:
+            ref, args = args[-1], args[:-1]
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         ctx.save_for_backward(*tensors)
         ctx.template = [_TENSOR if isinstance(a, torch.Tensor) else a for a in args]
         ctx.tagged = tagged
-        return tagged.rule.op(*args)
+        out = tagged.rule.op(*args)
+        if broadcast is None:
+            return out
+        # Expand the shared output to the batch (a view): its gradient stays per-sample.
+        ctx.added = broadcast.ndim - out.dim()
+        out = out.reshape(*([1] * ctx.added), *out.shape)
+        batch_size = ref.shape[broadcast.ref_dim]
+        return out.expand(*[batch_size if d == broadcast.batch_dim else -1 for d in range(broadcast.ndim)])
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -90,7 +100,11 @@ class _Tagged(torch.autograd.Function):
         args = [next(it) if t is _TENSOR else t for t in ctx.template]
         tagged: TaggedOp = ctx.tagged
         grads: list[Any] = [None] * len(args)
-        for i, needs in enumerate(ctx.needs_input_grad[1:]):
+        input_grad_out = grad_out
+        if tagged.broadcast is not None:
+            grads.append(None)  # the reference the batch size was read from
+            input_grad_out = grad_out.sum(tuple(range(ctx.added)))
+        for i, needs in enumerate(ctx.needs_input_grad[1:1 + len(args)]):
             if not needs:
                 continue
             if i in tagged.uses:
@@ -98,7 +112,7 @@ class _Tagged(torch.autograd.Function):
                 operands = [grad_out if s == GRAD else args[s] for s in use.rule.operands]
                 grads[i] = torch.ops.fxdp.param_grad(operands, args[i], use.use_id)
             else:
-                grads[i] = tagged.rule.input_grad(args, grad_out, i)
+                grads[i] = tagged.rule.input_grad(args, input_grad_out, i)
         return (None, *grads)
 
 
@@ -108,11 +122,14 @@ class TaggedOp:
     Args:
         rule: The op's rule.
         uses: Argument index -> use id, for the arguments that are trainable parameters.
+        broadcast: A ``Broadcast`` plan when the op's inputs are shared and its output is
+            expanded to the batch; the call then takes a batched reference as last argument.
     """
 
-    def __init__(self, rule: OpRule, uses: dict[int, int]):
+    def __init__(self, rule: OpRule, uses: dict[int, int], broadcast: Any = None):
         self.rule = rule
         self.uses = dict(uses)
+        self.broadcast = broadcast
         self.__name__ = f"fxdp_{rule.op.__name__.split('.')[0]}"
         self.__qualname__ = self.__name__
 

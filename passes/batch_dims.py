@@ -38,6 +38,23 @@ class Loss:
 
 
 @dataclasses.dataclass
+class Broadcast:
+    """A shared parameter op whose output is expanded to the batch (see ``_broadcast_plan``).
+
+    Attributes:
+        batch_dim: Where the batch goes in the expanded output.
+        ndim: Rank of the expanded output.
+        ref: A batched value to read ``B`` from at run time.
+        ref_dim: Its batch dim.
+    """
+
+    batch_dim: int
+    ndim: int
+    ref: fx.Node
+    ref_dim: int
+
+
+@dataclasses.dataclass
 class BatchAnalysis:
     """What ``batch_dim_pass`` found.
 
@@ -53,6 +70,7 @@ class BatchAnalysis:
     problems: list[Problem]
     param_uses: dict[fx.Node, list[tuple[fx.Node, int]]]
     loss: str | None
+    broadcasts: dict[fx.Node, Broadcast] = dataclasses.field(default_factory=dict)
 
 
 def op_name(target: Any) -> str:
@@ -645,6 +663,8 @@ def batch_dim_pass(
     param_derived: dict[fx.Node, str] = {}
     loss_kinds: set[str] = set()
     single = isinstance(batch_size, int) and batch_size == 1
+    shared_candidates: dict[fx.Node, list[tuple[fx.Node, int]]] = {}
+    broadcasts: dict[fx.Node, Broadcast] = {}
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -690,6 +710,12 @@ def batch_dim_pass(
                                             f"no per-sample rule for a parameter used as argument {i} of "
                                             f"{op_name(target)}; register one with fxdp.register_rule"))
                     continue
+                activations_shared = not any(
+                    _any_batched(b) for j, b in enumerate(arg_batch) if j not in param_args)
+                if activations_shared and not single:
+                    # Decided once its users are known: see _broadcast_plan.
+                    shared_candidates.setdefault(node, []).append((p, i))
+                    continue
                 reason = None if single else (rule.check(arg_batch, [_meta(x) for x in node.args], i) if rule.check else None)
                 if reason:
                     problems.append(Problem(op_name(target), path, param_names[p], reason))
@@ -732,6 +758,21 @@ def batch_dim_pass(
             problems.append(Problem(op_name(target), path, "", f"mixes samples: {e}"))
             batch[node] = None
 
+    for node, uses in shared_candidates.items():
+        plan = _broadcast_plan(node, batch)
+        if plan is None:
+            for p, i in uses:
+                problems.append(Problem(
+                    op_name(node.target), module_path_of(node), param_names[p],
+                    "none of this op's inputs has a batch dim, so the parameter's gradient is shared by "
+                    "all samples; fxdp can only separate it when every use of the result is an "
+                    "elementwise op that broadcasts it against batched data"))
+            continue
+        broadcasts[node] = plan
+        batch[node] = BatchDim(plan.batch_dim)
+        for p, i in uses:
+            param_uses[p].append((node, i))
+
     for node in gm.graph.nodes:
         node.meta["fxdp_batch"] = batch.get(node)
     loss = None
@@ -739,4 +780,38 @@ def batch_dim_pass(
         if len(loss_kinds) > 1:
             problems.append(Problem("loss", "", "", f"the graph adds losses of different reductions {sorted(loss_kinds)}"))
         loss = sorted(loss_kinds)[0]
-    return BatchAnalysis(batch=batch, problems=problems, param_uses=param_uses, loss=loss)
+    return BatchAnalysis(batch=batch, problems=problems, param_uses=param_uses, loss=loss,
+                         broadcasts=broadcasts)
+
+
+def _broadcast_plan(node: fx.Node, batch: dict) -> "Broadcast | None":
+    """How to expand a shared parameter op's output to the batch, if its users allow it.
+
+    ``pos = wpe(arange(T))`` ([T, d]) used only by ``x + pos`` with ``x`` [B, T, d]:
+    the op's output can be expanded to ``[B, T, d]`` (a view) without changing any
+    result, and then its output gradient is per-sample.
+    """
+    out = _meta(node)
+    if not isinstance(out, torch.Tensor) or not node.users:
+        return None
+    plan = None
+    for user in node.users:
+        if user.op != "call_function" or not _is_pointwise(user.target):
+            return None
+        b = batch.get(user)
+        if not isinstance(b, BatchDim) or b.dim is None or not bool(b.inner == 1):
+            return None
+        n = _meta(user).dim()
+        if b.dim >= n - out.dim():
+            return None
+        ref = next((a for a in user.args if isinstance(a, fx.Node) and a is not node
+                    and isinstance(batch.get(a), BatchDim) and batch[a].dim is not None
+                    and bool(batch[a].inner == 1)), None)
+        if ref is None:
+            return None
+        candidate = Broadcast(batch_dim=b.dim, ndim=n, ref=ref, ref_dim=batch[ref].dim)
+        if plan is None:
+            plan = candidate
+        elif (plan.batch_dim, plan.ndim) != (candidate.batch_dim, candidate.ndim):
+            return None
+    return plan

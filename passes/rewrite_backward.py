@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced
-from fxdp.batching import batch_major, scale_batch
+from fxdp.batching import batch_major, batch_size_of, scale_batch
 from fxdp.markers import USES, UseInfo
 from fxdp.options import Options
 from fxdp.registry import GRAD
@@ -142,7 +142,10 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
 
         def major_operands(m: fx.Node) -> list[torch.Tensor]:
             use = USES[m.args[2]]
-            return [batch_major(env[o], b) for o, b in zip(m.args[0], use.operand_batch)]
+            values = [env[o] for o in m.args[0]]
+            size = next((batch_size_of(v, b) for v, b in zip(values, use.operand_batch)
+                         if b.dim is not None and b.dim != "shared"), 1)
+            return [batch_major(v, b, size) for v, b in zip(values, use.operand_batch)]
 
         batch_size = None
         sq_norms = []

@@ -16,12 +16,17 @@ import collections
 import torch
 import torch.fx as fx
 
-from fxdp.batching import WHOLE
+from fxdp.batching import SHARED, WHOLE
 from fxdp.markers import USES, TaggedOp, UseInfo, new_use_id
 from fxdp.passes.batch_dims import BatchAnalysis, module_path_of
 from fxdp.registry import GRAD, lookup
 
 __all__ = ["tag_pass"]
+
+
+def _first_user(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return min(node.users, key=order.__getitem__)
 
 
 def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.Node, str],
@@ -58,8 +63,9 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
         for index, p in params.items():
             param_rule = rule.params[index]
             batch = analysis.batch
+            shared = SHARED if node in analysis.broadcasts else WHOLE
             operand_batch = [
-                (batch.get(node) if s == GRAD else batch.get(node.args[s])) or WHOLE
+                (batch.get(node) if s == GRAD else batch.get(node.args[s])) or shared
                 for s in param_rule.operands
             ]
             use_id = new_use_id()
@@ -70,9 +76,13 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
             )
             use_ids[index] = use_id
             counts[param_rule.name] += 1
-        tagged = TaggedOp(rule, use_ids)
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(tagged, tuple(node.args), dict(node.kwargs))
+        broadcast = analysis.broadcasts.get(node)
+        tagged = TaggedOp(rule, use_ids, broadcast)
+        args = tuple(node.args) + ((broadcast.ref,) if broadcast is not None else ())
+        # The batch-size reference is defined before the first user, maybe after the op.
+        anchor = node if broadcast is None else _first_user(gm, node)
+        with gm.graph.inserting_before(anchor):
+            new = gm.graph.call_function(tagged, args, dict(node.kwargs))
         new.meta.update(node.meta)
         new.meta["fxdp"] = {
             "rule": ", ".join(rule.params[i].name for i in use_ids),

@@ -1,0 +1,397 @@
+"""Convolutions: ``aten.conv{1,2,3}d`` (integer and string padding),
+``aten.conv_transpose{1,2,3}d`` and ``aten.convolution``.
+
+Index letters: ``n`` batch, ``g`` group, ``o`` output channels of one group, ``k`` one
+patch (input channels of one group × kernel offsets, flattened in the weight's
+order), ``p``/``s`` positions of one sample (the rows of a sample merged into the
+batch dim, e.g. ``[B·R, C, H, W]``, times the output positions, ``P`` of them).
+
+A convolution is a linear layer over patches: with ``U = unfold(x)`` of shape
+``[n, g, p, k]`` and the output gradient ``M`` of shape ``[n, g, p, o]``, the
+per-sample weight gradient of group ``g`` is ``∂W_ng = Σ_p M_ngpo U_ngpk``; the groups
+are the diagonal blocks of the weight, so the squared norm adds over them.
+Ghost norm (Gram route): ``‖∂W_n‖² = Σ_g Σ_{p,s} (U_ngp·U_ngs)(M_ngp·M_ngs)``, which
+costs ``O(G·P²·(k+o))`` per sample against ``O(G·P·k·o)`` for instantiating; the
+cheaper is chosen per layer from the sizes at compile time (small feature maps with
+many channels go ghost, large feature maps instantiate).
+
+A transposed convolution ``y = Cᵀx`` is the adjoint of the convolution ``C`` with the
+same weight, stride, padding, dilation and groups (``C`` maps ``y``'s space to ``x``'s),
+so ``∂L/∂W = ∂⟨C(∂L/∂y), x⟩/∂W``: its weight gradient is the convolution's with input
+and output gradient swapped, ``U = unfold(∂L/∂y)`` (positions cut to ``x``'s size:
+with ``output_padding ≥ stride`` the convolution of ``y`` has more) and ``M = x``.
+
+``padding="same"`` with an even extent ``dilation·(kernel - 1)`` pads one more on the
+right than on the left, as PyTorch does; padding is kept as ``(left, right)`` per dim.
+``padding_mode`` other than zeros arrives as an ``aten.pad`` before the convolution,
+whose output is the input these rules see.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fxdp.batching import BatchDim
+from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
+from fxdp.rules._common import contract, contraction_cost, hint
+
+__all__ = [
+    "CONV_RULES",
+    "conv_weight",
+    "conv_bias",
+    "conv_config",
+    "unfold_patches",
+    "MODULE_OPS",
+]
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------
+# Static settings of one call
+# ---------------------------------------------------------------------------
+
+
+def _meta(a: Any) -> Any:
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+def _ints(value: Any, n: int) -> tuple[int, ...]:
+    if isinstance(value, (list, tuple)):
+        value = [int(v) for v in value]
+        return tuple(value * n) if len(value) == 1 else tuple(value)
+    return (int(value),) * n
+
+
+def conv_config(args: Sequence[Any], *, layout: str = "conv") -> dict:
+    """The static settings of one convolution call, normalised.
+
+    Args:
+        args: The op's positional arguments (FX nodes or tensors for the tensors).
+        layout: Which argument list: "conv" ``(x, w, b, stride, padding, dilation,
+            groups)``, "transpose" ``(x, w, b, stride, padding, output_padding,
+            groups, dilation)`` or "convolution" (``aten.convolution``'s).
+
+    Returns:
+        ``kernel``, ``stride``, ``dilation``, ``output_padding`` (tuples, one entry per
+        spatial dim), ``padding`` (``((left, right), ...)``), ``groups``, ``transposed``.
+    """
+    weight = _meta(args[1])
+    kernel = tuple(hint(s) for s in weight.shape[2:])
+    n = len(kernel)
+
+    def arg(i: int, default: Any) -> Any:
+        return args[i] if len(args) > i and args[i] is not None else default
+
+    if layout == "conv":
+        stride, padding, dilation, groups = arg(3, 1), arg(4, 0), arg(5, 1), arg(6, 1)
+        output_padding, transposed = 0, False
+    elif layout == "transpose":
+        stride, padding, output_padding, groups, dilation = arg(3, 1), arg(4, 0), arg(5, 0), arg(6, 1), arg(7, 1)
+        transposed = True
+    else:
+        stride, padding, dilation = args[3], args[4], args[5]
+        transposed, output_padding, groups = bool(args[6]), args[7], args[8]
+    stride, dilation = _ints(stride, n), _ints(dilation, n)
+    if isinstance(padding, str):
+        if padding == "valid":
+            pairs = ((0, 0),) * n
+        elif padding == "same":
+            # PyTorch's rule (aten/native/Convolution.cpp): the odd one goes right.
+            pairs = tuple((d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2) for d, k in zip(dilation, kernel))
+        else:
+            raise ValueError(f"unknown convolution padding {padding!r}")
+    else:
+        pairs = tuple((p, p) for p in _ints(padding, n))
+    return {
+        "kernel": kernel,
+        "stride": stride,
+        "padding": pairs,
+        "dilation": dilation,
+        "groups": int(groups),
+        "transposed": transposed,
+        "output_padding": _ints(output_padding, n),
+    }
+
+
+def _symmetric(padding: tuple) -> bool:
+    return all(left == right for left, right in padding)
+
+
+def _pad_list(padding: tuple) -> list[int]:
+    """``((l1, r1), (l2, r2))`` in ``F.pad``'s order (last dim first)."""
+    out: list[int] = []
+    for left, right in reversed(padding):
+        out += [left, right]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Layout helpers: a sample's rows and the patches
+# ---------------------------------------------------------------------------
+
+
+def _rows(t: torch.Tensor, spatial: int) -> tuple[torch.Tensor, int, int]:
+    """``[n, C, *sp]`` or ``[n, R, C, *sp]`` -> (``[n·R, C, *sp]``, n, R).
+
+    ``R`` is how many rows of the op's batch dim belong to one sample (the batch
+    merged with other dims, or a sample of an unbatched call brought to ``[1, ...]``).
+    """
+    if t.dim() == spatial + 2:
+        return t, t.shape[0], 1
+    return t.flatten(0, 1), t.shape[0], t.shape[1]
+
+
+def unfold_patches(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int],
+                   padding: Sequence[tuple[int, int]], dilation: Sequence[int]) -> torch.Tensor:
+    """im2col for any number of spatial dims, padding ``(left, right)`` per dim.
+
+    Args:
+        x: ``[N, C, *in]``.
+
+    Returns:
+        ``[N, C, *out, *kernel]``, a strided view of (the padded) ``x``:
+        ``out[n, c, *q, *j] = x_pad[n, c, *(q·stride + j·dilation)]``.
+    """
+    pads = _pad_list(tuple(padding))
+    if any(pads):
+        x = F.pad(x, pads)
+    for i, (k, s, d) in enumerate(zip(kernel, stride, dilation)):
+        # Each unfold turns spatial dim i into output positions and appends the window.
+        x = x.unfold(2 + i, d * (k - 1) + 1, s)
+        if d > 1:
+            x = x[..., ::d]
+    return x
+
+
+def _patches_and_multiplier(g: torch.Tensor, x: torch.Tensor, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``U [n, g, p, k]`` and ``M [n, g, p, o]`` with ``∂W_ng = Mᵀ U`` (see the module docstring)."""
+    kernel, groups = config["kernel"], config["groups"]
+    spatial = len(kernel)
+    if config["transposed"]:
+        source, multiplier = g, x
+    else:
+        source, multiplier = x, g
+    source, n, rows = _rows(source, spatial)
+    multiplier, _, _ = _rows(multiplier, spatial)
+    patches = unfold_patches(source, kernel, config["stride"], config["padding"], config["dilation"])
+    if config["transposed"]:
+        # The adjoint convolution of ∂L/∂y can reach past x (output_padding ≥ stride).
+        for i, size in enumerate(multiplier.shape[2:]):
+            if patches.shape[2 + i] != size:
+                patches = patches.narrow(2 + i, 0, size)
+    channels = source.shape[1]
+    positions = math.prod(multiplier.shape[2:])
+    # [nR, C, *out, *kernel] -> [n, g, R·out, C/g·kernel]
+    patches = patches.reshape(n, rows, groups, channels // groups, positions, math.prod(kernel))
+    patches = patches.permute(0, 2, 1, 4, 3, 5).reshape(n, groups, rows * positions, -1)
+    out_channels = multiplier.shape[1]
+    multiplier = multiplier.reshape(n, rows, groups, out_channels // groups, positions)
+    multiplier = multiplier.permute(0, 2, 1, 4, 3).reshape(n, groups, rows * positions, out_channels // groups)
+    return patches, multiplier
+
+
+def _weight_shape(g: torch.Tensor, x: torch.Tensor, config: dict) -> tuple:
+    spatial = len(config["kernel"])
+    c_out, c_in = g.shape[g.dim() - spatial - 1], x.shape[x.dim() - spatial - 1]
+    if config["transposed"]:
+        return (c_in, c_out // config["groups"], *config["kernel"])
+    return (c_out, c_in // config["groups"], *config["kernel"])
+
+
+# ---------------------------------------------------------------------------
+# Weight
+# ---------------------------------------------------------------------------
+
+
+def _weight_per_sample_grad(g: torch.Tensor, x: torch.Tensor, **config) -> torch.Tensor:
+    patches, multiplier = _patches_and_multiplier(g, x, config)
+    per_sample = contract("ngpo,ngpk->ngok", multiplier, patches)
+    return per_sample.reshape(per_sample.shape[0], *_weight_shape(g, x, config))
+
+
+def _weight_sum_grad(g: torch.Tensor, x: torch.Tensor, **config) -> torch.Tensor:
+    spatial = len(config["kernel"])
+    shape = _weight_shape(g, x, config)
+    g, _, _ = _rows(g, spatial)
+    x, _, _ = _rows(x, spatial)
+    padding = config["padding"]
+    if not _symmetric(padding):
+        x, padding = F.pad(x, _pad_list(padding)), ((0, 0),) * spatial
+    # Only the weight gradient is asked for: the weight's values are never read.
+    weight = x.new_zeros(()).expand(shape)
+    _, grad_weight, _ = aten.convolution_backward(
+        g, x, weight, None, list(config["stride"]), [left for left, _ in padding],
+        list(config["dilation"]), config["transposed"], list(config["output_padding"]),
+        config["groups"], [False, True, False])
+    return grad_weight
+
+
+def _weight_ghost_sq_norm(g: torch.Tensor, x: torch.Tensor, **config) -> torch.Tensor:
+    patches, multiplier = _patches_and_multiplier(g, x, config)
+    if patches.shape[2] == 1:  # one position: the Gram matrices are scalars
+        return (patches.pow(2).sum(3) * multiplier.pow(2).sum(3)).sum((1, 2))
+    gram_patches = torch.matmul(patches, patches.transpose(2, 3))
+    gram_multiplier = torch.matmul(multiplier, multiplier.transpose(2, 3))
+    return (gram_patches * gram_multiplier).sum((1, 2, 3))
+
+
+def _weight_costs(shapes, **config) -> dict[str, float]:
+    """Flops of the two routes from the operand shapes (``[n, (R,) C, *sp]``)."""
+    g_shape, x_shape = ([hint(s) for s in shape] for shape in shapes)
+    spatial = len(config["kernel"])
+    groups = config["groups"]
+    rows = g_shape[1] if len(g_shape) == spatial + 3 else 1
+    n = g_shape[0]
+    c_out, c_in = g_shape[-spatial - 1], x_shape[-spatial - 1]
+    if config["transposed"]:
+        positions = rows * math.prod(x_shape[-spatial:])
+        k, o = c_out // groups * math.prod(config["kernel"]), c_in // groups
+    else:
+        positions = rows * math.prod(g_shape[-spatial:])
+        k, o = c_in // groups * math.prod(config["kernel"]), c_out // groups
+    p = positions
+    ghost = (contraction_cost("ngpk,ngsk->ngps", (n, groups, p, k), (n, groups, p, k))
+             + contraction_cost("ngpo,ngso->ngps", (n, groups, p, o), (n, groups, p, o))
+             + contraction_cost("ngps,ngps->n", (n, groups, p, p), (n, groups, p, p)))
+    instantiate = (contraction_cost("ngpo,ngpk->ngok", (n, groups, p, o), (n, groups, p, k))
+                   + contraction_cost("ngok,ngok->n", (n, groups, o, k), (n, groups, o, k)))
+    return {"ghost": ghost, "instantiate": instantiate}
+
+
+conv_weight = ParamRule(
+    name="conv.weight",
+    operands=(GRAD, 0),
+    per_sample_grad=_weight_per_sample_grad,
+    sum_grad=_weight_sum_grad,
+    ghost_sq_norm=_weight_ghost_sq_norm,
+    costs=_weight_costs,
+)
+
+
+# ---------------------------------------------------------------------------
+# Bias: ∂b_n = Σ over the sample's rows and output positions of the output gradient
+# ---------------------------------------------------------------------------
+
+
+def _channel_dim(g: torch.Tensor, config: dict) -> int:
+    return g.dim() - len(config["kernel"]) - 1
+
+
+def _bias_per_sample_grad(g: torch.Tensor, **config) -> torch.Tensor:
+    channel = _channel_dim(g, config)
+    return g.sum([d for d in range(1, g.dim()) if d != channel])
+
+
+def _bias_sum_grad(g: torch.Tensor, **config) -> torch.Tensor:
+    channel = _channel_dim(g, config)
+    return g.sum([d for d in range(g.dim()) if d != channel])
+
+
+conv_bias = ParamRule(
+    name="conv.bias",
+    operands=(GRAD,),
+    per_sample_grad=_bias_per_sample_grad,
+    sum_grad=_bias_sum_grad,
+)
+
+
+# ---------------------------------------------------------------------------
+# The ops
+# ---------------------------------------------------------------------------
+
+
+def _make_input_grad(parse):
+    def input_grad(args, grad_out, index):
+        config = parse(args)
+        x, weight, bias = args[0], args[1], args[2] if len(args) > 2 else None
+        spatial = len(config["kernel"])
+        unbatched = x.dim() == spatial + 1
+        if unbatched:
+            x, grad_out = x.unsqueeze(0), grad_out.unsqueeze(0)
+        padding = config["padding"]
+        x_padded = x
+        if not _symmetric(padding):
+            x_padded, padding = F.pad(x, _pad_list(padding)), ((0, 0),) * spatial
+        mask = [index == 0, index == 1, index == 2]
+        grads = aten.convolution_backward(
+            grad_out, x_padded, weight, None if bias is None else list(bias.shape),
+            list(config["stride"]), [left for left, _ in padding], list(config["dilation"]),
+            config["transposed"], list(config["output_padding"]), config["groups"], mask)
+        grad = grads[index]
+        if index == 0:
+            if x_padded is not x:
+                for i, (left, _) in enumerate(config["padding"]):
+                    grad = grad.narrow(2 + i, left, x.shape[2 + i])
+            if unbatched:
+                grad = grad.squeeze(0)
+        return grad
+
+    return input_grad
+
+
+def _batch_rule(args_batch, args_meta, out_meta, config):
+    for i, what in ((1, "weight"), (2, "bias")):
+        b = args_batch[i] if len(args_batch) > i else None
+        if isinstance(b, BatchDim) and b.dim is not None:
+            raise ValueError(f"the convolution's {what} is batched (each sample would need its own)")
+    x_batch = args_batch[0]
+    if x_batch is None or x_batch.dim is None:
+        return x_batch
+    if args_meta[0].dim() != len(config["kernel"]) + 2:
+        raise ValueError("an unbatched convolution input [C, *spatial] holds the batch in a channel "
+                         "or spatial dim, which the convolution mixes")
+    if x_batch.dim != 0:
+        raise ValueError("the batch is a channel or spatial dim of the convolution, which it mixes; "
+                         "it must be dim 0 ([N, C, *spatial])")
+    return x_batch
+
+
+def _check(args_batch, args_meta, index):
+    if args_batch[0] is None:
+        return (
+            "the input of this convolution has no batch dim, so its parameter gradient is "
+            "shared by all samples; give the input a batch dim (expand it) or freeze it"
+        )
+    if args_batch[index] is not None:
+        return f"the {'weight' if index == 1 else 'bias'} itself is batched"
+    return None
+
+
+def _register_conv(op, layout: str) -> OpRule:
+    def parse(args):
+        return conv_config(args, layout=layout)
+
+    return register_rule(OpRule(
+        op=op,
+        params={1: conv_weight, 2: conv_bias},
+        input_grad=_make_input_grad(parse),
+        batch_rule=_batch_rule,
+        config=parse,
+        check=_check,
+    ))
+
+
+CONV_RULES: dict[Any, OpRule] = {
+    op: _register_conv(op, layout)
+    for op, layout in [
+        (aten.conv1d.default, "conv"), (aten.conv2d.default, "conv"), (aten.conv3d.default, "conv"),
+        (aten.conv1d.padding, "conv"), (aten.conv2d.padding, "conv"), (aten.conv3d.padding, "conv"),
+        (aten.conv_transpose1d.default, "transpose"), (aten.conv_transpose2d.input, "transpose"),
+        (aten.conv_transpose3d.input, "transpose"), (aten.convolution.default, "convolution"),
+    ]
+}
+
+
+MODULE_OPS = {
+    torch.nn.Conv1d: (aten.conv1d.default, aten.conv1d.padding),
+    torch.nn.Conv2d: (aten.conv2d.default, aten.conv2d.padding),
+    torch.nn.Conv3d: (aten.conv3d.default, aten.conv3d.padding),
+    torch.nn.ConvTranspose1d: (aten.conv_transpose1d.default,),
+    torch.nn.ConvTranspose2d: (aten.conv_transpose2d.input,),
+    torch.nn.ConvTranspose3d: (aten.conv_transpose3d.input,),
+}
