@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BatchDim", "WHOLE", "SHARED", "batch_major", "batch_size_of", "scale_batch"]
+__all__ = ["BatchDim", "WHOLE", "SHARED", "RAW", "batch_major", "batch_size_of", "scale_batch"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -32,8 +32,8 @@ class BatchDim:
         return self.dim == other.dim and _equal(self.inner, other.inner)
 
     def __repr__(self) -> str:
-        if self.dim == "shared":
-            return "SHARED"
+        if self.dim in ("shared", "raw"):
+            return self.dim.upper()
         if self.dim is None:
             return "WHOLE"
         return f"BatchDim({self.dim})" if _equal(self.inner, 1) else f"BatchDim({self.dim}, inner={self.inner})"
@@ -41,6 +41,7 @@ class BatchDim:
 
 WHOLE = BatchDim(None)
 SHARED = BatchDim("shared")
+RAW = BatchDim("raw")  # passed to a rule as it is (parameters, transform inputs)
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -50,13 +51,15 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def batch_size_of(t: torch.Tensor, batch: BatchDim) -> Any:
-    if batch.dim is None or batch.dim == "shared":
+    if batch.dim in (None, "shared", "raw"):
         return 1
     return t.shape[batch.dim] // batch.inner
 
 
 def batch_major(t: torch.Tensor, batch: BatchDim, batch_size: Any = None) -> torch.Tensor:
     """Return ``t`` as ``[B, *rest]``, the batch first (a view when possible)."""
+    if batch.dim == "raw":
+        return t
     if batch.dim == "shared":
         return t.unsqueeze(0).expand(batch_size, *t.shape)
     if batch.dim is None:

@@ -24,7 +24,22 @@ import torch
 from fxdp.batching import BatchDim, batch_major
 from fxdp.registry import GRAD, OpRule, ParamRule
 
-__all__ = ["UseInfo", "TaggedOp", "USES", "new_use_id", "param_grad"]
+__all__ = ["UseInfo", "Transform", "TaggedOp", "USES", "new_use_id", "param_grad"]
+
+
+@dataclasses.dataclass
+class Transform:
+    """A parameter-only computation ``(*sources, *extras) -> derived`` before a use.
+
+    Attributes:
+        module: The computation as a graph module.
+        num_sources: How many leading inputs are trainable parameters.
+        isometric: A bijective rearrangement of one parameter: norms are unchanged.
+    """
+
+    module: Any
+    num_sources: int
+    isometric: bool
 
 
 @dataclasses.dataclass
@@ -38,6 +53,9 @@ class UseInfo:
         module_path: Module that made the call.
         operand_batch: Batch dim of each marker operand, in the rule's order.
         config: The op's static settings for the rule functions.
+        transform: The parameter-only computation between the parameters and the
+            op's argument, if any; its inputs follow the rule's operands.
+        strategy_hint: "generic" for the per-sample VJP fallback.
     """
 
     use_id: int
@@ -46,6 +64,13 @@ class UseInfo:
     module_path: str
     operand_batch: list[BatchDim]
     config: dict
+    transform: Transform | None = None
+    strategy_hint: str | None = None
+    source_names: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_rule_operands(self) -> int:
+        return len(self.rule.operands)
 
 
 _ids = itertools.count()
@@ -63,7 +88,10 @@ def new_use_id() -> int:
 def param_grad(operands: list[torch.Tensor], param: torch.Tensor, use_id: int) -> torch.Tensor:
     """The ordinary (batch-summed) gradient of one parameter use."""
     use = USES[use_id]
-    major = [batch_major(t, b) for t, b in zip(operands, use.operand_batch)]
+    k = use.num_rule_operands
+    size = next((t.shape[b.dim] // b.inner for t, b in zip(operands, use.operand_batch)
+                 if b.dim not in (None, "shared", "raw")), 1)
+    major = [batch_major(t, b, size) for t, b in zip(operands[:k], use.operand_batch[:k])]
     return use.rule.sum_grad(*major, **use.config).reshape(param.shape).to(param.dtype)
 
 
@@ -81,8 +109,14 @@ class _Tagged(torch.autograd.Function):
         broadcast = tagged.broadcast
         if broadcast is not None:
             ref, args = args[-1], args[:-1]
+        num_extras = sum(tagged.extra_args.values())
+        if num_extras:
+            extras, args = args[len(args) - num_extras:], args[: len(args) - num_extras]
+        else:
+            extras = ()
+        ctx.num_extras = num_extras
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        ctx.save_for_backward(*tensors)
+        ctx.save_for_backward(*tensors, *extras)
         ctx.template = [_TENSOR if isinstance(a, torch.Tensor) else a for a in args]
         ctx.tagged = tagged
         out = tagged.rule.op(*args)
@@ -96,20 +130,28 @@ class _Tagged(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        it = iter(ctx.saved_tensors)
+        saved = ctx.saved_tensors
+        extras = saved[len(saved) - ctx.num_extras:] if ctx.num_extras else ()
+        it = iter(saved)
         args = [next(it) if t is _TENSOR else t for t in ctx.template]
         tagged: TaggedOp = ctx.tagged
-        grads: list[Any] = [None] * len(args)
+        grads: list[Any] = [None] * (len(args) + ctx.num_extras)
         input_grad_out = grad_out
         if tagged.broadcast is not None:
             grads.append(None)  # the reference the batch size was read from
             input_grad_out = grad_out.sum(tuple(range(ctx.added)))
+        offsets, start = {}, 0
+        for i in sorted(tagged.extra_args):
+            offsets[i] = start
+            start += tagged.extra_args[i]
         for i, needs in enumerate(ctx.needs_input_grad[1:1 + len(args)]):
             if not needs:
                 continue
             if i in tagged.uses:
                 use = USES[tagged.uses[i]]
                 operands = [grad_out if s == GRAD else args[s] for s in use.rule.operands]
+                if i in tagged.extra_args:
+                    operands += list(extras[offsets[i]: offsets[i] + tagged.extra_args[i]])
                 grads[i] = torch.ops.fxdp.param_grad(operands, args[i], use.use_id)
             else:
                 grads[i] = tagged.rule.input_grad(args, input_grad_out, i)
@@ -124,12 +166,16 @@ class TaggedOp:
         uses: Argument index -> use id, for the arguments that are trainable parameters.
         broadcast: A ``Broadcast`` plan when the op's inputs are shared and its output is
             expanded to the batch; the call then takes a batched reference as last argument.
+        extra_args: Argument index -> how many inputs of its parameter transform follow
+            the op's own arguments (saved for the backward rewrite, no gradient).
     """
 
-    def __init__(self, rule: OpRule, uses: dict[int, int], broadcast: Any = None):
+    def __init__(self, rule: OpRule, uses: dict[int, int], broadcast: Any = None,
+                 extra_args: dict[int, int] | None = None):
         self.rule = rule
         self.uses = dict(uses)
         self.broadcast = broadcast
+        self.extra_args = dict(extra_args or {})
         self.__name__ = f"fxdp_{rule.op.__name__.split('.')[0]}"
         self.__qualname__ = self.__name__
 

@@ -21,7 +21,7 @@ from fxdp.batching import WHOLE, BatchDim
 from fxdp.errors import Problem
 from fxdp.registry import lookup
 
-__all__ = ["BatchAnalysis", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name"]
+__all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name"]
 
 aten = torch.ops.aten
 
@@ -55,6 +55,27 @@ class Broadcast:
 
 
 @dataclasses.dataclass
+class UseSite:
+    """One place where a trainable parameter's gradient must be made per-sample.
+
+    Attributes:
+        node: The consuming op.
+        index: Its argument that is the parameter (or parameter-only value).
+        kind: "direct" or "transform" (through a parameter-only computation).
+        sources: The trainable parameters (placeholders) the argument is computed from.
+        broadcast: The op's output is expanded to the batch (see ``Broadcast``).
+        generic: No rule for this argument: a per-sample VJP of the op is used.
+    """
+
+    node: fx.Node
+    index: int
+    kind: str
+    sources: frozenset
+    broadcast: bool = False
+    generic: bool = False
+
+
+@dataclasses.dataclass
 class BatchAnalysis:
     """What ``batch_dim_pass`` found.
 
@@ -62,15 +83,16 @@ class BatchAnalysis:
         batch: Node -> ``BatchDim`` (batched), ``None`` (shared) or ``Loss`` (the loss);
             tuples/lists of these for multi-output nodes.
         problems: Everything that cannot be made per-sample.
-        param_uses: Parameter placeholder -> [(user node, argument index)].
+        uses: Every place a parameter's gradient is made per-sample.
         loss: The reduction of the in-graph loss, or ``None`` if the loss is outside.
     """
 
     batch: dict[fx.Node, Any]
     problems: list[Problem]
-    param_uses: dict[fx.Node, list[tuple[fx.Node, int]]]
+    uses: list[UseSite]
     loss: str | None
     broadcasts: dict[fx.Node, Broadcast] = dataclasses.field(default_factory=dict)
+    param_only: dict[fx.Node, frozenset] = dataclasses.field(default_factory=dict)
 
 
 def op_name(target: Any) -> str:
@@ -657,14 +679,12 @@ def batch_dim_pass(
     """
     batch: dict[fx.Node, Any] = {}
     problems: list[Problem] = []
-    param_uses: dict[fx.Node, list[tuple[fx.Node, int]]] = {p: [] for p in param_names}
-    # Values computed from a parameter by an op without a rule: they must not reach
-    # anything, since their gradient could not be made per-sample.
-    param_derived: dict[fx.Node, str] = {}
+    # Trainable parameters each parameter-only value is computed from (no batched input).
+    sources: dict[fx.Node, frozenset] = {p: frozenset([p]) for p in param_names}
+    # (consumer, argument index or None, consumed parameter-only value)
+    consumed: list[tuple[fx.Node, int | None, fx.Node]] = []
     loss_kinds: set[str] = set()
     single = isinstance(batch_size, int) and batch_size == 1
-    shared_candidates: dict[fx.Node, list[tuple[fx.Node, int]]] = {}
-    broadcasts: dict[fx.Node, Broadcast] = {}
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -672,10 +692,9 @@ def batch_dim_pass(
             batch[node] = WHOLE if (single and b is not None) else b
             continue
         if node.op == "output":
-            for out in node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
-                if isinstance(out, fx.Node) and out in param_derived:
-                    problems.append(Problem("output", "", param_derived[out],
-                                            "a parameter (or a value computed from it alone) is returned; its gradient cannot be made per-sample"))
+            for out in node.all_input_nodes:
+                if out in sources:
+                    consumed.append((node, None, out))
             continue
         if node.op != "call_function":
             batch[node] = None
@@ -683,46 +702,22 @@ def batch_dim_pass(
         target = node.target
         path = module_path_of(node)
         arg_batch = [_arg_batch(a, batch) for a in node.args]
+        batched = _any_batched(arg_batch) or _any_batched(
+            [_arg_batch(v, batch) for v in node.kwargs.values()])
+        paramish = [a for a in node.all_input_nodes if a in sources]
+        if paramish:
+            if not batched and not single:
+                sources[node] = frozenset().union(*(sources[a] for a in paramish))
+            for a in paramish:
+                index = next((i for i, x in enumerate(node.args) if x is a), None)
+                consumed.append((node, index, a))
         if target is operator.getitem:
             src = batch.get(node.args[0])
             batch[node] = src[node.args[1]] if isinstance(src, (list, tuple)) else src
-            if node.args[0] in param_derived:
-                param_derived[node] = param_derived[node.args[0]]
             continue
-
         rule = lookup(target)
-        param_args = {}
-        for i, a in enumerate(node.args):
-            if isinstance(a, fx.Node) and a in param_names:
-                param_args[i] = a
-        for a in node.all_input_nodes:
-            if a in param_derived:
-                problems.append(Problem(op_name(target), path, param_derived[a],
-                                        f"the parameter reaches {op_name(target)} through ops without a per-sample rule"))
-        if param_args:
-            unsupported = [i for i in param_args if rule is None or i not in rule.params]
-            for i, p in param_args.items():
-                if i in unsupported:
-                    if rule is None and not _any_batched(arg_batch) and not single:
-                        param_derived[node] = param_names[p]
-                        continue
-                    problems.append(Problem(op_name(target), path, param_names[p],
-                                            f"no per-sample rule for a parameter used as argument {i} of "
-                                            f"{op_name(target)}; register one with fxdp.register_rule"))
-                    continue
-                activations_shared = not any(
-                    _any_batched(b) for j, b in enumerate(arg_batch) if j not in param_args)
-                if activations_shared and not single:
-                    # Decided once its users are known: see _broadcast_plan.
-                    shared_candidates.setdefault(node, []).append((p, i))
-                    continue
-                reason = None if single else (rule.check(arg_batch, [_meta(x) for x in node.args], i) if rule.check else None)
-                if reason:
-                    problems.append(Problem(op_name(target), path, param_names[p], reason))
-                else:
-                    param_uses[p].append((node, i))
 
-        if not _any_batched(arg_batch) or target in _CREATION:
+        if not batched or target in _CREATION:
             out = _meta(node)
             batch[node] = [None] * len(out) if isinstance(out, (list, tuple)) else None
             continue
@@ -758,20 +753,8 @@ def batch_dim_pass(
             problems.append(Problem(op_name(target), path, "", f"mixes samples: {e}"))
             batch[node] = None
 
-    for node, uses in shared_candidates.items():
-        plan = _broadcast_plan(node, batch)
-        if plan is None:
-            for p, i in uses:
-                problems.append(Problem(
-                    op_name(node.target), module_path_of(node), param_names[p],
-                    "none of this op's inputs has a batch dim, so the parameter's gradient is shared by "
-                    "all samples; fxdp can only separate it when every use of the result is an "
-                    "elementwise op that broadcasts it against batched data"))
-            continue
-        broadcasts[node] = plan
-        batch[node] = BatchDim(plan.batch_dim)
-        for p, i in uses:
-            param_uses[p].append((node, i))
+    uses, broadcasts = _classify_parameter_uses(
+        consumed, sources, batch, param_names, problems, single)
 
     for node in gm.graph.nodes:
         node.meta["fxdp_batch"] = batch.get(node)
@@ -780,8 +763,86 @@ def batch_dim_pass(
         if len(loss_kinds) > 1:
             problems.append(Problem("loss", "", "", f"the graph adds losses of different reductions {sorted(loss_kinds)}"))
         loss = sorted(loss_kinds)[0]
-    return BatchAnalysis(batch=batch, problems=problems, param_uses=param_uses, loss=loss,
-                         broadcasts=broadcasts)
+    return BatchAnalysis(batch=batch, problems=problems, uses=uses, loss=loss,
+                         broadcasts=broadcasts, param_only=sources)
+
+
+def _names(nodes, param_names) -> str:
+    return ", ".join(sorted(param_names[p] for p in nodes))
+
+
+def _classify_parameter_uses(consumed, sources, batch, param_names, problems, single):
+    """Decide, for every place a parameter (or a parameter-only value) meets batched data,
+    how its per-sample gradient is obtained.
+
+    * ``direct``: a rule's parameter argument is the parameter itself;
+    * ``transform``: it is a parameter-only value (``W.t()``, a slice, weight norm): the
+      per-sample gradient is mapped back through the transform's per-sample VJP;
+    * ``broadcast``: a rule op whose inputs are all shared (``wpe(arange(T))``) and whose
+      result is only broadcast against batched data: its output is expanded to the batch;
+    * ``generic``: an op without a rule for that argument but with a known batch rule: a
+      per-sample VJP of the op itself.
+    """
+    uses: list[UseSite] = []
+    broadcasts: dict[fx.Node, Broadcast] = {}
+    # Shared rule ops that may be broadcast: their parameter arguments are rule'd and
+    # some other tensor input is not parameter-derived.
+    candidates: dict[fx.Node, Broadcast] = {}
+    for node in {n for n, _, _ in consumed}:
+        rule = lookup(node.target) if node.op == "call_function" else None
+        if node not in sources or rule is None or single:
+            continue
+        param_positions = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a in sources]
+        others = [a for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a not in sources]
+        if param_positions and all(i in rule.params for i in param_positions) and others:
+            plan = _broadcast_plan(node, batch)
+            if plan is not None:
+                candidates[node] = plan
+    for node, plan in candidates.items():
+        broadcasts[node] = plan
+        batch[node] = BatchDim(plan.batch_dim)
+        for i, a in enumerate(node.args):
+            if isinstance(a, fx.Node) and a in sources:
+                kind = "broadcast" if a in param_names else "transform"
+                uses.append(UseSite(node, i, kind, sources[a], broadcast=True))
+
+    for node, index, value in consumed:
+        if node in candidates:
+            continue
+        if value in candidates:
+            continue  # the consumer of a broadcast op's output: nothing to do
+        if node.op == "output":
+            problems.append(Problem("output", "", _names(sources[value], param_names),
+                                    "a parameter (or a value computed from parameters alone) is returned; "
+                                    "its gradient cannot be made per-sample"))
+            continue
+        if node in sources:
+            continue  # a parameter-only computation: a transform, judged where it meets data
+        target, path = node.target, module_path_of(node)
+        rule = lookup(target)
+        kind = "direct" if value in param_names else "transform"
+        if single:
+            uses.append(UseSite(node, index, kind, sources[value], generic=rule is None or index not in rule.params))
+            continue
+        if rule is not None and index is not None and index in rule.params:
+            reason = rule.check(
+                [_arg_batch(a, batch) for a in node.args], [_meta(a) for a in node.args], index
+            ) if rule.check else None
+            if reason:
+                problems.append(Problem(op_name(target), path, _names(sources[value], param_names), reason))
+            else:
+                uses.append(UseSite(node, index, kind, sources[value]))
+            continue
+        if index is not None and (target in PROPAGATION or _is_pointwise(target)) and not isinstance(
+                batch.get(node), (list, tuple)) and isinstance(batch.get(node), BatchDim):
+            uses.append(UseSite(node, index, kind, sources[value], generic=True))
+            continue
+        problems.append(Problem(
+            op_name(target), path, _names(sources[value], param_names),
+            f"no per-sample rule for a parameter used by {op_name(target)}"
+            + ("" if index is None else f" (argument {index})")
+            + "; register one with fxdp.register_rule"))
+    return uses, broadcasts
 
 
 def _broadcast_plan(node: fx.Node, batch: dict) -> "Broadcast | None":

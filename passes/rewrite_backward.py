@@ -98,6 +98,16 @@ def _run(node: fx.Node, env: dict, gm: fx.GraphModule) -> Any:
     raise NotImplementedError(f"fxdp cannot re-trace backward node {node.format_node()}")
 
 
+def param_names_of(p: fx.Node, markers: list[fx.Node], sources_of) -> str:
+    """The name of parameter placeholder ``p`` as its uses recorded it."""
+    for m in markers:
+        use = USES[m.args[2]]
+        srcs = sources_of(m)
+        if p in srcs and len(use.source_names) == len(srcs):
+            return use.source_names[srcs.index(p)]
+    return USES[markers[0].args[2]].param
+
+
 def _choose(use: UseInfo, operands: list[torch.Tensor], options: Options, keep: bool) -> tuple[str, dict]:
     rule = use.rule
     if keep or rule.ghost_sq_norm is None or rule.costs is None:
@@ -123,15 +133,35 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
     output_node = nodes[-1]
     markers = [n for n in nodes if n.op == "call_function" and n.target is MARKER]
     deferred = _descendants(bw_gm, markers)
+    def sources_of(m: fx.Node) -> list[fx.Node]:
+        use = USES[m.args[2]]
+        if use.transform is None:
+            return [m.args[1]]
+        k = use.num_rule_operands
+        return list(m.args[0][k: k + use.transform.num_sources])
+
+    keep = options.grad_sample
     by_param: dict[fx.Node, list[fx.Node]] = collections.OrderedDict()
     for m in markers:
-        by_param.setdefault(m.args[1], []).append(m)
+        for p in sources_of(m):
+            by_param.setdefault(p, []).append(m)
+
+    def is_simple(p: fx.Node) -> bool:
+        """Norms can be taken in the rule's own space (ghost norms possible)."""
+        ms = by_param[p]
+        for m in ms:
+            use = USES[m.args[2]]
+            if use.strategy_hint == "generic":
+                return False
+            if use.transform is not None and (keep or not use.transform.isometric or len(ms) > 1):
+                return False
+        return True
+
     plans: list[ParamPlan] = []
     rule_counts: collections.Counter = collections.Counter()
     for m in markers:
         rule_counts[USES[m.args[2]].rule.name] += 1
     clip = options.max_grad_norm is not None
-    keep = options.grad_sample
 
     def rewritten(*args):
         env: dict[fx.Node, Any] = dict(zip(placeholders, args))
@@ -142,45 +172,83 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
 
         def major_operands(m: fx.Node) -> list[torch.Tensor]:
             use = USES[m.args[2]]
-            values = [env[o] for o in m.args[0]]
+            k = use.num_rule_operands
+            values = [env[o] for o in m.args[0][:k]]
             size = next((batch_size_of(v, b) for v, b in zip(values, use.operand_batch)
-                         if b.dim is not None and b.dim != "shared"), 1)
-            return [batch_major(v, b, size) for v, b in zip(values, use.operand_batch)]
+                         if b.dim not in (None, "shared", "raw")), 1)
+            return [batch_major(v, b, size) for v, b in zip(values, use.operand_batch[:k])]
+
+        def per_sample_in_param_space(m: fx.Node) -> dict[fx.Node, torch.Tensor]:
+            use = USES[m.args[2]]
+            derived = env[m.args[1]]
+            psg = use.rule.per_sample_grad(*major_operands(m), **use.config)
+            psg = psg.reshape(psg.shape[0], *derived.shape).to(derived.dtype)
+            if use.transform is None:
+                return {m.args[1]: psg}
+            k, n = use.num_rule_operands, use.transform.num_sources
+            inputs = [env[o] for o in m.args[0][k:]]
+            sources, others = inputs[:n], inputs[n:]
+
+            def transform(*srcs):
+                return use.transform.module(*srcs, *others)
+
+            _, vjp_fn = torch.func.vjp(transform, *sources)
+            mapped = torch.func.vmap(vjp_fn)(psg)
+            return dict(zip(m.args[0][k: k + n], mapped))
 
         batch_size = None
         sq_norms = []
         grad_samples: dict[fx.Node, torch.Tensor] = {}
+        mapped_cache: dict[fx.Node, dict] = {}
         for p, ms in by_param.items():
             uses = [USES[m.args[2]] for m in ms]
-            ops = [major_operands(m) for m in ms]
-            if batch_size is None:
-                batch_size = ops[0][0].shape[0]
             param = env[p]
             first = uses[0]
-            same_rule = all(u.rule is first.rule and u.config == first.config for u in uses)
-            if same_rule and len(ms) > 1 and first.rule.concat_uses is not None:
-                merged = first.rule.concat_uses(ops)
-            elif len(ms) == 1:
-                merged = ops[0]
-            else:
-                merged = None
-            strategy, costs = ("instantiate", {}) if merged is None else _choose(first, merged, options, keep)
-            info = {"rule": first.rule.name, "param": first.param, "strategy": strategy,
-                    "module": first.module_path}
-            with annotate({"fxdp": info}):
-                if strategy == "ghost":
-                    sq = first.rule.ghost_sq_norm(*merged, **first.config)
+            if is_simple(p):
+                ops = [major_operands(m) for m in ms]
+                if batch_size is None:
+                    batch_size = ops[0][0].shape[0]
+                same_rule = all(u.rule is first.rule and u.config == first.config for u in uses)
+                if same_rule and len(ms) > 1 and first.rule.concat_uses is not None:
+                    merged = first.rule.concat_uses(ops)
+                elif len(ms) == 1:
+                    merged = ops[0]
                 else:
+                    merged = None
+                strategy, costs = ("instantiate", {}) if merged is None else _choose(first, merged, options, keep)
+                info = {"rule": first.rule.name, "param": first.param, "strategy": strategy,
+                        "module": first.module_path}
+                with annotate({"fxdp": info}):
+                    if strategy == "ghost":
+                        sq = first.rule.ghost_sq_norm(*merged, **first.config)
+                    else:
+                        psg = None
+                        for use, o in zip(uses, ops):
+                            g = use.rule.per_sample_grad(*o, **use.config).reshape(-1, *param.shape)
+                            psg = g if psg is None else psg + g
+                        sq = psg.flatten(1).pow(2).sum(1)
+                        if keep:
+                            grad_samples[p] = psg
+            else:
+                strategy, costs = "instantiate (per-sample VJP)", {}
+                info = {"rule": ", ".join(sorted({u.rule.name for u in uses})), "param": param_names_of(p, ms, sources_of),
+                        "strategy": strategy, "module": first.module_path}
+                with annotate({"fxdp": info}):
                     psg = None
-                    for use, o in zip(uses, ops):
-                        g = use.rule.per_sample_grad(*o, **use.config).reshape(-1, *param.shape)
+                    for m in ms:
+                        if m not in mapped_cache:
+                            mapped_cache[m] = per_sample_in_param_space(m)
+                        g = mapped_cache[m][p].reshape(-1, *param.shape)
                         psg = g if psg is None else psg + g
+                    if batch_size is None:
+                        batch_size = psg.shape[0]
                     sq = psg.flatten(1).pow(2).sum(1)
                     if keep:
                         grad_samples[p] = psg
             sq_norms.append(sq)
             plans.append(ParamPlan(
-                name=first.param, rule=first.rule.name, uses=len(ms), strategy=strategy,
+                name=param_names_of(p, ms, sources_of), rule=", ".join(sorted({u.rule.name for u in uses})),
+                uses=len(ms), strategy=strategy,
                 costs={k: float(v) for k, v in costs.items()},
                 placeholder_index=placeholders.index(p),
             ))
@@ -200,8 +268,8 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                 factors = (options.max_grad_norm / (norms + STABILITY_EPS)).clamp(max=1.0)
                 extras.append(factors)
 
-        for p, ms in by_param.items():
-            for m in ms:
+        for m in markers:
+            if True:
                 use = USES[m.args[2]]
                 info = {"rule": use.rule.name, "param": use.param,
                         "strategy": "clipped sum" if clip else "summed gradient", "module": use.module_path}
@@ -209,8 +277,8 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     ops = major_operands(m)
                     if clip:
                         ops = [scale_batch(t, factors) if s == GRAD else t for t, s in zip(ops, use.rule.operands)]
-                    param = env[p]
-                    env[m] = use.rule.sum_grad(*ops, **use.config).reshape(param.shape).to(param.dtype)
+                    derived = env[m.args[1]]
+                    env[m] = use.rule.sum_grad(*ops, **use.config).reshape(derived.shape).to(derived.dtype)
         for node in nodes:
             if node in deferred and node not in env:
                 env[node] = _run(node, env, bw_gm)

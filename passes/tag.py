@@ -4,10 +4,14 @@ Before::
 
     linear = torch.ops.aten.linear.default(x, w, b)
 
-After (``meta["fxdp"]`` holds rule, parameter and use id)::
+After (``meta["fxdp"]`` holds rules, parameters and use ids)::
 
     fxdp_linear = fxdp_linear(x, w, b)    # autograd.Function: aten.linear forward,
                                           # fxdp::param_grad markers in backward
+
+A use through a parameter-only computation (``F.linear(x, W.t())``, a slice of a
+packed weight, weight norm) also carries that computation as a small graph, so the
+backward rewrite can map per-sample gradients back to the parameters.
 """
 from __future__ import annotations
 
@@ -16,12 +20,25 @@ import collections
 import torch
 import torch.fx as fx
 
-from fxdp.batching import SHARED, WHOLE
-from fxdp.markers import USES, TaggedOp, UseInfo, new_use_id
+from fxdp.batching import RAW, SHARED, WHOLE
+from fxdp.markers import USES, TaggedOp, Transform, UseInfo, new_use_id
 from fxdp.passes.batch_dims import BatchAnalysis, module_path_of
 from fxdp.registry import GRAD, lookup
+from fxdp.rules.generic import generic_rule
 
-__all__ = ["tag_pass"]
+__all__ = ["tag_pass", "ISOMETRIC"]
+
+aten = torch.ops.aten
+
+# Parameter transforms that preserve every sample's gradient norm (bijective
+# rearrangements): ghost norms stay valid through them.
+ISOMETRIC = {
+    aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default,
+    aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.clone.default,
+    aten.contiguous.default, aten.alias.default, aten.flatten.using_ints, aten.unflatten.int,
+    aten.movedim.int,
+}
 
 
 def _first_user(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
@@ -29,9 +46,44 @@ def _first_user(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     return min(node.users, key=order.__getitem__)
 
 
+def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple[Transform, list[fx.Node]]:
+    """The parameter-only computation of ``derived`` as a graph ``(*sources, *extras) -> derived``."""
+    needed: list[fx.Node] = []
+    sources: list[fx.Node] = []
+    extras: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(n: fx.Node) -> None:
+        if n in seen:
+            return
+        seen.add(n)
+        if n in params:
+            sources.append(n)
+            return
+        if n not in param_only or n.op != "call_function":
+            extras.append(n)
+            return
+        for a in n.all_input_nodes:
+            visit(a)
+        needed.append(n)
+
+    visit(derived)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in sources + extras:
+        env[n] = graph.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    for n in needed:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(env[derived])
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    isometric = len(sources) == 1 and not extras and all(n.target in ISOMETRIC for n in needed)
+    return Transform(module=module, num_sources=len(sources), isometric=isometric), sources + extras
+
+
 def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.Node, str],
              excluded: set[str]) -> tuple[fx.GraphModule, dict[str, int]]:
-    """Tag every rule'd use of a trainable parameter; detach excluded parameters.
+    """Tag every per-sample use of a trainable parameter; detach excluded parameters.
 
     Args:
         gm: Canonical graph, analysed by ``batch_dim_pass``.
@@ -44,12 +96,11 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
         The graph (changed in place) and how many times each rule fired.
     """
     counts: collections.Counter = collections.Counter()
-    uses_by_node: dict[fx.Node, dict[int, fx.Node]] = collections.defaultdict(dict)
-    for p, uses in analysis.param_uses.items():
-        if param_names[p] in excluded:
+    sites_by_node: dict[fx.Node, list] = collections.defaultdict(list)
+    for site in analysis.uses:
+        if any(param_names[p] in excluded for p in site.sources):
             continue
-        for node, index in uses:
-            uses_by_node[node][index] = p
+        sites_by_node[site.node].append(site)
 
     for p, name in param_names.items():
         if name in excluded:
@@ -57,28 +108,51 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
                 detached = gm.graph.call_function(torch.ops.aten.detach.default, (p,))
             p.replace_all_uses_with(detached, delete_user_cb=lambda u: u is not detached)
 
-    for node, params in uses_by_node.items():
-        rule = lookup(node.target)
+    batch = analysis.batch
+    params = set(param_names)
+    for node, sites in sites_by_node.items():
+        broadcast = analysis.broadcasts.get(node)
+        shared = SHARED if broadcast is not None else WHOLE
+        if any(s.generic for s in sites):
+            layouts = {i: (batch.get(a) if isinstance(batch.get(a), type(WHOLE)) else RAW)
+                       for i, a in enumerate(node.args) if isinstance(a, fx.Node)}
+            rule = generic_rule(node.target, tuple(node.args), {s.index for s in sites},
+                                layouts, batch.get(node))
+        else:
+            rule = lookup(node.target)
         use_ids = {}
-        for index, p in params.items():
-            param_rule = rule.params[index]
-            batch = analysis.batch
-            shared = SHARED if node in analysis.broadcasts else WHOLE
-            operand_batch = [
-                (batch.get(node) if s == GRAD else batch.get(node.args[s])) or shared
-                for s in param_rule.operands
-            ]
+        extra_args: dict[int, list[fx.Node]] = {}
+        for site in sites:
+            param_rule = rule.params[site.index]
+            operand_batch = []
+            for s in param_rule.operands:
+                value = node if s == GRAD else node.args[s]
+                b = batch.get(value)
+                if s != GRAD and (value in params or value in analysis.param_only) and not site.generic:
+                    b = RAW if b is None else b
+                operand_batch.append(b if isinstance(b, type(WHOLE)) else (RAW if site.generic and s != GRAD else shared))
+            transform = None
+            if site.kind == "transform":
+                transform, inputs = _extract_transform(node.args[site.index], analysis.param_only, params)
+                extra_args[site.index] = inputs
+                operand_batch += [RAW] * len(inputs)
+                source_names = [param_names[n] for n in inputs[: transform.num_sources]]
+            else:
+                source_names = [param_names[node.args[site.index]]]
             use_id = new_use_id()
             USES[use_id] = UseInfo(
-                use_id=use_id, rule=param_rule, param=param_names[p],
+                use_id=use_id, rule=param_rule, param=", ".join(source_names),
                 module_path=module_path_of(node), operand_batch=operand_batch,
-                config=rule.config(node.args),
+                config=rule.config(node.args), transform=transform,
+                strategy_hint="generic" if site.generic else None,
+                source_names=source_names,
             )
-            use_ids[index] = use_id
+            use_ids[site.index] = use_id
             counts[param_rule.name] += 1
-        broadcast = analysis.broadcasts.get(node)
-        tagged = TaggedOp(rule, use_ids, broadcast)
-        args = tuple(node.args) + ((broadcast.ref,) if broadcast is not None else ())
+        tagged = TaggedOp(rule, use_ids, broadcast, extra_args={
+            i: len(v) for i, v in extra_args.items()})
+        flat_extras = [n for i in sorted(extra_args) for n in extra_args[i]]
+        args = tuple(node.args) + tuple(flat_extras) + ((broadcast.ref,) if broadcast is not None else ())
         # The batch-size reference is defined before the first user, maybe after the op.
         anchor = node if broadcast is None else _first_user(gm, node)
         with gm.graph.inserting_before(anchor):
