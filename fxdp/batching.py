@@ -3,7 +3,8 @@
 A batched tensor has its samples along one dim, possibly merged with the dims
 after it, as ``x.view(-1, d)`` merges ``[B, T, d]`` into ``[B·T, d]``:
 ``BatchDim(dim=0, inner=T)`` says dim 0 has size ``B·inner`` and its index is
-``b·inner + r``. ``WHOLE`` marks a tensor that is entirely one sample (``B == 1``);
+``b·inner + r``; with ``outer`` (``[T, B, d] -> [T·B, d]``) the dim has size
+``outer·B·inner`` and index ``o·B·inner + b·inner + r``. ``WHOLE`` marks a tensor that is entirely one sample (``B == 1``);
 ``SHARED`` a tensor without batch dim that every sample sees whole (it is expanded).
 """
 from __future__ import annotations
@@ -25,18 +26,31 @@ class BatchDim:
         inner: How many rows of that dim belong to one sample (``B·inner`` in all).
     """
 
-    dim: int | None
+    dim: Any
     inner: Any = 1
+    outer: Any = 1
 
     def same_as(self, other: "BatchDim") -> bool:
-        return self.dim == other.dim and _equal(self.inner, other.inner)
+        return (self.dim == other.dim and _equal(self.inner, other.inner)
+                and _equal(self.outer, other.outer))
+
+    def at(self, dim: int) -> "BatchDim":
+        """The same batch layout, moved to ``dim``."""
+        return BatchDim(dim, self.inner, self.outer)
+
+    @property
+    def plain(self) -> bool:
+        """The dim holds exactly the ``B`` samples (nothing merged into it)."""
+        return _equal(self.inner, 1) and _equal(self.outer, 1)
 
     def __repr__(self) -> str:
         if self.dim in ("shared", "raw"):
             return self.dim.upper()
         if self.dim is None:
             return "WHOLE"
-        return f"BatchDim({self.dim})" if _equal(self.inner, 1) else f"BatchDim({self.dim}, inner={self.inner})"
+        extra = "" if _equal(self.inner, 1) else f", inner={self.inner}"
+        extra += "" if _equal(self.outer, 1) else f", outer={self.outer}"
+        return f"BatchDim({self.dim}{extra})"
 
 
 WHOLE = BatchDim(None)
@@ -53,7 +67,7 @@ def _equal(a: Any, b: Any) -> bool:
 def batch_size_of(t: torch.Tensor, batch: BatchDim) -> Any:
     if batch.dim in (None, "shared", "raw"):
         return 1
-    return t.shape[batch.dim] // batch.inner
+    return t.shape[batch.dim] // (batch.inner * batch.outer)
 
 
 def batch_major(t: torch.Tensor, batch: BatchDim, batch_size: Any = None) -> torch.Tensor:
@@ -65,6 +79,12 @@ def batch_major(t: torch.Tensor, batch: BatchDim, batch_size: Any = None) -> tor
     if batch.dim is None:
         return t.unsqueeze(0)
     t = t.movedim(batch.dim, 0)
+    if not _equal(batch.outer, 1):
+        # [outer·B·inner, *rest] -> [B, outer·inner, *rest]: one sample's rows together
+        rest = t.shape[1:]
+        size = t.shape[0] // (batch.outer * batch.inner)
+        t = t.reshape(batch.outer, size, batch.inner, *rest).movedim(1, 0)
+        return t.reshape(size, batch.outer * batch.inner, *rest)
     if not _equal(batch.inner, 1):
         t = t.reshape(t.shape[0] // batch.inner, batch.inner, *t.shape[1:])
     return t

@@ -151,7 +151,7 @@ def _pointwise(node: fx.Node, arg_batch: list) -> Any:
         if b.dim is None:
             candidate = WHOLE
         else:
-            candidate = BatchDim(b.dim + out_ndim - _meta(arg).dim(), b.inner)
+            candidate = b.at(b.dim + out_ndim - _meta(arg).dim())
         if result is None:
             result = candidate
         elif not result.same_as(candidate):
@@ -181,28 +181,32 @@ def _is_pointwise(target: Any) -> bool:
 
 
 def _reshape(node: fx.Node, arg_batch: list) -> Any:
+    """Where the batch lands after a reshape, from the flat-index structure.
+
+    In flat order the samples occupy blocks: index ``o·(B·s) + b·s + r`` with
+    ``s`` the elements of one sample's slab that follow its index. An output dim
+    ``j`` of stride ``st`` holds the batch when ``st`` divides ``s`` and the span of
+    dim ``j`` is a multiple of ``B·s``: then ``inner = s / st`` and
+    ``outer = span / (B·s)``.
+    """
     b = arg_batch[0]
     if not isinstance(b, BatchDim) or b.dim is None:
         return b
     src = list(_meta(node.args[0]).shape)
     dst = list(_meta(node).shape)
-    batch = src[b.dim] // b.inner
-    outer = 1
-    for s in src[: b.dim]:
-        outer = outer * s
-    # elements of one sample's slab that follow the batch index, in flat order
+    batch = src[b.dim] // (b.inner * b.outer)
     stride = b.inner
-    for s in src[b.dim + 1:]:
-        stride = stride * s
-    prefix = 1
+    for size in src[b.dim + 1:]:
+        stride = stride * size
     for j, size in enumerate(dst):
-        if bool(prefix == outer):
-            after = 1
-            for s in dst[j + 1:]:
-                after = after * s
-            if bool(size * after == batch * stride) and bool(stride % after == 0):
-                return BatchDim(j, stride // after)
-        prefix = prefix * size
+        after = 1
+        for s in dst[j + 1:]:
+            after = after * s
+        span = size * after
+        if bool(size == 1) and not bool(batch == 1):
+            continue
+        if bool(stride % after == 0) and bool(span % (batch * stride) == 0):
+            return BatchDim(j, stride // after, span // (batch * stride))
     raise MixesSamples("it reshapes the batch dim into several dims")
 
 
@@ -264,7 +268,7 @@ def _permute(node, arg_batch):
         return b
     ndim = _meta(node.args[0]).dim()
     dims = [_norm_dim(d, ndim) for d in node.args[1]]
-    return BatchDim(dims.index(b.dim), b.inner)
+    return b.at(dims.index(b.dim))
 
 
 @_register(aten.transpose.int, aten.t.default, aten.swapaxes.default, aten.movedim.int)
@@ -280,9 +284,9 @@ def _transpose(node, arg_batch):
     if node.target is aten.movedim.int:
         order = list(range(ndim))
         order.insert(d1, order.pop(d0))
-        return BatchDim(order.index(b.dim), b.inner)
+        return b.at(order.index(b.dim))
     swap = {d0: d1, d1: d0}
-    return BatchDim(swap.get(b.dim, b.dim), b.inner)
+    return b.at(swap.get(b.dim, b.dim))
 
 
 @_register(aten.unsqueeze.default)
@@ -291,7 +295,7 @@ def _unsqueeze(node, arg_batch):
     if not isinstance(b, BatchDim) or b.dim is None:
         return b
     d = _norm_dim(node.args[1], _meta(node).dim())
-    return BatchDim(b.dim + 1 if d <= b.dim else b.dim, b.inner)
+    return b.at(b.dim + 1 if d <= b.dim else b.dim)
 
 
 @_register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
@@ -307,7 +311,7 @@ def _squeeze(node, arg_batch):
         dims = [_norm_dim(d, len(shape)) for d in ds if bool(shape[_norm_dim(d, len(shape))] == 1)]
     if b.dim in dims:
         raise MixesSamples("it squeezes the batch dim away")
-    return BatchDim(b.dim - sum(1 for d in dims if d < b.dim), b.inner)
+    return b.at(b.dim - sum(1 for d in dims if d < b.dim))
 
 
 @_register(aten.expand.default, aten.expand_as.default, aten.broadcast_to.default)
@@ -316,7 +320,7 @@ def _expand(node, arg_batch):
     if not isinstance(b, BatchDim) or b.dim is None:
         return b
     added = _meta(node).dim() - _meta(node.args[0]).dim()
-    return BatchDim(b.dim + added, b.inner)
+    return b.at(b.dim + added)
 
 
 @_register(aten.select.int)
@@ -327,7 +331,7 @@ def _select(node, arg_batch):
     d = _norm_dim(node.args[1], _meta(node.args[0]).dim())
     if d == b.dim:
         raise MixesSamples("it selects one row of the batch")
-    return BatchDim(b.dim - 1 if d < b.dim else b.dim, b.inner)
+    return b.at(b.dim - 1 if d < b.dim else b.dim)
 
 
 @_register(aten.slice.Tensor)
@@ -364,7 +368,7 @@ def _unbind(node, arg_batch):
     d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, _meta(node.args[0]).dim())
     if d == b.dim:
         raise MixesSamples("it unbinds the batch dim")
-    return [BatchDim(b.dim - 1 if d < b.dim else b.dim, b.inner)] * n
+    return [b.at(b.dim - 1 if d < b.dim else b.dim)] * n
 
 
 @_register(aten.cat.default, aten.stack.default)
@@ -381,7 +385,7 @@ def _cat(node, arg_batch):
         if b.dim is None:
             cand = WHOLE
         elif node.target is aten.stack.default:
-            cand = BatchDim(b.dim + 1 if d <= b.dim else b.dim, b.inner)
+            cand = b.at(b.dim + 1 if d <= b.dim else b.dim)
         else:
             if b.dim == d:
                 raise MixesSamples("it concatenates along the batch dim")
@@ -411,7 +415,7 @@ def _reduction(node: fx.Node, arg_batch: list, kind: str) -> Any:
         raise MixesSamples("it reduces over the batch dim (only the final loss may)")
     if keepdim:
         return b
-    return BatchDim(b.dim - sum(1 for d in dims if d < b.dim), b.inner)
+    return b.at(b.dim - sum(1 for d in dims if d < b.dim))
 
 
 for _op, _kind in [
@@ -441,7 +445,7 @@ def _values_indices(node, arg_batch):
     d = _norm_dim(d, x.dim())
     if d == b.dim:
         raise MixesSamples("it works along the batch dim")
-    out = b if keep else BatchDim(b.dim - (1 if d < b.dim else 0), b.inner)
+    out = b if keep else b.at(b.dim - (1 if d < b.dim else 0))
     return [out, out]
 
 
@@ -464,11 +468,11 @@ def _matmul_like(node, arg_batch):
             if which == 0 and pos == -1 or which == 1 and pos == -2:
                 raise MixesSamples("the batch dim is contracted")
             if which == 0 and pos == -2:
-                cand = BatchDim(out_ndim - (2 if b.dim() > 1 else 1), bd.inner)
+                cand = bd.at(out_ndim - (2 if b.dim() > 1 else 1))
             elif which == 1 and pos == -1:
-                cand = BatchDim(out_ndim - 1, bd.inner)
+                cand = bd.at(out_ndim - 1)
             else:
-                cand = BatchDim(out_ndim + pos, bd.inner)
+                cand = bd.at(out_ndim + pos)
         if result is None:
             result = cand
         elif not result.same_as(cand):
@@ -487,7 +491,7 @@ def _addmm(node, arg_batch):
     )
     bias = arg_batch[0]
     if isinstance(bias, BatchDim):
-        cand = BatchDim(bias.dim + _meta(node).dim() - _meta(node.args[0]).dim(), bias.inner) if bias.dim is not None else WHOLE
+        cand = bias.at(bias.dim + _meta(node).dim() - _meta(node.args[0]).dim()) if bias.dim is not None else WHOLE
         if inner is not None and not inner.same_as(cand):
             raise MixesSamples("its operands have their batch at different dims")
         return cand if inner is None else inner
@@ -507,7 +511,7 @@ def _sdpa(node, arg_batch):
             pos = bd.dim - t.dim()
             if pos >= -2 and i != 3:
                 raise MixesSamples("the batch dim is a sequence or feature dim of attention")
-            cand = BatchDim(_meta(node).dim() + pos, bd.inner)
+            cand = bd.at(_meta(node).dim() + pos)
         if result is None:
             result = cand
         elif not result.same_as(cand):
@@ -530,7 +534,7 @@ def _loss_with_classes(node, arg_batch, reduction_index):
     if _LOSS_REDUCTION[reduction] is None:
         if b.dim is None:
             return WHOLE
-        return BatchDim(b.dim - 1 if (isinstance(arg_batch[0], BatchDim) and b.dim > 1) else b.dim, b.inner)
+        return b.at(b.dim - 1 if (isinstance(arg_batch[0], BatchDim) and b.dim > 1) else b.dim)
     if len(args) > 2 and args[2] is not None:
         raise MixesSamples("class weights make the mean's normaliser depend on other samples' labels; use reduction='sum' and divide by the batch size")
     return Loss(_LOSS_REDUCTION[reduction])
@@ -598,7 +602,7 @@ def _batch_first_only(node, arg_batch):
             result = b
         elif not result.same_as(b):
             raise MixesSamples("its operands have their batch at different dims")
-    if node.target is aten.group_norm.default and result is not None and result.dim == 0 and not bool(result.inner == 1):
+    if node.target is aten.group_norm.default and result is not None and result.dim == 0 and not result.plain:
         raise MixesSamples("group norm over a merged batch dim")
     return result
 
@@ -632,7 +636,7 @@ def _index(node, arg_batch):
         first = next(i for i, ix in enumerate(indices) if ix is not None)
         if ib.dim is None:
             return WHOLE
-        return BatchDim(first + ib.dim, ib.inner)
+        return ib.at(first + ib.dim)
     return b
 
 
@@ -860,14 +864,14 @@ def _broadcast_plan(node: fx.Node, batch: dict) -> "Broadcast | None":
         if user.op != "call_function" or not _is_pointwise(user.target):
             return None
         b = batch.get(user)
-        if not isinstance(b, BatchDim) or b.dim is None or not bool(b.inner == 1):
+        if not isinstance(b, BatchDim) or b.dim is None or not b.plain:
             return None
         n = _meta(user).dim()
         if b.dim >= n - out.dim():
             return None
         ref = next((a for a in user.args if isinstance(a, fx.Node) and a is not node
                     and isinstance(batch.get(a), BatchDim) and batch[a].dim is not None
-                    and bool(batch[a].inner == 1)), None)
+                    and batch[a].plain), None)
         if ref is None:
             return None
         candidate = Broadcast(batch_dim=b.dim, ndim=n, ref=ref, ref_dim=batch[ref].dim)
