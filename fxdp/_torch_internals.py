@@ -18,6 +18,7 @@ __all__ = [
     "inductor_decompositions",
     "annotate",
     "graph_break_reason",
+    "inline_checkpoints",
     "in_compiled_autograd",
     "current_graph_task_id",
     "refuse_silent_eager_fallback",
@@ -97,6 +98,34 @@ def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False):
         return aot_module_simplified(gm, list(example_inputs), fw_compiler=fw, bw_compiler=bw)
+
+
+def inline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace Dynamo's ``tag_activation_checkpoint`` calls by their bodies.
+
+    The checkpointed ops become ordinary ops (they are then saved, not recomputed):
+    per-sample rules need to see them, and the higher-order op does not survive
+    ``make_fx(pre_dispatch=True)``.
+    """
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and hop is not None and node.target is hop:
+            body = getattr(gm, node.args[0].target)
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(_call_body, (body, *node.args[1:]))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+def _call_body(body, *args):
+    return body(*args)
 
 
 def graph_break_reason(gm: fx.GraphModule) -> str | None:

@@ -43,7 +43,9 @@ class DPModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         RUN_STATE.ran = False
-        out = self._compiled(*args, **kwargs)
+        # nn.LSTM/GRU/RNN are traced only with allow_rnn (read at trace time).
+        with torch._dynamo.config.patch(allow_rnn=True):
+            out = self._compiled(*args, **kwargs)
         if not getattr(RUN_STATE, "ran", False) and torch.is_grad_enabled() and any(
             p.requires_grad for p in self._module.parameters()
         ):

@@ -3,20 +3,94 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
 import torch.fx as fx
+from torch._decomp import get_decompositions
 
-from fxdp._torch_internals import make_fx_traced
+from fxdp._torch_internals import inline_checkpoints, make_fx_traced
 
-__all__ = ["canonicalize_pass"]
+__all__ = ["canonicalize_pass", "rnn_initial_state_pass"]
+
+_RNN_CALLS = {torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}
+_ZEROS = {torch.zeros}
+
+
+def _zero_state_like(x: torch.Tensor, layers: int, hidden: int, batch_first: bool) -> torch.Tensor:
+    """``zeros(layers, B, hidden)`` computed from the input, so it carries its batch dim."""
+    time_dim = 1 if batch_first else 0
+    probe = x.narrow(time_dim, 0, 1).narrow(-1, 0, 1)  # [B, 1, 1] or [1, B, 1]
+    if batch_first:
+        probe = probe.transpose(0, 1)
+    return torch.zeros_like(probe).expand(layers, -1, hidden)
+
+
+def rnn_initial_state_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Give an RNN's default zero initial state the input's batch dim.
+
+    ``nn.LSTM`` without ``hx`` builds ``torch.zeros(L, B, H)``: a constant whose size
+    happens to be ``B``. The batch analysis never matches sizes, so the state would
+    look shared and its products with the recurrent weights could not be separated
+    per sample. The same zeros, computed from the input, are batched.
+
+    Before::
+
+        h_zeros = torch.zeros(1, 3, 5, dtype=torch.float32, device=device(type='cpu'))
+        lstm = torch.lstm(x, (h_zeros, c_zeros), [...], True, 1, 0.0, True, False, True)
+
+    After::
+
+        zero_state = _zero_state_like(x, 1, 5, True)
+        lstm = torch.lstm(x, (zero_state, zero_state_1), [...], True, 1, 0.0, True, False, True)
+    """
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _RNN_CALLS or len(node.args) < 9:
+            continue
+        x, hx = node.args[0], node.args[1]
+        batch_first = bool(node.args[8])
+        states = hx if isinstance(hx, (list, tuple)) else [hx]
+        new_states = []
+        for state in states:
+            if (isinstance(state, fx.Node) and state.op == "call_function" and state.target in _ZEROS
+                    and len(state.args) == 3 and state.meta.get("example_value") is not None
+                    and x.meta.get("example_value") is not None and x.meta["example_value"].dim() == 3):
+                layers, _, hidden = state.args
+                with gm.graph.inserting_before(node):
+                    new = gm.graph.call_function(_zero_state_like, (x, layers, hidden, batch_first))
+                new.meta.update(state.meta)
+                new_states.append(new)
+                changed = True
+            else:
+                new_states.append(state)
+        args = list(node.args)
+        args[1] = type(hx)(new_states) if isinstance(hx, (list, tuple)) else new_states[0]
+        node.args = tuple(args)
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+# Recurrent layers arrive as one fused call; their decompositions unroll them into
+# per-step ``aten.linear`` calls, which the linear rule handles as tied uses.
+_DECOMPOSED = [
+    torch.ops.aten.lstm.input, torch.ops.aten.gru.input, torch.ops.aten.rnn_tanh.input,
+    torch.ops.aten.rnn_relu.input,
+]
 
 
 def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode) -> fx.GraphModule:
     """Retrace ``gm`` with ``make_fx(pre_dispatch=True)`` under its fake mode.
 
     ``torch._C._nn.linear(x, w, b)`` becomes ``torch.ops.aten.linear.default(x, w, b)``;
-    placeholders keep their order, node meta (``nn_module_stack``) is preserved.
+    ``aten.lstm`` becomes per-step linears; activation-checkpointed regions are
+    inlined (their ops become ordinary ops of the graph). Placeholders keep their
+    order, node meta (``nn_module_stack``) is preserved.
     """
-    out = make_fx_traced(fx.Interpreter(gm).run, fake_args, fake_mode=fake_mode, pre_dispatch=True)
+    gm = inline_checkpoints(gm)
+    gm = rnn_initial_state_pass(gm)
+    out = make_fx_traced(fx.Interpreter(gm).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
+                         decompositions=get_decompositions(_DECOMPOSED))
     out.graph.lint()
     out.recompile()
     return out
