@@ -798,7 +798,8 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
             continue
         param_positions = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a in sources]
         others = [a for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a not in sources]
-        if param_positions and all(i in rule.params for i in param_positions) and others:
+        if param_positions and all(i in rule.params for i in param_positions) and (
+                others or node.target is aten.expand.default):
             plan = _broadcast_plan(node, batch)
             if plan is not None:
                 candidates[node] = plan
@@ -849,32 +850,53 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
     return uses, broadcasts
 
 
+def _expanded_to_batch(node: fx.Node, dim: int) -> bool:
+    """``node`` is an ``expand`` that creates ``dim`` from a size-1 (or missing) dim: its
+    rows along ``dim`` are copies, so handing row ``b`` to sample ``b`` is exact."""
+    if node.target not in (aten.expand.default,):
+        return False
+    src, out = _meta(node.args[0]), _meta(node)
+    pad = out.dim() - src.dim()
+    return dim < pad or bool(src.shape[dim - pad] == 1)
+
+
 def _broadcast_plan(node: fx.Node, batch: dict) -> "Broadcast | None":
     """How to expand a shared parameter op's output to the batch, if its users allow it.
 
     ``pos = wpe(arange(T))`` ([T, d]) used only by ``x + pos`` with ``x`` [B, T, d]:
     the op's output can be expanded to ``[B, T, d]`` (a view) without changing any
-    result, and then its output gradient is per-sample.
+    result, and then its output gradient is per-sample. ViT's
+    ``cat([cls_token.expand(B, -1, -1), x], 1)`` is the same with the expand written
+    by the user.
     """
     out = _meta(node)
     if not isinstance(out, torch.Tensor) or not node.users:
         return None
     plan = None
     for user in node.users:
-        if user.op != "call_function" or not _is_pointwise(user.target):
+        if user.op != "call_function":
+            return None
+        is_cat = user.target is aten.cat.default
+        if not (_is_pointwise(user.target) or is_cat):
             return None
         b = batch.get(user)
         if not isinstance(b, BatchDim) or b.dim is None or not b.plain:
             return None
         n = _meta(user).dim()
-        if b.dim >= n - out.dim():
-            return None
-        ref = next((a for a in user.args if isinstance(a, fx.Node) and a is not node
+        added = n - out.dim()
+        if is_cat or b.dim >= added:
+            if not _expanded_to_batch(node, b.dim - added):
+                return None
+        flat_args = [a for arg in user.args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
+        ref = next((a for a in flat_args if isinstance(a, fx.Node) and a is not node
                     and isinstance(batch.get(a), BatchDim) and batch[a].dim is not None
                     and batch[a].plain), None)
         if ref is None:
             return None
-        candidate = Broadcast(batch_dim=b.dim, ndim=n, ref=ref, ref_dim=batch[ref].dim)
+        # the ref's batch dim in its own layout, for reading B at run time
+        candidate = Broadcast(batch_dim=b.dim - added if (is_cat or b.dim >= added) else b.dim,
+                              ndim=out.dim() if (is_cat or b.dim >= added) else n,
+                              ref=ref, ref_dim=batch[ref].dim)
         if plan is None:
             plan = candidate
         elif (plan.batch_dim, plan.ndim) != (candidate.batch_dim, candidate.ndim):

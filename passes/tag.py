@@ -81,6 +81,13 @@ def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple
     return Transform(module=module, num_sources=len(sources), isometric=isometric), sources + extras
 
 
+def _config(rule, node: fx.Node, broadcast) -> dict:
+    config = rule.config(node.args)
+    if rule.op is aten.expand.default and broadcast is not None:
+        config = {**config, "batch_dim": broadcast.batch_dim}
+    return config
+
+
 def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.Node, str],
              excluded: set[str]) -> tuple[fx.GraphModule, dict[str, int]]:
     """Tag every per-sample use of a trainable parameter; detach excluded parameters.
@@ -143,7 +150,7 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
             USES[use_id] = UseInfo(
                 use_id=use_id, rule=param_rule, param=", ".join(source_names),
                 module_path=module_path_of(node), operand_batch=operand_batch,
-                config=rule.config(node.args), transform=transform,
+                config=_config(rule, node, broadcast), transform=transform,
                 strategy_hint="generic" if site.generic else None,
                 source_names=source_names,
             )
