@@ -17,6 +17,9 @@ __all__ = [
     "OpRule",
     "RULES",
     "register_rule",
+    "register_ghost_inner",
+    "ghost_inner",
+    "GHOST_INNER",
     "lookup",
     "is_supported",
     "GRAD",
@@ -84,6 +87,30 @@ class OpRule:
 
 
 RULES: dict[Any, OpRule] = {}
+
+# Cross terms between uses of one (tied) parameter by two different rules:
+# (name_a, name_b) -> fn(operands_a, config_a, operands_b, config_b) -> [B], the
+# per-sample inner product <∂p_a, ∂p_b> without materialising either gradient.
+GHOST_INNER: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
+
+
+def register_ghost_inner(name_a: str, name_b: str, fn: Callable[..., torch.Tensor], *,
+                         override: bool = False) -> None:
+    """Register the per-sample inner product of two rules' gradients of one parameter."""
+    key = (name_a, name_b)
+    if key in GHOST_INNER and not override:
+        raise ValueError(f"a ghost inner product for {key} is already registered; pass override=True")
+    GHOST_INNER[key] = fn
+
+
+def ghost_inner(name_a: str, name_b: str):
+    """``fn(ops_a, cfg_a, ops_b, cfg_b)`` for the pair in either order, or ``None``."""
+    if (name_a, name_b) in GHOST_INNER:
+        return GHOST_INNER[(name_a, name_b)]
+    if (name_b, name_a) in GHOST_INNER:
+        fn = GHOST_INNER[(name_b, name_a)]
+        return lambda ops_a, cfg_a, ops_b, cfg_b: fn(ops_b, cfg_b, ops_a, cfg_a)
+    return None
 
 
 def register_rule(rule: OpRule, *, override: bool = False) -> OpRule:

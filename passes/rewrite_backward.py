@@ -34,7 +34,7 @@ from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced
 from fxdp.batching import batch_major, batch_size_of, scale_batch
 from fxdp.markers import USES, UseInfo
 from fxdp.options import Options
-from fxdp.registry import GRAD
+from fxdp.registry import GRAD, ghost_inner
 
 __all__ = ["BackwardPlan", "backward_rewrite_pass", "MARKER", "STABILITY_EPS"]
 
@@ -106,6 +106,45 @@ def param_names_of(p: fx.Node, markers: list[fx.Node], sources_of) -> str:
         if p in srcs and len(use.source_names) == len(srcs):
             return use.source_names[srcs.index(p)]
     return USES[markers[0].args[2]].param
+
+
+def _rule_groups(uses: list[UseInfo], ops: list[list[torch.Tensor]]):
+    """Uses of one parameter by several rules, merged per rule, if every rule has a ghost
+    norm and every pair a registered cross term; else ``None``."""
+    groups: list[tuple[UseInfo, list[torch.Tensor]]] = []
+    for use, o in zip(uses, ops):
+        for i, (g_use, members) in enumerate(groups):
+            if g_use.rule is use.rule and g_use.config == use.config:
+                members.append(o)
+                break
+        else:
+            groups.append((use, [o]))
+    merged = []
+    for use, members in groups:
+        if use.rule.ghost_sq_norm is None:
+            return None
+        if len(members) > 1:
+            if use.rule.concat_uses is None:
+                return None
+            members = [use.rule.concat_uses(members)]
+        merged.append((use, members[0]))
+    for i in range(len(merged)):
+        for j in range(i + 1, len(merged)):
+            if ghost_inner(merged[i][0].rule.name, merged[j][0].rule.name) is None:
+                return None
+    return merged
+
+
+def _tied_sq_norm(groups) -> torch.Tensor:
+    """``‖Σ_r ∂p_r‖² = Σ_r ‖∂p_r‖² + 2 Σ_{r<q} <∂p_r, ∂p_q>``, all by ghost norms."""
+    total = None
+    for i, (use, ops) in enumerate(groups):
+        term = use.rule.ghost_sq_norm(*ops, **use.config)
+        total = term if total is None else total + term
+        for other, other_ops in groups[i + 1:]:
+            fn = ghost_inner(use.rule.name, other.rule.name)
+            total = total + 2 * fn(ops, use.config, other_ops, other.config)
+    return total
 
 
 def _choose(use: UseInfo, operands: list[torch.Tensor], options: Options, keep: bool) -> tuple[str, dict]:
@@ -215,11 +254,17 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     merged = ops[0]
                 else:
                     merged = None
-                strategy, costs = ("instantiate", {}) if merged is None else _choose(first, merged, options, keep)
-                info = {"rule": first.rule.name, "param": first.param, "strategy": strategy,
-                        "module": first.module_path}
+                groups = None if (merged is not None or keep) else _rule_groups(uses, ops)
+                if groups is not None:
+                    strategy, costs = "ghost (tied across rules)", {}
+                else:
+                    strategy, costs = ("instantiate", {}) if merged is None else _choose(first, merged, options, keep)
+                info = {"rule": ", ".join(sorted({u.rule.name for u in uses})), "param": first.param,
+                        "strategy": strategy, "module": first.module_path}
                 with annotate({"fxdp": info}):
-                    if strategy == "ghost":
+                    if groups is not None:
+                        sq = _tied_sq_norm(groups)
+                    elif strategy == "ghost":
                         sq = first.rule.ghost_sq_norm(*merged, **first.config)
                     else:
                         psg = None

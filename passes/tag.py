@@ -170,6 +170,10 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
             "params": [USES[u].param for u in use_ids.values()],
             "use_ids": list(use_ids.values()),
         }
+        # Later uses look their operands up by node: the new node inherits the analysis.
+        batch[new] = batch.get(node)
+        if node in analysis.param_only:
+            analysis.param_only[new] = analysis.param_only[node]
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
     gm.graph.lint()
