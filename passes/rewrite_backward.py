@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced
+from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_hint
 from fxdp.batching import batch_major, batch_size_of, scale_batch
 from fxdp.markers import USES, UseInfo
 from fxdp.options import Options
@@ -106,6 +106,24 @@ def param_names_of(p: fx.Node, markers: list[fx.Node], sources_of) -> str:
         if p in srcs and len(use.source_names) == len(srcs):
             return use.source_names[srcs.index(p)]
     return USES[markers[0].args[2]].param
+
+
+class _Budget:
+    """Bytes of per-sample gradients that may stay alive until the clip factors exist."""
+
+    def __init__(self, options: Options):
+        if options.memory_budget_bytes is not None:
+            self.left = options.memory_budget_bytes
+        else:
+            # grad_sample=True materialises them anyway: keeping them is free.
+            self.left = float("inf") if options.grad_sample else 0
+
+    def take(self, t: torch.Tensor) -> bool:
+        size = size_hint(t.numel()) * t.element_size()
+        if size > self.left:
+            return False
+        self.left -= size
+        return True
 
 
 def _rule_groups(uses: list[UseInfo], ops: list[list[torch.Tensor]]):
@@ -238,6 +256,10 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
         batch_size = None
         sq_norms = []
         grad_samples: dict[fx.Node, torch.Tensor] = {}
+        # Per-sample gradients kept until the clip factors are known (strategy 3 of
+        # DESIGN.md): the clipped gradient is then Σ_n c_n P_n, no second contraction.
+        kept: dict[fx.Node, torch.Tensor] = {}
+        budget = _Budget(options)
         mapped_cache: dict[fx.Node, dict] = {}
         for p, ms in by_param.items():
             uses = [USES[m.args[2]] for m in ms]
@@ -274,6 +296,9 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                         sq = psg.flatten(1).pow(2).sum(1)
                         if keep:
                             grad_samples[p] = psg
+                        if all(m.args[1] is p for m in ms) and budget.take(psg):
+                            kept[p] = psg
+                            strategy = "instantiate + keep"
             else:
                 strategy, costs = "instantiate (per-sample VJP)", {}
                 info = {"rule": ", ".join(sorted({u.rule.name for u in uses})), "param": param_names_of(p, ms, sources_of),
@@ -313,8 +338,19 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                 factors = (options.max_grad_norm / (norms + STABILITY_EPS)).clamp(max=1.0)
                 extras.append(factors)
 
+        for p, psg in kept.items():
+            first, *rest = by_param[p]
+            use = USES[first.args[2]]
+            info = {"rule": use.rule.name, "param": use.param,
+                    "strategy": "clipped sum of kept per-sample gradients" if clip else "summed kept gradients",
+                    "module": use.module_path}
+            with annotate({"fxdp": info}):
+                weights = factors.to(psg.dtype) if clip else psg.new_ones(psg.shape[0])
+                env[first] = torch.tensordot(weights, psg, dims=1).to(env[p].dtype)
+                for m in rest:
+                    env[m] = torch.zeros_like(env[p])
         for m in markers:
-            if True:
+            if m not in env:
                 use = USES[m.args[2]]
                 info = {"rule": use.rule.name, "param": use.param,
                         "strategy": "clipped sum" if clip else "summed gradient", "module": use.module_path}
