@@ -239,6 +239,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                 "cannot be excluded with strict=False):",
                 [p for p in analysis.problems if not p.parameter],
             )
+    loss_normaliser_pass(canon, analysis)
     tagged, counts = tag_pass(canon, analysis, param_names, excluded)
     record.rule_counts = counts
     record._stage("tagged", tagged)
@@ -263,6 +264,45 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
         compiled = internals.eager_compile(tagged, example_inputs, backward_compiler,
                                            lambda g: record._stage("forward", g))
     return _forward_runner(compiled, record)
+
+
+_CLASS_LOSSES = {
+    torch.ops.aten.cross_entropy_loss.default, torch.ops.aten.nll_loss.default,
+    torch.ops.aten.nll_loss_nd.default, torch.ops.aten.nll_loss2d.default,
+}
+
+
+def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
+    """Guard a mean over the batch that skips ``ignore_index`` targets.
+
+    ``F.cross_entropy(..., reduction="mean")`` divides by the number of targets that
+    are not ``ignore_index``: with an ignored target that number depends on other
+    samples' labels, so no sample has a loss of its own (DESIGN.md refuses such a
+    normaliser). The graph gets a run-time check that no target is ignored::
+
+        ne = torch.ops.aten.ne.Scalar(target, -100)
+        all_1 = torch.ops.aten.all.default(ne)
+        _assert_async = torch.ops.aten._assert_async.msg(all_1, "fxdp: ...")
+    """
+    from fxdp.passes.batch_dims import Loss
+
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _CLASS_LOSSES:
+            continue
+        if not isinstance(analysis.batch.get(node), Loss) or analysis.batch[node].reduction != "mean":
+            continue
+        ignore_index = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+        with gm.graph.inserting_before(node):
+            ne = gm.graph.call_function(torch.ops.aten.ne.Scalar, (node.args[1], ignore_index))
+            every = gm.graph.call_function(torch.ops.aten.all.default, (ne,))
+            gm.graph.call_function(torch.ops.aten._assert_async.msg, (every, (
+                f"fxdp: a target equals ignore_index={ignore_index} under reduction='mean': the "
+                "loss is then divided by the number of kept targets of the whole batch, so no "
+                "sample has a loss of its own. Use reduction='sum' (loss_reduction='sum') and "
+                "divide by a fixed number yourself.")))
+    gm.graph.lint()
+    gm.recompile()
+    return gm
 
 
 def _forward_runner(compiled: Callable, record: CompiledGraph) -> Callable:
