@@ -33,4 +33,8 @@ def contraction_cost(expr: str, *shapes: Sequence[Any]) -> float:
 def as_sequence(t: torch.Tensor, last: int = 1) -> torch.Tensor:
     """``[B, *mid, *last_dims] -> [B, prod(mid), *last_dims]`` (``T = 1`` without mid dims)."""
     tail = t.shape[t.dim() - last:] if last else ()
-    return t.reshape(t.shape[0], -1, *tail)
+    positions = 1
+    for size in t.shape[1: t.dim() - last]:
+        positions = positions * size
+    # explicit, not -1: with B == 0 a -1 would be ambiguous
+    return t.reshape(t.shape[0], positions, *tail)
