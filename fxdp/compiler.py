@@ -89,7 +89,7 @@ def annotated_code(gm: fx.GraphModule) -> str:
 
 
 _SOURCE_KEY = re.compile(r"\['([^']+)'\]|\.([A-Za-z_]\w*)|\[(\d+)\]")
-_SKIP = {"_modules", "_parameters", "_buffers", "self", "fn", "model", "mod", "m"}
+_SKIP = {"_modules", "_parameters", "_buffers"}
 
 
 def source_name(node: fx.Node) -> str:
@@ -98,13 +98,9 @@ def source_name(node: fx.Node) -> str:
 
 
 def _param_name(source: str) -> str:
-    parts = []
-    for i, m in enumerate(_SOURCE_KEY.finditer(source)):
-        key = next(g for g in m.groups() if g is not None)
-        if i == 0 or key in _SKIP:
-            continue
-        parts.append(key)
-    return ".".join(parts) or source
+    keys = [next(g for g in m.groups() if g is not None) for m in _SOURCE_KEY.finditer(source)]
+    parts = [k for k in keys[1:] if k not in _SKIP]  # keys[0] is the frame's root (self, fn, ...)
+    return ".".join(parts) or (keys[0] if keys else source)
 
 
 def _argument_position(source: str, arg_names: Sequence[str]) -> tuple:
