@@ -136,6 +136,43 @@ def graph_break_reason(gm: fx.GraphModule) -> str | None:
     return None
 
 
+def backend_error(error: BaseException) -> BaseException | None:
+    """What to raise instead of a Dynamo error from an fxdp compilation, or ``None``.
+
+    Dynamo wraps the backend's exceptions in ``BackendCompilerFailed``; fxdp's own
+    (``UnsupportedError``, ``ValueError``, ``TypeError``) are the user's answer. At the
+    recompile limit ``fullgraph=True`` raises "Hard failure due to fullgraph=True".
+    """
+    from fxdp.errors import UnsupportedError
+
+    if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
+        return UnsupportedError(
+            "Dynamo hit its recompile limit (torch._dynamo.config.recompile_limit) and would run "
+            "the model eagerly, without the fxdp backward: its gradients would not be private. "
+            "Raise the limit or keep input shapes/types stable.")
+    inner = getattr(error, "inner_exception", None) if isinstance(
+        error, torch._dynamo.exc.BackendCompilerFailed) else None
+    return inner if isinstance(inner, (UnsupportedError, ValueError, TypeError)) else None
+
+
+def in_double_backward() -> bool:
+    """Whether AOTAutograd runs this backward for ``create_graph=True``.
+
+    AOTAutograd then calls the compiled backward from ``CompiledFunction._double_backward``
+    inside an autograd.Function forward (grad mode off), so ``torch.is_grad_enabled()``
+    cannot tell; its frame on the stack can.
+    """
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_double_backward" and code.co_filename.endswith("runtime_wrappers.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def in_compiled_autograd() -> bool:
     from torch._dynamo import compiled_autograd
 

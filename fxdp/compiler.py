@@ -324,7 +324,7 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options) -
     param_positions = [p.placeholder_index for p in plan.params]
 
     def run(args: list):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or internals.in_double_backward():
             raise UnsupportedError(
                 "fxdp does not support double backward (create_graph=True): per-sample "
                 "gradients and clipping are not differentiable here")

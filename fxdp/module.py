@@ -6,6 +6,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from fxdp import _torch_internals as internals
 from fxdp.backend import Backend
 from fxdp.compiler import RUN_STATE, latest_record
 from fxdp.errors import UnsupportedError
@@ -45,7 +46,13 @@ class DPModule(nn.Module):
         RUN_STATE.ran = False
         # nn.LSTM/GRU/RNN are traced only with allow_rnn (read at trace time).
         with torch._dynamo.config.patch(allow_rnn=True):
-            out = self._compiled(*args, **kwargs)
+            try:
+                out = self._compiled(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - only unwraps, always re-raises
+                inner = internals.backend_error(e)
+                if inner is None:
+                    raise
+                raise inner from None
         if not getattr(RUN_STATE, "ran", False) and torch.is_grad_enabled() and any(
             p.requires_grad for p in self._module.parameters()
         ):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from typing import Any, Callable
 
 import torch
@@ -106,11 +107,9 @@ def module_path_of(node: fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    # Dynamo writes sources such as "L['self'].layers[0]" or "G['m'].0".
-    for prefix in ("L['self'].", "L['self']", "L['fn'].", "L['fn']", "L['model'].", "G['"):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
-            break
+    # Dynamo writes sources such as "L['self'].layers[0]", "L['model']" (the root
+    # module of transform's wrapper: a top-level op) or "G['m'].0": drop the root.
+    path = re.sub(r"^[LG]\['[^']*'\]\.?", "", path)
     path = path.split("'].", 1)[-1] if "']." in path else path
     return path.replace("._modules['", ".").replace("']", "").replace("[", ".").replace("]", "")
 
@@ -259,6 +258,24 @@ def _indexing_along(node, arg_batch):
            aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default, aten.reshape_as.default)
 def _view(node, arg_batch):
     return _reshape(node, arg_batch)
+
+
+@_register(aten.broadcast_tensors.default)
+def _broadcast_tensors(node, arg_batch):
+    """Every output has the broadcast shape: batch dims align from the right, as in a
+    pointwise op; a shared operand broadcast against a batched one is batched."""
+    outs = _meta(node)
+    out_ndim = outs[0].dim()
+    result = None
+    for t, b in zip(node.args[0], arg_batch[0]):
+        if not isinstance(b, BatchDim) or not isinstance(t, fx.Node):
+            continue
+        candidate = WHOLE if b.dim is None else b.at(b.dim + out_ndim - _meta(t).dim())
+        if result is None:
+            result = candidate
+        elif not result.same_as(candidate):
+            raise MixesSamples("its batched operands have their batch at different dims")
+    return [result] * len(outs)
 
 
 @_register(aten.permute.default)

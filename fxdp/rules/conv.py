@@ -1,10 +1,12 @@
 """Convolutions: ``aten.conv{1,2,3}d`` (integer and string padding),
 ``aten.conv_transpose{1,2,3}d`` and ``aten.convolution``.
 
-Index letters: ``n`` batch, ``g`` group, ``o`` output channels of one group, ``k`` one
-patch (input channels of one group × kernel offsets, flattened in the weight's
-order), ``p``/``s`` positions of one sample (the rows of a sample merged into the
-batch dim, e.g. ``[B·R, C, H, W]``, times the output positions, ``P`` of them).
+Index letters: ``n`` batch, ``g`` group, ``o`` output channels of one group, ``c`` input
+channels of one group, ``r`` rows of one sample (when the batch is merged into the
+op's batch dim, ``[B·R, C, H, W]``), ``u v w`` output positions and ``i j l`` kernel
+offsets along each spatial dim, ``k`` one patch (``c`` and the kernel offsets,
+flattened in the weight's order), ``p``/``s`` positions of one sample (``r`` and the
+output positions flattened, ``P`` of them).
 
 A convolution is a linear layer over patches: with ``U = unfold(x)`` of shape
 ``[n, g, p, k]`` and the output gradient ``M`` of shape ``[n, g, p, o]``, the
@@ -21,8 +23,8 @@ so ``∂L/∂W = ∂⟨C(∂L/∂y), x⟩/∂W``: its weight gradient is the con
 and output gradient swapped, ``U = unfold(∂L/∂y)`` (positions cut to ``x``'s size:
 with ``output_padding ≥ stride`` the convolution of ``y`` has more) and ``M = x``.
 
-``padding="same"`` with an even extent ``dilation·(kernel - 1)`` pads one more on the
-right than on the left, as PyTorch does; padding is kept as ``(left, right)`` per dim.
+``padding="same"`` with an odd total padding ``dilation·(kernel - 1)`` pads one more on
+the right than on the left, as PyTorch does; padding is kept as ``(left, right)`` per dim.
 ``padding_mode`` other than zeros arrives as an ``aten.pad`` before the convolution,
 whose output is the input these rules see.
 """
@@ -168,8 +170,11 @@ def unfold_patches(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int]
     return x
 
 
-def _patches_and_multiplier(g: torch.Tensor, x: torch.Tensor, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``U [n, g, p, k]`` and ``M [n, g, p, o]`` with ``∂W_ng = Mᵀ U`` (see the module docstring)."""
+def _patch_views(g: torch.Tensor, x: torch.Tensor, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Patches ``[n, r, g, c, u.., i..]`` and multiplier ``[n, r, g, o, u..]``, both views.
+
+    ``∂W_n[g·o, c, i..] = Σ_{r, u..} multiplier · patches`` (see the module docstring).
+    """
     kernel, groups = config["kernel"], config["groups"]
     spatial = len(kernel)
     if config["transposed"]:
@@ -184,14 +189,21 @@ def _patches_and_multiplier(g: torch.Tensor, x: torch.Tensor, config: dict) -> t
         for i, size in enumerate(multiplier.shape[2:]):
             if patches.shape[2 + i] != size:
                 patches = patches.narrow(2 + i, 0, size)
-    channels = source.shape[1]
-    positions = math.prod(multiplier.shape[2:])
-    # [nR, C, *out, *kernel] -> [n, g, R·out, C/g·kernel]
-    patches = patches.reshape(n, rows, groups, channels // groups, positions, math.prod(kernel))
-    patches = patches.permute(0, 2, 1, 4, 3, 5).reshape(n, groups, rows * positions, -1)
-    out_channels = multiplier.shape[1]
-    multiplier = multiplier.reshape(n, rows, groups, out_channels // groups, positions)
-    multiplier = multiplier.permute(0, 2, 1, 4, 3).reshape(n, groups, rows * positions, out_channels // groups)
+    patches = patches.unflatten(1, (groups, -1)).unflatten(0, (n, rows))
+    multiplier = multiplier.unflatten(1, (groups, -1)).unflatten(0, (n, rows))
+    return patches, multiplier
+
+
+def _patches_and_multiplier(g: torch.Tensor, x: torch.Tensor, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``U [n, g, p, k]`` and ``M [n, g, p, o]`` (positions ``p`` = rows × output positions)."""
+    patches, multiplier = _patch_views(g, x, config)
+    spatial = len(config["kernel"])
+    n, rows, groups = patches.shape[:3]
+    # [n, r, g, c, *out, *kernel] -> [n, g, r, *out, c, *kernel] -> [n, g, p, k]
+    order = [0, 2, 1, *range(4, 4 + spatial), 3, *range(4 + spatial, 4 + 2 * spatial)]
+    patches = patches.permute(order).reshape(n, groups, -1, patches.shape[3] * math.prod(config["kernel"]))
+    order = [0, 2, 1, *range(4, 4 + spatial), 3]
+    multiplier = multiplier.permute(order).reshape(n, groups, -1, multiplier.shape[3])
     return patches, multiplier
 
 
@@ -208,17 +220,28 @@ def _weight_shape(g: torch.Tensor, x: torch.Tensor, config: dict) -> tuple:
 # ---------------------------------------------------------------------------
 
 
-def _weight_per_sample_grad(g: torch.Tensor, x: torch.Tensor, **config) -> torch.Tensor:
-    patches, multiplier = _patches_and_multiplier(g, x, config)
-    per_sample = contract("ngpo,ngpk->ngok", multiplier, patches)
-    return per_sample.reshape(per_sample.shape[0], *_weight_shape(g, x, config))
+def _weight_grad_by_convolution(g: torch.Tensor, x: torch.Tensor, config: dict, *, per_sample: bool) -> torch.Tensor:
+    """The weight gradient by ``aten.convolution_backward``, summed or per sample.
 
-
-def _weight_sum_grad(g: torch.Tensor, x: torch.Tensor, **config) -> torch.Tensor:
+    Per sample, the samples become groups: ``[n, C, *sp]`` is read as one batch row
+    of ``n·C`` channels, and a convolution with ``n·groups`` groups has exactly the
+    per-sample weight gradients as its weight gradient ``[n·C_out, C_in/groups, *k]``.
+    Rows of a sample (``[n, R, C, *sp]``) stay the batch, which the gradient sums.
+    """
     spatial = len(config["kernel"])
     shape = _weight_shape(g, x, config)
-    g, _, _ = _rows(g, spatial)
-    x, _, _ = _rows(x, spatial)
+    n = g.shape[0]
+    if per_sample:
+        def fold(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() == spatial + 2:
+                return t.reshape(1, -1, *t.shape[2:])
+            return t.transpose(0, 1).reshape(t.shape[1], -1, *t.shape[3:])
+
+        g, x = fold(g), fold(x)
+        shape, groups = (n * shape[0], *shape[1:]), n * config["groups"]
+    else:
+        (g, _, _), (x, _, _) = _rows(g, spatial), _rows(x, spatial)
+        groups = config["groups"]
     padding = config["padding"]
     if not _symmetric(padding):
         x, padding = F.pad(x, _pad_list(padding)), ((0, 0),) * spatial
@@ -227,8 +250,26 @@ def _weight_sum_grad(g: torch.Tensor, x: torch.Tensor, **config) -> torch.Tensor
     _, grad_weight, _ = aten.convolution_backward(
         g, x, weight, None, list(config["stride"]), [left for left, _ in padding],
         list(config["dilation"]), config["transposed"], list(config["output_padding"]),
-        config["groups"], [False, True, False])
-    return grad_weight
+        groups, [False, True, False])
+    return grad_weight.reshape(n, *_weight_shape(g, x, config)) if per_sample else grad_weight
+
+
+def _weight_per_sample_grad(g: torch.Tensor, x: torch.Tensor, **config) -> torch.Tensor:
+    weight_shape = _weight_shape(g, x, config)
+    if weight_shape[1] == 1:
+        # One input channel per group (depthwise): the contraction below would be a
+        # batch of 1-row matmuls; the grouped convolution is one fast kernel.
+        return _weight_grad_by_convolution(g, x, config, per_sample=True)
+    patches, multiplier = _patch_views(g, x, config)
+    spatial = len(config["kernel"])
+    out, kernel = "uvw"[:spatial], "ijl"[:spatial]
+    # contracted straight from the strided patch view: one copy, no [n, g, p, k] layout
+    per_sample = torch.einsum(f"nrgc{out}{kernel},nrgo{out}->ngoc{kernel}", patches, multiplier)
+    return per_sample.reshape(per_sample.shape[0], *weight_shape)
+
+
+def _weight_sum_grad(g: torch.Tensor, x: torch.Tensor, **config) -> torch.Tensor:
+    return _weight_grad_by_convolution(g, x, config, per_sample=False)
 
 
 def _weight_ghost_sq_norm(g: torch.Tensor, x: torch.Tensor, **config) -> torch.Tensor:

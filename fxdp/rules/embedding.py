@@ -52,7 +52,28 @@ __all__ = [
 aten = torch.ops.aten
 
 _MODE_SUM, _MODE_MEAN, _MODE_MAX = 0, 1, 2
-_MODE_NAMES = {_MODE_SUM: "sum", _MODE_MEAN: "mean", _MODE_MAX: "max"}
+
+
+_FREQ = (
+    "scale_grad_by_freq divides the gradient by each id's frequency in the whole batch, "
+    "which ties the samples' gradients together; use scale_grad_by_freq=False"
+)
+_MAX = (
+    "embedding_bag mode='max' routes each feature's gradient to the row of its maximum; "
+    "fxdp has no per-sample rule for it; use mode='sum' or 'mean'"
+)
+
+
+def _arg(args, index: int, default: Any) -> Any:
+    return args[index] if len(args) > index and args[index] is not None else default
+
+
+def _refuse(config: dict) -> None:
+    """Settings ``check`` refuses; raised again here should a use reach the maths unchecked."""
+    if config.get("scale_grad_by_freq"):
+        raise NotImplementedError(_FREQ)
+    if config.get("mode") == _MODE_MAX:
+        raise NotImplementedError(_MAX)
 
 
 # ---------------------------------------------------------------------------
@@ -143,10 +164,13 @@ def _not_padding(ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor | N
     return ids != padding_idx
 
 
+def _meta(arg: Any) -> Any:
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
 def _num_rows(weight: Any) -> Any:
-    value = weight.meta.get("val") if isinstance(weight, fx.Node) else weight
-    rows = value.shape[0]
-    return int(rows) if not isinstance(rows, torch.SymInt) else rows
+    rows = _meta(weight).shape[0]
+    return rows if isinstance(rows, torch.SymInt) else int(rows)
 
 
 # ---------------------------------------------------------------------------
@@ -154,8 +178,10 @@ def _num_rows(weight: Any) -> Any:
 # ---------------------------------------------------------------------------
 
 
-def _embedding_tokens(g: torch.Tensor, ids: torch.Tensor, padding_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _embedding_tokens(g: torch.Tensor, ids: torch.Tensor, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``g [B, *, d]``, ``ids [B, *]`` -> ``[B, T, d]``, ``[B, T]``, padding's gradient zeroed."""
+    _refuse(config)
+    padding_idx = config.get("padding_idx", -1)
     g, ids = as_sequence(g), as_sequence(ids, last=0)
     keep = _not_padding(ids, padding_idx)
     if keep is not None:
@@ -163,20 +189,20 @@ def _embedding_tokens(g: torch.Tensor, ids: torch.Tensor, padding_idx: int) -> t
     return g, ids
 
 
-def _embedding_per_sample_grad(g, ids, *, num_embeddings, padding_idx=-1, **config):
-    g, ids = _embedding_tokens(g, ids, padding_idx)
+def _embedding_per_sample_grad(g, ids, *, num_embeddings, **config):
+    g, ids = _embedding_tokens(g, ids, config)
     n, d = g.shape[0], g.shape[-1]
     keys = _keys(ids, _regular_sample(ids), num_embeddings).reshape(-1)
     return _scatter_rows(keys, g.reshape(-1, d), n * num_embeddings).reshape(n, num_embeddings, d)
 
 
-def _embedding_sum_grad(g, ids, *, num_embeddings, padding_idx=-1, **config):
-    g, ids = _embedding_tokens(g, ids, padding_idx)
+def _embedding_sum_grad(g, ids, *, num_embeddings, **config):
+    g, ids = _embedding_tokens(g, ids, config)
     return _scatter_rows(ids.reshape(-1).to(torch.int64), g.reshape(-1, g.shape[-1]), num_embeddings)
 
 
-def _embedding_ghost_sq_norm(g, ids, *, num_embeddings, padding_idx=-1, **config):
-    g, ids = _embedding_tokens(g, ids, padding_idx)
+def _embedding_ghost_sq_norm(g, ids, *, num_embeddings, **config):
+    g, ids = _embedding_tokens(g, ids, config)
     return _regular_sq_norm(g, ids, num_embeddings)
 
 
@@ -207,7 +233,8 @@ embedding_weight = ParamRule(
 def _embedding_config(args) -> dict:
     return {
         "num_embeddings": _num_rows(args[0]),
-        "padding_idx": args[2] if len(args) > 2 and args[2] is not None else -1,
+        "padding_idx": _arg(args, 2, -1),
+        "scale_grad_by_freq": bool(_arg(args, 3, False)),
     }
 
 
@@ -231,21 +258,10 @@ def _embedding_batch_rule(args_batch, args_meta, out_meta, config):
     return args_batch[1]
 
 
-_UNBATCHED_INDICES = (
-    "the indices of this embedding have no batch dim (e.g. positions from arange), so its "
-    "output and its table's gradient are shared by all samples; give the indices a batch "
-    "dim (expand them to [B, ...]) or freeze the table"
-)
-_FREQ = (
-    "scale_grad_by_freq divides the gradient by each id's frequency in the whole batch, "
-    "which ties the samples' gradients together; use scale_grad_by_freq=False"
-)
-
-
 def _embedding_check(args_batch, args_meta, index):
-    if index == 0 and args_batch[1] is None:
-        return _UNBATCHED_INDICES
-    if index == 0 and len(args_meta) > 3 and args_meta[3]:
+    # Unbatched indices (positions from arange) are the core's business: it expands the
+    # output to the batch when its users allow, so the gradient reaching us is per-sample.
+    if _arg(args_meta, 3, False):
         return _FREQ
     if args_batch[0] is not None:
         return "the embedding table itself is batched"
@@ -280,14 +296,14 @@ def _bag_of(num_ids: Any, offsets: torch.Tensor) -> torch.Tensor:
 
 def _bag_weights(ids: torch.Tensor, bag: torch.Tensor | None, bags: Any,
                  per_sample_weights: torch.Tensor | None, *, mode: int, padding_idx: Any,
-                 bag_shape: tuple | None = None) -> torch.Tensor:
+                 dtype: torch.dtype, bag_shape: tuple | None = None) -> torch.Tensor:
     """``c`` of each id: per-sample weight or ``1/size of its bag``, 0 at padding.
 
     Either ``ids [B, P·K]`` with ``bag_shape = (B, P, K)`` (regular bags) or flat
     ``ids [N]`` with ``bag [N]`` of ``bags`` bags.
     """
     keep = _not_padding(ids, padding_idx)
-    weight = torch.ones_like(ids, dtype=torch.float64) if keep is None else keep.to(torch.float64)
+    weight = torch.ones_like(ids, dtype=dtype) if keep is None else keep.to(dtype)
     if mode == _MODE_MEAN:
         if bag_shape is not None:
             sizes = weight.reshape(bag_shape).sum(-1, keepdim=True)
@@ -296,7 +312,7 @@ def _bag_weights(ids: torch.Tensor, bag: torch.Tensor | None, bags: Any,
             sizes = weight.new_zeros(bags).index_add(0, bag, weight)
             weight = weight / sizes.clamp(min=1)[bag]
     if per_sample_weights is not None:
-        weight = weight.to(per_sample_weights.dtype) * per_sample_weights.reshape(ids.shape)
+        weight = weight * per_sample_weights.reshape(ids.shape).to(dtype)
     return weight
 
 
@@ -306,14 +322,16 @@ def _bag_tokens(g, ids, offsets, per_sample_weights, *, mode, padding_idx, bags,
     Returns:
         ``(grads [N, d], ids [N], sample [N], B)``, flat.
     """
+    _refuse({"mode": mode, **config})
     if bags == "regular":
         # g [B, P, d] (P bags per sample), ids [B, P·K].
         g, ids = as_sequence(g), as_sequence(ids, last=0)
         n, p, d = g.shape
         k = ids.shape[1] // p if p else 0
         psw = None if per_sample_weights is None else per_sample_weights.reshape(ids.shape)
-        c = _bag_weights(ids, None, None, psw, mode=mode, padding_idx=padding_idx, bag_shape=(n, p, k))
-        grads = g.unsqueeze(2).expand(n, p, k, d).reshape(n, p * k, d) * c.unsqueeze(-1).to(g.dtype)
+        c = _bag_weights(ids, None, None, psw, mode=mode, padding_idx=padding_idx,
+                         dtype=g.dtype, bag_shape=(n, p, k))
+        grads = g.unsqueeze(2).expand(n, p, k, d).reshape(n, p * k, d) * c.unsqueeze(-1)
         sample = _regular_sample(ids)
         return grads.reshape(-1, d), ids.reshape(-1), sample.reshape(-1), n
     # "offsets": g [B, d], shared ids [1, N], offsets [B]: bag n is sample n.
@@ -321,8 +339,8 @@ def _bag_tokens(g, ids, offsets, per_sample_weights, *, mode, padding_idx, bags,
     n = g.shape[0]
     bag = _bag_of(ids.shape[0], offsets.reshape(-1))
     psw = None if per_sample_weights is None else per_sample_weights.reshape(-1)
-    c = _bag_weights(ids, bag, n, psw, mode=mode, padding_idx=padding_idx)
-    grads = g.reshape(n, -1)[bag] * c.unsqueeze(-1).to(g.dtype)
+    c = _bag_weights(ids, bag, n, psw, mode=mode, padding_idx=padding_idx, dtype=g.dtype)
+    grads = g.reshape(n, -1)[bag] * c.unsqueeze(-1)
     return grads, ids, bag, n
 
 
@@ -368,17 +386,14 @@ embedding_bag_weight = ParamRule(
 )
 
 
-def _arg(args, index: int, default: Any) -> Any:
-    return args[index] if len(args) > index and args[index] is not None else default
-
-
-def _regular_offsets(offsets: Any) -> bool:
-    """Whether the offsets are ``arange(0, N, K)``: F.embedding_bag's lowering of 2-D input."""
-    if not isinstance(offsets, fx.Node) or offsets.op != "call_function":
+def _regular_offsets(indices: Any, offsets: Any) -> bool:
+    """Whether the offsets are ``arange(0, N, K)`` with ``K`` dividing ``N``, the ``N``
+    indices' count: bags of ``K`` ids each, as F.embedding_bag lowers a 2-D input."""
+    if not isinstance(offsets, fx.Node) or offsets.target is not aten.arange.start_step:
         return False
-    if offsets.target is aten.arange.start_step:
-        return offsets.args[0] == 0
-    return False
+    start, end, step = offsets.args[:3]
+    num_ids = _meta(indices).shape[0]
+    return start == 0 and bool(end == num_ids) and bool(end % step == 0)
 
 
 def _bag_config(args) -> dict:
@@ -387,7 +402,8 @@ def _bag_config(args) -> dict:
         "mode": _arg(args, 4, _MODE_SUM),
         "padding_idx": _arg(args, 8, -1),
         "include_last_offset": bool(_arg(args, 7, False)),
-        "bags": "regular" if _regular_offsets(args[2]) else "offsets",
+        "scale_grad_by_freq": bool(_arg(args, 3, False)),
+        "bags": "regular" if _regular_offsets(args[1], args[2]) else "offsets",
     }
 
 
@@ -416,7 +432,7 @@ def _bag_batch_rule(args_batch, args_meta, out_meta, config):
             raise ValueError("both its indices and its offsets are batched")
         if psw_batch is not None and not psw_batch.same_as(ids_batch):
             raise ValueError("per_sample_weights are batched differently from the indices")
-        if psw_batch is None and args_meta[6] is not None:
+        if psw_batch is None and _arg(args_meta, 6, None) is not None:
             raise ValueError("the indices are batched but per_sample_weights are shared")
         if ids_batch.dim is None:
             bags_batch = WHOLE
@@ -461,9 +477,7 @@ def _bag_check(args_batch, args_meta, index):
             "neither the indices nor the offsets of this embedding_bag have a batch dim, so its "
             "output and its table's gradient are shared by all samples")
     if _arg(args_meta, 4, _MODE_SUM) == _MODE_MAX:
-        return (
-            "embedding_bag mode='max' routes each feature's gradient to the row of its maximum; "
-            "fxdp has no per-sample rule for it; use mode='sum' or 'mean'")
+        return _MAX
     if _arg(args_meta, 3, False):
         return _FREQ
     return None

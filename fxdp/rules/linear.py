@@ -127,4 +127,6 @@ LINEAR = register_rule(
 )
 
 
-MODULE_OPS = {torch.nn.Linear: (torch.ops.aten.linear.default,)}
+# nn.RNN/LSTM/GRU are unrolled by the canonicalise pass into per-step aten.linear calls.
+MODULE_OPS = {cls: (torch.ops.aten.linear.default,)
+              for cls in (torch.nn.Linear, torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU)}

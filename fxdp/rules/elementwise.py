@@ -1,0 +1,334 @@
+"""A parameter used directly by a broadcasting elementwise op.
+
+``x * gamma`` (layer scale, the weight of a hand-written RMSNorm), ``x + b`` (a
+learned bias), ``x + pos`` (a learned position table ``[T, d]`` on ``[B, T, d]``),
+``x / s``, ``torch.addcmul(y, x, gamma)``: ``aten.mul.Tensor``, ``aten.add.Tensor``,
+``aten.sub.Tensor``, ``aten.div.Tensor`` and ``aten.addcmul.default``, with the
+parameter as any of the tensor arguments.
+
+Index letters: ``n`` batch, ``…`` the output's dims of one sample.
+
+The gradient of argument ``j`` is ``g ⊙ ∂out/∂arg_j`` summed over the dims the
+argument was broadcast along; per sample: ``∂p_n = reduce_{p.shape}(g_n… ⊙ d_n…)``
+where ``d`` is the partial derivative (``other`` for ``mul``, ``alpha`` for
+``add``, ``-num/den²`` for the denominator of ``div`` …). The per-sample gradient
+has the parameter's own size, so these rules always instantiate it.
+
+These rules key the most common ops of any graph: ``batch_rule`` is the ordinary
+broadcasting propagation (used for every ``add``/``mul`` of the model, with or
+without a parameter) and ``input_grad`` is the ordinary broadcasting gradient.
+
+Layouts. The marker operands arrive batch-major (``[n, …]``, or ``[n, inner, …]``
+for a merged batch, ``[1, …]`` for a shared tensor); ``config`` records where each
+argument's batch was (``Layout``), and ``in_place`` puts each sample's rows back
+where the batch was, so that one sample is ``t[n]`` with the op's own broadcasting.
+``matmul.py`` uses the same helpers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxdp.batching import WHOLE, BatchDim
+from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
+
+__all__ = [
+    "Layout",
+    "layout_of",
+    "node_layouts",
+    "in_place",
+    "right_align",
+    "reduce_per_sample",
+    "pointwise_batch",
+    "param_spans_batch",
+    "ELEMENTWISE_RULES",
+    "MODULE_OPS",
+]
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------
+# Layout helpers (shared with matmul.py)
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where one tensor argument's batch was, decided when the op was tagged.
+
+    Attributes:
+        ndim: The argument's number of dims.
+        dim: Its batch dim, ``None`` for a shared tensor or a whole batch of one.
+        merged: Whether the batch dim holds ``B·inner`` rows with ``inner != 1``.
+        shape: The static shape (parameters), ``None`` where some size is symbolic.
+    """
+
+    ndim: int
+    dim: int | None
+    merged: bool
+    shape: tuple[int, ...] | None
+
+
+def _static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
+    if all(isinstance(s, int) for s in t.shape):
+        return tuple(t.shape)
+    return None
+
+
+def layout_of(meta: Any, batch: Any) -> Layout | None:
+    """The ``Layout`` of a tensor with example value ``meta`` and batch ``batch``."""
+    if not isinstance(meta, torch.Tensor):
+        return None
+    if isinstance(batch, BatchDim) and batch.dim is not None:
+        return Layout(meta.dim(), batch.dim, not bool(batch.inner == 1), _static_shape(meta))
+    return Layout(meta.dim(), None, False, _static_shape(meta))
+
+
+def _node_of(args: Sequence[Any]) -> fx.Node | None:
+    # ``config`` is called with ``node.args`` itself (the node's own tuple), so the node
+    # is the user of an argument whose ``args`` is that very tuple.
+    for a in args:
+        if isinstance(a, fx.Node):
+            for user in a.users:
+                if user.args is args:
+                    return user
+    return None
+
+
+def node_layouts(args: Sequence[Any], out_batch: Callable[[list, list], Any]) -> dict | None:
+    """Layouts of a tagged node's tensor arguments and of its output, for ``config``.
+
+    ``config`` runs on the canonical graph's nodes: after ``batch_dim_pass`` each node
+    carries ``meta["fxdp_batch"]``, the output's included (which may be a batch the core
+    gave it, e.g. a shared result expanded to the batch). Where the node cannot be found
+    the output's batch is ``out_batch(batches, metas)``, the op's own propagation.
+    Before the analysis (it calls ``config`` too), or on anything but nodes, returns ``None``.
+
+    Returns:
+        ``{"layouts": per argument Layout | None, "out_layout": Layout, "out_ndim": int}``.
+    """
+    metas, batches = [], []
+    for a in args:
+        if isinstance(a, fx.Node):
+            if "fxdp_batch" not in a.meta:
+                return None
+            metas.append(a.meta.get("val"))
+            batches.append(a.meta["fxdp_batch"] if isinstance(a.meta["fxdp_batch"], BatchDim) else None)
+        elif isinstance(a, torch.Tensor):
+            return None
+        else:
+            metas.append(a)
+            batches.append(None)
+    node = _node_of(args)
+    if node is not None and "fxdp_batch" in node.meta and isinstance(node.meta.get("val"), torch.Tensor):
+        out_meta, batch = node.meta["val"], node.meta["fxdp_batch"]
+    else:
+        out_meta, batch = None, out_batch(batches, metas)
+    out_ndim = out_meta.dim() if out_meta is not None else None
+    if not isinstance(batch, BatchDim):
+        batch = None
+    return {
+        "layouts": tuple(layout_of(m, b) for m, b in zip(metas, batches)),
+        "out_layout": layout_of(out_meta, batch) if out_meta is not None else Layout(
+            -1, batch.dim if batch is not None else None,
+            batch is not None and batch.dim is not None and not bool(batch.inner == 1), None),
+        "out_ndim": out_ndim,
+    }
+
+
+def in_place(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Batch-major marker operand -> ``[n, *shape]``, each sample's rows at the batch dim.
+
+    Sample ``n`` is then ``result[n]``: the argument's own shape with ``inner`` (or 1)
+    rows where the batch was. A shared tensor stays ``[1, *shape]`` (or ``[n, *shape]``
+    where the core expanded it); one passed as it is (a parameter) gains the leading 1.
+    """
+    if layout.dim is None:
+        return t.unsqueeze(0) if t.dim() == layout.ndim else t
+    if layout.merged:
+        return t.movedim(1, 1 + layout.dim)
+    return t.unsqueeze(1 + layout.dim)
+
+
+def right_align(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """``[n, *s] -> [n, 1, …, 1, *s]`` with ``ndim`` dims after ``n`` (broadcasting's alignment)."""
+    for _ in range(ndim - (t.dim() - 1)):
+        t = t.unsqueeze(1)
+    return t
+
+
+def reduce_per_sample(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``[n, *s] -> [n, *shape]``: each sample summed over the dims ``shape`` broadcasts along."""
+    lead = t.dim() - 1 - len(shape)
+    if lead > 0:
+        t = t.sum(tuple(range(1, 1 + lead)))
+    dims = [i + 1 for i, want in enumerate(shape) if want == 1 and not bool(t.shape[i + 1] == 1)]
+    if dims:
+        t = t.sum(dims, keepdim=True)
+    return t
+
+
+def pointwise_batch(args_batch: Sequence[Any], args_meta: Sequence[Any], out_ndim: int) -> BatchDim | None:
+    """Broadcasting propagation, as ``passes/batch_dims.py``'s ``_pointwise``: dims align
+    from the right and every batched operand must put its batch at the same output dim."""
+    result = None
+    for b, m in zip(args_batch, args_meta):
+        if not isinstance(b, BatchDim) or not isinstance(m, torch.Tensor):
+            continue
+        candidate = WHOLE if b.dim is None else BatchDim(b.dim + out_ndim - m.dim(), b.inner)
+        if result is None:
+            result = candidate
+        elif not result.same_as(candidate):
+            raise ValueError("its batched operands have their batch at different dims")
+    return result
+
+
+def param_spans_batch(shape: Sequence[int], out_batch: BatchDim, out_ndim: int) -> bool:
+    """Whether a parameter of ``shape``, right-aligned to the output, has a size other
+    than 1 along the output's batch dim (each sample would use its own slice of it)."""
+    if out_batch.dim is None:
+        return False
+    d = out_batch.dim - (out_ndim - len(shape))
+    return d >= 0 and not bool(shape[d] == 1)
+
+
+def _out_ndim(args_meta: Sequence[Any]) -> int:
+    """Rank of a broadcast's result from its arguments' example values (or ``Layout``s)."""
+    return max((m.dim() if isinstance(m, torch.Tensor) else m.ndim
+                for m in args_meta if isinstance(m, (torch.Tensor, Layout))), default=0)
+
+
+# ---------------------------------------------------------------------------
+# The ops: for each argument, the operands and the partial derivative
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Partial:
+    """``∂out/∂arg`` of one argument from the op's arguments ``others`` (by index) and
+    its scalar settings."""
+
+    others: tuple[int, ...]
+    fn: Callable[..., Any]
+
+
+def _scalar(args: Sequence[Any], index: int, default: Any = 1) -> Any:
+    # Keyword-only settings (alpha, value) arrive positionally once the tag pass
+    # passes the op's full schema arguments; a missing one is its default.
+    return args[index] if len(args) > index and args[index] is not None else default
+
+
+_SPEC: dict[Any, tuple[dict[int, _Partial], Callable[[Sequence[Any]], dict]]] = {
+    aten.mul.Tensor: (
+        {0: _Partial((1,), lambda other, **c: other), 1: _Partial((0,), lambda other, **c: other)},
+        lambda args: {},
+    ),
+    aten.add.Tensor: (
+        {0: _Partial((), lambda **c: 1), 1: _Partial((), lambda alpha, **c: alpha)},
+        lambda args: {"alpha": _scalar(args, 2)},
+    ),
+    aten.sub.Tensor: (
+        {0: _Partial((), lambda **c: 1), 1: _Partial((), lambda alpha, **c: -alpha)},
+        lambda args: {"alpha": _scalar(args, 2)},
+    ),
+    aten.div.Tensor: (
+        {0: _Partial((1,), lambda den, **c: 1 / den),
+         1: _Partial((0, 1), lambda num, den, **c: -num / (den * den))},
+        lambda args: {},
+    ),
+    aten.addcmul.default: (
+        {0: _Partial((), lambda **c: 1),
+         1: _Partial((2,), lambda t2, value, **c: value * t2),
+         2: _Partial((1,), lambda t1, value, **c: value * t1)},
+        lambda args: {"value": _scalar(args, 3)},
+    ),
+}
+
+
+def _make_param_rule(op: Any, index: int, partial: _Partial) -> ParamRule:
+    name = f"{op.__name__.split('.')[0]}.{op._schema.arguments[index].name}"
+
+    def product(operands, config):
+        g, *others = operands
+        g = in_place(g, config["out_layout"])
+        values = [in_place(t, config["layouts"][i]) for t, i in zip(others, partial.others)]
+        # The output may have more dims than the op's (the core expands a shared result).
+        ndim = max([config["out_ndim"], g.dim() - 1, *(v.dim() - 1 for v in values)])
+        values = [right_align(v, ndim) for v in values]
+        return right_align(g, ndim) * partial.fn(*values, **config["scalars"])
+
+    def per_sample_grad(*operands, **config):
+        return reduce_per_sample(product(operands, config), config["layouts"][index].shape)
+
+    def sum_grad(*operands, **config):
+        return per_sample_grad(*operands, **config).sum(0)
+
+    return ParamRule(
+        name=name,
+        operands=(GRAD, *partial.others),
+        per_sample_grad=per_sample_grad,
+        sum_grad=sum_grad,
+    )
+
+
+def _make_config(op: Any, scalars: Callable[[Sequence[Any]], dict]) -> Callable[[Sequence[Any]], dict]:
+    def out_batch(batches, metas):
+        return pointwise_batch(batches, metas, _out_ndim(metas))
+
+    def config(args: Sequence[Any]) -> dict:
+        found = node_layouts(args, out_batch)
+        if found is None:
+            return {"scalars": scalars(args)}
+        if found["out_ndim"] is None:
+            found["out_ndim"] = _out_ndim(found["layouts"])
+        return {**found, "scalars": scalars(args)}
+
+    return config
+
+
+def _make_input_grad(spec: dict[int, _Partial], scalars: Callable[[Sequence[Any]], dict]):
+    def input_grad(args, grad_out, index):
+        x = args[index]
+        partial = spec[index]
+        grad = grad_out * partial.fn(*[args[i] for i in partial.others], **scalars(args))
+        return grad.sum_to_size(x.shape).to(x.dtype)
+
+    return input_grad
+
+
+def _batch_rule(args_batch, args_meta, out_meta, config):
+    out_ndim = out_meta.dim() if isinstance(out_meta, torch.Tensor) else _out_ndim(args_meta)
+    return pointwise_batch(args_batch, args_meta, out_ndim)
+
+
+def _check(args_batch, args_meta, index):
+    out_ndim = _out_ndim(args_meta)
+    out_batch = pointwise_batch(args_batch, args_meta, out_ndim)
+    if out_batch is None:
+        return ("the parameter meets no batched value in this op, so its gradient here is "
+                "shared by all samples; combine it with the batched input directly")
+    if param_spans_batch(tuple(args_meta[index].shape), out_batch, out_ndim):
+        return ("the parameter has a size other than 1 along the batch dim of the output, so each "
+                "sample would use its own slice of it")
+    return None
+
+
+def _register(op: Any) -> OpRule:
+    spec, scalars = _SPEC[op]
+    return register_rule(OpRule(
+        op=op,
+        params={i: _make_param_rule(op, i, p) for i, p in spec.items()},
+        input_grad=_make_input_grad(spec, scalars),
+        batch_rule=_batch_rule,
+        config=_make_config(op, scalars),
+        check=_check,
+    ))
+
+
+ELEMENTWISE_RULES = {op: _register(op) for op in _SPEC}
+
+MODULE_OPS: dict[type, tuple] = {}

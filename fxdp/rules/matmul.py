@@ -1,0 +1,423 @@
+"""A parameter as an operand of a matrix product: ``aten.matmul``, ``aten.mm``,
+``aten.bmm``, ``aten.addmm``, ``aten.baddbmm``.
+
+``x @ W`` with ``W`` a parameter, Hugging Face's ``Conv1D`` (``addmm(b, x.view(-1, d),
+W)`` with ``W`` ``[in, out]``: the batch is merged into the rows, ``[B·T, d]``),
+``W @ x``, per-head weights ``[H, k, m]`` against ``[B, H, T, k]``.
+
+Index letters: ``n`` batch, ``t``/``s`` the rows of one sample (every position that
+meets the parameter, flattened), ``k`` the contracted dim, ``m`` the parameter's
+other dim.
+
+For ``out = a @ b`` (after promoting 1-D operands to matrices, as matmul does):
+``∂b_n = reduce_{b.shape}(a_nᵀ g_n)`` and ``∂a_n = reduce_{a.shape}(g_n b_nᵀ)``, each
+sample's rows kept where its batch dim was (``elementwise.in_place``). For a 2-D
+parameter every row of a sample meets the same matrix: ``∂W_n = Σ_t a_nt g_ntᵀ`` and
+the ghost norm is linear's, ``‖∂W_n‖² = Σ_{t,s} (a_nt·a_ns)(g_nt·g_ns)`` (Gram route,
+``O(T²(k+m))``), against ``O(T·k·m)`` for instantiating; the cost model picks.
+
+``addmm(bias, a, b, beta, alpha) = beta·bias + alpha·(a @ b)``: the bias is an
+elementwise use (``∂bias_n = beta · reduce(g_n)``), the factors scale the rest.
+
+Like the elementwise rules, these key ops that appear everywhere (attention's
+``q @ kᵀ``): ``batch_rule`` is the full matmul propagation for every call.
+
+``aten.einsum`` survives canonicalisation but takes its tensors as one list
+argument, which the core does not tag yet; ``einsum_batch`` is its propagation rule,
+ready to be registered (see ``tests/test_rules_elementwise.py``).
+"""
+from __future__ import annotations
+
+import math
+import string
+from typing import Any, Sequence
+
+import torch
+
+from fxdp.batching import WHOLE, BatchDim
+from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
+from fxdp.rules._common import contract, contraction_cost
+from fxdp.rules.elementwise import (
+    in_place,
+    node_layouts,
+    param_spans_batch,
+    pointwise_batch,
+    reduce_per_sample,
+    right_align,
+)
+
+__all__ = ["MATMUL", "MM", "BMM", "ADDMM", "BADDBMM", "matmul_batch", "einsum_batch", "MODULE_OPS"]
+
+aten = torch.ops.aten
+
+
+def _arg(args: Sequence[Any], index: int, default: Any = 1) -> Any:
+    # Keyword-only beta/alpha arrive positionally once the tag pass passes the op's
+    # full schema arguments; a missing one is its default.
+    return args[index] if len(args) > index and args[index] is not None else default
+
+
+# ---------------------------------------------------------------------------
+# Batch propagation
+# ---------------------------------------------------------------------------
+
+
+def _product_ndim(a_ndim: int, b_ndim: int) -> int:
+    if a_ndim == 1 and b_ndim == 1:
+        return 0
+    if a_ndim == 1:
+        return b_ndim - 1
+    if b_ndim == 1:
+        return a_ndim - 1
+    return max(a_ndim, b_ndim)
+
+
+def matmul_batch(a_batch: Any, b_batch: Any, a_ndim: int, b_ndim: int) -> BatchDim | None:
+    """Where ``a @ b`` puts the batch: a broadcast dim stays one (right-aligned), ``a``'s
+    rows and ``b``'s columns become the output's; a contracted batch mixes samples."""
+    out_ndim = _product_ndim(a_ndim, b_ndim)
+    # Output dims that come from the operands' matrix dims.
+    tail = (1 if a_ndim > 1 else 0) + (1 if b_ndim > 1 else 0)
+    result = None
+    for which, (bd, ndim) in enumerate(((a_batch, a_ndim), (b_batch, b_ndim))):
+        if not isinstance(bd, BatchDim):
+            continue
+        if bd.dim is None:
+            candidate = WHOLE
+        else:
+            if ndim == 1:
+                raise ValueError("a batched vector is contracted")
+            pos = bd.dim - ndim  # from the right
+            if (which == 0 and pos == -1) or (which == 1 and pos == -2):
+                raise ValueError("the batch dim is contracted")
+            if which == 0 and pos == -2:
+                candidate = BatchDim(out_ndim - (2 if b_ndim > 1 else 1), bd.inner)
+            elif which == 1 and pos == -1:
+                candidate = BatchDim(out_ndim - 1, bd.inner)
+            else:
+                candidate = BatchDim(out_ndim - tail + pos + 2, bd.inner)
+        if result is None:
+            result = candidate
+        elif not result.same_as(candidate):
+            raise ValueError("both operands are batched at different dims (samples are multiplied together)")
+    return result
+
+
+def _positions(op: Any) -> tuple[int, int, int | None]:
+    """Argument indices of ``a``, ``b`` and the added term (``None`` without one)."""
+    if op in (aten.addmm.default, aten.baddbmm.default):
+        return 1, 2, 0
+    return 0, 1, None
+
+
+def _make_batch_rule(op: Any):
+    a_pos, b_pos, c_pos = _positions(op)
+
+    def out_batch(batches: Sequence[Any], metas: Sequence[Any]) -> BatchDim | None:
+        a, b = metas[a_pos], metas[b_pos]
+        product = matmul_batch(batches[a_pos], batches[b_pos], a.dim(), b.dim())
+        if c_pos is None or not isinstance(batches[c_pos], BatchDim):
+            return product
+        out_ndim = _product_ndim(a.dim(), b.dim())
+        added = pointwise_batch([batches[c_pos]], [metas[c_pos]], out_ndim)
+        if product is not None and not product.same_as(added):
+            raise ValueError("its operands have their batch at different dims")
+        return added
+
+    def batch_rule(args_batch, args_meta, out_meta, config):
+        return out_batch(args_batch, args_meta)
+
+    return out_batch, batch_rule
+
+
+# ---------------------------------------------------------------------------
+# Per-sample gradients
+# ---------------------------------------------------------------------------
+
+
+def _promote(other: torch.Tensor, g: torch.Tensor, which: int, a_ndim: int, b_ndim: int):
+    """In-place ``[n, …]`` operand and output gradient with 1-D operands made matrices, as
+    matmul does (``which``: the parameter is ``a`` (0) or ``b`` (1))."""
+    if b_ndim == 1:
+        g = g.unsqueeze(-1)
+        if which == 0:
+            other = other.unsqueeze(-1)
+    if a_ndim == 1:
+        g = g.unsqueeze(-2)
+        if which == 1:
+            other = other.unsqueeze(-2)
+    ndim = max(other.dim(), g.dim()) - 1
+    return right_align(other, ndim), right_align(g, ndim)
+
+
+def _matrix_shape(shape: Sequence[int], which: int) -> tuple[int, ...]:
+    if len(shape) > 1:
+        return tuple(shape)
+    return (1, *shape) if which == 0 else (*shape, 1)
+
+
+class _Use:
+    """The maths of one parameter position of one product op."""
+
+    def __init__(self, op: Any, which: int):
+        self.op = op
+        self.which = which  # 0: the parameter is ``a``, 1: it is ``b``
+        self.a_pos, self.b_pos, _ = _positions(op)
+        self.param_pos = (self.a_pos, self.b_pos)[which]
+        self.other_pos = (self.a_pos, self.b_pos)[1 - which]
+
+    def _operands(self, g, other, config):
+        layouts = config["layouts"]
+        g = in_place(g, config["out_layout"])
+        other = in_place(other, layouts[self.other_pos])
+        return _promote(other, g, self.which, layouts[self.a_pos].ndim, layouts[self.b_pos].ndim)
+
+    def rows(self, g, other, config):
+        """``(operand rows [n, t, k], gradient rows [n, t, m])`` for a 2-D parameter, or
+        ``None`` where the rows of the two do not line up one to one."""
+        other, g = self._operands(g, other, config)
+        if self.which == 0:  # ∂a = g bᵀ: rows are b's columns
+            other, g = other.mT, g.mT
+        if other.shape[:-1] != g.shape[:-1]:
+            return None
+        # Explicit sizes: with B == 0 a -1 would be ambiguous.
+        rows = math.prod(g.shape[1:-1])
+        other = other.reshape(other.shape[0], rows, other.shape[-1])
+        g = g.reshape(g.shape[0], rows, g.shape[-1])
+        return other, g
+
+    def per_sample_grad(self, g, other, **config):
+        shape = config["layouts"][self.param_pos].shape
+        scale = config["alpha"]
+        if len(shape) <= 2:
+            found = self.rows(g, other, config)
+            if found is not None:
+                rows, grads = found
+                # a: [n, k] (rows of ``a``'s output side), b: [k, m]
+                expr = "ntk,ntm->nmk" if self.which == 0 else "ntk,ntm->nkm"
+                psg = contract(expr, rows, grads)
+                return (psg * scale if scale != 1 else psg).reshape(psg.shape[0], *shape)
+        other, g = self._operands(g, other, config)
+        full = g @ other.mT if self.which == 0 else other.mT @ g
+        psg = reduce_per_sample(full, _matrix_shape(shape, self.which))
+        psg = psg.reshape(psg.shape[0], *shape)
+        return psg * scale if scale != 1 else psg
+
+    def sum_grad(self, g, other, **config):
+        return self.per_sample_grad(g, other, **config).sum(0)
+
+    def ghost_sq_norm(self, g, other, **config):
+        found = self.rows(g, other, config) if len(config["layouts"][self.param_pos].shape) == 2 else None
+        if found is None:
+            return self.per_sample_grad(g, other, **config).flatten(1).pow(2).sum(1)
+        rows, grads = found
+        if rows.shape[1] == 1:
+            sq = rows.pow(2).sum((1, 2)) * grads.pow(2).sum((1, 2))
+        else:
+            sq = (torch.bmm(rows, rows.transpose(1, 2)) * torch.bmm(grads, grads.transpose(1, 2))).sum((1, 2))
+        scale = config["alpha"]
+        return sq * (scale * scale) if scale != 1 else sq
+
+    def costs(self, shapes, **config) -> dict[str, float]:
+        shape = config["layouts"][self.param_pos].shape
+        if len(shape) != 2:
+            return {"instantiate": 0.0}
+        out_side, in_side = (shape[0], shape[1]) if self.which == 0 else (shape[1], shape[0])
+        n = shapes[0][0]
+        t = max(1, math.prod(shapes[0][1:]) // out_side)
+        ghost = (contraction_cost("nti,nsi->nts", (n, t, in_side), (n, t, in_side))
+                 + contraction_cost("nto,nso->nts", (n, t, out_side), (n, t, out_side))
+                 + contraction_cost("nts,nts->n", (n, t, t), (n, t, t)))
+        instantiate = (contraction_cost("nto,nti->noi", (n, t, out_side), (n, t, in_side))
+                       + contraction_cost("noi,noi->n", (n, out_side, in_side), (n, out_side, in_side)))
+        return {"ghost": ghost, "instantiate": instantiate}
+
+    def param_rule(self) -> ParamRule:
+        name = f"{self.op.__name__.split('.')[0]}.{self.op._schema.arguments[self.param_pos].name}"
+        return ParamRule(
+            name=name,
+            operands=(GRAD, self.other_pos),
+            per_sample_grad=self.per_sample_grad,
+            sum_grad=self.sum_grad,
+            ghost_sq_norm=self.ghost_sq_norm,
+            costs=self.costs,
+        )
+
+
+def _added_term_rule(op: Any) -> ParamRule:
+    """``beta · c`` of ``addmm``/``baddbmm``: an elementwise use of ``c``."""
+
+    def per_sample_grad(g, **config):
+        g = right_align(in_place(g, config["out_layout"]), config["out_ndim"])
+        psg = reduce_per_sample(g, config["layouts"][0].shape)
+        return psg * config["beta"] if config["beta"] != 1 else psg
+
+    def sum_grad(g, **config):
+        return per_sample_grad(g, **config).sum(0)
+
+    return ParamRule(name=f"{op.__name__.split('.')[0]}.self", operands=(GRAD,),
+                     per_sample_grad=per_sample_grad, sum_grad=sum_grad)
+
+
+# ---------------------------------------------------------------------------
+# The rules
+# ---------------------------------------------------------------------------
+
+
+def _product_grad(a: torch.Tensor, b: torch.Tensor, g: torch.Tensor, which: int) -> torch.Tensor:
+    """The ordinary gradient of ``a @ b`` with respect to ``a`` (0) or ``b`` (1)."""
+    a2 = a.unsqueeze(0) if a.dim() == 1 else a
+    b2 = b.unsqueeze(-1) if b.dim() == 1 else b
+    if b.dim() == 1:
+        g = g.unsqueeze(-1)
+    if a.dim() == 1:
+        g = g.unsqueeze(-2)
+    if which == 0:
+        return (g @ b2.mT).sum_to_size(a2.shape).reshape(a.shape)
+    return (a2.mT @ g).sum_to_size(b2.shape).reshape(b.shape)
+
+
+def _make_input_grad(op: Any):
+    a_pos, b_pos, c_pos = _positions(op)
+
+    def input_grad(args, grad_out, index):
+        if index == c_pos:
+            grad = grad_out.sum_to_size(args[c_pos].shape)
+            beta = _arg(args, 3)
+            return grad * beta if beta != 1 else grad
+        if index not in (a_pos, b_pos):
+            raise NotImplementedError(f"{op} has no differentiable argument {index}")
+        grad = _product_grad(args[a_pos], args[b_pos], grad_out, 0 if index == a_pos else 1)
+        alpha = _arg(args, 4) if c_pos is not None else 1
+        return grad * alpha if alpha != 1 else grad
+
+    return input_grad
+
+
+def _make_config(op: Any, out_batch):
+    _, _, c_pos = _positions(op)
+
+    def config(args: Sequence[Any]) -> dict:
+        scales = {"alpha": _arg(args, 4), "beta": _arg(args, 3)} if c_pos is not None else {"alpha": 1}
+        found = node_layouts(args, out_batch)
+        if found is None:
+            return scales
+        if found["out_ndim"] is None:
+            a_pos, b_pos, _ = _positions(op)
+            found["out_ndim"] = _product_ndim(found["layouts"][a_pos].ndim, found["layouts"][b_pos].ndim)
+        return {**found, **scales}
+
+    return config
+
+
+def _make_check(op: Any, out_batch):
+    a_pos, b_pos, c_pos = _positions(op)
+
+    def check(args_batch, args_meta, index):
+        out = out_batch(args_batch, args_meta)
+        if out is None:
+            return ("the parameter meets no batched operand in this product, so its gradient here is "
+                    "shared by all samples; multiply it with the batched input directly")
+        out_ndim = _product_ndim(args_meta[a_pos].dim(), args_meta[b_pos].dim())
+        shape = tuple(args_meta[index].shape)
+        if index != c_pos:
+            # A matrix's own dims never hold the product's batch; its broadcast dims may.
+            shape = (*shape[:-2], 1, 1) if len(shape) > 2 else ()
+        if param_spans_batch(shape, out, out_ndim):
+            return ("the parameter has a size other than 1 along the batch dim of the product, so each "
+                    "sample would use its own slice of it")
+        return None
+
+    return check
+
+
+def _register(op: Any) -> OpRule:
+    a_pos, b_pos, c_pos = _positions(op)
+    out_batch, batch_rule = _make_batch_rule(op)
+    params = {a_pos: _Use(op, 0).param_rule(), b_pos: _Use(op, 1).param_rule()}
+    if c_pos is not None:
+        params[c_pos] = _added_term_rule(op)
+    return register_rule(OpRule(
+        op=op,
+        params=params,
+        input_grad=_make_input_grad(op),
+        batch_rule=batch_rule,
+        config=_make_config(op, out_batch),
+        check=_make_check(op, out_batch),
+    ))
+
+
+MATMUL = _register(aten.matmul.default)
+MM = _register(aten.mm.default)
+BMM = _register(aten.bmm.default)
+ADDMM = _register(aten.addmm.default)
+BADDBMM = _register(aten.baddbmm.default)
+
+
+# ---------------------------------------------------------------------------
+# einsum: propagation only (its tensors come as one list argument)
+# ---------------------------------------------------------------------------
+
+
+def _einsum_subscripts(equation: str, ndims: Sequence[int]) -> tuple[list[list[str]], list[str]]:
+    """Each operand's dims and the output's as labels; ``...`` becomes labels ``…0``,
+    ``…1`` … aligned from the right across operands, as einsum broadcasts them."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ndims):
+        raise ValueError(f"einsum equation {equation!r} does not match {len(ndims)} operands")
+    ellipsis = max((n - len(t.replace("...", "")) for t, n in zip(terms, ndims) if "..." in t), default=0)
+
+    def expand(term: str, ndim: int | None) -> list[str]:
+        before, dots, after = term.partition("...")
+        if not dots:
+            return list(term)
+        count = ellipsis if ndim is None else ndim - len(before) - len(after)
+        return [*before, *[f"…{ellipsis - count + j}" for j in range(count)], *after]
+
+    subscripts = [expand(t, n) for t, n in zip(terms, ndims)]
+    if arrow:
+        out = expand(rhs, None)
+    else:
+        letters = [c for t in terms for c in t.replace("...", "")]
+        out = [f"…{j}" for j in range(ellipsis)] + sorted(
+            (c for c in set(letters) if letters.count(c) == 1), key=string.ascii_letters.index)
+    return subscripts, out
+
+
+def einsum_batch(equation: str, batches: Sequence[Any], metas: Sequence[torch.Tensor]) -> BatchDim | None:
+    """Where ``einsum(equation, operands)`` puts the batch.
+
+    The batch dim's label must be the same in every batched operand, appear once per
+    operand and survive into the output; a shared operand may only have size 1 there.
+    """
+    subscripts, out = _einsum_subscripts(equation, [m.dim() for m in metas])
+    label, result = None, None
+    for b, dims in zip(batches, subscripts):
+        if not isinstance(b, BatchDim):
+            continue
+        if b.dim is None:
+            candidate, this = WHOLE, None
+        else:
+            this = dims[b.dim]
+            if dims.count(this) > 1:
+                raise ValueError("it takes a diagonal over the batch dim")
+            if this not in out:
+                raise ValueError("the batch dim is contracted")
+            if label is not None and this != label:
+                raise ValueError("its operands have their batch under different labels")
+            label = this
+            candidate = BatchDim(out.index(this), b.inner)
+        if result is None:
+            result = candidate
+        elif not result.same_as(candidate):
+            raise ValueError("its batched operands have their batch at different dims")
+    if label is not None:
+        for b, dims, m in zip(batches, subscripts, metas):
+            if not isinstance(b, BatchDim) and label in dims and not bool(m.shape[dims.index(label)] == 1):
+                raise ValueError("a shared operand is indexed along the batch dim")
+    return result
+
+
+MODULE_OPS: dict[type, tuple] = {}

@@ -1,0 +1,361 @@
+"""Normalisation layers: ``aten.layer_norm``, ``aten.rms_norm``, ``aten.group_norm``,
+``aten.instance_norm`` (``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``,
+``nn.InstanceNorm*d(affine=True)``).
+
+Index letters: ``n`` batch, ``…`` the dims of one sample that are not normalised
+(positions, spatial dims), ``c`` the affine dims (the normalised shape for
+layer/RMS norm, the channels for group/instance norm).
+
+``y = x̂ ⊙ w + b`` with ``x̂`` the normalised input, so per sample
+``∂w_n = Σ_… g_n…c x̂_n…c`` and ``∂b_n = Σ_… g_n…c``. ``x̂`` is recomputed in the
+backward from the saved input (mean and variance of each sample's own rows, which is
+why these ops are per-sample at all). The per-sample gradients have the size of the
+affine parameters, so they are always instantiated.
+
+Instance norm normalises each (sample, channel) over its spatial dims: it is group
+norm with one channel per group. With ``track_running_stats=True`` in training its
+running buffers average the statistics of all samples (they leak data, as
+BatchNorm's do): refused.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from fxdp.batching import BatchDim
+from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
+
+__all__ = [
+    "LAYER_NORM",
+    "RMS_NORM",
+    "GROUP_NORM",
+    "INSTANCE_NORM",
+    "layer_norm_weight",
+    "layer_norm_bias",
+    "rms_norm_weight",
+    "group_norm_weight",
+    "group_norm_bias",
+    "instance_norm_weight",
+    "instance_norm_bias",
+    "MODULE_OPS",
+]
+
+aten = torch.ops.aten
+
+_DEFAULT_EPS = 1e-5
+
+
+def _arg(args: Sequence[Any], index: int, default: Any = None) -> Any:
+    return args[index] if len(args) > index and args[index] is not None else default
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # Statistics of half-precision inputs are taken in float32, as the kernels do.
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+# ---------------------------------------------------------------------------
+# Shared maths: x̂ and the per-sample affine gradients
+# ---------------------------------------------------------------------------
+
+
+def _normalized_trailing(x: torch.Tensor, num_dims: int, eps: float | None, center: bool) -> torch.Tensor:
+    """``x̂`` over the last ``num_dims`` dims: layer norm (``center``) or RMS norm."""
+    dtype = x.dtype
+    x = x.to(_compute_dtype(x))
+    dims = tuple(range(x.dim() - num_dims, x.dim()))
+    if eps is None:  # rms_norm's default
+        eps = torch.finfo(x.dtype).eps
+    if center:
+        var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)
+        return ((x - mean) * torch.rsqrt(var + eps)).to(dtype)
+    return (x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)).to(dtype)
+
+
+def _normalized_groups(x: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """``x̂`` of ``[n, C, *spatial]`` over each sample's groups of ``C / groups`` channels."""
+    dtype = x.dtype
+    # Explicit sizes: with B == 0 a -1 would be ambiguous.
+    grouped = x.to(_compute_dtype(x)).reshape(x.shape[0], groups, math.prod(x.shape[1:]) // groups)
+    var, mean = torch.var_mean(grouped, -1, correction=0, keepdim=True)
+    return ((grouped - mean) * torch.rsqrt(var + eps)).reshape(x.shape).to(dtype)
+
+
+def _sum_leading(t: torch.Tensor, num_kept: int) -> torch.Tensor:
+    """``[n, …, *c] -> [n, *c]`` (``num_kept`` trailing dims kept)."""
+    dims = tuple(range(1, t.dim() - num_kept))
+    return t.sum(dims) if dims else t
+
+
+def _channel_sums(t: torch.Tensor) -> torch.Tensor:
+    """``[n, c, *spatial] -> [n, c]``."""
+    return t.reshape(t.shape[0], t.shape[1], math.prod(t.shape[2:])).sum(-1)
+
+
+# ---------------------------------------------------------------------------
+# aten.layer_norm(input, normalized_shape, weight, bias, eps, cudnn_enable)
+# aten.rms_norm(input, normalized_shape, weight, eps)
+# ---------------------------------------------------------------------------
+
+
+def _layer_norm_config(args: Sequence[Any]) -> dict:
+    return {"num_dims": len(args[1]), "eps": float(_arg(args, 4, _DEFAULT_EPS))}
+
+
+def _rms_norm_config(args: Sequence[Any]) -> dict:
+    eps = _arg(args, 3)
+    return {"num_dims": len(args[1]), "eps": None if eps is None else float(eps)}
+
+
+def _trailing_weight_rule(name: str, center: bool) -> ParamRule:
+    def per_sample_grad(g, x, *, num_dims, eps):
+        return _sum_leading(g * _normalized_trailing(x, num_dims, eps, center), num_dims)
+
+    def sum_grad(g, x, *, num_dims, eps):
+        return per_sample_grad(g, x, num_dims=num_dims, eps=eps).sum(0)
+
+    return ParamRule(name=name, operands=(GRAD, 0), per_sample_grad=per_sample_grad, sum_grad=sum_grad)
+
+
+def _trailing_bias_per_sample_grad(g, *, num_dims, eps):
+    return _sum_leading(g, num_dims)
+
+
+def _trailing_bias_sum_grad(g, *, num_dims, eps):
+    return g.sum(tuple(range(g.dim() - num_dims)))
+
+
+layer_norm_weight = _trailing_weight_rule("layer_norm.weight", center=True)
+layer_norm_bias = ParamRule(
+    name="layer_norm.bias",
+    operands=(GRAD,),
+    per_sample_grad=_trailing_bias_per_sample_grad,
+    sum_grad=_trailing_bias_sum_grad,
+)
+rms_norm_weight = _trailing_weight_rule("rms_norm.weight", center=False)
+
+
+def _layer_norm_input_grad(args, grad_out, index):
+    x, shape, weight, bias = args[0], list(args[1]), _arg(args, 2), _arg(args, 3)
+    _, mean, rstd = aten.native_layer_norm.default(x, shape, weight, bias, float(_arg(args, 4, _DEFAULT_EPS)))
+    mask = [index == 0, index == 2, index == 3]
+    grads = aten.native_layer_norm_backward.default(grad_out, x, shape, mean, rstd, weight, bias, mask)
+    return grads[{0: 0, 2: 1, 3: 2}[index]]
+
+
+def _rms_norm_input_grad(args, grad_out, index):
+    """``y = x r w`` with ``r = (mean(x²) + eps)^(-1/2)`` over the normalised dims:
+    ``∂x = r (g w) - x r³ mean(g w x)``, ``∂w = Σ g x r``."""
+    x, weight = args[0], _arg(args, 2)
+    num_dims = len(args[1])
+    eps = _arg(args, 3)
+    if index == 2:
+        return (grad_out * _normalized_trailing(x, num_dims, eps, False)).sum_to_size(weight.shape)
+    dtype = x.dtype
+    xc = x.to(_compute_dtype(x))
+    gw = grad_out.to(xc.dtype) if weight is None else grad_out.to(xc.dtype) * weight.to(xc.dtype)
+    dims = tuple(range(x.dim() - num_dims, x.dim()))
+    if eps is None:
+        eps = torch.finfo(xc.dtype).eps
+    rstd = torch.rsqrt(xc.pow(2).mean(dims, keepdim=True) + eps)
+    grad = rstd * gw - xc * rstd.pow(3) * (gw * xc).mean(dims, keepdim=True)
+    return grad.to(dtype)
+
+
+def _trailing_batch_rule(args_batch, args_meta, out_meta, config):
+    """The batch may sit in any leading dim (merged or not), never in a normalised one."""
+    b = args_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    if b.dim >= args_meta[0].dim() - len(args_meta[1]):
+        raise ValueError("it normalises over the batch dim")
+    return b
+
+
+def _check_batched_input(args_batch, args_meta, index):
+    if args_batch[0] is None:
+        return (
+            "the input of this normalisation has no batch dim, so its parameter gradient is "
+            "shared by all samples; give the input a batch dim or freeze the parameter"
+        )
+    return None
+
+
+LAYER_NORM = register_rule(OpRule(
+    op=aten.layer_norm.default,
+    params={2: layer_norm_weight, 3: layer_norm_bias},
+    input_grad=_layer_norm_input_grad,
+    batch_rule=_trailing_batch_rule,
+    config=_layer_norm_config,
+    check=_check_batched_input,
+))
+
+RMS_NORM = register_rule(OpRule(
+    op=aten.rms_norm.default,
+    params={2: rms_norm_weight},
+    input_grad=_rms_norm_input_grad,
+    batch_rule=_trailing_batch_rule,
+    config=_rms_norm_config,
+    check=_check_batched_input,
+))
+
+
+# ---------------------------------------------------------------------------
+# aten.group_norm(input, num_groups, weight, bias, eps, cudnn_enabled)
+# aten.instance_norm(input, weight, bias, running_mean, running_var,
+#                    use_input_stats, momentum, eps, cudnn_enabled)
+# ---------------------------------------------------------------------------
+
+
+def _group_norm_config(args: Sequence[Any]) -> dict:
+    return {"groups": int(args[1]), "eps": float(_arg(args, 4, _DEFAULT_EPS))}
+
+
+def _instance_norm_config(args: Sequence[Any]) -> dict:
+    # groups=None: one group per channel.
+    return {"groups": None, "eps": float(_arg(args, 7, _DEFAULT_EPS))}
+
+
+def _groups_of(x: torch.Tensor, groups: int | None) -> int:
+    return x.shape[1] if groups is None else groups
+
+
+def _group_weight_per_sample_grad(g, x, *, groups, eps):
+    return _channel_sums(g * _normalized_groups(x, _groups_of(x, groups), eps))
+
+
+def _group_weight_sum_grad(g, x, *, groups, eps):
+    return _group_weight_per_sample_grad(g, x, groups=groups, eps=eps).sum(0)
+
+
+def _group_bias_per_sample_grad(g, *, groups, eps):
+    return _channel_sums(g)
+
+
+def _group_bias_sum_grad(g, *, groups, eps):
+    return _channel_sums(g).sum(0)
+
+
+group_norm_weight = ParamRule(
+    name="group_norm.weight",
+    operands=(GRAD, 0),
+    per_sample_grad=_group_weight_per_sample_grad,
+    sum_grad=_group_weight_sum_grad,
+)
+group_norm_bias = ParamRule(
+    name="group_norm.bias",
+    operands=(GRAD,),
+    per_sample_grad=_group_bias_per_sample_grad,
+    sum_grad=_group_bias_sum_grad,
+)
+instance_norm_weight = ParamRule(
+    name="instance_norm.weight",
+    operands=(GRAD, 0),
+    per_sample_grad=_group_weight_per_sample_grad,
+    sum_grad=_group_weight_sum_grad,
+)
+instance_norm_bias = ParamRule(
+    name="instance_norm.bias",
+    operands=(GRAD,),
+    per_sample_grad=_group_bias_per_sample_grad,
+    sum_grad=_group_bias_sum_grad,
+)
+
+
+def _native_group_norm_grad(x, grad_out, weight, bias, groups, eps, which):
+    """One of (input, weight, bias) gradients of group norm, by ATen's own backward."""
+    n, c = x.shape[0], x.shape[1]
+    spatial = math.prod(x.shape[2:])
+    # The native kernels want contiguous inputs (a movedim'd activation is not).
+    x, grad_out = x.contiguous(), grad_out.contiguous()
+    _, mean, rstd = aten.native_group_norm.default(x, weight, bias, n, c, spatial, groups, eps)
+    mask = [which == 0, which == 1, which == 2]
+    return aten.native_group_norm_backward.default(grad_out, x, mean, rstd, weight, n, c, spatial, groups, mask)[which]
+
+
+def _group_norm_input_grad(args, grad_out, index):
+    which = {0: 0, 2: 1, 3: 2}[index]
+    return _native_group_norm_grad(args[0], grad_out, _arg(args, 2), _arg(args, 3), int(args[1]),
+                                   float(_arg(args, 4, _DEFAULT_EPS)), which)
+
+
+def _instance_norm_input_grad(args, grad_out, index):
+    x, weight, bias = args[0], _arg(args, 1), _arg(args, 2)
+    eps = float(_arg(args, 7, _DEFAULT_EPS))
+    which = {0: 0, 1: 1, 2: 2}[index]
+    if args[5]:  # use_input_stats: group norm with one channel per group
+        return _native_group_norm_grad(x, grad_out, weight, bias, x.shape[1], eps, which)
+    # Running statistics: an affine map per channel.
+    view = (1, -1, *([1] * (x.dim() - 2)))
+    scale = torch.rsqrt(args[4] + eps).reshape(view)
+    if which == 0:
+        return grad_out * scale * (1 if weight is None else weight.reshape(view))
+    if which == 1:
+        return _channel_sums(grad_out * (x - args[3].reshape(view)) * scale).sum(0)
+    return _channel_sums(grad_out).sum(0)
+
+
+def _batch_first_rule(args_batch, args_meta, out_meta, config):
+    """``[N, C, *spatial]``: the samples must be dim 0, not merged with anything."""
+    b = args_batch[0]
+    for other in args_batch[1:]:
+        if isinstance(other, BatchDim):
+            raise ValueError("an affine parameter or running statistic of the normalisation is batched")
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    if b.dim != 0:
+        raise ValueError("it needs the batch at dim 0 ([N, C, ...])")
+    if not bool(b.inner == 1):
+        raise ValueError("it normalises groups over a merged batch dim (samples share statistics)")
+    return b
+
+
+def _instance_norm_batch_rule(args_batch, args_meta, out_meta, config):
+    b = _batch_first_rule(args_batch, args_meta, out_meta, config)
+    use_input_stats, running_mean = args_meta[5], args_meta[3]
+    if isinstance(b, BatchDim) and b.dim is not None and use_input_stats and running_mean is not None:
+        raise ValueError(
+            "InstanceNorm with track_running_stats=True in training averages every sample's "
+            "statistics into its running buffers (they leak data); use "
+            "track_running_stats=False or call .eval() on it"
+        )
+    return b
+
+
+def _instance_norm_check(args_batch, args_meta, index):
+    reason = _check_batched_input(args_batch, args_meta, index)
+    if reason is None and index == 1 and not args_meta[5]:
+        return ("the weight of an InstanceNorm that uses running statistics (eval mode) has no "
+                "per-sample rule; train it in train mode with track_running_stats=False or freeze it")
+    return reason
+
+
+GROUP_NORM = register_rule(OpRule(
+    op=aten.group_norm.default,
+    params={2: group_norm_weight, 3: group_norm_bias},
+    input_grad=_group_norm_input_grad,
+    batch_rule=_batch_first_rule,
+    config=_group_norm_config,
+    check=_check_batched_input,
+))
+
+INSTANCE_NORM = register_rule(OpRule(
+    op=aten.instance_norm.default,
+    params={1: instance_norm_weight, 2: instance_norm_bias},
+    input_grad=_instance_norm_input_grad,
+    batch_rule=_instance_norm_batch_rule,
+    config=_instance_norm_config,
+    check=_instance_norm_check,
+))
+
+
+MODULE_OPS = {
+    torch.nn.LayerNorm: (aten.layer_norm.default,),
+    torch.nn.RMSNorm: (aten.rms_norm.default,),
+    torch.nn.GroupNorm: (aten.group_norm.default,),
+    torch.nn.InstanceNorm1d: (aten.instance_norm.default,),
+    torch.nn.InstanceNorm2d: (aten.instance_norm.default,),
+    torch.nn.InstanceNorm3d: (aten.instance_norm.default,),
+}

@@ -1,0 +1,236 @@
+"""``torch.compile(model, backend="fxdp")`` and ``fxdp.backend(**options)`` (DESIGN.md,
+"Backend" and "Clipping is global or it is refused")."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import fxdp
+from reference import assert_close_all, reference, tolerance
+
+DTYPE = torch.float64
+TOL = tolerance(DTYPE)
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+class MLP(nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin1 = nn.Linear(4, 8)
+        self.lin2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+def randn(*shape: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+
+
+def mean_sq_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).sum(1).mean()
+
+
+def per_sample_sq_loss(out: torch.Tensor, i: int) -> torch.Tensor:
+    return out.pow(2).sum()
+
+
+def grads(model: nn.Module) -> dict:
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def grad_samples(model: nn.Module) -> dict:
+    return {n: getattr(p, "grad_sample", None) for n, p in model.named_parameters()}
+
+
+def assert_norms(got: torch.Tensor | None, ref: torch.Tensor) -> None:
+    assert got is not None and got.shape == ref.shape
+    assert (got - ref).abs().max().item() <= TOL * ref.abs().max().item()
+
+
+_ENTRY_POINT_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from torch import nn
+    from reference import assert_close_all, reference
+
+    def make(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+
+    def loss_fn(out, i):
+        return out.pow(2).sum()
+
+    x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    # backend="fxdp" alone: fxdp.backend(grad_sample=True), transform's defaults (Inductor).
+    model = make(0)
+    ref = reference(model, [x], loss_fn)
+    assert "fxdp" not in sys.modules, "the test must not import fxdp itself"
+    compiled = torch.compile(model, backend="fxdp")
+    assert "fxdp" in sys.modules, "the entry point loads fxdp"
+    compiled(x).pow(2).sum(1).mean().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, 1e-9, "grad_sample")
+    assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean"), 1e-9, "grad")
+
+    # options={...} reach the backend.
+    torch._dynamo.reset()
+    model = make(1)
+    ref = reference(model, [x], loss_fn)
+    compiled = torch.compile(model, backend="fxdp", options={"max_grad_norm": 1.0, "compiler": "eager"})
+    compiled(x).pow(2).sum(1).mean().backward()
+    assert ref.clip_factors(1.0).min() < 1, "the test must clip"
+    assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean", 1.0), 1e-9, "clipped grad")
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, 1e-9, "grad_sample")
+    import fxdp
+    norms = fxdp.per_sample_norms(model)
+    assert (norms - ref.norms).abs().max() <= 1e-9 * ref.norms.abs().max(), (norms, ref.norms)
+    print("ENTRY POINT OK")
+""")
+
+
+def test_entry_point_backend_without_importing_fxdp():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _ENTRY_POINT_SCRIPT], cwd=TESTS, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "ENTRY POINT OK" in proc.stdout
+
+
+def test_backend_with_options_clips():
+    model = MLP().to(DTYPE)
+    x = randn(6, 4)
+    ref = reference(model, [x], per_sample_sq_loss)
+    max_grad_norm = ref.norms.median().item()
+    compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=max_grad_norm, compiler="eager"))
+    mean_sq_loss(compiled(x)).backward()
+    assert_close_all(grads(model), ref.grad("mean", max_grad_norm), TOL, "p.grad")
+    assert all(gs is None for gs in grad_samples(model).values()), "grad_sample defaults to False"
+    assert_norms(fxdp.per_sample_norms(model), ref.norms)
+
+
+def test_backend_takes_transform_options_and_defaults():
+    backend = fxdp.backend()
+    assert backend.options == fxdp.transform(MLP()).options
+    with pytest.raises(TypeError):
+        fxdp.backend(max_norm=1.0)
+    with pytest.raises(ValueError):
+        fxdp.backend(max_grad_norm=-1.0)
+
+
+def test_two_instances_get_their_own_results():
+    backend = fxdp.backend(grad_sample=True, max_grad_norm=1.0, compiler="eager")
+    model1, model2 = MLP(seed=0).to(DTYPE), MLP(seed=1).to(DTYPE)
+    compiled1, compiled2 = torch.compile(model1, backend=backend), torch.compile(model2, backend=backend)
+    x1, x2 = randn(5, 4, seed=1), randn(5, 4, seed=2)
+    ref1 = reference(model1, [x1], per_sample_sq_loss)
+    ref2 = reference(model2, [x2], per_sample_sq_loss)
+
+    mean_sq_loss(compiled1(x1)).backward()
+    assert all(p.grad is None for p in model2.parameters())
+    assert fxdp.per_sample_norms(model2) is None
+    mean_sq_loss(compiled2(x2)).backward()
+    # One class, one compiled graph: the results follow the parameters passed at run time.
+    assert len(backend.records) == 1
+    assert_close_all(grad_samples(model1), ref1.per_sample, TOL, "model1 grad_sample")
+    assert_close_all(grad_samples(model2), ref2.per_sample, TOL, "model2 grad_sample")
+    assert_close_all(grads(model1), ref1.grad("mean", 1.0), TOL, "model1 grad")
+    assert_close_all(grads(model2), ref2.grad("mean", 1.0), TOL, "model2 grad")
+    assert_norms(fxdp.per_sample_norms(model1), ref1.norms)
+    assert_norms(fxdp.per_sample_norms(model2), ref2.norms)
+
+
+def test_transforms_with_different_options_never_share_a_graph():
+    model = MLP().to(DTYPE)
+    x = randn(6, 4)
+    ref = reference(model, [x], per_sample_sq_loss)
+    max_grad_norm = ref.norms.min().item() / 2  # every sample is clipped
+    plain = fxdp.transform(model, compiler="eager")
+    clipped = fxdp.transform(model, max_grad_norm=max_grad_norm, compiler="eager")
+    for dp, norm in [(plain, None), (clipped, max_grad_norm), (plain, None), (clipped, max_grad_norm)]:
+        model.zero_grad()
+        mean_sq_loss(dp(x)).backward()
+        assert_close_all(grads(model), ref.grad("mean", norm), TOL, f"max_grad_norm={norm}")
+    assert [g.options.max_grad_norm for g in plain.explain().graphs] == [None]
+    assert [g.options.max_grad_norm for g in clipped.explain().graphs] == [max_grad_norm]
+
+
+def test_backends_with_different_options_never_share_a_graph():
+    model = MLP().to(DTYPE)
+    x = randn(6, 4)
+    ref = reference(model, [x], per_sample_sq_loss)
+    max_grad_norm = ref.norms.min().item() / 2
+    plain = torch.compile(model, backend=fxdp.backend(compiler="eager"))
+    clipped = torch.compile(model, backend=fxdp.backend(max_grad_norm=max_grad_norm, compiler="eager"))
+    for compiled, norm in [(plain, None), (clipped, max_grad_norm), (plain, None)]:
+        model.zero_grad()
+        mean_sq_loss(compiled(x)).backward()
+        assert_close_all(grads(model), ref.grad("mean", norm), TOL, f"max_grad_norm={norm}")
+
+
+class WithGraphBreak(MLP):
+    def forward(self, x):
+        h = torch.relu(self.lin1(x))
+        torch._dynamo.graph_break()
+        return self.lin2(h)
+
+
+def test_graph_break_under_clipping_raises_with_dynamos_reason():
+    model = WithGraphBreak().to(DTYPE)
+    compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    with pytest.raises(Exception) as info:
+        mean_sq_loss(compiled(randn(5, 4))).backward()
+    message = str(info.value)
+    assert "cannot clip globally across a graph break" in message
+    assert "torch._dynamo.graph_break()" in message  # Dynamo's own reason, quoted
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_graph_break_without_clipping_gives_per_sample_results():
+    """Without clipping nothing is global: each graph's parameters get their own results."""
+    model = WithGraphBreak().to(DTYPE)
+    x = randn(5, 4)
+    ref = reference(model, [x], per_sample_sq_loss)
+    compiled = torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager"))
+    mean_sq_loss(compiled(x)).backward()
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "grad_sample")
+    assert_close_all(grads(model), ref.grad("mean"), TOL, "grad")
+
+
+@pytest.fixture
+def recompile_limit_one():
+    # config.patch restores both settings afterwards
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        yield
+
+
+def test_recompile_limit_raises_instead_of_running_eager(recompile_limit_one):
+    model = MLP().to(DTYPE)
+    compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    mean_sq_loss(compiled(randn(5, 4))).backward()
+    model.zero_grad()
+    with pytest.raises(Exception, match="recompile"):
+        # a new rank needs a new graph, beyond the limit of one
+        compiled(randn(2, 5, 4)).pow(2).sum((1, 2)).mean().backward()
+    assert all(p.grad is None for p in model.parameters()), "no unclipped gradient left behind"
+
+
+def test_transform_refuses_silent_eager_fallback(recompile_limit_one):
+    """Even if Dynamo is told to fall back to eager at the limit, the step raises
+    (Dynamo itself, since transform compiles with fullgraph=True, or fxdp's check that
+    its graph ran)."""
+    model = MLP().to(DTYPE)
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    mean_sq_loss(dp(randn(5, 4))).backward()
+    model.zero_grad()
+    torch._dynamo.config.fail_on_recompile_limit_hit = False
+    with pytest.raises((torch._dynamo.exc.FailOnRecompileLimitHit, fxdp.UnsupportedError)):
+        dp(randn(2, 5, 4)).pow(2).sum((1, 2)).mean().backward()
+    assert all(p.grad is None for p in model.parameters())

@@ -1,0 +1,169 @@
+"""Inspection and the rule registry (DESIGN.md, "Inspection", "Refusals", "Extension")."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import fxdp
+from fxdp.registry import RULES
+
+DTYPE = torch.float64
+PARAMS = ("0.weight", "0.bias", "2.weight", "2.bias")
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).to(DTYPE)
+
+
+def randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
+
+
+def _assert_shows_rewritten_graphs(text: str, strategies: str) -> None:
+    forward = text.split("--- forward (after partitioning) ---")[1].split("--- backward (rewritten) ---")[0]
+    backward = text.split("--- backward (rewritten) ---")[1].split("--- per-parameter strategy ---")[0]
+    assert "def forward(" in forward and "torch.ops.aten.addmm.default" in forward
+    assert "fxdp" not in forward  # the forward is the ordinary ATen code
+    assert "def forward(" in backward and "torch.ops.aten.clamp.default" in backward
+    assert "fxdp.param_grad" not in backward
+    for name in PARAMS:
+        rule = "linear.weight" if name.endswith("weight") else "linear.bias"
+        pattern = rf"# fxdp: rule={re.escape(rule)}, param={re.escape(name)}, strategy=({strategies})"
+        assert re.search(pattern, backward), f"no annotation for {name} in\n{backward}"
+        assert re.search(rf"# fxdp: rule={re.escape(rule)}, param={re.escape(name)}, strategy=clipped sum", backward)
+    assert "# fxdp: rule=clip, strategy=norms and clip factors" in backward
+    for name in PARAMS:
+        assert re.search(rf"  {re.escape(name)}: rule=linear\.\w+ uses=1 strategy=\w+ costs: ", text)
+    # the weights' choice between ghost norm and instantiation shows its costs
+    assert re.search(r"0\.weight: .*costs: ghost=[\d.e+]+ flops, instantiate=[\d.e+]+ flops", text)
+
+
+def test_explain_shows_forward_and_annotated_backward():
+    model = mlp()
+    explanation = fxdp.explain(model, randn(5, 4), max_grad_norm=1.0)
+    assert isinstance(explanation, fxdp.Explanation)
+    assert len(explanation.graphs) == 1
+    assert explanation.rule_counts == {"linear.weight": 2, "linear.bias": 2}
+    _assert_shows_rewritten_graphs(str(explanation), "ghost|instantiate")
+    assert repr(explanation) == str(explanation)
+
+
+def test_explain_has_no_side_effects():
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = randn(5, 4)
+    x_before = x.clone()
+    fxdp.explain(model, x, max_grad_norm=1.0, grad_sample=True)
+    for name, p in model.named_parameters():
+        assert p.device.type == "cpu" and torch.equal(p, before[name]), name
+        assert p.grad is None, name
+        assert not hasattr(p, "grad_sample"), name
+        assert not hasattr(p, "_fxdp_step"), name
+    assert fxdp.per_sample_norms(model) is None
+    assert torch.equal(x, x_before) and x.grad is None
+
+
+def test_explain_of_a_transformed_model_after_a_step():
+    model = mlp()
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    assert dp.explain().graphs == []
+    out = dp(randn(5, 4))
+    assert "<not compiled: run a backward>" in str(dp.explain())
+    out.pow(2).sum(1).mean().backward()
+    text = str(dp.explain())
+    assert "compiler='eager'" in text and "max_grad_norm=1.0" in text
+    _assert_shows_rewritten_graphs(text, "ghost|instantiate")
+    assert {p.name for p in dp.explain().plans} == set(PARAMS)
+
+
+def test_debug_dir_dumps_every_stage(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXDP_DEBUG_DIR", str(tmp_path / "dump"))
+    dp = fxdp.transform(mlp(), max_grad_norm=1.0, compiler="eager")
+    dp(randn(5, 4)).pow(2).sum(1).mean().backward()
+    files = sorted(os.listdir(tmp_path / "dump"))
+    stages = [re.sub(r"^\d+_", "", f).removesuffix(".py") for f in files]
+    assert stages == ["captured", "canonical", "tagged", "forward", "backward", "backward_rewritten"], files
+    text = {s: (tmp_path / "dump" / f).read_text() for s, f in zip(stages, files)}
+    assert "torch._C._nn.linear" in text["captured"]
+    assert "torch.ops.aten.linear.default" in text["canonical"]
+    assert "fxdp_linear" in text["tagged"]
+    assert "torch.ops.fxdp.param_grad.default" in text["backward"]
+    assert "# fxdp: rule=linear.weight, param=0.weight" in text["backward_rewritten"]
+    assert "fxdp.param_grad" not in text["backward_rewritten"]
+
+
+def test_no_dump_without_debug_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("FXDP_DEBUG_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    dp = fxdp.transform(mlp(), compiler="eager")
+    dp(randn(5, 4)).sum().backward()
+    assert os.listdir(tmp_path) == []
+
+
+def test_is_supported():
+    assert fxdp.is_supported(nn.Linear)
+    assert fxdp.is_supported(nn.Linear(2, 3))
+    assert fxdp.is_supported(torch.ops.aten.linear.default)
+    assert fxdp.is_supported(torch.ops.aten.linear)  # the overload packet
+    assert fxdp.is_supported(nn.ReLU) and fxdp.is_supported(nn.Sequential)  # no parameters
+    assert not fxdp.is_supported(torch.ops.aten.cumsum.default)
+    assert not fxdp.is_supported(object)
+    assert not fxdp.is_supported("linear")
+
+
+class Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+
+def test_unknown_module_is_not_supported():
+    assert not fxdp.is_supported(Custom)
+    assert not fxdp.is_supported(Custom())
+
+
+@pytest.mark.parametrize("module", [nn.LSTM, nn.GRU, nn.RNN])
+def test_is_supported_knows_rnns(module):
+    assert fxdp.is_supported(module)
+
+
+def test_subclass_of_a_supported_module_is_supported():
+    class MyLinear(nn.Linear):
+        pass
+
+    assert fxdp.is_supported(MyLinear)
+
+
+def test_register_rule_duplicate_needs_override():
+    original = RULES[torch.ops.aten.linear.default]
+    copy = dataclasses.replace(original)
+    with pytest.raises(ValueError, match="already registered.*override=True"):
+        fxdp.register_rule(copy)
+    assert RULES[torch.ops.aten.linear.default] is original
+    try:
+        assert fxdp.register_rule(copy, override=True) is copy
+        assert RULES[torch.ops.aten.linear.default] is copy
+    finally:
+        fxdp.register_rule(original, override=True)
+    assert RULES[torch.ops.aten.linear.default] is original
+
+
+def test_register_rule_for_a_new_op():
+    op = torch.ops.aten.cumsum.default
+    assert not fxdp.is_supported(op)
+    rule = fxdp.OpRule(op=op, params={}, input_grad=lambda args, grad, i: None,
+                       batch_rule=lambda *a: None)
+    try:
+        fxdp.register_rule(rule)
+        assert fxdp.is_supported(op)
+        with pytest.raises(ValueError):
+            fxdp.register_rule(rule)
+    finally:
+        RULES.pop(op, None)
+    assert not fxdp.is_supported(op)
