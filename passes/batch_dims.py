@@ -660,6 +660,7 @@ def _index(node, arg_batch):
 _CREATION = {
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
     aten.full.default, aten.empty.memory_format, aten.randn.default, aten.rand.default,
+    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
     aten.scalar_tensor.default, aten.eye.default, aten.tril.default, aten.triu.default, aten.ones_like.default,
 }
 
@@ -675,7 +676,23 @@ def _arg_batch(value: Any, batch: dict) -> Any:
 def _any_batched(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_any_batched(v) for v in value)
-    return isinstance(value, (BatchDim, Loss))
+    return isinstance(value, (BatchDim, Loss, _Unknown))
+
+
+def _any_unknown(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_any_unknown(v) for v in value)
+    return isinstance(value, _Unknown)
+
+
+class _Unknown:
+    """The batch layout after a refused op: nothing downstream is judged again."""
+
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+UNKNOWN = _Unknown()
 
 
 def batch_dim_pass(
@@ -737,6 +754,10 @@ def batch_dim_pass(
             batch[node] = src[node.args[1]] if isinstance(src, (list, tuple)) else src
             continue
         rule = lookup(target)
+        if _any_unknown(arg_batch):
+            out = _meta(node)
+            batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
+            continue
 
         if not batched or target in _CREATION:
             out = _meta(node)
@@ -772,7 +793,10 @@ def batch_dim_pass(
                 loss_kinds.add(batch[node].reduction)
         except (MixesSamples, ValueError) as e:
             problems.append(Problem(op_name(target), path, "", f"mixes samples: {e}"))
-            batch[node] = None
+            # What follows a refused op is unknown, not shared: one refusal must not
+            # cascade into spurious problems downstream.
+            out = _meta(node)
+            batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
 
     uses, broadcasts = _classify_parameter_uses(
         consumed, sources, batch, param_names, problems, single)
@@ -840,6 +864,9 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
             continue
         if node in sources:
             continue  # a parameter-only computation: a transform, judged where it meets data
+        if node.op == "call_function" and (
+                _any_unknown(batch.get(node)) or _any_unknown([batch.get(a) for a in node.all_input_nodes])):
+            continue  # downstream of a refused op
         target, path = node.target, module_path_of(node)
         rule = lookup(target)
         kind = "direct" if value in param_names else "transform"

@@ -743,10 +743,6 @@ class TwoProblemsBeforeLinears(nn.Module):
         return self.out1(self.bn(h)) + self.out2(h - h.mean(0))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "batch_dim_pass marks the output of a refused op as shared (None), so the Linear "
-    "that consumes it is reported as a third problem (out1.weight/out1.bias: 'the "
-    "parameter has a size other than 1 along the batch dim of the output')"))
 def test_validate_does_not_cascade_problems():
     problems = fxdp.validate(TwoProblemsBeforeLinears().to(DTYPE), randn(6, 4))
     assert sorted(p.op for p in problems) == ["aten.batch_norm.default", "aten.mean.dim"], problems

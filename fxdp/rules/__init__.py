@@ -23,6 +23,13 @@ MODULE_OPS: dict[type, tuple] = {
     )
 }
 
+# Modules that lower to ops of several rule files.
+MODULE_OPS.update({
+    torch.nn.MultiheadAttention: (torch.ops.aten.linear.default,),
+    torch.nn.TransformerEncoderLayer: (torch.ops.aten.linear.default, torch.ops.aten.layer_norm.default),
+    torch.nn.TransformerDecoderLayer: (torch.ops.aten.linear.default, torch.ops.aten.layer_norm.default),
+})
+
 for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
     if _info.name.startswith("_"):
         continue

@@ -5,7 +5,7 @@ Each sample's gradient is the VJP of the op applied to that sample alone, as a b
 of one (the batch dim kept with size 1, so every dim argument of the op stays valid):
 ``vmap`` over samples of ``vjp(lambda p: op(..., p, ...))``. Exact, but it
 materialises ``[B, *p.shape]`` and recomputes the op; it is shown as strategy
-"generic" in ``explain()``. DESIGN.md warns that vmap'd float32 gradients can be off
+"instantiate (per-sample VJP)" in ``explain()``. DESIGN.md warns that vmap'd float32 gradients can be off
 for large matmuls: this path is tested against the microbatch loop in float32.
 """
 from __future__ import annotations
