@@ -4,17 +4,18 @@ Each model is the plain PyTorch a user would write; nothing here knows about fxd
 Opacus. ``CASES`` pairs every model with the batch it is benchmarked on, so that a
 benchmark, a test and an example that name the same case run the same workload:
 
-========  =================================================  ==========================
-case      model                                              batch
-========  =================================================  ==========================
-``mlp``   ``MLP``: 512-1024-1024-10, ReLU                    ``x [256, 512]``, 10 classes
-``seq``   ``ResidualMLPStack``: Linear-only blocks over a    ``x [16, 128, 256]``,
-          sequence, d=256, hidden 4d, 4 blocks, mean-pool    10 classes
-``cnn``   ``SmallCNN``: 3 x (conv3x3 stride 2 + GroupNorm    ``x [64, 3, 64, 64]``,
-          + ReLU), global average pool                       10 classes
-``gpt``   ``TinyGPT``: nanoGPT-style, d=256, 4 layers,       ``idx [16, 128]`` tokens,
-          4 heads, vocab 4096, tied ``wte``/``lm_head``      next tokens ``[16, 128]``
-========  =================================================  ==========================
+========  ==============================================  =============================
+case      model                                           batch
+========  ==============================================  =============================
+``mlp``   ``MLP``: 512-1024-1024-10, ReLU                 ``x [256, 512]``, 10 classes
+``seq``   ``ResidualMLPStack``: Linear-only blocks over   ``x [16, 128, 256]``,
+          a sequence, d=256, hidden 4d, 4 blocks,         10 classes
+          mean-pool
+``cnn``   ``SmallCNN``: 3 x (conv3x3 stride 2 +           ``x [64, 3, 64, 64]``,
+          GroupNorm + ReLU), global average pool          10 classes
+``gpt``   ``TinyGPT``: nanoGPT-style, d=256, 4 layers,    ``idx [16, 128]`` tokens,
+          4 heads, vocab 4096, tied ``wte``/``lm_head``   next tokens ``[16, 128]``
+========  ==============================================  =============================
 
 Every case is trained with cross entropy, averaged over the batch (and over the
 tokens for ``gpt``; a sample's own loss is then the mean over its tokens), see

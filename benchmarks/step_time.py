@@ -9,35 +9,40 @@ the same initial weights on the same batch with each variant and reports:
   of which compiles), over at least ``--steps`` steps and at least ``--min-seconds``
   of them (a fast step is repeated more, so a burst of other load on the machine
   cannot hold all of them). On CUDA the device is synchronised around each step.
-* **peak MB**: the most memory one steady-state step holds *above the model's
-  parameters*: activations, gradients, per-sample gradients or norms, noise. Before
-  the measured step every per-step tensor is dropped (``p.grad``, ``p.grad_sample``,
-  Opacus' ``summed_grad``), so the step starts from the parameters alone. On CPU the
-  step runs under ``torch.profiler`` with ``profile_memory=True`` and the peak is the
-  highest running sum of the allocation/free events in time order (the process'
-  ``ru_maxrss`` never decreases, and ``tracemalloc`` does not see torch's allocator).
-  On CUDA it is ``torch.cuda.max_memory_allocated()`` minus the bytes allocated at
-  the step's start.
+* **peak MB**: the most memory steady-state training holds *above the model's
+  parameters*: activations, gradients, per-sample gradients or norms, noise, and what
+  one step leaves alive into the next (``p.grad``, ``p.grad_sample``). Every per-step
+  tensor is dropped first, so the measurement starts from the parameters alone, then
+  two consecutive steps run and the peak is taken over both. On CPU they run under
+  ``torch.profiler`` with ``profile_memory=True`` and the peak is the highest running
+  sum of the allocation and free events in time order (the process' ``ru_maxrss``
+  never decreases, and ``tracemalloc`` does not see torch's allocator). On CUDA it is
+  ``torch.cuda.max_memory_allocated()`` minus the bytes allocated at the start. Both
+  see tensors only: not allocator caches, not oneDNN scratch space. If the profiler
+  prints "Memory block of unknown size was allocated before the profiling started",
+  a variant freed a tensor it kept from before (e.g. fxdp's last ``per_sample_norms``);
+  the peak then over-counts by that tensor, a few bytes per sample.
 * **first step s**: the first call, compilation included (Inductor's on-disk caches
   make it shorter on a second run).
 
 Variants (every ratio is to ``compiled``, the non-private baseline):
 
-==================  ==================================================================
-``eager``           the model as written, non-private
-``compiled``        ``torch.compile(model)``, non-private — the baseline
-``fxdp_clipped``    ``fxdp.transform(model, max_grad_norm=C, loss_reduction="mean")``;
-                    ``loss.backward()`` leaves the clipped mean gradient in ``p.grad``,
-                    then Gaussian noise of std ``sigma * C / B`` is added, as DP-SGD does
-``fxdp_grad_sample`` ``fxdp.transform(model, grad_sample=True)``: the backward also
-                    materialises ``p.grad_sample``; no clipping or noise, so this is the
-                    cost of per-sample gradients alone
-``opacus``          Opacus ``GradSampleModule`` (module hooks) + ``DPOptimizer``
-``opacus_ghost``    Opacus ghost clipping: ``GradSampleModuleFastGradientClipping`` +
-                    ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping``
-                    (two backward passes), as ``make_private(grad_sample_mode="ghost")``
-                    wires them
-==================  ==================================================================
+====================  ================================================================
+``eager``             the model as written, non-private
+``compiled``          ``torch.compile(model)``, non-private — the baseline
+``fxdp_clipped``      ``fxdp.transform(model, max_grad_norm=C, loss_reduction="mean")``;
+                      ``loss.backward()`` leaves the clipped mean gradient in
+                      ``p.grad``, then Gaussian noise of std ``sigma * C / B`` is added,
+                      as DP-SGD does
+``fxdp_grad_sample``  ``fxdp.transform(model, grad_sample=True)``: the backward also
+                      materialises ``p.grad_sample``; no clipping or noise, so this is
+                      the cost of per-sample gradients alone
+``opacus``            Opacus ``GradSampleModule`` (module hooks) + ``DPOptimizer``
+``opacus_ghost``      Opacus ghost clipping: ``GradSampleModuleFastGradientClipping`` +
+                      ``DPOptimizerFastGradientClipping`` +
+                      ``DPLossFastGradientClipping`` (two backward passes), as
+                      ``make_private(grad_sample_mode="ghost")`` wires them
+====================  ================================================================
 
 All private variants use ``C = 1.0``, ``sigma = 1.0`` and the "mean" reduction over
 the batch ``B``. A variant that raises (fxdp or Opacus not supporting a model) is
@@ -65,6 +70,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -88,16 +94,13 @@ __all__ = [
     "BASELINE",
     "VARIANTS",
     "VariantResult",
+    "format_case",
     "main",
     "measure_peak_bytes",
     "microbatch_clipped_sum",
     "run_case",
     "run_variant",
 ]
-
-# Opacus' full backward hooks warn on every step that the model's input does not
-# require grad; it never does here, and the warning says nothing about correctness.
-warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 BASELINE = "compiled"
 MAX_GRAD_NORM = 1.0
@@ -137,7 +140,9 @@ class _Trainer(abc.ABC):
                 if getattr(p, name, None) is not None:
                     setattr(p, name, None)
 
-    def _capture(self, clipped_sum: dict[str, torch.Tensor], norms: torch.Tensor) -> None:
+    def _capture(
+        self, clipped_sum: dict[str, torch.Tensor], norms: torch.Tensor
+    ) -> None:
         self.captured = {k: v.detach().clone() for k, v in clipped_sum.items()}
         self.captured["norms"] = norms.detach().flatten().clone()
 
@@ -202,7 +207,12 @@ class _FxdpGradSampleTrainer(_Trainer):
         if capture:
             # Clip from the per-sample gradients, outside the timed steps, to check
             # them against the same reference as the clipping variants.
-            grad_samples = {n: p.grad_sample for n, p in self.params.items()}
+            grad_samples = {
+                n: getattr(p, "grad_sample", None) for n, p in self.params.items()
+            }
+            missing = [n for n, g in grad_samples.items() if g is None]
+            if missing:
+                raise RuntimeError(f"no p.grad_sample after backward: {missing}")
             self._capture(*_clip_and_sum(grad_samples))
         self.optimizer.step()
 
@@ -304,13 +314,16 @@ def _clip_and_sum(
     """Flat clipping of per-sample gradients ``{name: [B, *p.shape]}``.
 
     Returns:
-        ``({name: sum_i c_i g_i}, norms [B])`` with ``c_i = min(1, C / (norm_i + 1e-6))``.
+        ``({name: sum_i c_i g_i}, norms [B])``, where
+        ``c_i = min(1, C / (norm_i + 1e-6))``.
     """
     norms = torch.stack(
         [g.flatten(1).norm(dim=1) for g in grad_samples.values()], dim=1
     ).norm(dim=1)
     factors = (MAX_GRAD_NORM / (norms + 1e-6)).clamp(max=1.0)
-    clipped = {n: torch.einsum("n,n...->...", factors, g) for n, g in grad_samples.items()}
+    clipped = {
+        n: torch.einsum("n,n...->...", factors, g) for n, g in grad_samples.items()
+    }
     return clipped, norms
 
 
@@ -362,7 +375,9 @@ def _relative_error(
 def measure_peak_bytes(
     trainer: _Trainer, x: torch.Tensor, y: torch.Tensor, device: torch.device
 ) -> int:
-    """Peak bytes one training step holds above what was alive when it started.
+    """Peak bytes two consecutive training steps hold above the parameters.
+
+    The second step runs with whatever the first left alive, as in a training loop.
 
     Args:
         trainer: A warmed-up variant; its per-step tensors are dropped first.
@@ -380,11 +395,13 @@ def measure_peak_bytes(
         start = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         trainer.step(x, y)
+        trainer.step(x, y)
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as profiler:
+        trainer.step(x, y)
         trainer.step(x, y)
     return _peak_of_memory_events(profiler)
 
@@ -652,7 +669,8 @@ def format_case(case_result: dict[str, Any]) -> str:
 
 
 def _parse_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    # dict.fromkeys: drop repeats, keep the order given.
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     unknown = [name for name in names if name not in allowed]
     if unknown:
         raise argparse.ArgumentTypeError(
@@ -697,7 +715,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="untimed steps before timing, the first compiles (default 3, at least 1)",
     )
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument(
@@ -708,6 +729,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args(argv)
+    # Opacus' full backward hooks warn on every step that the model's input does not
+    # require grad; it never does here, and the warning says nothing about correctness.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be at least 1")
     if args.threads is not None:
@@ -732,12 +756,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         config["opacus"] = opacus.__version__
     except ImportError:
         pass
+    config["load_average"] = os.getloadavg()[0]
     print(
         f"torch {config['torch']}, {device}, {config['threads']} threads, "
         f"median of >= {args.steps} steps and >= {args.min_seconds:g} s "
         f"after {args.warmup} warm-up",
         flush=True,
     )
+    if config["load_average"] > 0.5 * (os.cpu_count() or 1):
+        # Other processes take cores from the timed steps (and make OpenMP's
+        # threads wait on each other), which skews every ratio.
+        print(
+            f"note: load average {config['load_average']:.1f} on "
+            f"{os.cpu_count()} cores before starting; timings will be noisy",
+            flush=True,
+        )
 
     cases = []
     for name in args.models:
