@@ -332,6 +332,9 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options) -
             raise UnsupportedError("fxdp does not support compiled autograd")
         params = [args[i] for i in param_positions]
         grad_sample_params = [args[i] for i in plan.grad_sample_params]
+        for p in grad_sample_params:
+            # replaced by this backward: free the old one before the new one is built
+            p.grad_sample = None
         outs = compiled(args)
         extras = list(outs[n:])
         norms = extras.pop(0)
