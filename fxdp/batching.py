@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BatchDim", "WHOLE", "SHARED", "RAW", "batch_major", "batch_size_of", "scale_batch"]
+__all__ = ["retrack", "BatchDim", "WHOLE", "SHARED", "RAW", "batch_major", "batch_size_of", "scale_batch"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,6 +62,57 @@ def _equal(a: Any, b: Any) -> bool:
     # Sizes may be SymInts: comparing them records a guard, which is what we want
     # (the decision was taken on these sizes).
     return bool(a == b)
+
+
+def retrack(batch: BatchDim, values) -> BatchDim:
+    """``batch`` with its sizes usable in another trace (the backward's).
+
+    ``inner``/``outer`` come from the forward's symbolic shapes. A constant one
+    becomes an int; a symbolic one is rebuilt from the symbols that ``values``
+    (tensors and SymInts the tracer knows) carry as sizes.
+    """
+    if batch.dim in (None, "shared", "raw"):
+        return batch
+    if not any(isinstance(v, torch.SymInt) for v in (batch.inner, batch.outer)):
+        return batch
+    known: dict = {}
+    for v in values:
+        sizes = v.shape if isinstance(v, torch.Tensor) else [v]
+        for size in sizes:
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                known.setdefault(size.node.expr, size)
+
+    def rebuild(expr):
+        if expr.is_Integer:
+            return int(expr)
+        if expr.is_Symbol:
+            if expr not in known:
+                raise NotImplementedError(
+                    f"fxdp cannot follow the symbolic size {expr} of a merged batch dim into the "
+                    "backward; mark that size static (torch._dynamo.mark_static)")
+            return known[expr]
+        args = [rebuild(a) for a in expr.args]
+        name = type(expr).__name__
+        if name == "Mul":
+            out = 1
+            for a in args:
+                out = out * a
+            return out
+        if name == "Add":
+            out = 0
+            for a in args:
+                out = out + a
+            return out
+        if name == "FloorDiv":
+            return args[0] // args[1]
+        if name == "Pow" and expr.args[1].is_Integer:
+            return args[0] ** int(expr.args[1])
+        raise NotImplementedError(f"fxdp cannot rebuild the size {expr} in the backward")
+
+    def fix(size: Any) -> Any:
+        return rebuild(size.node.expr) if isinstance(size, torch.SymInt) else size
+
+    return BatchDim(batch.dim, fix(batch.inner), fix(batch.outer))
 
 
 def batch_size_of(t: torch.Tensor, batch: BatchDim) -> Any:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from fxdp.batching import BatchDim, batch_major
+from fxdp.batching import BatchDim, batch_major, batch_size_of
 from fxdp.registry import GRAD, OpRule, ParamRule
 
 __all__ = ["UseInfo", "Transform", "TaggedOp", "USES", "new_use_id", "param_grad"]
@@ -85,13 +85,15 @@ def new_use_id() -> int:
 
 
 @torch.library.custom_op("fxdp::param_grad", mutates_args=())
-def param_grad(operands: list[torch.Tensor], param: torch.Tensor, use_id: int) -> torch.Tensor:
-    """The ordinary (batch-summed) gradient of one parameter use."""
+def param_grad(operands: list[Optional[torch.Tensor]], param: torch.Tensor, use_id: int) -> torch.Tensor:
+    """The ordinary (batch-summed) gradient of one parameter use. An operand is ``None``
+    where the op's optional argument was not given (embedding_bag's per_sample_weights)."""
     use = USES[use_id]
     k = use.num_rule_operands
-    size = next((t.shape[b.dim] // b.inner for t, b in zip(operands, use.operand_batch)
-                 if b.dim not in (None, "shared", "raw")), 1)
-    major = [batch_major(t, b, size) for t, b in zip(operands[:k], use.operand_batch[:k])]
+    size = next((batch_size_of(t, b) for t, b in zip(operands, use.operand_batch)
+                 if t is not None and b.dim not in (None, "shared", "raw")), 1)
+    major = [None if t is None else batch_major(t, b, size)
+             for t, b in zip(operands[:k], use.operand_batch[:k])]
     return use.rule.sum_grad(*major, **use.config).reshape(param.shape).to(param.dtype)
 
 
@@ -120,6 +122,9 @@ class _Tagged(torch.autograd.Function):
         ctx.template = [_TENSOR if isinstance(a, torch.Tensor) else a for a in args]
         ctx.tagged = tagged
         out = tagged.rule.op(*args)
+        if isinstance(out, (tuple, list)):
+            # A multi-output op (embedding_bag): only its first output is differentiable.
+            ctx.mark_non_differentiable(*out[1:])
         if broadcast is None:
             return out
         # Expand the shared output to the batch (a view): its gradient stays per-sample.
@@ -129,7 +134,7 @@ class _Tagged(torch.autograd.Function):
         return out.expand(*[batch_size if d == broadcast.batch_dim else -1 for d in range(broadcast.ndim)])
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_non_differentiable):
         saved = ctx.saved_tensors
         extras = saved[len(saved) - ctx.num_extras:] if ctx.num_extras else ()
         it = iter(saved)
@@ -149,7 +154,8 @@ class _Tagged(torch.autograd.Function):
                 continue
             if i in tagged.uses:
                 use = USES[tagged.uses[i]]
-                operands = [grad_out if s == GRAD else args[s] for s in use.rule.operands]
+                operands = [grad_out if s == GRAD else (args[s] if s < len(args) else None)
+                            for s in use.rule.operands]
                 if i in tagged.extra_args:
                     operands += list(extras[offsets[i]: offsets[i] + tagged.extra_args[i]])
                 grads[i] = torch.ops.fxdp.param_grad(operands, args[i], use.use_id)

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_hint
-from fxdp.batching import batch_major, batch_size_of, scale_batch
+from fxdp.batching import batch_major, batch_size_of, retrack, scale_batch
 from fxdp.markers import USES, UseInfo
 from fxdp.options import Options
 from fxdp.registry import GRAD, ghost_inner
@@ -169,7 +169,7 @@ def _choose(use: UseInfo, operands: list[torch.Tensor], options: Options, keep: 
     rule = use.rule
     if keep or rule.ghost_sq_norm is None or rule.costs is None:
         return "instantiate", {}
-    costs = rule.costs([tuple(t.shape) for t in operands], **use.config)
+    costs = rule.costs([None if t is None else tuple(t.shape) for t in operands], **use.config)
     return min(costs, key=costs.get), costs
 
 
@@ -222,6 +222,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
 
     def rewritten(*args):
         env: dict[fx.Node, Any] = dict(zip(placeholders, args))
+        pool = list(args)  # the sizes the trace knows, to rebuild symbolic batch layouts
         for node in nodes:
             if node.op in ("placeholder", "output") or node in deferred:
                 continue
@@ -230,10 +231,12 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
         def major_operands(m: fx.Node) -> list[torch.Tensor]:
             use = USES[m.args[2]]
             k = use.num_rule_operands
-            values = [env[o] for o in m.args[0][:k]]
-            size = next((batch_size_of(v, b) for v, b in zip(values, use.operand_batch)
-                         if b.dim not in (None, "shared", "raw")), 1)
-            return [batch_major(v, b, size) for v, b in zip(values, use.operand_batch[:k])]
+            values = [None if o is None else env[o] for o in m.args[0][:k]]
+            layouts = [retrack(b, pool) for b in use.operand_batch[:k]]
+            size = next((batch_size_of(v, b) for v, b in zip(values, layouts)
+                         if v is not None and b.dim not in (None, "shared", "raw")), 1)
+            return [None if v is None else batch_major(v, b, size)
+                    for v, b in zip(values, layouts)]
 
         def per_sample_in_param_space(m: fx.Node) -> dict[fx.Node, torch.Tensor]:
             use = USES[m.args[2]]

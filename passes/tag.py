@@ -133,8 +133,10 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
             param_rule = rule.params[site.index]
             operand_batch = []
             for s in param_rule.operands:
-                value = node if s == GRAD else node.args[s]
+                value = node if s == GRAD else (node.args[s] if s < len(node.args) else None)
                 b = batch.get(value)
+                if s == GRAD and isinstance(b, (list, tuple)):
+                    b = b[0]  # a multi-output op's first (differentiable) output
                 if s != GRAD and (value in params or value in analysis.param_only) and not site.generic:
                     b = RAW if b is None else b
                 operand_batch.append(b if isinstance(b, type(WHOLE)) else (RAW if site.generic and s != GRAD else shared))

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from fxdp.batching import BatchDim
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
-from fxdp.rules._common import contract, contraction_cost, hint
+from fxdp.rules._common import contraction_cost, hint
 
 __all__ = [
     "CONV_RULES",
@@ -229,7 +229,7 @@ def _weight_grad_by_convolution(g: torch.Tensor, x: torch.Tensor, config: dict, 
     Rows of a sample (``[n, R, C, *sp]``) stay the batch, which the gradient sums.
     """
     spatial = len(config["kernel"])
-    shape = _weight_shape(g, x, config)
+    shape = weight_shape = _weight_shape(g, x, config)
     n = g.shape[0]
     if per_sample:
         def fold(t: torch.Tensor) -> torch.Tensor:
@@ -251,7 +251,7 @@ def _weight_grad_by_convolution(g: torch.Tensor, x: torch.Tensor, config: dict, 
         g, x, weight, None, list(config["stride"]), [left for left, _ in padding],
         list(config["dilation"]), config["transposed"], list(config["output_padding"]),
         groups, [False, True, False])
-    return grad_weight.reshape(n, *_weight_shape(g, x, config)) if per_sample else grad_weight
+    return grad_weight.reshape(n, *weight_shape) if per_sample else grad_weight
 
 
 def _weight_per_sample_grad(g: torch.Tensor, x: torch.Tensor, **config) -> torch.Tensor:

@@ -79,13 +79,17 @@ def _static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
     return None
 
 
+def _layout(ndim: int, batch: Any, shape: tuple[int, ...] | None) -> Layout:
+    if isinstance(batch, BatchDim) and isinstance(batch.dim, int):
+        return Layout(ndim, batch.dim, not bool(batch.inner == 1), shape)
+    return Layout(ndim, None, False, shape)
+
+
 def layout_of(meta: Any, batch: Any) -> Layout | None:
     """The ``Layout`` of a tensor with example value ``meta`` and batch ``batch``."""
     if not isinstance(meta, torch.Tensor):
         return None
-    if isinstance(batch, BatchDim) and batch.dim is not None:
-        return Layout(meta.dim(), batch.dim, not bool(batch.inner == 1), _static_shape(meta))
-    return Layout(meta.dim(), None, False, _static_shape(meta))
+    return _layout(meta.dim(), batch, _static_shape(meta))
 
 
 def _node_of(args: Sequence[Any]) -> fx.Node | None:
@@ -99,14 +103,15 @@ def _node_of(args: Sequence[Any]) -> fx.Node | None:
     return None
 
 
-def node_layouts(args: Sequence[Any], out_batch: Callable[[list, list], Any]) -> dict | None:
+def node_layouts(args: Sequence[Any], propagate: Callable[[list, list], tuple[Any, int]]) -> dict | None:
     """Layouts of a tagged node's tensor arguments and of its output, for ``config``.
 
     ``config`` runs on the canonical graph's nodes: after ``batch_dim_pass`` each node
     carries ``meta["fxdp_batch"]``, the output's included (which may be a batch the core
-    gave it, e.g. a shared result expanded to the batch). Where the node cannot be found
-    the output's batch is ``out_batch(batches, metas)``, the op's own propagation.
-    Before the analysis (it calls ``config`` too), or on anything but nodes, returns ``None``.
+    gave it, e.g. a shared result expanded to the batch). Where the node cannot be
+    found, ``propagate(batches, metas) -> (batch, ndim)`` (the op's own propagation)
+    gives the output's. Before the analysis (which calls ``config`` too), or on
+    anything but nodes, returns ``None``.
 
     Returns:
         ``{"layouts": per argument Layout | None, "out_layout": Layout, "out_ndim": int}``.
@@ -117,7 +122,7 @@ def node_layouts(args: Sequence[Any], out_batch: Callable[[list, list], Any]) ->
             if "fxdp_batch" not in a.meta:
                 return None
             metas.append(a.meta.get("val"))
-            batches.append(a.meta["fxdp_batch"] if isinstance(a.meta["fxdp_batch"], BatchDim) else None)
+            batches.append(a.meta["fxdp_batch"])
         elif isinstance(a, torch.Tensor):
             return None
         else:
@@ -125,17 +130,12 @@ def node_layouts(args: Sequence[Any], out_batch: Callable[[list, list], Any]) ->
             batches.append(None)
     node = _node_of(args)
     if node is not None and "fxdp_batch" in node.meta and isinstance(node.meta.get("val"), torch.Tensor):
-        out_meta, batch = node.meta["val"], node.meta["fxdp_batch"]
+        batch, out_ndim = node.meta["fxdp_batch"], node.meta["val"].dim()
     else:
-        out_meta, batch = None, out_batch(batches, metas)
-    out_ndim = out_meta.dim() if out_meta is not None else None
-    if not isinstance(batch, BatchDim):
-        batch = None
+        batch, out_ndim = propagate(batches, metas)
     return {
         "layouts": tuple(layout_of(m, b) for m, b in zip(metas, batches)),
-        "out_layout": layout_of(out_meta, batch) if out_meta is not None else Layout(
-            -1, batch.dim if batch is not None else None,
-            batch is not None and batch.dim is not None and not bool(batch.inner == 1), None),
+        "out_layout": _layout(out_ndim, batch, None),
         "out_ndim": out_ndim,
     }
 
@@ -197,9 +197,8 @@ def param_spans_batch(shape: Sequence[int], out_batch: BatchDim, out_ndim: int) 
 
 
 def _out_ndim(args_meta: Sequence[Any]) -> int:
-    """Rank of a broadcast's result from its arguments' example values (or ``Layout``s)."""
-    return max((m.dim() if isinstance(m, torch.Tensor) else m.ndim
-                for m in args_meta if isinstance(m, (torch.Tensor, Layout))), default=0)
+    """Rank of a broadcast's result from its arguments' example values."""
+    return max((m.dim() for m in args_meta if isinstance(m, torch.Tensor)), default=0)
 
 
 # ---------------------------------------------------------------------------
@@ -276,15 +275,12 @@ def _make_param_rule(op: Any, index: int, partial: _Partial) -> ParamRule:
 
 
 def _make_config(op: Any, scalars: Callable[[Sequence[Any]], dict]) -> Callable[[Sequence[Any]], dict]:
-    def out_batch(batches, metas):
-        return pointwise_batch(batches, metas, _out_ndim(metas))
+    def propagate(batches, metas):
+        out_ndim = _out_ndim(metas)
+        return pointwise_batch(batches, metas, out_ndim), out_ndim
 
     def config(args: Sequence[Any]) -> dict:
-        found = node_layouts(args, out_batch)
-        if found is None:
-            return {"scalars": scalars(args)}
-        if found["out_ndim"] is None:
-            found["out_ndim"] = _out_ndim(found["layouts"])
+        found = node_layouts(args, propagate) or {}
         return {**found, "scalars": scalars(args)}
 
     return config

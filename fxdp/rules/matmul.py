@@ -36,7 +36,7 @@ import torch
 
 from fxdp.batching import WHOLE, BatchDim
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
-from fxdp.rules._common import contract, contraction_cost
+from fxdp.rules._common import contract, contraction_cost, hint
 from fxdp.rules.elementwise import (
     in_place,
     node_layouts,
@@ -172,39 +172,56 @@ class _Use:
         other = in_place(other, layouts[self.other_pos])
         return _promote(other, g, self.which, layouts[self.a_pos].ndim, layouts[self.b_pos].ndim)
 
+    def _row_views(self, g, other, config):
+        """``(operand rows [n, …, t, k], gradient rows [n, …, t, m])``: the parameter's
+        gradient is ``Σ_t`` of their outer products (``…`` broadcast dims)."""
+        other, g = self._operands(g, other, config)
+        if self.which == 0:  # ∂a = g bᵀ: the rows are b's columns
+            return other.mT, g.mT
+        return other, g
+
     def rows(self, g, other, config):
         """``(operand rows [n, t, k], gradient rows [n, t, m])`` for a 2-D parameter, or
         ``None`` where the rows of the two do not line up one to one."""
-        other, g = self._operands(g, other, config)
-        if self.which == 0:  # ∂a = g bᵀ: rows are b's columns
-            other, g = other.mT, g.mT
+        other, g = self._row_views(g, other, config)
         if other.shape[:-1] != g.shape[:-1]:
             return None
         # Explicit sizes: with B == 0 a -1 would be ambiguous.
         rows = math.prod(g.shape[1:-1])
-        other = other.reshape(other.shape[0], rows, other.shape[-1])
-        g = g.reshape(g.shape[0], rows, g.shape[-1])
-        return other, g
+        return (other.reshape(other.shape[0], rows, other.shape[-1]),
+                g.reshape(g.shape[0], rows, g.shape[-1]))
+
+    def _outer(self, rows, grads):
+        """``Σ_t`` of the row outer products, oriented as the parameter: ``[…, k, m]`` for
+        ``b``, ``[…, m, k]`` for ``a``."""
+        return grads.mT @ rows if self.which == 0 else rows.mT @ grads
 
     def per_sample_grad(self, g, other, **config):
         shape = config["layouts"][self.param_pos].shape
         scale = config["alpha"]
-        if len(shape) <= 2:
-            found = self.rows(g, other, config)
-            if found is not None:
-                rows, grads = found
-                # a: [n, k] (rows of ``a``'s output side), b: [k, m]
-                expr = "ntk,ntm->nmk" if self.which == 0 else "ntk,ntm->nkm"
-                psg = contract(expr, rows, grads)
-                return (psg * scale if scale != 1 else psg).reshape(psg.shape[0], *shape)
-        other, g = self._operands(g, other, config)
-        full = g @ other.mT if self.which == 0 else other.mT @ g
-        psg = reduce_per_sample(full, _matrix_shape(shape, self.which))
+        found = self.rows(g, other, config) if len(shape) <= 2 else None
+        if found is not None:
+            rows, grads = found
+            psg = contract("ntk,ntm->nmk" if self.which == 0 else "ntk,ntm->nkm", rows, grads)
+        else:
+            psg = reduce_per_sample(self._outer(*self._row_views(g, other, config)), _matrix_shape(shape, self.which))
         psg = psg.reshape(psg.shape[0], *shape)
         return psg * scale if scale != 1 else psg
 
     def sum_grad(self, g, other, **config):
-        return self.per_sample_grad(g, other, **config).sum(0)
+        """The summed gradient without a per-sample intermediate: the batch joins the rows."""
+        shape = config["layouts"][self.param_pos].shape
+        rows, grads = self._row_views(g, other, config)
+        if rows.shape[0] != grads.shape[0]:
+            rows = rows.expand(grads.shape[0], *rows.shape[1:])
+
+        def fold(t):  # [n, …, t, k] -> […, n·t, k]
+            t = t.movedim(0, -3)
+            return t.reshape(*t.shape[:-3], t.shape[-3] * t.shape[-2], t.shape[-1])
+
+        grad = self._outer(fold(rows), fold(grads)).sum_to_size(_matrix_shape(shape, self.which)).reshape(shape)
+        scale = config["alpha"]
+        return grad * scale if scale != 1 else grad
 
     def ghost_sq_norm(self, g, other, **config):
         found = self.rows(g, other, config) if len(config["layouts"][self.param_pos].shape) == 2 else None
@@ -223,8 +240,8 @@ class _Use:
         if len(shape) != 2:
             return {"instantiate": 0.0}
         out_side, in_side = (shape[0], shape[1]) if self.which == 0 else (shape[1], shape[0])
-        n = shapes[0][0]
-        t = max(1, math.prod(shapes[0][1:]) // out_side)
+        n = hint(shapes[0][0])
+        t = max(1, math.prod(hint(s) for s in shapes[0][1:]) // out_side)
         ghost = (contraction_cost("nti,nsi->nts", (n, t, in_side), (n, t, in_side))
                  + contraction_cost("nto,nso->nts", (n, t, out_side), (n, t, out_side))
                  + contraction_cost("nts,nts->n", (n, t, t), (n, t, t)))
@@ -295,17 +312,14 @@ def _make_input_grad(op: Any):
 
 
 def _make_config(op: Any, out_batch):
-    _, _, c_pos = _positions(op)
+    a_pos, b_pos, c_pos = _positions(op)
+
+    def propagate(batches, metas):
+        return out_batch(batches, metas), _product_ndim(metas[a_pos].dim(), metas[b_pos].dim())
 
     def config(args: Sequence[Any]) -> dict:
         scales = {"alpha": _arg(args, 4), "beta": _arg(args, 3)} if c_pos is not None else {"alpha": 1}
-        found = node_layouts(args, out_batch)
-        if found is None:
-            return scales
-        if found["out_ndim"] is None:
-            a_pos, b_pos, _ = _positions(op)
-            found["out_ndim"] = _product_ndim(found["layouts"][a_pos].ndim, found["layouts"][b_pos].ndim)
-        return {**found, **scales}
+        return {**(node_layouts(args, propagate) or {}), **scales}
 
     return config
 
