@@ -28,15 +28,6 @@ from reference import Reference, assert_close_all, reference, tolerance
 
 B, CLASSES = 4, 3
 
-# The core's tagged op takes one output gradient (markers._Tagged.backward) and a
-# marker operand cannot be None (per_sample_weights is optional): EmbeddingBag cannot
-# be tagged until the core supports both.
-MULTI_OUTPUT = pytest.mark.xfail(
-    strict=True,
-    reason="embedding_bag returns 4 tensors and has an optional operand (per_sample_weights): "
-           "needs core support for multi-output tagged ops and None marker operands")
-
-
 # -- models ------------------------------------------------------------------------------
 
 class EmbeddingHead(nn.Module):
@@ -242,28 +233,23 @@ CASES = [
          lambda dt: (_ids((B, 6), 30, 16),)),
     Case("position-arange-trainable-tokens", lambda: PositionEmbedding(30, 6, 4),
          lambda dt: (_ids((B, 6), 30, 17),)),
-    Case("bag-sum-2d", lambda: BagHead(10, 4, "sum"), lambda dt: (_ids((B, 6), 5, 18),),
-         marks=(MULTI_OUTPUT,)),
+    Case("bag-sum-2d", lambda: BagHead(10, 4, "sum"), lambda dt: (_ids((B, 6), 5, 18),)),
     Case("bag-mean-2d-pad0", lambda: BagHead(10, 4, "mean", padding_idx=0),
-         lambda dt: (_ids((B, 6), 5, 19, padding_idx=0),), marks=(MULTI_OUTPUT,)),
-    Case("bag-mean-3d-multibag", lambda: BagHead(10, 4, "mean"), lambda dt: (_ids((B, 3, 2), 5, 20),),
-         marks=(MULTI_OUTPUT,)),
+         lambda dt: (_ids((B, 6), 5, 19, padding_idx=0),)),
+    Case("bag-mean-3d-multibag", lambda: BagHead(10, 4, "mean"), lambda dt: (_ids((B, 3, 2), 5, 20),)),
     Case("bag-sum-2d-weights-pad2", lambda: BagHead(10, 4, "sum", padding_idx=2),
-         lambda dt: (_ids((B, 6), 5, 21, padding_idx=2), None, _floats((B, 6), dt, 22)),
-         marks=(MULTI_OUTPUT,)),
+         lambda dt: (_ids((B, 6), 5, 21, padding_idx=2), None, _floats((B, 6), dt, 22))),
     Case("bag-sum-2d-gated-weights", lambda: BagHead(10, 4, "sum", gated=True),
-         lambda dt: (_ids((B, 6), 5, 23), None, _floats((B, 6, 2), dt, 24) - 0.5),
-         marks=(MULTI_OUTPUT,)),
+         lambda dt: (_ids((B, 6), 5, 23), None, _floats((B, 6, 2), dt, 24) - 0.5)),
     Case("bag-mean-large-vocab", lambda: BagHead(4000, 4, "mean", padding_idx=0),
-         lambda dt: (_ids((B, 8), 12, 25, padding_idx=0),), large_vocab=True, marks=(MULTI_OUTPUT,)),
-    Case("bag-default-overload-mean", lambda: RawEmbeddingBag(10, 4, mode=1), lambda dt: (_ids((B, 5), 6, 26),),
-         marks=(MULTI_OUTPUT,)),
+         lambda dt: (_ids((B, 8), 12, 25, padding_idx=0),), large_vocab=True),
+    Case("bag-default-overload-mean", lambda: RawEmbeddingBag(10, 4, mode=1), lambda dt: (_ids((B, 5), 6, 26),)),
     Case("bag-sum-offsets", lambda: BagHead(10, 4, "sum"), _bag_offsets_args(False),
-         in_dims=(None, 0, None), reference=offsets_reference, marks=(MULTI_OUTPUT,)),
+         in_dims=(None, 0, None), reference=offsets_reference),
     Case("bag-mean-offsets-pad0", lambda: BagHead(10, 4, "mean", padding_idx=0), _bag_offsets_args(False),
-         in_dims=(None, 0, None), reference=offsets_reference, marks=(MULTI_OUTPUT,)),
+         in_dims=(None, 0, None), reference=offsets_reference),
     Case("bag-sum-offsets-weights-large-vocab", lambda: BagHead(3000, 4, "sum"), _bag_offsets_args(True),
-         in_dims=(None, 0, None), reference=offsets_reference, large_vocab=True, marks=(MULTI_OUTPUT,)),
+         in_dims=(None, 0, None), reference=offsets_reference, large_vocab=True),
 ]
 
 # (loss_reduction, grad_sample): grad_sample=True instantiates every per-sample gradient;
