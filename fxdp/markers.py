@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from fxdp.batching import BatchDim, batch_major, batch_size_of
-from fxdp.registry import GRAD, OpRule, ParamRule
+from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args
 
 __all__ = ["UseInfo", "Transform", "TaggedOp", "USES", "new_use_id", "param_grad"]
 
@@ -121,7 +121,7 @@ class _Tagged(torch.autograd.Function):
         ctx.save_for_backward(*tensors, *extras)
         ctx.template = [_TENSOR if isinstance(a, torch.Tensor) else a for a in args]
         ctx.tagged = tagged
-        out = tagged.rule.op(*args)
+        out = call_with_schema_args(tagged.rule.op, args)
         if isinstance(out, (tuple, list)):
             # A multi-output op (embedding_bag): only its first output is differentiable.
             ctx.mark_non_differentiable(*out[1:])

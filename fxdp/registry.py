@@ -23,6 +23,8 @@ __all__ = [
     "lookup",
     "is_supported",
     "GRAD",
+    "schema_args",
+    "call_with_schema_args",
 ]
 
 # In ``ParamRule.operands``: the gradient of the op's output.
@@ -154,3 +156,28 @@ def is_supported(op_or_module: Any) -> bool:
     if isinstance(op_or_module, torch._ops.OpOverloadPacket):
         op_or_module = op_or_module.default
     return op_or_module in RULES
+
+
+def schema_args(op: Any, args: Sequence[Any], kwargs: dict) -> tuple:
+    """``op``'s arguments positionally in schema order, keyword-only ones included
+    (``alpha`` of ``aten.add.Tensor`` becomes ``args[2]``); missing ones take their default."""
+    out = list(args)
+    for arg in op._schema.arguments[len(out):]:
+        if arg.name in kwargs:
+            out.append(kwargs[arg.name])
+        elif arg.has_default_value():
+            out.append(arg.default_value)
+        else:
+            raise TypeError(f"{op}: missing argument {arg.name!r}")
+    return tuple(out)
+
+
+def call_with_schema_args(op: Any, args: Sequence[Any]) -> Any:
+    """Call ``op`` on ``schema_args`` output: keyword-only arguments go by keyword."""
+    positional, keywords = [], {}
+    for arg, value in zip(op._schema.arguments, args):
+        if arg.kwarg_only:
+            keywords[arg.name] = value
+        else:
+            positional.append(value)
+    return op(*positional, **keywords)

@@ -194,6 +194,9 @@ def _reshape(node: fx.Node, arg_batch: list) -> Any:
     src = list(_meta(node.args[0]).shape)
     dst = list(_meta(node).shape)
     batch = src[b.dim] // (b.inner * b.outer)
+    if bool(batch == 0):
+        # no samples: any layout is right; keep the dim where the sizes still say it is
+        return b if b.dim < len(dst) else BatchDim(0)
     stride = b.inner
     for size in src[b.dim + 1:]:
         stride = stride * size
@@ -276,6 +279,13 @@ def _broadcast_tensors(node, arg_batch):
         elif not result.same_as(candidate):
             raise MixesSamples("its batched operands have their batch at different dims")
     return [result] * len(outs)
+
+
+@_register(aten.einsum.default)
+def _einsum(node, arg_batch):
+    from fxdp.rules.matmul import einsum_batch
+
+    return einsum_batch(node.args[0], arg_batch[1], [_meta(t) for t in node.args[1]])
 
 
 @_register(aten.permute.default)
@@ -744,7 +754,7 @@ def batch_dim_pass(
             [_arg_batch(v, batch) for v in node.kwargs.values()])
         paramish = [a for a in node.all_input_nodes if a in sources]
         if paramish:
-            if not batched and not single:
+            if not batched:
                 sources[node] = frozenset().union(*(sources[a] for a in paramish))
             for a in paramish:
                 index = next((i for i, x in enumerate(node.args) if x is a), None)

@@ -23,7 +23,7 @@ import torch.fx as fx
 from fxdp.batching import RAW, SHARED, WHOLE
 from fxdp.markers import USES, TaggedOp, Transform, UseInfo, new_use_id
 from fxdp.passes.batch_dims import BatchAnalysis, module_path_of
-from fxdp.registry import GRAD, lookup
+from fxdp.registry import GRAD, lookup, schema_args
 from fxdp.rules.generic import generic_rule
 
 __all__ = ["tag_pass", "ISOMETRIC"]
@@ -118,6 +118,10 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
     batch = analysis.batch
     params = set(param_names)
     for node, sites in sites_by_node.items():
+        if node.kwargs:
+            # Keyword-only settings (alpha, value, beta) become positional in schema order,
+            # so rules see them by index; the tagged op calls the ATen op by its schema.
+            node.args, node.kwargs = schema_args(node.target, node.args, node.kwargs), {}
         broadcast = analysis.broadcasts.get(node)
         shared = SHARED if broadcast is not None else WHOLE
         if any(s.generic for s in sites):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fxdp.batching import BatchDim
-from fxdp.registry import GRAD, OpRule, ParamRule
+from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args
 
 __all__ = ["generic_rule"]
 
@@ -61,7 +61,7 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
                 def f(p):
                     a = list(full)
                     a[index] = p
-                    return op(*a)
+                    return call_with_schema_args(op, a)
 
                 _, vjp_fn = torch.func.vjp(f, full[index])
                 return vjp_fn(_one_sample(g_one, out_layout))[0]
@@ -82,7 +82,7 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
         def f(x):
             a = list(call_args)
             a[index] = x
-            return op(*a)
+            return call_with_schema_args(op, a)
 
         _, vjp_fn = torch.func.vjp(f, call_args[index])
         return vjp_fn(grad_out)[0]

@@ -1,0 +1,297 @@
+"""Normalisation rules (``fxdp/rules/normalization.py``) against the microbatch reference.
+
+One table of cases: ``nn.LayerNorm`` (trailing, multi-dim, no bias, merged batch,
+batch second), ``F.layer_norm`` with an eps, ``nn.RMSNorm`` (default and explicit
+eps), ``nn.GroupNorm`` over ``[B, C]``, ``[B, C, L]`` and ``[B, C, H, W]`` (one
+group, several, one per channel), ``nn.InstanceNorm1d/2d(affine=True)``, in eval mode
+with running statistics, and a batch of one. Every norm sits after a trainable
+layer, so its input gradient is exercised too. Each case runs once in float64 with
+a sum loss and once in float32 with a mean loss, with grad samples and clipping;
+then the refusals.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxdp
+from reference import assert_close_all, reference, tolerance
+
+B, T, D, C = 3, 5, 4, 4
+
+
+class Sandwich(nn.Module):
+    """``Linear -> norm -> Tanh -> Linear`` over the last dim (the norm's input needs a gradient)."""
+
+    def __init__(self, norm: nn.Module, d: int = D):
+        super().__init__()
+        self.inp, self.norm, self.out = nn.Linear(d, d), norm, nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.norm(self.inp(x))))
+
+
+class ChannelSandwich(nn.Module):
+    """``1x1 conv -> norm -> Tanh -> 1x1 conv`` over ``[B, C, *spatial]`` (``[B, C]`` too)."""
+
+    def __init__(self, norm: nn.Module, spatial: int):
+        super().__init__()
+        self.spatial = spatial
+        self.inp, self.norm, self.out = nn.Linear(2, C), norm, nn.Linear(C, 3)
+
+    def forward(self, x):
+        h = self.inp(x.movedim(1, -1)).movedim(-1, 1)  # [B, C, *spatial]
+        return self.out(torch.tanh(self.norm(h)).movedim(1, -1))
+
+
+class MergedLayerNorm(nn.Module):
+    """``[B, T, d] -> [B·T, d]``: the norm sees a merged batch dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.norm, self.out = nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, 3)
+
+    def forward(self, x):
+        h = self.norm(self.inp(x).reshape(-1, D))
+        return self.out(torch.tanh(h)).view(x.shape[0], x.shape[1], 3)
+
+
+class FunctionalLayerNorm(nn.Module):
+    """``F.layer_norm`` with a weight only and an explicit eps."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(D, D), nn.Linear(D, 3)
+        self.gain = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        return self.out(F.layer_norm(self.inp(x), (D,), self.gain, None, 1e-3))
+
+
+class SharedTable(nn.Module):
+    """A norm of a shared ``[T, d]`` table added to the batch: its output is broadcast."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.norm, self.out = nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, 3)
+        self.register_buffer("table", torch.randn(T, D))
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(x) + self.norm(self.table)))
+
+
+def _eval_instance_norm() -> nn.Module:
+    model = ChannelSandwich(nn.InstanceNorm1d(C, affine=True, track_running_stats=True), spatial=1)
+    with torch.no_grad():
+        model.norm.running_mean.uniform_(-1, 1)
+        model.norm.running_var.uniform_(0.5, 2)
+    model.norm.eval()
+    model.norm.weight.requires_grad_(False)  # the weight needs x̂ from running statistics: refused
+    return model
+
+
+@dataclasses.dataclass
+class Case:
+    id: str
+    make: Callable[[], nn.Module]
+    shape: tuple
+    batch_first: bool = True
+    rules: tuple = ()  # rules that must fire
+
+
+CASES = [
+    Case("layernorm", lambda: Sandwich(nn.LayerNorm(D)), (B, T, D), rules=("layer_norm.weight", "layer_norm.bias")),
+    Case("layernorm-2d", lambda: Sandwich(nn.LayerNorm([T, D])), (B, T, D), rules=("layer_norm.weight",)),
+    Case("layernorm-nobias", lambda: Sandwich(nn.LayerNorm(D, bias=False)), (B, T, D), rules=("layer_norm.weight",)),
+    Case("layernorm-no-affine", lambda: Sandwich(nn.LayerNorm(D, elementwise_affine=False)), (B, T, D)),
+    Case("layernorm-flat", lambda: Sandwich(nn.LayerNorm(D)), (B, D), rules=("layer_norm.weight",)),
+    Case("layernorm-merged-batch", MergedLayerNorm, (B, T, D), rules=("layer_norm.weight",)),
+    Case("layernorm-batch-second", lambda: Sandwich(nn.LayerNorm(D)), (T, B, D), batch_first=False,
+         rules=("layer_norm.weight",)),
+    Case("layernorm-functional-eps", FunctionalLayerNorm, (B, T, D), rules=("layer_norm.weight",)),
+    Case("rmsnorm", lambda: Sandwich(nn.RMSNorm(D)), (B, T, D), rules=("rms_norm.weight",)),
+    Case("rmsnorm-eps-2d", lambda: Sandwich(nn.RMSNorm([T, D], eps=1e-3)), (B, T, D), rules=("rms_norm.weight",)),
+    Case("groupnorm-2x2d", lambda: ChannelSandwich(nn.GroupNorm(2, C), 2), (B, 2, 3, 3),
+         rules=("group_norm.weight", "group_norm.bias")),
+    Case("groupnorm-1group-1d", lambda: ChannelSandwich(nn.GroupNorm(1, C), 1), (B, 2, 5), rules=("group_norm.weight",)),
+    Case("groupnorm-per-channel-eps", lambda: ChannelSandwich(nn.GroupNorm(C, C, eps=1e-3), 2), (B, 2, 3, 2),
+         rules=("group_norm.weight",)),
+    Case("groupnorm-no-spatial", lambda: ChannelSandwich(nn.GroupNorm(2, C), 0), (B, 2), rules=("group_norm.weight",)),
+    Case("instancenorm2d", lambda: ChannelSandwich(nn.InstanceNorm2d(C, affine=True), 2), (B, 2, 3, 3),
+         rules=("instance_norm.weight", "instance_norm.bias")),
+    Case("instancenorm1d", lambda: ChannelSandwich(nn.InstanceNorm1d(C, affine=True), 1), (B, 2, 6),
+         rules=("instance_norm.weight",)),
+    Case("instancenorm1d-eval-running-stats", _eval_instance_norm, (B, 2, 6), rules=("instance_norm.bias",)),
+    Case("layernorm-of-shared-table", SharedTable, (B, T, D), rules=("layer_norm.weight",)),
+    Case("layernorm-batch-of-one", lambda: Sandwich(nn.LayerNorm(D)), (1, T, D), rules=("layer_norm.weight",)),
+]
+
+RUNS = [
+    pytest.param(torch.float64, "sum", id="f64-sum"),
+    pytest.param(torch.float32, "mean", id="f32-mean"),
+]
+
+
+def _per_sample_loss(out: torch.Tensor, target: torch.Tensor, batch_dim: int) -> torch.Tensor:
+    return (out - target).pow(2).movedim(batch_dim, 0).flatten(1).sum(1)
+
+
+def _params(model: nn.Module, attr: str) -> dict:
+    return {n: getattr(p, attr, None) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _clip_between(norms: torch.Tensor) -> float:
+    """A clip norm that clips the largest sample and leaves the smallest."""
+    return 0.5 * (norms.min() + norms.max()).item()
+
+
+def _perturb(model: nn.Module, seed: int) -> None:
+    """Norm weights start at 1 and biases at 0: move them so that a mix-up shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+@pytest.mark.parametrize("dtype,reduction", RUNS)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_grad_sample_and_clipping(case: Case, dtype: torch.dtype, reduction: str):
+    torch.manual_seed(0)
+    model = case.make().to(dtype)
+    _perturb(model, 1)
+    x = torch.randn(case.shape, dtype=dtype)
+    batch_dim = 0 if case.batch_first else 1
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    ref = reference(model, (x,), lambda out, i: _per_sample_loss(out, target.narrow(batch_dim, i, 1), batch_dim).sum(),
+                    batch_dim=batch_dim)
+    max_grad_norm = _clip_between(ref.norms)
+    tol = tolerance(dtype)
+
+    dp = fxdp.transform(model, max_grad_norm=max_grad_norm, grad_sample=True, loss_reduction=reduction,
+                        batch_first=case.batch_first, compiler="eager")
+    loss = _per_sample_loss(dp(x), target, batch_dim)
+    (loss.mean() if reduction == "mean" else loss.sum()).backward()
+
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, tol, f"{case.id}: grad_sample")
+    assert_close_all({"norms": dp.per_sample_norms}, {"norms": ref.norms}, tol, f"{case.id}: norms")
+    factors = ref.clip_factors(max_grad_norm)
+    assert len(factors) == 1 or 0 < int((factors < 1).sum()) < len(factors), "clipping must bind for some samples only"
+    assert_close_all({"clip": dp.clip_factors}, {"clip": factors}, tol, f"{case.id}: clip factors")
+    assert_close_all(_params(model, "grad"), ref.grad(reduction, max_grad_norm), tol, f"{case.id}: clipped grad")
+    fired = dp.explain().rule_counts
+    for rule in case.rules:
+        assert fired.get(rule), f"{case.id}: rule {rule} did not fire ({fired})"
+
+
+def test_inductor_groupnorm():
+    """One case through Inductor: the recomputed x̂ and the native backward ops lower."""
+    torch.manual_seed(0)
+    model = ChannelSandwich(nn.GroupNorm(2, C), 2)
+    _perturb(model, 2)
+    x = torch.randn(B, 2, 3, 3)
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    ref = reference(model, (x,), lambda out, i: _per_sample_loss(out, target[i:i + 1], 0).sum())
+    max_grad_norm = _clip_between(ref.norms)
+    dp = fxdp.transform(model, max_grad_norm=max_grad_norm, grad_sample=True, compiler="inductor")
+    _per_sample_loss(dp(x), target, 0).mean().backward()
+    tol = tolerance(torch.float32)
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, tol, "inductor: grad_sample")
+    assert_close_all(_params(model, "grad"), ref.grad("mean", max_grad_norm), tol, "inductor: clipped grad")
+
+
+# ---------------------------------------------------------------------------
+# The rule functions alone
+# ---------------------------------------------------------------------------
+
+
+def test_rule_functions_match_autograd():
+    """Each rule's per-sample and summed gradients, and the input gradient, on one call."""
+    from fxdp.rules import normalization as norms
+
+    torch.manual_seed(3)
+    aten = torch.ops.aten
+    x = torch.randn(3, 4, 2, 3, dtype=torch.float64)
+    w, b = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    cases = [
+        (aten.layer_norm.default, (x, [2, 3], torch.randn(2, 3, dtype=torch.float64),
+                                   torch.randn(2, 3, dtype=torch.float64), 1e-3), norms.LAYER_NORM),
+        (aten.rms_norm.default, (x, [3], torch.randn(3, dtype=torch.float64), 1e-4), norms.RMS_NORM),
+        (aten.rms_norm.default, (x, [3], torch.randn(3, dtype=torch.float64)), norms.RMS_NORM),
+        (aten.group_norm.default, (x, 2, w, b, 1e-3), norms.GROUP_NORM),
+        (aten.instance_norm.default, (x, w, b, None, None, True, 0.1, 1e-4, False), norms.INSTANCE_NORM),
+    ]
+    for op, args, rule in cases:
+        config = rule.config(args)
+        out = op(*args)
+        g = torch.randn_like(out)
+        for index, param_rule in rule.params.items():
+            per_sample = []
+            for i in range(3):
+                one = list(args)
+                one[0] = x[i:i + 1]
+                one[index] = args[index].clone().requires_grad_()
+                op(*one).backward(g[i:i + 1])
+                per_sample.append(one[index].grad)
+            want = torch.stack(per_sample)
+            operands = [g if s == "grad" else args[s] for s in param_rule.operands]
+            got = param_rule.per_sample_grad(*operands, **config)
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=f"{op} {param_rule.name}")
+            torch.testing.assert_close(param_rule.sum_grad(*operands, **config), want.sum(0), rtol=1e-9, atol=1e-9)
+        for index in [0] + list(rule.params):
+            leaves = list(args)
+            leaves[index] = args[index].clone().requires_grad_()
+            op(*leaves).backward(g)
+            got = rule.input_grad(list(args), g, index)
+            torch.testing.assert_close(got, leaves[index].grad, rtol=1e-9, atol=1e-9, msg=f"{op} input {index}")
+
+
+def test_is_supported():
+    for cls in (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d):
+        assert fxdp.is_supported(cls), cls
+    assert fxdp.is_supported(torch.ops.aten.layer_norm.default)
+
+
+# ---------------------------------------------------------------------------
+# Refusals
+# ---------------------------------------------------------------------------
+
+
+def _reasons(model: nn.Module, x: torch.Tensor, **options) -> str:
+    return "\n".join(str(p) for p in fxdp.validate(model, x, **options))
+
+
+def test_instance_norm_tracking_running_stats_is_refused():
+    model = ChannelSandwich(nn.InstanceNorm2d(C, affine=True, track_running_stats=True), 2)
+    assert "running buffers" in _reasons(model, torch.randn(B, 2, 3, 3))
+
+
+def test_instance_norm_eval_weight_is_refused():
+    model = ChannelSandwich(nn.InstanceNorm1d(C, affine=True, track_running_stats=True), 1).eval()
+    reasons = _reasons(model, torch.randn(B, 2, 5))
+    assert "norm.weight" in reasons and "running statistics" in reasons
+    assert "norm.bias" not in reasons
+
+
+def test_layer_norm_over_the_batch_is_refused():
+    """``[T, B, d]`` read batch-second, normalised over ``[B, d]``: samples share statistics."""
+    model = Sandwich(nn.LayerNorm([B, D]))
+    assert "normalises over the batch dim" in _reasons(model, torch.randn(T, B, D), batch_first=False)
+
+
+def test_group_norm_over_a_merged_batch_is_refused():
+    class Merged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.norm = nn.Linear(D, C), nn.GroupNorm(2, C)
+
+        def forward(self, x):
+            return self.norm(self.inp(x).reshape(-1, C))
+
+    assert "merged batch" in _reasons(Merged(), torch.randn(B, T, D))
