@@ -77,8 +77,14 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
         forward_observer(g)
         return compile_fx_inner(g, inputs, **kwargs)
 
+    from torch._inductor import config as inductor_config
+
     # The AOTAutograd cache keys on the Dynamo graph, not on the rewritten backward.
-    with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False):
+    # Layout optimisation would hand the backward a channels-last copy of a conv weight
+    # instead of the parameter itself, and results are stored on the parameters the
+    # backward receives.
+    with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False), \
+            inductor_config.patch(layout_optimization=False):
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
 
 
