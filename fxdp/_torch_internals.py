@@ -151,6 +151,11 @@ def backend_error(error: BaseException) -> BaseException | None:
     """
     from fxdp.errors import UnsupportedError
 
+    if isinstance(error, torch._dynamo.exc.Unsupported) and "pack_padded_sequence" in str(error):
+        return UnsupportedError(
+            "fxdp cannot trace packed sequences (torch.nn.utils.rnn.pack_padded_sequence). Pad "
+            "the batch instead, run the RNN on the padded tensor and read each sample's last "
+            "real step with a mask, e.g. (out * mask[..., None]).sum(1)")
     if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
         return UnsupportedError(
             "Dynamo hit its recompile limit (torch._dynamo.config.recompile_limit) and would run "

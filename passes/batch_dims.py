@@ -235,7 +235,9 @@ def _dim_op(check_dims: Callable[[fx.Node, int], list[int]], keep_shape: bool = 
 def _arg_dim(index: int, default: Any = None):
     def dims(node: fx.Node, ndim: int) -> list[int]:
         d = node.args[index] if len(node.args) > index else node.kwargs.get("dim", default)
-        return [d] if d is not None else list(range(ndim))
+        if d is None or (isinstance(d, (list, tuple)) and len(d) == 0):
+            return list(range(ndim))
+        return list(d) if isinstance(d, (list, tuple)) else [d]
 
     return dims
 
@@ -616,7 +618,8 @@ def _layer_norm(node, arg_batch):
            aten.avg_pool1d.default, aten.adaptive_avg_pool1d.default, aten.max_pool3d.default,
            aten.avg_pool3d.default, aten.adaptive_avg_pool3d.default, aten.pixel_shuffle.default,
            aten.upsample_nearest2d.vec, aten.upsample_bilinear2d.vec, aten.pad.default,
-           aten.constant_pad_nd.default, aten.reflection_pad2d.default, aten.replication_pad2d.default)
+           aten.constant_pad_nd.default, aten.reflection_pad2d.default, aten.replication_pad2d.default,
+           aten.prelu.default)
 def _batch_first_only(node, arg_batch):
     """Ops over ``[N, C, *spatial]``: samples must be dim 0."""
     result = None
@@ -802,7 +805,10 @@ def batch_dim_pass(
             if isinstance(batch[node], Loss):
                 loss_kinds.add(batch[node].reduction)
         except (MixesSamples, ValueError) as e:
-            problems.append(Problem(op_name(target), path, "", f"mixes samples: {e}"))
+            consumed_params = sorted({param_names[p] for a in paramish for p in sources.get(a, ())})
+            consumes = (f" (it consumes the trainable parameter(s) {', '.join(consumed_params)})"
+                        if consumed_params else "")
+            problems.append(Problem(op_name(target), path, "", f"mixes samples: {e}{consumes}"))
             # What follows a refused op is unknown, not shared: one refusal must not
             # cascade into spurious problems downstream.
             out = _meta(node)

@@ -9,7 +9,7 @@ from torch._decomp import get_decompositions
 
 from fxdp._torch_internals import inline_checkpoints, make_fx_traced
 
-__all__ = ["canonicalize_pass", "rnn_initial_state_pass"]
+__all__ = ["canonicalize_pass", "rnn_initial_state_pass", "repeat_as_expand_pass"]
 
 _RNN_CALLS = {torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}
 _ZEROS = {torch.zeros}
@@ -89,8 +89,35 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     """
     gm = inline_checkpoints(gm)
     gm = rnn_initial_state_pass(gm)
-    out = make_fx_traced(fx.Interpreter(gm).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
-                         decompositions=get_decompositions(_DECOMPOSED))
+    # The LSTM decomposition would pick the opaque aten.mkldnn_rnn_layer on CPU float32.
+    with torch.backends.mkldnn.flags(enabled=False):
+        out = make_fx_traced(fx.Interpreter(gm).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
+                             decompositions=get_decompositions(_DECOMPOSED))
+    out = repeat_as_expand_pass(out)
     out.graph.lint()
     out.recompile()
     return out
+
+
+def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A ``repeat`` that only copies size-1 dims is an ``expand`` (then a view).
+
+    ``nn.MultiheadAttention(add_bias_kv=True)`` writes ``bias_k.repeat(1, bsz, 1)``;
+    as an expand it is a parameter expanded to the batch, which the batch analysis
+    hands row by row to the samples::
+
+        repeat = torch.ops.aten.repeat.default(bias_k, [1, 5, 1])   # before
+        expand = torch.ops.aten.expand.default(bias_k, [1, 5, 4])   # after
+    """
+    aten = torch.ops.aten
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.repeat.default:
+            continue
+        src, reps = node.args[0], list(node.args[1])
+        shape = list(src.meta["val"].shape)
+        if len(reps) == len(shape) and all(bool(r == 1) or bool(s == 1) for r, s in zip(reps, shape)):
+            node.target = aten.expand.default
+            node.args = (src, [s * r for s, r in zip(shape, reps)])
+    gm.graph.lint()
+    gm.recompile()
+    return gm

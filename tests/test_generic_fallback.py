@@ -1,0 +1,161 @@
+"""The generic per-sample VJP fallback (``fxdp/rules/generic.py``).
+
+A parameter consumed by an op that keeps samples independent but has no per-sample
+rule of its own (``torch.pow(x, p)``, ``torch.maximum(x, p)``, ``torch.where(m, x, p)``
+…) gets each sample's gradient as the VJP of the op on that sample alone, through
+``vmap``. DESIGN.md requires float32 checks of anything built on ``vmap`` against the
+microbatch loop: every op runs in float64 and float32, and a larger float32 case
+(``B = 64``) combines them. ``explain()`` must name the fallback.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxdp
+from reference import assert_close_all, reference, tolerance
+
+aten = torch.ops.aten
+B, T, D = 5, 3, 4
+STRATEGY = "instantiate (per-sample VJP)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One way of using a parameter ``p`` ``[D]`` (or ``p_shape``) on a batched ``x``.
+
+    Attributes:
+        id: Test id.
+        fn: ``(x, p) -> y`` with ``y`` shaped like ``x``.
+        canonical: The ATen op it canonicalises to (the rule the fallback stands in for).
+        argument: Which argument of that op is the parameter.
+        p_shape: The parameter's shape.
+        xfail: Why it does not work yet.
+    """
+
+    id: str
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    canonical: object
+    argument: int
+    p_shape: tuple = (D,)
+    xfail: str | None = None
+
+
+OPS = [
+    Op("pow_exponent", lambda x, p: torch.pow(x.abs() + 1, p), aten.pow.Tensor_Tensor, 1),
+    Op("pow_base", lambda x, p: torch.pow(p, torch.tanh(x)), aten.pow.Tensor_Tensor, 0),
+    Op("maximum", lambda x, p: torch.maximum(x, p), aten.maximum.default, 1),
+    Op("minimum", lambda x, p: torch.minimum(p, x), aten.minimum.default, 0),
+    Op("where", lambda x, p: torch.where(x > 0, x, p), aten.where.self, 2),
+    Op("lerp_weight", lambda x, p: torch.lerp(x, torch.tanh(x), p), aten.lerp.Tensor, 2),
+    Op("clamp_min", lambda x, p: torch.clamp(x, min=p), aten.clamp.Tensor, 1),
+    Op("clamp_max", lambda x, p: torch.clamp(x, max=p), aten.clamp.Tensor, 2),
+    Op("atan2", lambda x, p: torch.atan2(x, p), aten.atan2.default, 1),
+    Op("hypot", lambda x, p: torch.hypot(x, p), aten.hypot.default, 1),
+    Op("prelu", lambda x, p: F.prelu(x, p), aten.prelu.default, 1, p_shape=(1,)),
+]
+
+
+class Model(nn.Module):
+    """``Linear -> op(·, p) -> Linear``: the parameter meets data that already depends on
+    other parameters, and its output feeds another rule."""
+
+    def __init__(self, fn: Callable, p_shape: tuple, d: int = D):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        # Positive, away from 0: pow's base, atan2's and hypot's second argument.
+        self.p = nn.Parameter(torch.rand(*p_shape) + 0.5)
+        self.head = nn.Linear(d, 3)
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fn(self.fc(x), self.p))
+
+
+class Combined(nn.Module):
+    """Several fallback ops in one model, for the larger float32 case."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.exponent = nn.Parameter(torch.rand(d) + 0.5)
+        self.floor = nn.Parameter(torch.randn(d) * 0.1)
+        self.fill = nn.Parameter(torch.randn(d))
+        self.weight = nn.Parameter(torch.rand(d))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = torch.pow(h.abs() + 1, self.exponent) + torch.maximum(h, self.floor)
+        h = torch.where(h > 1, h, self.fill)
+        return self.head(torch.lerp(h, torch.tanh(h), self.weight))
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each sample's sum of squares."""
+    return out.pow(2).reshape(out.shape[0], -1).sum(1)
+
+
+def run(model: nn.Module, x: torch.Tensor, mode: str, dtype: torch.dtype) -> fxdp.DPModule:
+    """One compile in ``mode``, checked against the float64 loop on the same values."""
+    model = model.to(dtype)
+    x = x.to(dtype)
+    ref = reference(copy.deepcopy(model).double(), (x.double(),), lambda out, i: _loss(out).sum())
+    clip = float(ref.norms.median()) if mode == "clip" else None
+    dp_model = fxdp.transform(model, max_grad_norm=clip, grad_sample=mode == "grad_sample", compiler="eager")
+    _loss(dp_model(x)).mean().backward()
+    tol = tolerance(dtype)
+    params = dict(model.named_parameters())
+    assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("mean", clip), tol, "p.grad")
+    if mode == "grad_sample":
+        assert_close_all({n: getattr(p, "grad_sample", None) for n, p in params.items()}, ref.per_sample, tol,
+                         "p.grad_sample")
+    assert_close_all({"norms": dp_model.per_sample_norms}, {"norms": ref.norms}, tol, "per_sample_norms")
+    return dp_model
+
+
+def _params():
+    return [
+        pytest.param(op, dtype, mode, id=f"{op.id}-{str(dtype)[6:]}-{mode}",
+                     marks=[pytest.mark.xfail(reason=op.xfail, strict=True)] if op.xfail else [])
+        for op in OPS for dtype in (torch.float64, torch.float32) for mode in ("grad_sample", "clip")
+    ]
+
+
+@pytest.mark.parametrize("op, dtype, mode", _params())
+def test_fallback_op(op: Op, dtype: torch.dtype, mode: str):
+    torch.manual_seed(0)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dp_model = run(Model(op.fn, op.p_shape), x, mode, dtype)
+    plans = {p.name: p for p in dp_model.explain().plans}
+    generic = plans["p"]
+    assert generic.strategy == STRATEGY, generic
+    assert generic.rule == f"generic.{op.canonical.__name__.split('.')[0]}[{op.argument}]", generic
+    # The parameters around it keep their own rules.
+    assert plans["fc.weight"].rule == "linear.weight" and plans["fc.weight"].strategy != STRATEGY
+
+
+def test_explain_names_the_fallback():
+    """``fxdp.explain`` (fake tensors, no run) shows the fallback per node and per parameter."""
+    torch.manual_seed(0)
+    model = Model(OPS[0].fn, (D,)).double()
+    text = str(fxdp.explain(model, torch.randn(B, T, D, dtype=torch.float64), max_grad_norm=1.0))
+    assert f"  p: rule=generic.pow[1] uses=1 strategy={STRATEGY} costs: -" in text
+    assert f"# fxdp: rule=generic.pow[1], param=p, strategy={STRATEGY}" in text
+
+
+@pytest.mark.parametrize("mode", ["grad_sample", "clip"])
+def test_larger_float32_batch(mode: str):
+    """``B = 64`` in float32: where DESIGN.md saw vmap'd gradients go wrong."""
+    torch.manual_seed(0)
+    model = Combined(32)
+    x = torch.randn(64, 16, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dp_model = run(model, x, mode, torch.float32)
+    strategies = {p.name: p.strategy for p in dp_model.explain().plans}
+    assert all(strategies[n] == STRATEGY for n in ("exponent", "floor", "fill", "weight")), strategies

@@ -1,0 +1,343 @@
+"""Real models, written as ordinary PyTorch, against the microbatch reference.
+
+One table of cases (``CASES``): each model with its inputs, batch layout and which
+dtypes it runs in. Every case runs in two modes, each its own compile:
+
+* ``grad_sample``: ``grad_sample=True``; ``p.grad_sample`` against each sample's own
+  gradient and ``p.grad`` against the ordinary (unclipped) gradient;
+* ``clip``: ``max_grad_norm`` = the median per-sample norm (about half of the samples
+  are clipped); ``p.grad`` against ``ref.grad("mean", C)`` and ``clip_factors``.
+
+In both, ``dp_model.per_sample_norms`` is checked on its own, frozen parameters must
+get nothing, and ``explain()`` must list exactly the trainable parameters. The truth
+is always ``tests/reference.py``'s loop, run in float64 on the model's own values
+(for float32 runs: a float64 copy of the float32 model). Then the cases the table
+cannot express: the nanoGPT ``wte``/``lm_head`` tie taken by a ghost norm without a
+``[B, V, d]`` tensor, the loss inside the graph, packed sequences, and a few
+Inductor runs.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import fxdp
+import fxdp.compiler
+import models
+from reference import Reference, assert_close_all, reference, tolerance
+
+# The batch; model sizes avoid it so that a batch/feature mix-up shows.
+B = 5
+GPT_SIZES = dict(vocab=11, block_size=6, d=8)
+
+
+def _randn(*shape: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _tokens(*shape: int, high: int = GPT_SIZES["vocab"], seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One model of the table.
+
+    Attributes:
+        id: Test id.
+        model: Builds the model (float64; the seed is set before).
+        inputs: The batched forward arguments (floating ones in float64).
+        batch_dim: Batch dim of the inputs (``batch_first=False`` when 1).
+        output_batch_dim: Batch dim of the model's output (the loss reduces over it).
+        float32: Also run in float32.
+        conv: Has convolutions (float32 tolerance 1e-3).
+        xfail: Why fxdp cannot do this yet (strict: passing makes the test fail).
+        xfail_float32: The same, for the float32 run only.
+    """
+
+    id: str
+    model: Callable[[], nn.Module]
+    inputs: Callable[[], tuple]
+    batch_dim: int = 0
+    output_batch_dim: int = 0
+    float32: bool = False
+    conv: bool = False
+    xfail: str | None = None
+    xfail_float32: str | None = None
+
+
+CASES = [
+    # 1. ResNet-style CNN: conv3x3 + GroupNorm + in-place ReLU + residual adds + pool + head.
+    Case("resnet_groupnorm", models.ResNetCNN, lambda: (_randn(B, 3, 8, 8),), float32=True, conv=True),
+    # 2. nanoGPT: wte + wpe(arange(T)), causal SDPA, LayerNorm, GELU MLP, lm_head tied to wte.
+    Case("nanogpt_tied", lambda: models.GPT(**GPT_SIZES), lambda: (_tokens(B, 6),), float32=True),
+    # 3. Recurrent networks.
+    Case("lstm", lambda: models.RNNClassifier("lstm"), lambda: (_randn(B, 6, 4),), float32=True),
+    Case("lstm_2layer_bidirectional", lambda: models.RNNClassifier("lstm", num_layers=2, bidirectional=True),
+         lambda: (_randn(B, 3, 4),)),
+    Case("gru_2layer", lambda: models.RNNClassifier("gru", num_layers=2), lambda: (_randn(B, 6, 4),)),
+    Case("rnn_seq_first", lambda: models.RNNClassifier("rnn", num_layers=2, batch_first=False),
+         lambda: (_randn(6, B, 4),), batch_dim=1),
+    # 4. ViT and nn.MultiheadAttention variants.
+    Case("vit_conv_patches", lambda: models.ViT("conv"), lambda: (_randn(B, 3, 12, 12),), float32=True, conv=True),
+    Case("vit_linear_patches", lambda: models.ViT("linear"), lambda: (_randn(B, 3, 12, 12),)),
+    Case("mha_seq_first", lambda: models.Attention(batch_first=False), lambda: (_randn(6, B, 8),),
+         batch_dim=1, output_batch_dim=1),
+    Case("mha_kdim_vdim", lambda: models.Attention(kdim=3, vdim=7, batch_first=True),
+         lambda: (_randn(B, 6, 8), _randn(B, 4, 3, seed=3), _randn(B, 4, 7, seed=4))),
+    Case("mha_add_bias_kv", lambda: models.Attention(add_bias_kv=True, batch_first=True),
+         lambda: (_randn(B, 6, 8),)),
+    Case("mha_no_bias", lambda: models.Attention(bias=False, batch_first=True), lambda: (_randn(B, 6, 8),)),
+    # 5. LoRA as peft writes it: frozen base, only the adapters train.
+    Case("lora_gpt", lambda: models.add_lora(models.GPT(**GPT_SIZES), ("c_attn", "c_proj")),
+         lambda: (_tokens(B, 6),), float32=True),
+    # 6. Activation checkpointing around every block.
+    Case("checkpointed_gpt", lambda: models.GPT(**GPT_SIZES, checkpoint=True), lambda: (_tokens(B, 6),)),
+    # 7. Parameters transformed before use.
+    Case("linear_of_transposed_weight", models.TransposedWeight, lambda: (_randn(B, 3, 4),)),
+    Case("packed_weight_chunk", models.PackedChunk, lambda: (_randn(B, 3, 4),), float32=True),
+    Case("packed_weight_slices", models.PackedSlice, lambda: (_randn(B, 3, 4),)),
+    Case("weight_norm", models.WeightNormLinear, lambda: (_randn(B, 3, 4),), float32=True),
+    Case("custom_parametrization", models.CustomParametrized, lambda: (_randn(B, 3, 6),)),
+    Case("tied_with_transpose", models.TiedTranspose, lambda: (_randn(B, 3, 4),), float32=True),
+    Case("layer_scale_and_bias", models.LayerScaleBias, lambda: (_randn(B, 3, 4),)),
+]
+CASE_BY_ID = {c.id: c for c in CASES}
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def per_sample_loss(out: torch.Tensor, batch_dim: int) -> torch.Tensor:
+    """``[B]``: each sample's sum of squares of its outputs."""
+    out = out.movedim(batch_dim, 0)
+    return out.pow(2).reshape(out.shape[0], -1).sum(1)
+
+
+def build(case: Case, dtype: torch.dtype) -> tuple[nn.Module, tuple, Reference]:
+    """The model and inputs in ``dtype``, and the float64 loop on exactly those values."""
+    torch.manual_seed(0)
+    model = case.model().to(dtype)
+    args = tuple(a.to(dtype) if a.is_floating_point() else a for a in case.inputs())
+    args64 = tuple(a.double() if a.is_floating_point() else a for a in args)
+    ref = reference(copy.deepcopy(model).double(), args64,
+                    lambda out, i: per_sample_loss(out, case.output_batch_dim).sum(),
+                    batch_dim=case.batch_dim)
+    return model, args, ref
+
+
+def check_step(model: nn.Module, dp_model: fxdp.DPModule, ref: Reference, *, grad_sample: bool,
+               clip: float | None, tol: float, reduction: str = "mean") -> None:
+    """Every result of one backward, each checked on its own."""
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+
+    assert_close_all({n: p.grad for n, p in trainable.items()}, ref.grad(reduction, clip), tol, "p.grad")
+    if grad_sample:
+        assert_close_all({n: getattr(p, "grad_sample", None) for n, p in trainable.items()},
+                         ref.per_sample, tol, "p.grad_sample")
+    else:
+        unasked = [n for n, p in trainable.items() if getattr(p, "grad_sample", None) is not None]
+        assert not unasked, f"grad_sample without grad_sample=True: {unasked}"
+
+    norms = dp_model.per_sample_norms
+    assert norms is not None and norms.shape == (ref.batch_size,), f"per_sample_norms: {norms}"
+    assert_close_all({"norms": norms}, {"norms": ref.norms}, tol, "per_sample_norms")
+
+    factors = dp_model.clip_factors
+    if clip is None:
+        assert factors is None
+    else:
+        assert_close_all({"clip_factors": factors}, {"clip_factors": ref.clip_factors(clip)}, tol, "clip_factors")
+
+    # Frozen parameters get nothing and stay out of the norms (checked above: the
+    # reference's norms cover the trainable parameters only).
+    for n, p in frozen.items():
+        assert p.grad is None, f"frozen {n} got a gradient"
+        assert getattr(p, "grad_sample", None) is None, f"frozen {n} got a grad_sample"
+    planned = sorted(p.name for p in dp_model.explain().plans)
+    assert planned == sorted(trainable), f"explain() plans {planned}, trainable {sorted(trainable)}"
+
+
+def run(case: Case, mode: str, dtype: torch.dtype, compiler: str = "eager") -> fxdp.DPModule:
+    model, args, ref = build(case, dtype)
+    grad_sample = mode == "grad_sample"
+    clip = float(ref.norms.median()) if mode == "clip" else None
+    dp_model = fxdp.transform(model, max_grad_norm=clip, grad_sample=grad_sample,
+                              batch_first=case.batch_dim == 0, compiler=compiler)
+    per_sample_loss(dp_model(*args), case.output_batch_dim).mean().backward()
+    check_step(model, dp_model, ref, grad_sample=grad_sample, clip=clip, tol=tolerance(dtype, case.conv))
+    return dp_model
+
+
+def _params(cases: list[Case], dtype: torch.dtype, modes=("grad_sample", "clip")):
+    params = []
+    for case in cases:
+        reason = case.xfail or (case.xfail_float32 if dtype == torch.float32 else None)
+        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+        params += [pytest.param(case, mode, id=f"{case.id}-{mode}", marks=marks) for mode in modes]
+    return params
+
+
+# -- the table ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case, mode", _params(CASES, torch.float64))
+def test_float64(case: Case, mode: str):
+    run(case, mode, torch.float64)
+
+
+@pytest.mark.parametrize("case, mode", _params([c for c in CASES if c.float32], torch.float32))
+def test_float32(case: Case, mode: str):
+    run(case, mode, torch.float32)
+
+
+# -- nanoGPT: the tied embedding -------------------------------------------------------------
+
+@pytest.fixture
+def rewritten_backwards(monkeypatch) -> list:
+    """Every rewritten backward graph compiled during the test."""
+    graphs = []
+    original = fxdp.compiler.backward_rewrite_pass
+
+    def spy(*args, **kwargs):
+        gm, plan = original(*args, **kwargs)
+        graphs.append(gm)
+        return gm, plan
+
+    monkeypatch.setattr(fxdp.compiler, "backward_rewrite_pass", spy)
+    return graphs
+
+
+def _has_shape(graphs: list, shape: tuple) -> bool:
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and tuple(val.shape) == shape:
+                return True
+    return False
+
+
+def test_nanogpt_tied_wte_is_a_ghost_norm_without_per_sample_table(rewritten_backwards):
+    """The wte/lm_head tie is one parameter with two rules; its norm comes from ghost
+    norms and their cross term, never from a ``[B, V, d]`` per-sample gradient."""
+    dp_model = run(CASE_BY_ID["nanogpt_tied"], "clip", torch.float64)
+    plans = {p.name: p for p in dp_model.explain().plans}
+    assert "lm_head.weight" not in plans  # the same Parameter: one plan
+    wte = plans["wte.weight"]
+    assert wte.uses == 2 and wte.rule == "embedding.weight, linear.weight", wte
+    assert wte.strategy.startswith("ghost"), wte
+    per_sample_table = (B, GPT_SIZES["vocab"], GPT_SIZES["d"])
+    assert rewritten_backwards and not _has_shape(rewritten_backwards, per_sample_table)
+
+    # The same search finds the table when it is asked for: the check above can fail.
+    rewritten_backwards.clear()
+    torch._dynamo.reset()
+    run(CASE_BY_ID["nanogpt_tied"], "grad_sample", torch.float64)
+    assert _has_shape(rewritten_backwards, per_sample_table)
+
+
+# -- the loss inside the graph -----------------------------------------------------------------
+
+@pytest.mark.parametrize("reduction, mode", [("mean", "clip"), ("mean", "grad_sample"), ("sum", "clip")])
+def test_nanogpt_loss_inside_the_graph(reduction: str, mode: str):
+    """``forward(idx, targets)`` returns ``F.cross_entropy(logits.view(-1, V), targets.view(-1))``."""
+    torch.manual_seed(0)
+    model = models.GPTWithLoss(models.GPT(**GPT_SIZES), reduction=reduction).double()
+    idx, targets = _tokens(B, 6), _tokens(B, 6, seed=3)
+    # Sample i's own loss is the same reduction over its own T tokens; for "mean" every
+    # sample has T tokens, so the batch mean is the mean of the samples' losses.
+    ref = reference(model, (idx, targets), lambda loss, i: loss)
+    clip = float(ref.norms.median()) if mode == "clip" else None
+    dp_model = fxdp.transform(model, max_grad_norm=clip, grad_sample=mode == "grad_sample",
+                              loss_reduction=reduction, compiler="eager")
+    loss = dp_model(idx, targets)
+    assert loss.dim() == 0
+    loss.backward()
+    check_step(model, dp_model, ref, grad_sample=mode == "grad_sample", clip=clip,
+               tol=tolerance(torch.float64), reduction=reduction)
+
+
+def test_loss_inside_the_graph_must_match_loss_reduction():
+    torch.manual_seed(0)
+    model = models.GPTWithLoss(models.GPT(**GPT_SIZES), reduction="sum").double()
+    dp_model = fxdp.transform(model, max_grad_norm=1.0, loss_reduction="mean", compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="loss_reduction='sum'"):
+        dp_model(_tokens(B, 6), _tokens(B, 6, seed=3))
+
+
+# -- packed sequences ----------------------------------------------------------------------------
+
+def _packed_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([6, 3, 5, 2, 4])
+    x = _randn(B, 6, 4)
+    x = x * (torch.arange(6) < lengths[:, None]).unsqueeze(-1)  # zero padding
+    last_step = torch.nn.functional.one_hot(lengths - 1, 6).double()
+    return x, lengths, last_step
+
+
+def test_packed_sequence_is_refused_not_silently_wrong():
+    torch.manual_seed(0)
+    model = models.PackedLSTM().double()
+    x, lengths, _ = _packed_inputs()
+    dp_model = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(Exception, match="pack_padded_sequence"):
+        dp_model(x, lengths)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_packed_sequence_error_tells_the_user_to_pad():
+    torch.manual_seed(0)
+    model = models.PackedLSTM().double()
+    x, lengths, _ = _packed_inputs()
+    dp_model = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="(?i)pad"):
+        dp_model(x, lengths)
+
+
+@pytest.mark.parametrize("mode", ["grad_sample", "clip"])
+def test_padded_lstm_matches_the_packed_model(mode: str):
+    """What the refusal asks for: the same LSTM run over the padded batch, each sample's
+    last real step read through a mask, is exact against the *packed* model's loop."""
+    torch.manual_seed(0)
+    packed = models.PackedLSTM().double()
+    padded = models.PaddedLSTM().double()
+    padded.load_state_dict(packed.state_dict())
+    x, lengths, last_step = _packed_inputs()
+    ref = reference(packed, (x, lengths), lambda out, i: per_sample_loss(out, 0).sum())
+    clip = float(ref.norms.median()) if mode == "clip" else None
+    dp_model = fxdp.transform(padded, max_grad_norm=clip, grad_sample=mode == "grad_sample", compiler="eager")
+    per_sample_loss(dp_model(x, last_step), 0).mean().backward()
+    check_step(padded, dp_model, ref, grad_sample=mode == "grad_sample", clip=clip, tol=tolerance(torch.float64))
+
+
+# -- Inductor ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case_id, mode, blocks", [
+    ("nanogpt_tied", "clip", 1),
+    ("weight_norm", "clip", None),
+    # a conv weight: Inductor's layout optimisation must not hide it from grad_sample
+    ("vit_conv_patches", "grad_sample", 0),
+])
+def test_inductor_float32(case_id: str, mode: str, blocks: int | None):
+    case = CASE_BY_ID[case_id]
+    if blocks is not None:  # Inductor's compile time grows with the graph
+        case = dataclasses.replace(case, model=_with_blocks(case.model, blocks))
+    run(case, mode, torch.float32, compiler="inductor")
+
+
+def _with_blocks(make: Callable[[], nn.Module], count: int) -> Callable[[], nn.Module]:
+    """The same model keeping only its first ``count`` blocks."""
+
+    def build_smaller() -> nn.Module:
+        model = make()
+        for name in ("h", "blocks"):
+            blocks: Any = getattr(model, name, None)
+            if isinstance(blocks, nn.ModuleList):
+                setattr(model, name, blocks[:count])
+        return model
+
+    return build_smaller
