@@ -52,6 +52,9 @@ class ParamRule:
         concat_uses: Optional: merge the operand lists of several uses of one
             parameter into one list (e.g. along a sequence axis) so that their sum is
             one use; needed for ghost norms of tied parameters.
+        weighted_sum_grad: Optional ``(weights [B], *operands) -> p.shape``,
+            ``Σ_n weights_n · per_sample_grad_n`` done cheaply (the clipped gradient);
+            without it the rewrite scales the output gradient and calls ``sum_grad``.
     """
 
     name: str
@@ -61,6 +64,7 @@ class ParamRule:
     ghost_sq_norm: Callable[..., torch.Tensor] | None = None
     costs: Callable[..., dict[str, float]] | None = None
     concat_uses: Callable[[list[list[torch.Tensor]]], list[torch.Tensor]] | None = None
+    weighted_sum_grad: Callable[..., torch.Tensor] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

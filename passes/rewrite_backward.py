@@ -359,10 +359,15 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                         "strategy": "clipped sum" if clip else "summed gradient", "module": use.module_path}
                 with annotate({"fxdp": info}):
                     ops = major_operands(m)
-                    if clip:
-                        ops = [scale_batch(t, factors) if s == GRAD else t for t, s in zip(ops, use.rule.operands)]
                     derived = env[m.args[1]]
-                    env[m] = use.rule.sum_grad(*ops, **use.config).reshape(derived.shape).to(derived.dtype)
+                    if clip and use.rule.weighted_sum_grad is not None:
+                        grad = use.rule.weighted_sum_grad(factors, *ops, **use.config)
+                    else:
+                        if clip:
+                            ops = [scale_batch(t, factors) if s == GRAD else t
+                                   for t, s in zip(ops, use.rule.operands)]
+                        grad = use.rule.sum_grad(*ops, **use.config)
+                    env[m] = grad.reshape(derived.shape).to(derived.dtype)
         for node in nodes:
             if node in deferred and node not in env:
                 env[node] = _run(node, env, bw_gm)

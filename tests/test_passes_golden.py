@@ -138,13 +138,13 @@ def forward(self, arg0_1, arg1_1, arg2_1):
     clamp = torch.ops.aten.clamp.default(mul_2, None, 1.0);  mul_2 = None
     permute_2 = torch.ops.aten.permute.default(arg2_1, [0, 1]);  arg2_1 = None
     permute_3 = torch.ops.aten.permute.default(arg1_1, [0, 1]);  arg1_1 = None
-    view_2 = torch.ops.aten.view.default(clamp, [-1, 1])
-    mul_3 = torch.ops.aten.mul.Tensor(permute_2, view_2);  permute_2 = view_2 = None
-    view_3 = torch.ops.aten.view.default(mul_3, [5, 1, 3]);  mul_3 = None
-    view_4 = torch.ops.aten.view.default(permute_3, [5, 1, 4]);  permute_3 = None
-    view_5 = torch.ops.aten.view.default(view_3, [-1, 3]);  view_3 = None
+    view_2 = torch.ops.aten.view.default(permute_2, [5, 1, 3]);  permute_2 = None
+    view_3 = torch.ops.aten.view.default(permute_3, [5, 1, 4]);  permute_3 = None
+    view_4 = torch.ops.aten.view.default(clamp, [-1, 1, 1])
+    mul_3 = torch.ops.aten.mul.Tensor(view_2, view_4);  view_2 = view_4 = None
+    view_5 = torch.ops.aten.view.default(mul_3, [-1, 3]);  mul_3 = None
     t = torch.ops.aten.t.default(view_5);  view_5 = None
-    view_6 = torch.ops.aten.view.default(view_4, [-1, 4]);  view_4 = None
+    view_6 = torch.ops.aten.view.default(view_3, [-1, 4]);  view_3 = None
     mm = torch.ops.aten.mm.default(t, view_6);  t = view_6 = None
     view_7 = torch.ops.aten.view.default(mm, [3, 4]);  mm = None
     return (view_7, None, mul_1, clamp)"""

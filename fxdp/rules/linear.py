@@ -58,6 +58,21 @@ def _weight_concat(uses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     ]
 
 
+def _weight_weighted_sum_grad(w: torch.Tensor, g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    # Σ_n w_n g_nᵀ a_n: scale whichever operand is smaller, then one mm over all rows.
+    g, a = as_sequence(g), as_sequence(a)
+    w = w.to(g.dtype).reshape(-1, 1, 1)
+    if g.shape[-1] <= a.shape[-1]:
+        g = g * w
+    else:
+        a = a * w
+    return torch.mm(g.reshape(-1, g.shape[-1]).t(), a.reshape(-1, a.shape[-1]))
+
+
+def _bias_weighted_sum_grad(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return torch.mv(as_sequence(g).sum(1).t(), w.to(g.dtype))
+
+
 def _bias_per_sample_grad(g: torch.Tensor) -> torch.Tensor:
     return as_sequence(g).sum(1)
 
@@ -78,6 +93,7 @@ linear_weight = ParamRule(
     ghost_sq_norm=_weight_ghost_sq_norm,
     costs=_weight_costs,
     concat_uses=_weight_concat,
+    weighted_sum_grad=_weight_weighted_sum_grad,
 )
 
 linear_bias = ParamRule(
@@ -86,6 +102,7 @@ linear_bias = ParamRule(
     per_sample_grad=_bias_per_sample_grad,
     sum_grad=_bias_sum_grad,
     concat_uses=_bias_concat,
+    weighted_sum_grad=_bias_weighted_sum_grad,
 )
 
 
