@@ -478,53 +478,8 @@ def _values_indices(node, arg_batch):
     return [out, out]
 
 
-def _matmul_like(node, arg_batch):
-    """``mm``/``bmm``/``matmul``: the batch may sit in a broadcast dim or a free dim."""
-    a_node, b_node = node.args[0], node.args[1]
-    ab, bb = arg_batch[0], arg_batch[1]
-    a, b = _meta(a_node), _meta(b_node)
-    out_ndim = _meta(node).dim()
-    result = None
-    for which, (bd, t) in enumerate(((ab, a), (bb, b))):
-        if not isinstance(bd, BatchDim):
-            continue
-        if bd.dim is None:
-            cand = WHOLE
-        else:
-            if t.dim() == 1:
-                raise MixesSamples("a batched vector is contracted")
-            pos = bd.dim - t.dim()  # negative index
-            if which == 0 and pos == -1 or which == 1 and pos == -2:
-                raise MixesSamples("the batch dim is contracted")
-            if which == 0 and pos == -2:
-                cand = bd.at(out_ndim - (2 if b.dim() > 1 else 1))
-            elif which == 1 and pos == -1:
-                cand = bd.at(out_ndim - 1)
-            else:
-                cand = bd.at(out_ndim + pos)
-        if result is None:
-            result = cand
-        elif not result.same_as(cand):
-            raise MixesSamples("both operands are batched at different dims (samples are multiplied together)")
-    return result
-
-
-for _op in (aten.mm.default, aten.bmm.default, aten.matmul.default):
-    PROPAGATION[_op] = _matmul_like
-
-
-@_register(aten.addmm.default, aten.baddbmm.default)
-def _addmm(node, arg_batch):
-    inner = _matmul_like(
-        type("N", (), {"args": node.args[1:], "meta": node.meta})(), arg_batch[1:]
-    )
-    bias = arg_batch[0]
-    if isinstance(bias, BatchDim):
-        cand = bias.at(bias.dim + _meta(node).dim() - _meta(node.args[0]).dim()) if bias.dim is not None else WHOLE
-        if inner is not None and not inner.same_as(cand):
-            raise MixesSamples("its operands have their batch at different dims")
-        return cand if inner is None else inner
-    return inner
+# mm / bmm / matmul / addmm / baddbmm propagate through their rules in
+# fxdp/rules/matmul.py (a parameter may be either operand).
 
 
 @_register(aten.scaled_dot_product_attention.default)
