@@ -548,27 +548,8 @@ def _elementwise_loss(node, arg_batch):
     return Loss(_LOSS_REDUCTION[reduction])
 
 
-@_register(aten.embedding.default)
-def _embedding(node, arg_batch):
-    if isinstance(arg_batch[0], BatchDim):
-        raise MixesSamples("the embedding table itself is batched")
-    return arg_batch[1]
-
-
-@_register(aten.layer_norm.default, aten.rms_norm.default)
-def _layer_norm(node, arg_batch):
-    b = arg_batch[0]
-    if not isinstance(b, BatchDim) or b.dim is None:
-        return b
-    nd = len(node.args[1])
-    if b.dim >= _meta(node.args[0]).dim() - nd:
-        raise MixesSamples("it normalises over the batch dim")
-    return b
-
-
-@_register(aten.group_norm.default, aten.instance_norm.default, aten.conv1d.default, aten.conv2d.default,
-           aten.conv3d.default, aten.convolution.default, aten.conv_transpose1d.default,
-           aten.conv_transpose2d.input, aten.conv_transpose3d.input, aten.max_pool2d.default,
+# conv, embedding and the normalisations propagate through their rules (fxdp/rules/).
+@_register(aten.max_pool2d.default,
            aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default, aten.max_pool1d.default,
            aten.avg_pool1d.default, aten.adaptive_avg_pool1d.default, aten.max_pool3d.default,
            aten.avg_pool3d.default, aten.adaptive_avg_pool3d.default, aten.pixel_shuffle.default,
@@ -587,8 +568,6 @@ def _batch_first_only(node, arg_batch):
             result = b
         elif not result.same_as(b):
             raise MixesSamples("its operands have their batch at different dims")
-    if node.target is aten.group_norm.default and result is not None and result.dim == 0 and not result.plain:
-        raise MixesSamples("group norm over a merged batch dim")
     return result
 
 
