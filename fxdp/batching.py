@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["retrack", "BatchDim", "WHOLE", "SHARED", "RAW", "batch_major", "batch_size_of", "scale_batch"]
+__all__ = ["retrack", "BatchDim", "WHOLE", "SHARED", "RAW", "batch_major", "batch_major_all", "batch_size_of", "scale_batch"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -139,6 +139,14 @@ def batch_major(t: torch.Tensor, batch: BatchDim, batch_size: Any = None) -> tor
     if not _equal(batch.inner, 1):
         t = t.reshape(t.shape[0] // batch.inner, batch.inner, *t.shape[1:])
     return t
+
+
+def batch_major_all(values, layouts) -> list:
+    """Every operand of one marker as ``[B, ...]``; ``B`` is read from a batched one
+    (shared operands are expanded to it, ``None`` operands stay ``None``)."""
+    size = next((batch_size_of(v, b) for v, b in zip(values, layouts)
+                 if v is not None and b.dim not in (None, "shared", "raw")), 1)
+    return [None if v is None else batch_major(v, b, size) for v, b in zip(values, layouts)]
 
 
 def scale_batch(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:

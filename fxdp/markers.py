@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from fxdp.batching import BatchDim, batch_major, batch_size_of
+from fxdp.batching import BatchDim, batch_major_all
 from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args
 
 __all__ = ["UseInfo", "Transform", "TaggedOp", "USES", "new_use_id", "param_grad"]
@@ -90,10 +90,7 @@ def param_grad(operands: list[Optional[torch.Tensor]], param: torch.Tensor, use_
     where the op's optional argument was not given (embedding_bag's per_sample_weights)."""
     use = USES[use_id]
     k = use.num_rule_operands
-    size = next((batch_size_of(t, b) for t, b in zip(operands, use.operand_batch)
-                 if t is not None and b.dim not in (None, "shared", "raw")), 1)
-    major = [None if t is None else batch_major(t, b, size)
-             for t, b in zip(operands[:k], use.operand_batch[:k])]
+    major = batch_major_all(operands[:k], use.operand_batch[:k])
     return use.rule.sum_grad(*major, **use.config).reshape(param.shape).to(param.dtype)
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_hint
-from fxdp.batching import batch_major, batch_size_of, retrack, scale_batch
+from fxdp.batching import batch_major_all, retrack, scale_batch
 from fxdp.markers import USES, UseInfo
 from fxdp.options import Options
 from fxdp.registry import GRAD, ghost_inner
@@ -232,11 +232,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
             use = USES[m.args[2]]
             k = use.num_rule_operands
             values = [None if o is None else env[o] for o in m.args[0][:k]]
-            layouts = [retrack(b, pool) for b in use.operand_batch[:k]]
-            size = next((batch_size_of(v, b) for v, b in zip(values, layouts)
-                         if v is not None and b.dim not in (None, "shared", "raw")), 1)
-            return [None if v is None else batch_major(v, b, size)
-                    for v, b in zip(values, layouts)]
+            return batch_major_all(values, [retrack(b, pool) for b in use.operand_batch[:k]])
 
         def per_sample_in_param_space(m: fx.Node) -> dict[fx.Node, torch.Tensor]:
             use = USES[m.args[2]]

@@ -36,7 +36,6 @@ class Op:
         canonical: The ATen op it canonicalises to (the rule the fallback stands in for).
         argument: Which argument of that op is the parameter.
         p_shape: The parameter's shape.
-        xfail: Why it does not work yet.
     """
 
     id: str
@@ -44,7 +43,6 @@ class Op:
     canonical: object
     argument: int
     p_shape: tuple = (D,)
-    xfail: str | None = None
 
 
 OPS = [
@@ -122,8 +120,7 @@ def run(model: nn.Module, x: torch.Tensor, mode: str, dtype: torch.dtype) -> fxd
 
 def _params():
     return [
-        pytest.param(op, dtype, mode, id=f"{op.id}-{str(dtype)[6:]}-{mode}",
-                     marks=[pytest.mark.xfail(reason=op.xfail, strict=True)] if op.xfail else [])
+        pytest.param(op, dtype, mode, id=f"{op.id}-{str(dtype)[6:]}-{mode}")
         for op in OPS for dtype in (torch.float64, torch.float32) for mode in ("grad_sample", "clip")
     ]
 

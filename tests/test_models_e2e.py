@@ -56,8 +56,6 @@ class Case:
         output_batch_dim: Batch dim of the model's output (the loss reduces over it).
         float32: Also run in float32.
         conv: Has convolutions (float32 tolerance 1e-3).
-        xfail: Why fxdp cannot do this yet (strict: passing makes the test fail).
-        xfail_float32: The same, for the float32 run only.
     """
 
     id: str
@@ -67,8 +65,6 @@ class Case:
     output_batch_dim: int = 0
     float32: bool = False
     conv: bool = False
-    xfail: str | None = None
-    xfail_float32: str | None = None
 
 
 CASES = [
@@ -177,9 +173,7 @@ def run(case: Case, mode: str, dtype: torch.dtype, compiler: str = "eager") -> f
 def _params(cases: list[Case], dtype: torch.dtype, modes=("grad_sample", "clip")):
     params = []
     for case in cases:
-        reason = case.xfail or (case.xfail_float32 if dtype == torch.float32 else None)
-        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-        params += [pytest.param(case, mode, id=f"{case.id}-{mode}", marks=marks) for mode in modes]
+        params += [pytest.param(case, mode, id=f"{case.id}-{mode}") for mode in modes]
     return params
 
 

@@ -6,14 +6,14 @@ from typing import Any, Sequence
 import opt_einsum
 import torch
 
+from fxdp._torch_internals import size_hint
+
 __all__ = ["contract", "contraction_cost", "as_sequence", "hint"]
 
 
 def hint(size: Any) -> int:
     """A concrete size for cost decisions: the hint of a SymInt, the int itself otherwise."""
-    if isinstance(size, torch.SymInt):
-        return int(size.node.hint if size.node.hint is not None else size.node.shape_env.size_hint(size.node.expr))
-    return int(size)
+    return size_hint(size)
 
 
 def contract(expr: str, *operands: torch.Tensor) -> torch.Tensor:
