@@ -24,8 +24,9 @@ class Options:
         compiler: "inductor", or "eager" to run the rewritten graphs without Inductor.
         in_dims: Per positional argument, its batch dim or ``None`` for shared inputs,
             as ``vmap``'s ``in_dims``; overrides the size rule of DESIGN.md.
-        memory_budget_bytes: Bytes of per-sample gradients a layer may keep alive
-            across the backward (strategy "keep"); ``None`` lets the cost decide.
+        memory_budget_bytes: Bytes of per-sample gradients layers may keep alive
+            across the backward (strategy "instantiate + keep"); ``None`` keeps a
+            layer's where they are smaller than the operands they replace, ``0`` never.
     """
 
     max_grad_norm: float | None = None

@@ -109,20 +109,40 @@ def param_names_of(p: fx.Node, markers: list[fx.Node], sources_of) -> str:
 
 
 class _Budget:
-    """Bytes of per-sample gradients that may stay alive until the clip factors exist."""
+    """Which instantiated per-sample gradients stay alive until the clip factors exist.
+
+    Keeping ``P_n`` makes the clipped gradient ``Σ_n c_n P_n`` (no second contraction)
+    and frees the marker operands at once, instead of holding them to the end of the
+    backward. With ``memory_budget_bytes=None`` a gradient is kept where that costs no
+    memory: it is no larger than the operands it replaces (small weights over large
+    activations: convolutions over big feature maps, norms' and biases' parameters).
+    A number caps the bytes kept in all, however large each operand; ``grad_sample``
+    keeps them all, as they exist anyway.
+    """
 
     def __init__(self, options: Options):
+        self.auto = options.memory_budget_bytes is None and not options.grad_sample
         if options.memory_budget_bytes is not None:
             self.left = options.memory_budget_bytes
         else:
-            # grad_sample=True materialises them anyway: keeping them is free.
             self.left = float("inf") if options.grad_sample else 0
 
-    def take(self, t: torch.Tensor) -> bool:
-        size = size_hint(t.numel()) * t.element_size()
-        if size > self.left:
+    @staticmethod
+    def _bytes(t: torch.Tensor) -> int:
+        return size_hint(t.numel()) * t.element_size()
+
+    def fits(self, shape_numel: int, element_size: int, operands: Sequence[torch.Tensor]) -> bool:
+        """Whether a per-sample gradient of this many elements would be kept."""
+        size = size_hint(shape_numel) * element_size
+        if self.auto:
+            return size < sum(self._bytes(t) for t in operands)
+        return size <= self.left
+
+    def take(self, t: torch.Tensor, operands: Sequence[torch.Tensor]) -> bool:
+        if not self.fits(t.numel(), t.element_size(), operands):
             return False
-        self.left -= size
+        if not self.auto:
+            self.left -= self._bytes(t)
         return True
 
 
@@ -165,11 +185,16 @@ def _tied_sq_norm(groups) -> torch.Tensor:
     return total
 
 
-def _choose(use: UseInfo, operands: list[torch.Tensor], options: Options, keep: bool) -> tuple[str, dict]:
+def _choose(use: UseInfo, operands: list[torch.Tensor], keep: bool) -> tuple[str, dict]:
+    """Ghost or instantiate, by the rule's cost model; ``keep``: the per-sample
+    gradient would be kept, which saves the deferred contraction (``Σ_n c_n P_n``
+    instead of a second pass over the operands), so instantiation wins."""
     rule = use.rule
-    if keep or rule.ghost_sq_norm is None or rule.costs is None:
+    if rule.ghost_sq_norm is None or rule.costs is None:
         return "instantiate", {}
     costs = rule.costs([None if t is None else tuple(t.shape) for t in operands], **use.config)
+    if keep:
+        return "instantiate", costs
     return min(costs, key=costs.get), costs
 
 
@@ -220,13 +245,18 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
         rule_counts[USES[m.args[2]].rule.name] += 1
     clip = options.max_grad_norm is not None
 
+    # Each parameter's norm is taken where its last marker stood, so the operands of a
+    # layer whose per-sample gradient is kept die there, not at the end of the backward.
+    last_marker: dict[fx.Node, fx.Node] = {}
+    for p, ms in by_param.items():
+        last_marker[p] = ms[-1]
+    params_at: dict[fx.Node, list[fx.Node]] = collections.defaultdict(list)
+    for p, m in last_marker.items():
+        params_at[m].append(p)
+
     def rewritten(*args):
         env: dict[fx.Node, Any] = dict(zip(placeholders, args))
         pool = list(args)  # the sizes the trace knows, to rebuild symbolic batch layouts
-        for node in nodes:
-            if node.op in ("placeholder", "output") or node in deferred:
-                continue
-            env[node] = _run(node, env, bw_gm)
 
         def major_operands(m: fx.Node) -> list[torch.Tensor]:
             use = USES[m.args[2]]
@@ -260,7 +290,11 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
         kept: dict[fx.Node, torch.Tensor] = {}
         budget = _Budget(options)
         mapped_cache: dict[fx.Node, dict] = {}
-        for p, ms in by_param.items():
+        plan_of: dict[fx.Node, ParamPlan] = {}
+
+        def norm_of(p: fx.Node) -> None:
+            nonlocal batch_size
+            ms = by_param[p]
             uses = [USES[m.args[2]] for m in ms]
             param = env[p]
             first = uses[0]
@@ -275,11 +309,14 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     merged = ops[0]
                 else:
                     merged = None
-                groups = None if (merged is not None or keep) else _rule_groups(uses, ops)
+                own = all(m.args[1] is p for m in ms)
+                operands = [t for o in ops for t in o if isinstance(t, torch.Tensor)]
+                keepable = keep or (own and budget.fits(batch_size * param.numel(), param.element_size(), operands))
+                groups = None if (merged is not None or keepable) else _rule_groups(uses, ops)
                 if groups is not None:
                     strategy, costs = "ghost (tied across rules)", {}
                 else:
-                    strategy, costs = ("instantiate", {}) if merged is None else _choose(first, merged, options, keep)
+                    strategy, costs = ("instantiate", {}) if merged is None else _choose(first, merged, keepable)
                 info = {"rule": ", ".join(sorted({u.rule.name for u in uses})), "param": first.param,
                         "strategy": strategy, "module": first.module_path}
                 with annotate({"fxdp": info}):
@@ -295,7 +332,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                         sq = psg.flatten(1).pow(2).sum(1)
                         if keep:
                             grad_samples[p] = psg
-                        if all(m.args[1] is p for m in ms) and budget.take(psg):
+                        if own and budget.take(psg, operands):
                             kept[p] = psg
                             strategy = "instantiate + keep"
             else:
@@ -315,12 +352,22 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     if keep:
                         grad_samples[p] = psg
             sq_norms.append(sq)
-            plans.append(ParamPlan(
+            plan_of[p] = ParamPlan(
                 name=param_names_of(p, ms, sources_of), rule=", ".join(sorted({u.rule.name for u in uses})),
                 uses=len(ms), strategy=strategy,
                 costs={k: float(v) for k, v in costs.items()},
                 placeholder_index=placeholders.index(p),
-            ))
+            )
+
+        for node in nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node in deferred:
+                for p in params_at.get(node, ()):
+                    norm_of(p)
+                continue
+            env[node] = _run(node, env, bw_gm)
+        plans.extend(plan_of[p] for p in by_param)
 
         extras: list[torch.Tensor] = []
         factors = None

@@ -189,7 +189,8 @@ def test_table_covers_both_strategies():
     strategies = set()
     for rank in (3, 4):
         plans = run_case(Case(rank, True, "mean", True, "clip", torch.float64))["plans"]
-        strategies |= {p.strategy for p in plans if p.rule == "linear.weight"}
+        # "instantiate + keep": instantiated, and small enough against its operands to keep
+        strategies |= {p.strategy.removesuffix(" + keep") for p in plans if p.rule == "linear.weight"}
     assert strategies == {"ghost", "instantiate"}
 
 
@@ -370,11 +371,16 @@ def test_weight_on_two_inputs_has_a_cross_term():
 
 # -- ghost or instantiate ----------------------------------------------------------------
 
-@pytest.mark.parametrize("steps,features,expected", [(2, 64, "ghost"), (64, 2, "instantiate")],
-                         ids=["T_small-ghost", "T_large-instantiate"])
+@pytest.mark.parametrize("steps,features,budget,expected", [
+    (2, 64, None, "ghost"),
+    (64, 2, None, "instantiate + keep"),
+    (64, 2, 0, "instantiate"),
+], ids=["T_small-ghost", "T_large-instantiate-keep", "T_large-instantiate-no-budget"])
 @pytest.mark.parametrize("mode", ["norms", "clip"])
-def test_ghost_or_instantiate(steps, features, expected, mode):
-    """``Σ_t,s (a_t·a_s)(g_t·g_s)`` pays when T² ≪ d_in·d_out; otherwise instantiate. Both exact."""
+def test_ghost_or_instantiate(steps, features, budget, expected, mode):
+    """``Σ_t,s (a_t·a_s)(g_t·g_s)`` pays when T² ≪ d_in·d_out; otherwise instantiate, and
+    keep the per-sample gradient when it is smaller than its operands (unless the
+    memory budget is 0). All exact."""
     dtype = torch.float64
     torch.manual_seed(0)
     model = nn.Linear(features, features).to(dtype)
@@ -383,12 +389,12 @@ def test_ghost_or_instantiate(steps, features, expected, mode):
     ref = reference(model, [x], reference_loss(proj))
     clip = median_clip(ref) if mode == "clip" else None
 
-    dp_model = fxdp.transform(model, max_grad_norm=clip, compiler="eager")
+    dp_model = fxdp.transform(model, max_grad_norm=clip, compiler="eager", memory_budget_bytes=budget)
     batched_loss(dp_model(x), proj, "mean").backward()
     plan = {p.name: p for p in dp_model.explain().plans}["weight"]
     assert plan.strategy == expected, plan
     assert set(plan.costs) == {"ghost", "instantiate"}, plan
-    assert plan.costs[expected] == min(plan.costs.values()), plan
+    assert plan.costs[expected.removesuffix(" + keep")] == min(plan.costs.values()), plan
     check_results(dp_model, dict(model.named_parameters()), ref, reduction="mean", grad_sample=False,
                   clip=clip, dtype=dtype, what=f"{expected} {mode}")
 
