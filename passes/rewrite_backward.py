@@ -311,7 +311,9 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     merged = None
                 own = all(m.args[1] is p for m in ms)
                 operands = [t for o in ops for t in o if isinstance(t, torch.Tensor)]
-                keepable = keep or (own and budget.fits(batch_size * param.numel(), param.element_size(), operands))
+                # Uses by several rules (a tied embedding and head) go by ghost cross terms.
+                keepable = keep or (own and same_rule
+                                    and budget.fits(batch_size * param.numel(), param.element_size(), operands))
                 groups = None if (merged is not None or keepable) else _rule_groups(uses, ops)
                 if groups is not None:
                     strategy, costs = "ghost (tied across rules)", {}

@@ -22,6 +22,7 @@ from torch import nn
 
 import fxdp
 from fxdp.batching import BatchDim
+from fxdp.rules import conv as conv_module
 from fxdp.rules.conv import CONV_RULES, _weight_grad_by_convolution, conv_bias, conv_config, conv_weight
 from reference import assert_close_all, reference, tolerance
 
@@ -343,8 +344,11 @@ def test_time_major_frames(grad_sample):
 @pytest.mark.parametrize("transposed,groups,output_padding", [
     (False, 1, 0), (False, 2, 0), (False, 4, 0), (True, 2, 1), (True, 1, 2), (True, 4, 0),
 ], ids=["conv", "conv-g2", "conv-depthwise", "convT-g2-op1", "convT-op2", "convT-depthwise"])
-def test_rule_functions(transposed, groups, output_padding):
-    """Per-sample, summed and ghost quantities on ``aten.convolution``, both routes."""
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last-one_sample_chunks"])
+def test_rule_functions(transposed, groups, output_padding, layout, monkeypatch):
+    """Per-sample, summed and ghost quantities on ``aten.convolution``, both routes;
+    channels-last operands (as Inductor's layout optimisation leaves them) take the
+    positions-major patch copy, and a tiny chunk size unfolds one sample at a time."""
     torch.manual_seed(3)
     out_channels = 4 if groups == 4 else 6
     x = torch.randn(3, 4, 5, 6, dtype=torch.float64)
@@ -362,6 +366,9 @@ def test_rule_functions(transposed, groups, output_padding):
         per_sample_w.append(w.grad)
         per_sample_b.append(b.grad)
     ref_w, ref_b = torch.stack(per_sample_w), torch.stack(per_sample_b)
+    if layout != "contiguous":
+        monkeypatch.setattr(conv_module, "PATCH_CHUNK_BYTES", 1)
+        x, g = x.contiguous(memory_format=torch.channels_last), g.contiguous(memory_format=torch.channels_last)
     got = {
         "weight.per_sample": conv_weight.per_sample_grad(g, x, **config),
         "weight.per_sample.by_convolution": _weight_grad_by_convolution(g, x, config, per_sample=True),

@@ -323,7 +323,9 @@ def test_norm_strategy(case: Case):
     dp = _step(case, model, x, target, batch_dim, "mean", max_grad_norm=max_grad_norm)
     _check(case, dp, model, ref, "mean", max_grad_norm, tolerance(torch.float64))
     for plan in dp.explain().plans:
-        if plan.costs:
+        # A kept per-sample gradient (smaller than its operands) saves the deferred
+        # contraction, so it instantiates whatever the norm alone would cost.
+        if plan.costs and plan.strategy != "instantiate + keep":
             assert plan.strategy == min(plan.costs, key=plan.costs.get), plan
 
 
@@ -333,7 +335,7 @@ def test_both_strategies_are_reached():
         if case.id in ("matmul-weight", "matmul-ghost-sized"):
             model, x, target, batch_dim, ref = _setup(case, torch.float64, seed=1)
             dp = _step(case, model, x, target, batch_dim, "sum", max_grad_norm=_clip_between(ref.norms))
-            chosen |= {p.strategy for p in dp.explain().plans if p.name == "W"}
+            chosen |= {p.strategy.removesuffix(" + keep") for p in dp.explain().plans if p.name == "W"}
             torch._dynamo.reset()
     assert chosen == {"ghost", "instantiate"}, chosen
 
