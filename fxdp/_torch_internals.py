@@ -75,46 +75,18 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
         if kwargs.get("is_backward"):
             return backward_compiler(g, inputs, lambda g2, i2: compile_fx_inner(g2, i2, **kwargs))
         forward_observer(g)
-        _keep_saved_inputs_as_they_are(g)
         return compile_fx_inner(g, inputs, **kwargs)
 
+    from torch._inductor import config as inductor_config
+
     # The AOTAutograd cache keys on the Dynamo graph, not on the rewritten backward.
-    with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False):
+    # Layout optimisation would hand the backward a channels-last copy of a conv weight
+    # instead of the parameter itself (results are stored on the parameters the
+    # backward receives); it also measured slower here: Inductor's CPU kernels for the
+    # per-channel reductions of the per-sample rules gather over channels-last data.
+    with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False), \
+            inductor_config.patch(layout_optimization=False):
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
-
-
-def _keep_saved_inputs_as_they_are(fw_gm: fx.GraphModule) -> None:
-    """Save the forward's inputs (parameters) for the backward as the very objects.
-
-    Results are stored on the parameters the backward receives. Inductor's layout
-    optimisation (channels-last convolutions) would save a channels-last copy of a
-    conv weight in its place: the convolution's lowering converts the input it is
-    handed, and an output that is not user-visible may get any strides. So a saved
-    input is marked user-visible (its strides kept, no copy) and a convolution gets a
-    clone of it to convert instead (the weight's copy Inductor makes anyway).
-    """
-    output = next(n for n in reversed(fw_gm.graph.nodes) if n.op == "output")
-    args = output.args[0]
-    passed = [i for i, a in enumerate(args) if isinstance(a, fx.Node) and a.op == "placeholder"
-              and isinstance(a.meta.get("val"), torch.Tensor)]
-    if not passed:
-        return
-    strides = list(output.meta.get("original_output_strides") or [None] * len(args))
-    for i in passed:
-        strides[i] = tuple(args[i].meta["val"].stride())
-    output.meta["original_output_strides"] = strides
-    output.meta["user_visible_output_idxs"] = sorted(set(output.meta.get("user_visible_output_idxs", ())) | set(passed))
-    for node in {args[i] for i in passed}:
-        convs = [u for u in node.users if u.op == "call_function" and u.target is torch.ops.aten.convolution.default]
-        if not convs:
-            continue
-        with fw_gm.graph.inserting_after(node):
-            clone = fw_gm.graph.call_function(torch.ops.aten.clone.default, (node,))
-        clone.meta.update(node.meta)
-        for conv in convs:
-            conv.replace_input_with(node, clone)
-    fw_gm.graph.lint()
-    fw_gm.recompile()
 
 
 def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],

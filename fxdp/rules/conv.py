@@ -338,8 +338,11 @@ def _op_args(config: dict) -> tuple:
 # The per-sample contractions run as opaque ops: Inductor would otherwise fuse the
 # patch gather of every layer into one early kernel (an index-heavy, unvectorised
 # loop that also holds every layer's unfolded input at once); here each layer copies
-# its patches in cache-sized chunks right before its batched matmul.
-@torch.library.custom_op("fxdp::conv_weight_per_sample_grad", mutates_args=())
+# its patches in cache-sized chunks right before its batched matmul. They take any
+# strides (``flexible_layout``): Inductor then hands over the channels-last activations
+# of its layout optimisation as they are, instead of copying them back to the strides
+# seen when the backward was traced.
+@torch.library.custom_op("fxdp::conv_weight_per_sample_grad", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def conv_weight_per_sample_grad(g: torch.Tensor, x: torch.Tensor, kernel: list[int], stride: list[int],
                                 padding: list[int], dilation: list[int], groups: int, transposed: bool,
                                 output_padding: list[int]) -> torch.Tensor:
@@ -357,7 +360,7 @@ def _(g, x, kernel, stride, padding, dilation, groups, transposed, output_paddin
     return g.new_empty((g.shape[0], groups, o, k))
 
 
-@torch.library.custom_op("fxdp::conv_weight_ghost_sq_norm", mutates_args=())
+@torch.library.custom_op("fxdp::conv_weight_ghost_sq_norm", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def conv_weight_ghost_sq_norm(g: torch.Tensor, x: torch.Tensor, kernel: list[int], stride: list[int],
                               padding: list[int], dilation: list[int], groups: int, transposed: bool,
                               output_padding: list[int]) -> torch.Tensor:

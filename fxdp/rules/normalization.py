@@ -74,13 +74,33 @@ def _normalized_trailing(x: torch.Tensor, num_dims: int, eps: float | None, cent
     return (x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)).to(dtype)
 
 
+def _group_mean(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Each sample's mean over each group of channels and the spatial dims, broadcast
+    back to ``[n, C, 1, …]``.
+
+    Per-channel reductions over the spatial dims first, then over the channels of a
+    group: a channels-last activation (Inductor's layout optimisation) is then read
+    with the channels innermost, which vectorises, where a ``[n, G, C/G·HW]`` view of
+    it would be a gather.
+    """
+    n, channels = t.shape[0], t.shape[1]
+    channel_means = _channel_sums(t) / math.prod(t.shape[2:])
+    means = channel_means.reshape(n, groups, channels // groups).mean(-1, keepdim=True)
+    return means.expand(n, groups, channels // groups).reshape(n, channels, *([1] * (t.dim() - 2)))
+
+
+def _group_statistics(x: torch.Tensor, groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and ``1/σ`` of each sample's groups (two passes, centred: as stable as
+    ``var_mean``), broadcast to ``[n, C, 1, …]``, in the compute dtype."""
+    x = x.to(_compute_dtype(x))
+    mean = _group_mean(x, groups)
+    return mean, torch.rsqrt(_group_mean((x - mean).pow(2), groups) + eps)
+
+
 def _normalized_groups(x: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
     """``x̂`` of ``[n, C, *spatial]`` over each sample's groups of ``C / groups`` channels."""
-    dtype = x.dtype
-    # Explicit sizes: with B == 0 a -1 would be ambiguous.
-    grouped = x.to(_compute_dtype(x)).reshape(x.shape[0], groups, math.prod(x.shape[1:]) // groups)
-    var, mean = torch.var_mean(grouped, -1, correction=0, keepdim=True)
-    return ((grouped - mean) * torch.rsqrt(var + eps)).reshape(x.shape).to(dtype)
+    mean, rstd = _group_statistics(x, groups, eps)
+    return ((x.to(mean.dtype) - mean) * rstd).to(x.dtype)
 
 
 def _sum_leading(t: torch.Tensor, num_kept: int) -> torch.Tensor:
@@ -275,7 +295,22 @@ def _native_group_norm_grad(x, grad_out, weight, bias, groups, eps, which):
     return aten.native_group_norm_backward.default(grad_out, x, mean, rstd, weight, n, c, spatial, groups, mask)[which]
 
 
+def _group_norm_input_gradient(x, grad_out, weight, groups, eps):
+    """``∂L/∂x = (1/σ)(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂))``, ``ĝ = γ ⊙ ∂L/∂y``, the means over
+    each sample's group (``_group_mean``: any memory layout)."""
+    mean, rstd = _group_statistics(x, groups, eps)
+    normalized = (x.to(mean.dtype) - mean) * rstd
+    scaled = grad_out.to(mean.dtype)
+    if weight is not None:
+        scaled = scaled * weight.to(mean.dtype).reshape(1, x.shape[1], *([1] * (x.dim() - 2)))
+    grad = rstd * (scaled - _group_mean(scaled, groups) - normalized * _group_mean(scaled * normalized, groups))
+    return grad.to(x.dtype)
+
+
 def _group_norm_input_grad(args, grad_out, index):
+    if index == 0:
+        return _group_norm_input_gradient(args[0], grad_out, _arg(args, 2), int(args[1]),
+                                          float(_arg(args, 4, _DEFAULT_EPS)))
     which = {0: 0, 2: 1, 3: 2}[index]
     return _native_group_norm_grad(args[0], grad_out, _arg(args, 2), _arg(args, 3), int(args[1]),
                                    float(_arg(args, 4, _DEFAULT_EPS)), which)
@@ -286,6 +321,8 @@ def _instance_norm_input_grad(args, grad_out, index):
     eps = float(_arg(args, 7, _DEFAULT_EPS))
     which = {0: 0, 1: 1, 2: 2}[index]
     if args[5]:  # use_input_stats: group norm with one channel per group
+        if which == 0:
+            return _group_norm_input_gradient(x, grad_out, weight, x.shape[1], eps)
         return _native_group_norm_grad(x, grad_out, weight, bias, x.shape[1], eps, which)
     # Running statistics: an affine map per channel.
     view = (1, -1, *([1] * (x.dim() - 2)))
