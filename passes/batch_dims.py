@@ -283,13 +283,6 @@ def _broadcast_tensors(node, arg_batch):
     return [result] * len(outs)
 
 
-@_register(aten.einsum.default)
-def _einsum(node, arg_batch):
-    from fxdp.rules.matmul import einsum_batch
-
-    return einsum_batch(node.args[0], arg_batch[1], [_meta(t) for t in node.args[1]])
-
-
 @_register(aten.permute.default)
 def _permute(node, arg_batch):
     b = arg_batch[0]

@@ -79,20 +79,29 @@ _DECOMPOSED = [
 ]
 
 
+def _einsum_as_products(equation, operands, **kwargs):
+    """``aten.einsum`` as ATen's own implementation runs it: permutes, views and
+    ``bmm``/``mul``/``sum``. Its tensors come as one list argument, which the tag pass
+    cannot tag a parameter in; the ops it becomes have rules (a parameter operand goes
+    through ``bmm`` with a parameter transform in front) and batch propagations."""
+    return torch.ops.aten.einsum.default.decompose(equation, operands, **kwargs)
+
+
 def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode) -> fx.GraphModule:
     """Retrace ``gm`` with ``make_fx(pre_dispatch=True)`` under its fake mode.
 
     ``torch._C._nn.linear(x, w, b)`` becomes ``torch.ops.aten.linear.default(x, w, b)``;
-    ``aten.lstm`` becomes per-step linears; activation-checkpointed regions are
+    ``aten.lstm`` becomes per-step linears, ``aten.einsum`` matrix products; activation-checkpointed regions are
     inlined (their ops become ordinary ops of the graph). Placeholders keep their
     order, node meta (``nn_module_stack``) is preserved.
     """
     gm = inline_checkpoints(gm)
     gm = rnn_initial_state_pass(gm)
     # The LSTM decomposition would pick the opaque aten.mkldnn_rnn_layer on CPU float32.
+    decompositions = {**get_decompositions(_DECOMPOSED), torch.ops.aten.einsum.default: _einsum_as_products}
     with torch.backends.mkldnn.flags(enabled=False):
         out = make_fx_traced(fx.Interpreter(gm).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
-                             decompositions=get_decompositions(_DECOMPOSED))
+                             decompositions=decompositions)
     out = repeat_as_expand_pass(out)
     out.graph.lint()
     out.recompile()

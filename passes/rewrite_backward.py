@@ -1,11 +1,12 @@
 """Rewrite the partitioned backward graph: markers out, per-sample maths in.
 
 For every trainable parameter of the graph the pass gathers the markers of its
-uses, computes each sample's squared gradient norm (Gram-matrix ghost norm or
-instantiation, whichever the rule's cost model finds cheaper for these sizes),
-the per-sample norms and, with ``max_grad_norm``, the clip factors once; then each
-marker becomes its rule's summed gradient of the *clipped* output gradient
-(Book-Keeping: ``Σ_n c_n g_n aₙᵀ`` is one einsum of ``c ⊙ g`` and ``a``). Nothing
+uses, computes each sample's squared gradient norm where the last of them stood
+(Gram-matrix ghost norm or instantiation, whichever the rule's cost model finds
+cheaper for these sizes; an instantiated gradient smaller than its operands is kept,
+see ``_Budget``), the per-sample norms and, with ``max_grad_norm``, the clip factors
+once; then each marker becomes its rule's summed gradient of the *clipped* output
+gradient (Book-Keeping: ``Σ_n c_n g_n aₙᵀ`` is one einsum of ``c ⊙ g`` and ``a``). Nothing
 downstream of a marker runs before the factors are known, so the graph is rebuilt
 by a two-phase interpreter traced with ``make_fx``. Extra outputs (norms, clip
 factors, grad samples) are appended after the gradients::
@@ -113,8 +114,8 @@ class _Budget:
 
     Keeping ``P_n`` makes the clipped gradient ``Σ_n c_n P_n`` (no second contraction)
     and frees the marker operands at once, instead of holding them to the end of the
-    backward. With ``memory_budget_bytes=None`` a gradient is kept where that costs no
-    memory: it is no larger than the operands it replaces (small weights over large
+    backward. With ``memory_budget_bytes=None`` a gradient is kept where that saves
+    memory: it is smaller than the operands it replaces (small weights over large
     activations: convolutions over big feature maps, norms' and biases' parameters).
     A number caps the bytes kept in all, however large each operand; ``grad_sample``
     keeps them all, as they exist anyway.
@@ -247,12 +248,9 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
 
     # Each parameter's norm is taken where its last marker stood, so the operands of a
     # layer whose per-sample gradient is kept die there, not at the end of the backward.
-    last_marker: dict[fx.Node, fx.Node] = {}
-    for p, ms in by_param.items():
-        last_marker[p] = ms[-1]
     params_at: dict[fx.Node, list[fx.Node]] = collections.defaultdict(list)
-    for p, m in last_marker.items():
-        params_at[m].append(p)
+    for p, ms in by_param.items():
+        params_at[ms[-1]].append(p)
 
     def rewritten(*args):
         env: dict[fx.Node, Any] = dict(zip(placeholders, args))

@@ -25,7 +25,7 @@ from torch import nn
 import fxdp
 from fxdp.batching import WHOLE, BatchDim
 from fxdp.rules.elementwise import Layout, pointwise_batch
-from fxdp.rules.matmul import einsum_batch, matmul_batch
+from fxdp.rules.matmul import matmul_batch
 from reference import assert_close_all, reference, tolerance
 
 aten = torch.ops.aten
@@ -157,6 +157,32 @@ class EinsumWeight(nn.Module):
         return self.out(torch.tanh(torch.einsum("btd,de->bte", self.inp(x), self.W)))
 
 
+class EinsumWeightFirst(nn.Module):
+    """The parameter as the first operand, contracted with the features."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(D, D), nn.Linear(4, 3)
+        self.W = nn.Parameter(torch.randn(4, D) * 0.5)
+
+    def forward(self, x):
+        return self.out(torch.tanh(torch.einsum("ed,btd->bte", self.W, self.inp(x))))
+
+
+class EinsumPerHead(nn.Module):
+    """A per-head projection ``[H, D/H, E]``: the head index is shared by the batched
+    operand and the parameter (a batch dim of the products, not contracted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(D, D), nn.Linear(2 * 3, 3)
+        self.W = nn.Parameter(torch.randn(2, D // 2, 3) * 0.5)
+
+    def forward(self, x):
+        h = self.inp(x).unflatten(-1, (2, D // 2))
+        return self.out(torch.tanh(torch.einsum("bthd,hde->bthe", h, self.W)).flatten(-2))
+
+
 class EinsumAttention(nn.Module):
     """Attention scores by einsum: no parameter in the einsum, only its batch propagation."""
 
@@ -245,9 +271,9 @@ TABLE = [pytest.param(c, id=c.id) for c in CASES] + [
                       (B, T, D), rules=("addcmul.tensor2",)), id="addcmul-value"),
     pytest.param(Case("hf-conv1d-beta-alpha", gpt2_mlp((0.5, 2.0)), (B, T, D), rules=("addmm.mat2",)),
                  id="hf-conv1d-beta-alpha"),
-    _xfail(Case("einsum-weight", EinsumWeight, (B, T, D)),
-           "core: aten.einsum takes its tensors as one list argument; the tag pass cannot tag a "
-           "parameter inside a list argument (a parameter there is refused, never unclipped)"),
+    pytest.param(Case("einsum-weight", EinsumWeight, (B, T, D), rules=("bmm.mat2",)), id="einsum-weight"),
+    pytest.param(Case("einsum-weight-first", EinsumWeightFirst, (B, T, D)), id="einsum-weight-first"),
+    pytest.param(Case("einsum-per-head", EinsumPerHead, (B, T, D)), id="einsum-per-head"),
     pytest.param(Case("einsum-attention", EinsumAttention, (B, T, D)), id="einsum-attention"),
 ]
 
@@ -447,29 +473,26 @@ def test_pointwise_batch_matches_the_core():
         rule.batch_rule([BatchDim(0), BatchDim(0)], [_meta(B, T, D), _meta(T, D)], _meta(B, T, D), {})
 
 
-@pytest.mark.parametrize("equation,shapes,batches,want", [
-    ("btd,de->bte", [(B, T, D), (D, 6)], [BatchDim(0), None], BatchDim(0)),
-    ("btd,bsd->bts", [(B, T, D), (B, T, D)], [BatchDim(0), BatchDim(0)], BatchDim(0)),
-    ("tbd,de->bte", [(T, B, D), (D, 6)], [BatchDim(1), None], BatchDim(0)),
-    ("...d,de->...e", [(B, T, D), (D, 6)], [BatchDim(0), None], BatchDim(0)),
-    ("...d,...d", [(T, B, D), (B, D)], [BatchDim(1), BatchDim(0)], BatchDim(1)),
-    ("bhqd,bhkd->bhqk", [(B, H, T, D), (B, H, T, D)], [BatchDim(0), BatchDim(0)], BatchDim(0)),
-    ("nd,de", [(B * T, D), (D, 6)], [BatchDim(0, T), None], BatchDim(1, T)),  # implicit output "en"
-    ("ed,btd->bte", [(6, D), (B, T, D)], [None, BatchDim(0)], BatchDim(0)),
-])
-def test_einsum_batch(equation, shapes, batches, want):
-    assert _same(einsum_batch(equation, batches, [_meta(*s) for s in shapes]), want)
+@pytest.mark.parametrize("equation,reason", [
+    ("btd,btd->td", "the batch dim is contracted"),
+    ("bd,cd->bc", "samples are multiplied together"),
+], ids=["contracts-batch", "cross-sample"])
+def test_einsum_mixing_samples_is_refused(equation, reason):
+    """An einsum that contracts the batch, or pairs every sample with every other, mixes
+    samples: the matrix products it is made of are refused, with the op named."""
 
+    class Mix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, D)
 
-@pytest.mark.parametrize("equation,shapes,batches,match", [
-    ("btd,btd->td", [(B, T, D), (B, T, D)], [BatchDim(0), BatchDim(0)], "contracted"),
-    ("bd,cd->bc", [(B, D), (B, D)], [BatchDim(0), BatchDim(0)], "different labels"),
-    ("bb->b", [(B, B)], [BatchDim(0)], "diagonal"),
-    ("bd,bd->bd", [(B, D), (B, D)], [BatchDim(0), None], "shared operand"),
-])
-def test_einsum_batch_mixes_samples(equation, shapes, batches, match):
-    with pytest.raises(ValueError, match=match):
-        einsum_batch(equation, batches, [_meta(*s) for s in shapes])
+        def forward(self, x):
+            h = self.lin(x)
+            return torch.einsum(equation, h, h).sum()
+
+    shape = (B, T, D) if equation.startswith("btd") else (B, D)
+    problems = fxdp.validate(Mix(), torch.randn(shape))
+    assert [(p.op, reason in p.reason) for p in problems] == [("aten.bmm.default", True)], problems
 
 
 def test_rule_functions_on_layouts():

@@ -47,6 +47,9 @@ __all__ = [
     "conv_bias",
     "conv_config",
     "unfold_patches",
+    "conv_weight_per_sample_grad",
+    "conv_weight_ghost_sq_norm",
+    "PATCH_CHUNK_BYTES",
     "MODULE_OPS",
 ]
 

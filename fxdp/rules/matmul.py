@@ -22,9 +22,8 @@ elementwise use (``∂bias_n = beta · reduce(g_n)``), the factors scale the res
 Like the elementwise rules, these key ops that appear everywhere (attention's
 ``q @ kᵀ``): ``batch_rule`` is the full matmul propagation for every call.
 
-``aten.einsum`` survives canonicalisation but takes its tensors as one list
-argument, which the core does not tag yet; ``einsum_batch`` is its propagation rule,
-ready to be registered (see ``tests/test_rules_elementwise.py``).
+``torch.einsum`` reaches these rules as the matrix products it is made of:
+canonicalisation decomposes ``aten.einsum`` (its tensors come as one list argument).
 """
 from __future__ import annotations
 
@@ -46,7 +45,7 @@ from fxdp.rules.elementwise import (
     right_align,
 )
 
-__all__ = ["MATMUL", "MM", "BMM", "ADDMM", "BADDBMM", "matmul_batch", "einsum_batch", "MODULE_OPS"]
+__all__ = ["MATMUL", "MM", "BMM", "ADDMM", "BADDBMM", "matmul_batch", "MODULE_OPS"]
 
 aten = torch.ops.aten
 
@@ -366,72 +365,6 @@ MM = _register(aten.mm.default)
 BMM = _register(aten.bmm.default)
 ADDMM = _register(aten.addmm.default)
 BADDBMM = _register(aten.baddbmm.default)
-
-
-# ---------------------------------------------------------------------------
-# einsum: propagation only (its tensors come as one list argument)
-# ---------------------------------------------------------------------------
-
-
-def _einsum_subscripts(equation: str, ndims: Sequence[int]) -> tuple[list[list[str]], list[str]]:
-    """Each operand's dims and the output's as labels; ``...`` becomes labels ``…0``,
-    ``…1`` … aligned from the right across operands, as einsum broadcasts them."""
-    equation = equation.replace(" ", "")
-    lhs, arrow, rhs = equation.partition("->")
-    terms = lhs.split(",")
-    if len(terms) != len(ndims):
-        raise ValueError(f"einsum equation {equation!r} does not match {len(ndims)} operands")
-    ellipsis = max((n - len(t.replace("...", "")) for t, n in zip(terms, ndims) if "..." in t), default=0)
-
-    def expand(term: str, ndim: int | None) -> list[str]:
-        before, dots, after = term.partition("...")
-        if not dots:
-            return list(term)
-        count = ellipsis if ndim is None else ndim - len(before) - len(after)
-        return [*before, *[f"…{ellipsis - count + j}" for j in range(count)], *after]
-
-    subscripts = [expand(t, n) for t, n in zip(terms, ndims)]
-    if arrow:
-        out = expand(rhs, None)
-    else:
-        letters = [c for t in terms for c in t.replace("...", "")]
-        out = [f"…{j}" for j in range(ellipsis)] + sorted(
-            (c for c in set(letters) if letters.count(c) == 1), key=string.ascii_letters.index)
-    return subscripts, out
-
-
-def einsum_batch(equation: str, batches: Sequence[Any], metas: Sequence[torch.Tensor]) -> BatchDim | None:
-    """Where ``einsum(equation, operands)`` puts the batch.
-
-    The batch dim's label must be the same in every batched operand, appear once per
-    operand and survive into the output; a shared operand may only have size 1 there.
-    """
-    subscripts, out = _einsum_subscripts(equation, [m.dim() for m in metas])
-    label, result = None, None
-    for b, dims in zip(batches, subscripts):
-        if not isinstance(b, BatchDim):
-            continue
-        if b.dim is None:
-            candidate, this = WHOLE, None
-        else:
-            this = dims[b.dim]
-            if dims.count(this) > 1:
-                raise ValueError("it takes a diagonal over the batch dim")
-            if this not in out:
-                raise ValueError("the batch dim is contracted")
-            if label is not None and this != label:
-                raise ValueError("its operands have their batch under different labels")
-            label = this
-            candidate = BatchDim(out.index(this), b.inner)
-        if result is None:
-            result = candidate
-        elif not result.same_as(candidate):
-            raise ValueError("its batched operands have their batch at different dims")
-    if label is not None:
-        for b, dims, m in zip(batches, subscripts, metas):
-            if not isinstance(b, BatchDim) and label in dims and not bool(m.shape[dims.index(label)] == 1):
-                raise ValueError("a shared operand is indexed along the batch dim")
-    return result
 
 
 MODULE_OPS: dict[type, tuple] = {}
