@@ -776,6 +776,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
     # Shared rule ops that may be broadcast: their parameter arguments are rule'd and
     # some other tensor input is not parameter-derived.
     candidates: dict[fx.Node, Broadcast] = {}
+    refused: set[fx.Node] = set()
     for node in {n for n, _, _ in consumed}:
         rule = lookup(node.target) if node.op == "call_function" else None
         if node not in sources or rule is None or single:
@@ -785,7 +786,20 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
         if param_positions and all(i in rule.params for i in param_positions) and (
                 others or node.target is aten.expand.default):
             plan = _broadcast_plan(node, batch)
-            if plan is not None:
+            if plan is None:
+                continue
+            # Expanded to the batch, the op sees its other inputs batched: the rule's
+            # check judges its settings (``scale_grad_by_freq``) as it would there. (An
+            # expand of the parameter alone is the broadcast itself.)
+            as_batched = [None if (isinstance(a, fx.Node) and a in sources) else
+                          (BatchDim(0) if isinstance(a, fx.Node) else None) for a in node.args]
+            for i in param_positions if others else ():
+                reason = rule.check(as_batched, [_meta(a) for a in node.args], i) if rule.check else None
+                if reason:
+                    problems.append(Problem(op_name(node.target), module_path_of(node),
+                                            _names(sources[node.args[i]], param_names), reason))
+                    refused.add(node)
+            if node not in refused:
                 candidates[node] = plan
     for node, plan in candidates.items():
         broadcasts[node] = plan
@@ -796,7 +810,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
                 uses.append(UseSite(node, i, kind, sources[a], broadcast=True))
 
     for node, index, value in consumed:
-        if node in candidates:
+        if node in candidates or node in refused:
             continue
         if value in candidates:
             continue  # the consumer of a broadcast op's output: nothing to do

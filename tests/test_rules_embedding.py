@@ -524,9 +524,6 @@ def test_refuses_scale_grad_by_freq():
     assert any("scale_grad_by_freq" in p and "0.weight" in p for p in problems), problems
 
 
-@pytest.mark.xfail(strict=True, reason="the core skips rule.check for ops whose inputs are all shared "
-                                       "(batch_dims.py, shared_candidates): the refusal only comes at the "
-                                       "first backward, from the rule itself")
 def test_refuses_scale_grad_by_freq_on_shared_indices():
     model = PositionOnFeatures(6, 4)
     model.wpe.scale_grad_by_freq = True
