@@ -209,10 +209,6 @@ class Case:
     product: bool = False  # a matrix-product weight: also run through the cost model
 
 
-def _xfail(case: Case, reason: str):
-    return pytest.param(case, id=case.id, marks=pytest.mark.xfail(reason=reason, strict=True))
-
-
 CASES = [
     # elementwise
     Case("layer-scale", around(lambda m, h: h * m.gamma, gamma=(D,)), (B, T, D), rules=("mul.other",)),
