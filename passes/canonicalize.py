@@ -91,9 +91,9 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     """Retrace ``gm`` with ``make_fx(pre_dispatch=True)`` under its fake mode.
 
     ``torch._C._nn.linear(x, w, b)`` becomes ``torch.ops.aten.linear.default(x, w, b)``;
-    ``aten.lstm`` becomes per-step linears, ``aten.einsum`` matrix products; activation-checkpointed regions are
-    inlined (their ops become ordinary ops of the graph). Placeholders keep their
-    order, node meta (``nn_module_stack``) is preserved.
+    ``aten.lstm`` becomes per-step linears, ``aten.einsum`` matrix products;
+    activation-checkpointed regions are inlined (their ops become ordinary ops of the
+    graph). Placeholders keep their order, node meta (``nn_module_stack``) is preserved.
     """
     gm = inline_checkpoints(gm)
     gm = rnn_initial_state_pass(gm)

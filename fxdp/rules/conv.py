@@ -209,7 +209,7 @@ def _patch_matrices(g: torch.Tensor, x: torch.Tensor, config: dict) -> tuple[tor
     ``U`` is one copy of the strided patch view in the order the input's memory is
     read fastest: ``[n, g, k, p]`` (``k`` = channel, kernel offsets) from a
     channels-first input, ``[n, g, p, k']`` (``k'`` = kernel offsets, channel) from a
-    channels-last one, as Inductor's layout optimisation leaves activations. Either
+    channels-last one (a model run in ``torch.channels_last``). Either
     copy is several times faster on a CPU than ``F.unfold``. ``M`` is a view when a
     sample has one row. Every contraction below is then a plain batched matmul.
     """
@@ -304,7 +304,7 @@ PATCH_CHUNK_BYTES = 4 << 20
 
 
 def _by_chunks(fn, g: torch.Tensor, x: torch.Tensor, config: dict) -> torch.Tensor:
-    """``fn`` over chunks of samples, concatenated; a chunk unfolds at most
+    """``fn`` over chunks of samples, written into one output; a chunk unfolds at most
     ``PATCH_CHUNK_BYTES`` of patches (at least one sample)."""
     n = g.shape[0]
     source = g if config["transposed"] else x
@@ -342,9 +342,9 @@ def _op_args(config: dict) -> tuple:
 # patch gather of every layer into one early kernel (an index-heavy, unvectorised
 # loop that also holds every layer's unfolded input at once); here each layer copies
 # its patches in cache-sized chunks right before its batched matmul. They take any
-# strides (``flexible_layout``): Inductor then hands over the channels-last activations
-# of its layout optimisation as they are, instead of copying them back to the strides
-# seen when the backward was traced.
+# strides (``flexible_layout``): Inductor hands its buffers over as they are
+# (channels-last ones included) instead of copying them to the strides seen when the
+# backward was traced.
 @torch.library.custom_op("fxdp::conv_weight_per_sample_grad", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def conv_weight_per_sample_grad(g: torch.Tensor, x: torch.Tensor, kernel: list[int], stride: list[int],
                                 padding: list[int], dilation: list[int], groups: int, transposed: bool,

@@ -79,9 +79,9 @@ def _group_mean(t: torch.Tensor, groups: int) -> torch.Tensor:
     back to ``[n, C, 1, …]``.
 
     Per-channel reductions over the spatial dims first, then over the channels of a
-    group: a channels-last activation (Inductor's layout optimisation) is then read
-    with the channels innermost, which vectorises, where a ``[n, G, C/G·HW]`` view of
-    it would be a gather.
+    group: any memory layout is read in an order Inductor vectorises (a
+    ``[n, G, C/G·HW]`` view of a channels-last activation would be a gather; a
+    ``contiguous()`` would be a copy).
     """
     n, channels = t.shape[0], t.shape[1]
     channel_means = _channel_sums(t) / math.prod(t.shape[2:])
