@@ -139,12 +139,10 @@ class _Budget:
             return size < sum(self._bytes(t) for t in operands)
         return size <= self.left
 
-    def take(self, t: torch.Tensor, operands: Sequence[torch.Tensor]) -> bool:
-        if not self.fits(t.numel(), t.element_size(), operands):
-            return False
+    def take(self, t: torch.Tensor) -> None:
+        """Count ``t`` as kept (it ``fits``)."""
         if not self.auto:
             self.left -= self._bytes(t)
-        return True
 
 
 def _rule_groups(uses: list[UseInfo], ops: list[list[torch.Tensor]]):
@@ -309,9 +307,9 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     merged = None
                 own = all(m.args[1] is p for m in ms)
                 operands = [t for o in ops for t in o if isinstance(t, torch.Tensor)]
+                fits = own and budget.fits(batch_size * param.numel(), param.element_size(), operands)
                 # Uses by several rules (a tied embedding and head) go by ghost cross terms.
-                keepable = keep or (own and same_rule
-                                    and budget.fits(batch_size * param.numel(), param.element_size(), operands))
+                keepable = keep or (same_rule and fits)
                 groups = None if (merged is not None or keepable) else _rule_groups(uses, ops)
                 if groups is not None:
                     strategy, costs = "ghost (tied across rules)", {}
@@ -332,7 +330,8 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                         sq = psg.flatten(1).pow(2).sum(1)
                         if keep:
                             grad_samples[p] = psg
-                        if own and budget.take(psg, operands):
+                        if fits:
+                            budget.take(psg)
                             kept[p] = psg
                             strategy = "instantiate + keep"
             else:
