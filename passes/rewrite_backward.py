@@ -244,11 +244,16 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
         rule_counts[USES[m.args[2]].rule.name] += 1
     clip = options.max_grad_norm is not None
 
-    # Each parameter's norm is taken where its last marker stood, so the operands of a
-    # layer whose per-sample gradient is kept die there, not at the end of the backward.
+    # Each parameter's norm is taken as soon as its markers' operands exist: before the
+    # input gradients that follow them, so per-sample work never overlaps their buffers,
+    # and the operands of a layer whose per-sample gradient is kept die there, not at
+    # the end of the backward.
+    position = {n: i for i, n in enumerate(nodes)}
     params_at: dict[fx.Node, list[fx.Node]] = collections.defaultdict(list)
     for p, ms in by_param.items():
-        params_at[ms[-1]].append(p)
+        needed = [n for m in ms for n in (*m.args[0], m.args[1]) if isinstance(n, fx.Node)]
+        ready = max(needed, key=position.__getitem__, default=nodes[0])
+        params_at[ms[-1] if any(n in deferred for n in needed) else ready].append(p)
 
     def rewritten(*args):
         env: dict[fx.Node, Any] = dict(zip(placeholders, args))
@@ -359,13 +364,12 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
             )
 
         for node in nodes:
-            if node.op in ("placeholder", "output"):
+            if node.op == "output":
                 continue
-            if node in deferred:
-                for p in params_at.get(node, ()):
-                    norm_of(p)
-                continue
-            env[node] = _run(node, env, bw_gm)
+            if node.op != "placeholder" and node not in deferred:
+                env[node] = _run(node, env, bw_gm)
+            for p in params_at.get(node, ()):
+                norm_of(p)
         plans.extend(plan_of[p] for p in by_param)
 
         extras: list[torch.Tensor] = []

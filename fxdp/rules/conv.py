@@ -471,11 +471,19 @@ def _channels_last_for_input_grad(grad_out: torch.Tensor, x: torch.Tensor, weigh
     """The operands of an input-gradient-only ``convolution_backward`` in channels-last.
 
     The input's values are not read for the input gradient, only its shape and memory
-    format: an uninitialised channels-last tensor stands in for it, so ``x`` is not
-    copied. The gradient comes out channels-last; later ops take any strides.
+    format, so ``x`` is not copied: a contiguous ``x`` stands in for itself viewed with
+    channels-last strides (its values scrambled, its storage reused: nothing is
+    allocated), any other layout by an uninitialised channels-last tensor. The
+    gradient comes out channels-last; later ops take any strides.
     """
     cl = torch.channels_last
-    stand_in = x.new_empty((x.shape[0], *x.shape[2:], x.shape[1])).permute(0, 3, 1, 2)
+    if x.is_contiguous(memory_format=cl):
+        stand_in = x
+    elif x.is_contiguous():
+        n, c, h, w = x.shape
+        stand_in = x.as_strided(x.shape, (c * h * w, 1, w * c, c))
+    else:
+        stand_in = x.new_empty((x.shape[0], *x.shape[2:], x.shape[1])).permute(0, 3, 1, 2)
     return grad_out.contiguous(memory_format=cl), stand_in, weight.contiguous(memory_format=cl)
 
 
