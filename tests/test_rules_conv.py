@@ -388,6 +388,29 @@ def test_rule_functions(transposed, groups, output_padding, layout, monkeypatch)
     assert set(costs) == {"ghost", "instantiate"} and min(costs.values()) > 0
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_input_grad_any_input_layout(layout, compiled):
+    """The 2-D input gradient runs channels-last on the CPU with ``x`` standing in for
+    itself (a channels-last view of a contiguous ``x``, ``x`` as it is when already
+    channels-last, a fresh tensor otherwise); every layout gives aten's gradient."""
+    torch.manual_seed(0)
+    base = torch.randn(4, 3, 10, 9 if layout != "strided" else 18)
+    x = {"contiguous": base, "channels_last": base.contiguous(memory_format=torch.channels_last),
+         "strided": base[..., ::2]}[layout]
+    weight, bias = torch.randn(5, 3, 3, 3), torch.randn(5)
+    args = (x, weight, bias, [2, 2], [1, 1], [1, 1], 1)
+    g = torch.randn_like(aten.conv2d.default(*args))
+    want = aten.convolution_backward(g, x, weight, [5], [2, 2], [1, 1], [1, 1], False, [0, 0], 1,
+                                     [True, False, False])[0]
+    before = x.clone()
+    input_grad = CONV_RULES[aten.conv2d.default].input_grad
+    fn = (lambda x, weight, g: input_grad((x, weight, bias, *args[3:]), g, 0))
+    got = (torch.compile(fn, backend="inductor", fullgraph=True) if compiled else fn)(x, weight, g)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x, before), "the stand-in is read-only"
+
+
 def test_same_padding_is_pytorch_asymmetric():
     x = torch.empty(1, 1, 8, 8)
     config = conv_config((x, torch.empty(1, 1, 4, 3), None, [1, 1], "same", [1, 2]), layout="conv")
