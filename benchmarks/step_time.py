@@ -8,7 +8,10 @@ the same initial weights on the same batch with each variant and reports:
   ``SGD.step`` — timed with ``time.perf_counter`` after ``--warmup`` steps (the first
   of which compiles), over at least ``--steps`` steps and at least ``--min-seconds``
   of them (a fast step is repeated more, so a burst of other load on the machine
-  cannot hold all of them). On CUDA the device is synchronised around each step.
+  cannot hold all of them). Every variant of a model is compiled and warmed up first;
+  the timed steps then run in ``--rounds`` alternating rounds (each variant takes its
+  share of the steps in turn), so that a machine whose speed drifts meets every
+  variant alike. On CUDA the device is synchronised around each step.
 * **peak MB**: the most memory steady-state training holds *above the model's
   parameters*: activations, gradients, per-sample gradients or norms, noise, and what
   one step leaves alive into the next (``p.grad``, ``p.grad_sample``). Every per-step
@@ -465,79 +468,97 @@ def _short_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}"
 
 
-def run_variant(
-    variant: str,
-    case: BenchmarkCase,
-    initial_model: nn.Module,
-    batch: tuple[torch.Tensor, torch.Tensor],
-    reference: tuple[dict[str, torch.Tensor], torch.Tensor] | None,
-    steps: int,
-    warmup: int,
-    device: torch.device,
-    min_seconds: float = 0.0,
-) -> VariantResult:
-    """Warms up, times and measures one variant on a fresh copy of the model.
+class VariantRun:
+    """One variant, from its compiling first step to its peak-memory measurement.
 
-    Any exception is caught and returned in ``VariantResult.error``.
-
-    Args:
-        variant: One of ``VARIANTS``.
-        case: The benchmark case.
-        initial_model: Weights every variant starts from; copied, never trained.
-        batch: ``(x, y)``, already on ``device``; used for every step.
-        reference: The microbatch loop's ``(clipped sum, norms)``, or ``None``.
-        steps: Timed steps, at least.
-        warmup: Untimed steps before them, the first one compiling (at least 1).
-        device: Where the model runs.
-        min_seconds: Keep timing steps until they add up to this many seconds.
-
-    Returns:
-        The measurements.
+    The stages are separate so that ``run_case`` can time the variants of a case in
+    alternating rounds: a machine whose speed drifts over minutes (a shared VM, a
+    laptop's thermals) then slows every variant alike instead of whichever ran last.
+    An exception in any stage ends the variant; it is kept in ``result.error``.
     """
-    result = VariantResult(variant)
-    x, y = batch
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-    # A fresh Dynamo state per variant: no graph or guard of one variant serves another.
-    torch._dynamo.reset()
-    try:
-        trainer = _TRAINERS[variant](copy.deepcopy(initial_model), case)
-        start = time.perf_counter()
-        trainer.step(x, y, capture=trainer.private)
-        if sync:
-            sync()
-        result.first_step_s = time.perf_counter() - start
-        if trainer.captured is not None and reference is not None:
-            clipped_reference, norms_reference = reference
-            result.clip_error = _relative_error(trainer.captured, clipped_reference)
-            result.norm_error = _relative_error(
-                {"norms": trainer.captured["norms"]}, {"norms": norms_reference}
-            )
-            result.samples_clipped = int((norms_reference > MAX_GRAD_NORM).sum())
-        for _ in range(warmup - 1):
-            trainer.step(x, y)
-        timed_s = 0.0
-        while len(result.times_ms) < steps or timed_s < min_seconds:
-            if sync:
-                sync()
+
+    def __init__(
+        self,
+        variant: str,
+        case: BenchmarkCase,
+        initial_model: nn.Module,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        reference: tuple[dict[str, torch.Tensor], torch.Tensor] | None,
+        warmup: int,
+        device: torch.device,
+    ) -> None:
+        """Builds the trainer on a copy of ``initial_model``, runs and checks the first
+        step, then ``warmup - 1`` more untimed steps."""
+        self.result = VariantResult(variant)
+        self.batch = batch
+        self.device = device
+        self.trainer: Any = None
+        self.timed_s = 0.0
+        x, y = batch
+        try:
+            self.trainer = _TRAINERS[variant](copy.deepcopy(initial_model), case)
             start = time.perf_counter()
-            trainer.step(x, y)
-            if sync:
-                sync()
-            elapsed = time.perf_counter() - start
-            timed_s += elapsed
-            result.times_ms.append(elapsed * 1e3)
-        result.median_ms = statistics.median(result.times_ms)
-        grads = [p.grad for p in trainer.params.values() if p.grad is not None]
-        result.grads_finite = bool(grads) and all(
-            bool(torch.isfinite(g).all()) for g in grads
-        )
-        result.peak_bytes = measure_peak_bytes(trainer, x, y, device)
-    except Exception as error:  # noqa: BLE001 - a failing variant must not end the run
-        result.error = _short_reason(error)
-    finally:
-        trainer = None
+            self.trainer.step(x, y, capture=self.trainer.private)
+            self._sync()
+            self.result.first_step_s = time.perf_counter() - start
+            if self.trainer.captured is not None and reference is not None:
+                clipped_reference, norms_reference = reference
+                self.result.clip_error = _relative_error(self.trainer.captured, clipped_reference)
+                self.result.norm_error = _relative_error(
+                    {"norms": self.trainer.captured["norms"]}, {"norms": norms_reference}
+                )
+                self.result.samples_clipped = int((norms_reference > MAX_GRAD_NORM).sum())
+            for _ in range(warmup - 1):
+                self.trainer.step(x, y)
+        except Exception as error:  # noqa: BLE001 - a failing variant must not end the run
+            self._fail(error)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _fail(self, error: BaseException) -> None:
+        self.result.error = _short_reason(error)
+        self.trainer = None
         gc.collect()
-    return result
+
+    def time_steps(self, steps: int, min_seconds: float = 0.0) -> None:
+        """Times at least ``steps`` more steps, and more until this call's steps add up
+        to ``min_seconds``."""
+        if self.trainer is None:
+            return
+        x, y = self.batch
+        spent, count = 0.0, 0
+        try:
+            while count < steps or spent < min_seconds:
+                self._sync()
+                start = time.perf_counter()
+                self.trainer.step(x, y)
+                self._sync()
+                elapsed = time.perf_counter() - start
+                spent += elapsed
+                count += 1
+                self.result.times_ms.append(elapsed * 1e3)
+        except Exception as error:  # noqa: BLE001
+            self._fail(error)
+
+    def finish(self) -> VariantResult:
+        """The median step time, the finiteness of the gradients and the peak memory;
+        releases the trainer."""
+        if self.trainer is not None:
+            try:
+                self.result.median_ms = statistics.median(self.result.times_ms)
+                grads = [p.grad for p in self.trainer.params.values() if p.grad is not None]
+                self.result.grads_finite = bool(grads) and all(
+                    bool(torch.isfinite(g).all()) for g in grads
+                )
+                x, y = self.batch
+                self.result.peak_bytes = measure_peak_bytes(self.trainer, x, y, self.device)
+            except Exception as error:  # noqa: BLE001
+                self._fail(error)
+        self.trainer = None
+        gc.collect()
+        return self.result
 
 
 def run_case(
@@ -548,9 +569,14 @@ def run_case(
     device: torch.device,
     min_seconds: float = 0.0,
     check: bool = True,
+    rounds: int = 1,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Runs every variant on one case.
+
+    Every variant is built and warmed up first; the timed steps then run in
+    ``rounds`` rounds, each timing every variant in turn for its share of ``steps``
+    and ``min_seconds``; the peak memory is measured last, a variant at a time.
 
     Args:
         case: The benchmark case.
@@ -560,6 +586,7 @@ def run_case(
         device: Where to run.
         min_seconds: Least total time of a variant's timed steps.
         check: Whether to check private variants against the microbatch loop.
+        rounds: How many alternating rounds the timed steps are split into.
         log: Progress messages.
 
     Returns:
@@ -573,20 +600,23 @@ def run_case(
     if check and any(v not in ("eager", "compiled") for v in variants):
         log(f"[{case.name}] microbatch reference over {x.shape[0]} samples")
         reference = microbatch_clipped_sum(copy.deepcopy(initial_model), x, y)
-    results = {}
+    # One Dynamo state per case: no graph of another case's model serves this one.
+    # Variants of one case compile different module objects, guarded apart.
+    torch._dynamo.reset()
+    runs = {}
     for variant in variants:
-        log(f"[{case.name}] {variant}")
-        results[variant] = run_variant(
-            variant,
-            case,
-            initial_model,
-            (x, y),
-            reference,
-            steps,
-            warmup,
-            device,
-            min_seconds,
-        )
+        log(f"[{case.name}] {variant}: compile and warm up")
+        runs[variant] = VariantRun(variant, case, initial_model, (x, y), reference, warmup, device)
+    rounds = max(1, min(rounds, steps))
+    for r in range(rounds):
+        log(f"[{case.name}] timing round {r + 1} of {rounds}")
+        share = steps // rounds + (1 if r < steps % rounds else 0)
+        for run in runs.values():
+            run.time_steps(share, min_seconds / rounds)
+    results = {}
+    for variant, run in runs.items():
+        log(f"[{case.name}] {variant}: peak memory")
+        results[variant] = run.finish()
     param_bytes = sum(p.numel() * p.element_size() for p in initial_model.parameters())
     # Convolutions sum over more terms: DESIGN.md's looser float32 bound for them.
     has_conv = any(isinstance(m, nn.Conv2d) for m in initial_model.modules())
@@ -725,6 +755,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="untimed steps before timing, the first compiles (default 3, at least 1)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="alternating rounds the timed steps of the variants are split into, so "
+        "that drift in the machine's speed meets every variant alike (default 5)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -742,8 +779,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # Opacus' full backward hooks warn on every step that the model's input does not
     # require grad; it never does here, and the warning says nothing about correctness.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    if args.steps < 1 or args.warmup < 1:
-        parser.error("--steps and --warmup must be at least 1")
+    if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
+        parser.error("--steps, --warmup and --rounds must be at least 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -757,6 +794,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "steps": args.steps,
         "min_seconds": args.min_seconds,
         "warmup": args.warmup,
+        "rounds": args.rounds,
         "max_grad_norm": MAX_GRAD_NORM,
         "noise_multiplier": NOISE_MULTIPLIER,
     }
@@ -770,7 +808,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(
         f"torch {config['torch']}, {device}, {config['threads']} threads, "
         f"median of >= {args.steps} steps and >= {args.min_seconds:g} s "
-        f"after {args.warmup} warm-up",
+        f"after {args.warmup} warm-up, in {args.rounds} alternating rounds",
         flush=True,
     )
     if config["load_average"] > 0.5 * (os.cpu_count() or 1):
@@ -793,6 +831,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             device,
             min_seconds=args.min_seconds,
             check=args.check,
+            rounds=args.rounds,
             log=lambda message: print(message, file=sys.stderr, flush=True),
         )
         print(format_case(case_result), flush=True)

@@ -430,3 +430,19 @@ def test_drawn_shapes(batch, steps, heads, d_in, d_out, rank, bias, reduction, b
     check_results(dp_model, dict(model.named_parameters()), ref, reduction=reduction,
                   grad_sample=grad_sample, clip=clip, dtype=dtype,
                   what=f"x{tuple(x.shape)} batch_first={batch_first} {d_in}->{d_out} {reduction} {mode}")
+
+
+@pytest.mark.parametrize("positions", [1, 5, 63, 64, 65, 128])
+def test_gram_inner_block_triangle(positions):
+    """The Gram route's inner product, blocked over the lower triangle from 64
+    positions on (odd lengths split unevenly), equals the full ``Σ_{t,s} A_ts G_ts``
+    and the norm of the instantiated gradient."""
+    from fxdp.rules._common import gram_inner
+
+    torch.manual_seed(positions)
+    g = torch.randn(3, 2, positions, 7, dtype=torch.float64)
+    a = torch.randn(3, 2, positions, 5, dtype=torch.float64)
+    full = ((a @ a.transpose(-1, -2)) * (g @ g.transpose(-1, -2))).sum((-1, -2))
+    instantiated = torch.einsum("...to,...ti->...oi", g, a).pow(2).sum((-1, -2))
+    torch.testing.assert_close(gram_inner(g, a), full, rtol=1e-12, atol=0)
+    torch.testing.assert_close(gram_inner(g, a), instantiated, rtol=1e-12, atol=0)

