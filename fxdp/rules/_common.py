@@ -8,7 +8,7 @@ import torch
 
 from fxdp._torch_internals import size_hint
 
-__all__ = ["contract", "contraction_cost", "as_sequence", "hint", "gram_inner"]
+__all__ = ["contract", "contraction_cost", "as_sequence", "hint", "gram_inner", "gram_cost"]
 
 
 def hint(size: Any) -> int:
@@ -63,3 +63,12 @@ def gram_inner(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     h = t // 2
     g1, g2, a1, a2 = g[..., :h, :], g[..., h:, :], a[..., :h, :], a[..., h:, :]
     return inner(g1, g1, a1, a1) + inner(g2, g2, a2, a2) + 2 * inner(g2, g1, a2, a1)
+
+
+def gram_cost(n: Any, t: Any, i: Any, o: Any) -> float:
+    """Flops of ``gram_inner`` on ``[n, t, o]`` and ``[n, t, i]`` (``n`` may count
+    groups too): two Gram matrices and their inner product, three quarters of that
+    where the block triangle applies."""
+    n, t, i, o = (hint(s) for s in (n, t, i, o))
+    full = 2.0 * n * t * t * (i + o + 1)
+    return full * 0.75 if t >= SYMMETRIC_GRAM_MIN_POSITIONS else full

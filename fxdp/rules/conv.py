@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from fxdp.batching import BatchDim
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
-from fxdp.rules._common import contraction_cost, gram_inner, hint
+from fxdp.rules._common import contraction_cost, gram_cost, gram_inner, hint
 
 __all__ = [
     "CONV_RULES",
@@ -408,9 +408,7 @@ def _weight_costs(shapes, **config) -> dict[str, float]:
         positions = rows * math.prod(g_shape[-spatial:])
         k, o = c_in // groups * math.prod(config["kernel"]), c_out // groups
     p = positions
-    ghost = (contraction_cost("ngpk,ngsk->ngps", (n, groups, p, k), (n, groups, p, k))
-             + contraction_cost("ngpo,ngso->ngps", (n, groups, p, o), (n, groups, p, o))
-             + contraction_cost("ngps,ngps->n", (n, groups, p, p), (n, groups, p, p)))
+    ghost = gram_cost(n * groups, p, k, o)
     instantiate = (contraction_cost("ngpo,ngpk->ngok", (n, groups, p, o), (n, groups, p, k))
                    + contraction_cost("ngok,ngok->n", (n, groups, o, k), (n, groups, o, k)))
     return {"ghost": ghost, "instantiate": instantiate}

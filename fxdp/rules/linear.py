@@ -14,7 +14,7 @@ import torch
 
 from fxdp.batching import BatchDim
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
-from fxdp.rules._common import as_sequence, contract, contraction_cost, gram_inner
+from fxdp.rules._common import as_sequence, contract, contraction_cost, gram_cost, gram_inner
 
 __all__ = ["LINEAR", "linear_weight", "linear_bias", "MODULE_OPS"]
 
@@ -40,9 +40,7 @@ def _weight_costs(shapes, **config) -> dict[str, float]:
     t = 1
     for s in mid_g:
         t = t * s
-    ghost = contraction_cost("nti,nsi->nts", (n, t, i), (n, t, i)) + contraction_cost(
-        "nto,nso->nts", (n, t, o), (n, t, o)
-    ) + contraction_cost("nts,nts->n", (n, t, t), (n, t, t))
+    ghost = gram_cost(n, t, i, o)
     instantiate = contraction_cost("nto,nti->noi", (n, t, o), (n, t, i)) + contraction_cost(
         "noi,noi->n", (n, o, i), (n, o, i)
     )

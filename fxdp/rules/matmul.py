@@ -35,7 +35,7 @@ import torch
 
 from fxdp.batching import WHOLE, BatchDim
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
-from fxdp.rules._common import contract, contraction_cost, gram_inner, hint
+from fxdp.rules._common import contract, contraction_cost, gram_cost, gram_inner, hint
 from fxdp.rules.elementwise import (
     in_place,
     node_layouts,
@@ -241,9 +241,7 @@ class _Use:
         out_side, in_side = (shape[0], shape[1]) if self.which == 0 else (shape[1], shape[0])
         n = hint(shapes[0][0])
         t = max(1, math.prod(hint(s) for s in shapes[0][1:]) // out_side)
-        ghost = (contraction_cost("nti,nsi->nts", (n, t, in_side), (n, t, in_side))
-                 + contraction_cost("nto,nso->nts", (n, t, out_side), (n, t, out_side))
-                 + contraction_cost("nts,nts->n", (n, t, t), (n, t, t)))
+        ghost = gram_cost(n, t, in_side, out_side)
         instantiate = (contraction_cost("nto,nti->noi", (n, t, out_side), (n, t, in_side))
                        + contraction_cost("noi,noi->n", (n, out_side, in_side), (n, out_side, in_side)))
         return {"ghost": ghost, "instantiate": instantiate}
