@@ -393,7 +393,8 @@ def test_rule_functions(transposed, groups, output_padding, layout, monkeypatch)
 def test_input_grad_any_input_layout(layout, compiled):
     """The 2-D input gradient runs channels-last on the CPU with ``x`` standing in for
     itself (a channels-last view of a contiguous ``x``, ``x`` as it is when already
-    channels-last, a fresh tensor otherwise); every layout gives aten's gradient."""
+    channels-last, a fresh tensor otherwise); every layout gives aten's gradient, and
+    a contiguous ``x`` gets a contiguous one."""
     torch.manual_seed(0)
     base = torch.randn(4, 3, 10, 9 if layout != "strided" else 18)
     x = {"contiguous": base, "channels_last": base.contiguous(memory_format=torch.channels_last),
@@ -409,6 +410,8 @@ def test_input_grad_any_input_layout(layout, compiled):
     got = (torch.compile(fn, backend="inductor", fullgraph=True) if compiled else fn)(x, weight, g)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(x, before), "the stand-in is read-only"
+    if layout == "contiguous":  # copied back to the activations' layout
+        assert got.is_contiguous()
 
 
 def test_same_padding_is_pytorch_asymmetric():

@@ -470,7 +470,8 @@ def _channels_last_for_input_grad(grad_out: torch.Tensor, x: torch.Tensor, weigh
     format, so ``x`` is not copied: a contiguous ``x`` stands in for itself viewed with
     channels-last strides (its values scrambled, its storage reused: nothing is
     allocated), any other layout by an uninitialised channels-last tensor. The
-    gradient comes out channels-last; later ops take any strides.
+    gradient comes out channels-last; ``input_grad`` copies it back to channels-first
+    where ``x`` was (``channels_first_copy``).
     """
     cl = torch.channels_last
     if x.is_contiguous(memory_format=cl):
@@ -481,6 +482,24 @@ def _channels_last_for_input_grad(grad_out: torch.Tensor, x: torch.Tensor, weigh
     else:
         stand_in = x.new_empty((x.shape[0], *x.shape[2:], x.shape[1])).permute(0, 3, 1, 2)
     return grad_out.contiguous(memory_format=cl), stand_in, weight.contiguous(memory_format=cl)
+
+
+@torch.library.custom_op("fxdp::channels_first_copy", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def channels_first_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied to the contiguous (channels-first) layout, as one kernel of its own.
+
+    Opaque on purpose: Inductor would otherwise fold a ``contiguous()`` into the kernels
+    that read the gradient (a group norm's backward and per-sample reductions), which
+    then gather every element across the channels-last layout, several times slower
+    than the copy (a GroupNorm backward on ``[64, 32, 32, 32]``: 2.1 ms contiguous,
+    9.7 ms reading a channels-last gradient, against 1.5 ms for the copy).
+    """
+    return t.contiguous()
+
+
+@channels_first_copy.register_fake
+def _(t):
+    return t.new_empty(t.shape)
 
 
 def _make_input_grad(parse):
@@ -497,7 +516,8 @@ def _make_input_grad(parse):
             x_padded, padding = F.pad(x, _pad_list(padding)), ((0, 0),) * spatial
         mask = [index == 0, index == 1, index == 2]
         x_operand = x_padded
-        if index == 0 and _oneDNN_prefers_channels_last(x_padded):
+        channels_last = index == 0 and _oneDNN_prefers_channels_last(x_padded)
+        if channels_last:
             grad_out, x_operand, weight = _channels_last_for_input_grad(grad_out, x_padded, weight)
         grads = aten.convolution_backward(
             grad_out, x_operand, weight, None if bias is None else list(bias.shape),
@@ -505,6 +525,9 @@ def _make_input_grad(parse):
             config["transposed"], list(config["output_padding"]), config["groups"], mask)
         grad = grads[index]
         if index == 0:
+            if channels_last and x.is_contiguous():
+                # Back to the layout of the activations around it.
+                grad = torch.ops.fxdp.channels_first_copy(grad)
             if x_padded is not x:
                 for i, (left, _) in enumerate(config["padding"]):
                     grad = grad.narrow(2 + i, left, x.shape[2 + i])

@@ -19,6 +19,7 @@ BatchNorm's do): refused.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -74,44 +75,76 @@ def _normalized_trailing(x: torch.Tensor, num_dims: int, eps: float | None, cent
     return (x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)).to(dtype)
 
 
-def _group_mean(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """Each sample's mean over each group of channels and the spatial dims, broadcast
-    back to ``[n, C, 1, …]``.
+def _spatial_dims(t: torch.Tensor) -> list[int]:
+    return list(range(2, t.dim()))
 
-    Per-channel reductions over the spatial dims first, then over the channels of a
-    group: any memory layout is read in an order Inductor vectorises (a
-    ``[n, G, C/G·HW]`` view of a channels-last activation would be a gather; a
-    ``contiguous()`` would be a copy).
+
+def _channel_sums(t: torch.Tensor) -> torch.Tensor:
+    """``[n, c, *spatial] -> [n, c]``, reduced in place over the spatial dims: any
+    memory layout is read in an order Inductor vectorises, no copy."""
+    dims = _spatial_dims(t)
+    return t.sum(dims) if dims else t
+
+
+def _per_group(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[n, C] -> [n, G, C/G]``."""
+    return t.reshape(t.shape[0], groups, t.shape[1] // groups)
+
+
+def _to_channels(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[n, G, 1]`` (a value per group) or ``[n, C]`` -> ``[n, C, 1, …]`` to broadcast over ``like``."""
+    n, channels = like.shape[0], like.shape[1]
+    if t.dim() == 3:
+        t = t.expand(n, t.shape[1], channels // t.shape[1])
+    return t.reshape(n, channels, *([1] * (like.dim() - 2)))
+
+
+@dataclasses.dataclass
+class _GroupMoments:
+    """One pass of per-channel Welford moments of ``x`` ``[n, C, *spatial]``, and each
+    sample's group statistics combined from them exactly (Chan et al.:
+    ``var_G = mean_c(var_c) + mean_c((μ_c − μ_G)²)``), all in the compute dtype.
+
+    Attributes:
+        channel_mean: ``μ_c``, ``[n, C]``.
+        mean: ``μ_G`` broadcast to ``[n, C, 1, …]``.
+        rstd: ``1/σ_G`` broadcast to ``[n, C, 1, …]``.
+        per_channel: ``HW``, the elements of one channel of one sample.
     """
-    n, channels = t.shape[0], t.shape[1]
-    channel_means = _channel_sums(t) / math.prod(t.shape[2:])
-    means = channel_means.reshape(n, groups, channels // groups).mean(-1, keepdim=True)
-    return means.expand(n, groups, channels // groups).reshape(n, channels, *([1] * (t.dim() - 2)))
 
+    channel_mean: torch.Tensor
+    mean: torch.Tensor
+    rstd: torch.Tensor
+    per_channel: int
 
-def _group_statistics(x: torch.Tensor, groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and ``1/σ`` of each sample's groups (two passes, centred: as stable as
-    ``var_mean``), broadcast to ``[n, C, 1, …]``, in the compute dtype."""
-    x = x.to(_compute_dtype(x))
-    mean = _group_mean(x, groups)
-    return mean, torch.rsqrt(_group_mean((x - mean).pow(2), groups) + eps)
+    @classmethod
+    def of(cls, x: torch.Tensor, groups: int, eps: float) -> "_GroupMoments":
+        x = x.to(_compute_dtype(x))
+        dims = _spatial_dims(x)
+        if dims:
+            channel_var, channel_mean = torch.var_mean(x, dims, correction=0)
+        else:
+            channel_var, channel_mean = torch.zeros_like(x), x
+        mean_g = _per_group(channel_mean, groups).mean(-1, keepdim=True)
+        var_g = (_per_group(channel_var, groups) + (_per_group(channel_mean, groups) - mean_g).pow(2)).mean(
+            -1, keepdim=True)
+        return cls(channel_mean, _to_channels(mean_g, x), _to_channels(torch.rsqrt(var_g + eps), x),
+                   math.prod(x.shape[2:]))
 
-
-def _normalized_groups(x: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
-    """``x̂`` of ``[n, C, *spatial]`` over each sample's groups of ``C / groups`` channels."""
-    mean, rstd = _group_statistics(x, groups, eps)
-    return ((x.to(mean.dtype) - mean) * rstd).to(x.dtype)
+    def gradient_sums(self, g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Σ g, Σ g·x̂)`` over each channel's spatial dims, ``[n, C]`` each: one pass
+        over ``g`` and ``x`` (``x`` centred on its channel mean, for stability)."""
+        g = g.to(self.rstd.dtype)
+        centred = x.to(g.dtype) - _to_channels(self.channel_mean, x)
+        sum_g, sum_gx = _channel_sums(g), _channel_sums(g * centred)
+        shift = (self.channel_mean - self.mean.reshape(self.channel_mean.shape))
+        return sum_g, self.rstd.reshape(sum_g.shape) * (sum_gx + shift * sum_g)
 
 
 def _sum_leading(t: torch.Tensor, num_kept: int) -> torch.Tensor:
     """``[n, …, *c] -> [n, *c]`` (``num_kept`` trailing dims kept)."""
     dims = tuple(range(1, t.dim() - num_kept))
     return t.sum(dims) if dims else t
-
-
-def _channel_sums(t: torch.Tensor) -> torch.Tensor:
-    """``[n, c, *spatial] -> [n, c]``."""
-    return t.reshape(t.shape[0], t.shape[1], math.prod(t.shape[2:])).sum(-1)
 
 
 # ---------------------------------------------------------------------------
@@ -243,7 +276,9 @@ def _groups_of(x: torch.Tensor, groups: int | None) -> int:
 
 
 def _group_weight_per_sample_grad(g, x, *, groups, eps):
-    return _channel_sums(g * _normalized_groups(x, _groups_of(x, groups), eps))
+    """``Σ_spatial g ⊙ x̂`` per channel, from per-channel sums (two passes over ``x``)."""
+    _, sum_g_normalized = _GroupMoments.of(x, _groups_of(x, groups), eps).gradient_sums(g, x)
+    return sum_g_normalized.to(g.dtype)
 
 
 def _group_weight_sum_grad(g, x, *, groups, eps):
@@ -297,13 +332,24 @@ def _native_group_norm_grad(x, grad_out, weight, bias, groups, eps, which):
 
 def _group_norm_input_gradient(x, grad_out, weight, groups, eps):
     """``∂L/∂x = (1/σ)(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂))``, ``ĝ = γ ⊙ ∂L/∂y``, the means over
-    each sample's group (``_group_mean``: any memory layout)."""
-    mean, rstd = _group_statistics(x, groups, eps)
-    normalized = (x.to(mean.dtype) - mean) * rstd
-    scaled = grad_out.to(mean.dtype)
+    each sample's group.
+
+    Three passes over activation-sized tensors, in any memory layout: per-channel
+    moments of ``x``; per-channel ``Σ g`` and ``Σ g·x̂`` (from which both group means
+    follow, ``γ`` being constant on a channel); the elementwise result.
+    """
+    moments = _GroupMoments.of(x, groups, eps)
+    sum_g, sum_g_normalized = moments.gradient_sums(grad_out, x)
+    scaled = grad_out.to(moments.rstd.dtype)
     if weight is not None:
-        scaled = scaled * weight.to(mean.dtype).reshape(1, x.shape[1], *([1] * (x.dim() - 2)))
-    grad = rstd * (scaled - _group_mean(scaled, groups) - normalized * _group_mean(scaled * normalized, groups))
+        w = weight.to(scaled.dtype)
+        scaled = scaled * w.reshape(1, x.shape[1], *([1] * (x.dim() - 2)))
+        sum_g, sum_g_normalized = sum_g * w, sum_g_normalized * w
+    count = moments.per_channel * (x.shape[1] // groups)
+    mean_scaled = _to_channels(_per_group(sum_g, groups).sum(-1, keepdim=True) / count, x)
+    mean_scaled_normalized = _to_channels(_per_group(sum_g_normalized, groups).sum(-1, keepdim=True) / count, x)
+    normalized = (x.to(scaled.dtype) - moments.mean) * moments.rstd
+    grad = moments.rstd * (scaled - mean_scaled - normalized * mean_scaled_normalized)
     return grad.to(x.dtype)
 
 
