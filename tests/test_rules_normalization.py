@@ -252,6 +252,36 @@ def test_rule_functions_match_autograd():
             torch.testing.assert_close(got, leaves[index].grad, rtol=1e-9, atol=1e-9, msg=f"{op} input {index}")
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_group_norm_float32_far_from_zero(layout):
+    """Group statistics combined from per-channel moments, and ``Σ g·x̂`` from sums
+    centred on each channel's mean, stay accurate in float32 for activations whose
+    mean is large against their spread (here 1000 against 1: 8e-5 of the largest
+    gradient, where uncentred sums are off by 3e-4): checked against float64 autograd
+    on the same float32 values, in both memory layouts."""
+    from fxdp.rules import normalization as norms
+
+    torch.manual_seed(5)
+    x64 = (1000 + torch.randn(4, 6, 5, 7) * torch.linspace(0.5, 2, 6).reshape(1, 6, 1, 1)).double()
+    w64, b64 = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    g64 = torch.randn(4, 6, 5, 7, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (x64, w64)]
+    F.group_norm(leaves[0], 3, leaves[1], b64, 1e-5).backward(g64)
+    per_sample_w = torch.stack([_weight_grad_one(x64[i:i + 1], w64, b64, g64[i:i + 1]) for i in range(4)])
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x, g = (t.float().contiguous(memory_format=memory_format) for t in (x64, g64))
+    got_input = norms._group_norm_input_gradient(x, g, w64.float(), 3, 1e-5)
+    got_w = norms._group_weight_per_sample_grad(g, x, groups=3, eps=1e-5)
+    torch.testing.assert_close(got_input.double(), leaves[0].grad, rtol=0, atol=1.5e-4 * leaves[0].grad.abs().max().item())
+    torch.testing.assert_close(got_w.double(), per_sample_w, rtol=0, atol=1.5e-4 * per_sample_w.abs().max().item())
+
+
+def _weight_grad_one(x, w, b, g):
+    w = w.clone().requires_grad_()
+    F.group_norm(x, 3, w, b, 1e-5).backward(g)
+    return w.grad
+
+
 def test_is_supported():
     for cls in (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d):
         assert fxdp.is_supported(cls), cls
