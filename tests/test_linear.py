@@ -446,3 +446,28 @@ def test_gram_inner_block_triangle(positions):
     instantiated = torch.einsum("...to,...ti->...oi", g, a).pow(2).sum((-1, -2))
     torch.testing.assert_close(gram_inner(g, a), full, rtol=1e-12, atol=0)
     torch.testing.assert_close(gram_inner(g, a), instantiated, rtol=1e-12, atol=0)
+
+
+def test_dynamic_sizes_through_the_split_gram():
+    """Calls with new batch and sequence sizes recompile with symbolic sizes (Dynamo's
+    automatic dynamic shapes); the Gram route's half split then runs on symbolic ``T``,
+    odd lengths and lengths below the split threshold included, and stays exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128)).double()
+    # Nothing kept, so that the weights go by the Gram route (cheaper below T = 85).
+    dp = fxdp.transform(model, max_grad_norm=0.5, compiler="eager", memory_budget_bytes=0)
+
+    def loss_fn(out):
+        return out.pow(2).sum((1, 2)).mean()
+
+    for batch, steps in [(4, 70), (6, 81), (5, 65), (3, 40)]:
+        x = torch.randn(batch, steps, 128, dtype=torch.float64)
+        model.zero_grad(set_to_none=True)
+        loss_fn(dp(x)).backward()
+        strategies = {p.name: p.strategy for p in dp.explain().graphs[-1].plan.params}
+        assert strategies["0.weight"] == strategies["2.weight"] == "ghost"
+        ref = reference(model, (x,), lambda out, i: loss_fn(out))
+        assert_close_all({"norms": dp.per_sample_norms}, {"norms": ref.norms}, 1e-10, f"{batch}x{steps}")
+        assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean", 0.5), 1e-10,
+                         f"{batch}x{steps}: clipped grad")
+    assert len(dp.explain().graphs) == 2  # the first static graph, then one dynamic
