@@ -493,7 +493,6 @@ class VariantRun:
         self.batch = batch
         self.device = device
         self.trainer: Any = None
-        self.timed_s = 0.0
         x, y = batch
         try:
             self.trainer = _TRAINERS[variant](copy.deepcopy(initial_model), case)
