@@ -253,6 +253,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
     for p, ms in by_param.items():
         needed = [n for m in ms for n in (*m.args[0], m.args[1]) if isinstance(n, fx.Node)]
         ready = max(needed, key=position.__getitem__, default=nodes[0])
+        # An operand computed from another marker's gradient waits for the markers.
         params_at[ms[-1] if any(n in deferred for n in needed) else ready].append(p)
 
     def rewritten(*args):
