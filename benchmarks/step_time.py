@@ -103,7 +103,7 @@ __all__ = [
     "measure_peak_bytes",
     "microbatch_clipped_sum",
     "run_case",
-    "run_variant",
+    "VariantRun",
 ]
 
 BASELINE = "compiled"

@@ -1,7 +1,7 @@
 """Rewrite the partitioned backward graph: markers out, per-sample maths in.
 
 For every trainable parameter of the graph the pass gathers the markers of its
-uses, computes each sample's squared gradient norm where the last of them stood
+uses, computes each sample's squared gradient norm as soon as their operands exist
 (Gram-matrix ghost norm or instantiation, whichever the rule's cost model finds
 cheaper for these sizes; an instantiated gradient smaller than its operands is kept,
 see ``_Budget``), the per-sample norms and, with ``max_grad_norm``, the clip factors

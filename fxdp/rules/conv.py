@@ -290,8 +290,6 @@ def _ghost_sq_norm_chunk(g: torch.Tensor, x: torch.Tensor, config: dict) -> torc
     patches, multiplier, positions_major = _patch_matrices(g, x, config)
     if not positions_major:
         patches = patches.transpose(2, 3)  # [n, g, p, k]
-    if patches.shape[2] == 1:  # one position: the Gram matrices are scalars
-        return (patches.pow(2).sum(3) * multiplier.pow(2).sum(2)).sum((1, 2))
     return gram_inner(multiplier.transpose(2, 3), patches).sum(1)
 
 

@@ -29,10 +29,7 @@ def _weight_sum_grad(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_ghost_sq_norm(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    g, a = as_sequence(g), as_sequence(a)
-    if g.shape[1] == 1:  # T = 1: the Gram matrices are scalars
-        return g.pow(2).sum((1, 2)) * a.pow(2).sum((1, 2))
-    return gram_inner(g, a)
+    return gram_inner(as_sequence(g), as_sequence(a))
 
 
 def _weight_costs(shapes, **config) -> dict[str, float]:

@@ -28,7 +28,6 @@ canonicalisation decomposes ``aten.einsum`` (its tensors come as one list argume
 from __future__ import annotations
 
 import math
-import string
 from typing import Any, Sequence
 
 import torch
@@ -227,10 +226,7 @@ class _Use:
         if found is None:
             return self.per_sample_grad(g, other, **config).flatten(1).pow(2).sum(1)
         rows, grads = found
-        if rows.shape[1] == 1:
-            sq = rows.pow(2).sum((1, 2)) * grads.pow(2).sum((1, 2))
-        else:
-            sq = gram_inner(grads, rows)
+        sq = gram_inner(grads, rows)
         scale = config["alpha"]
         return sq * (scale * scale) if scale != 1 else sq
 
