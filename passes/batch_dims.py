@@ -602,6 +602,8 @@ _CREATION = {
     aten.full.default, aten.empty.memory_format, aten.randn.default, aten.rand.default,
     aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
     aten.scalar_tensor.default, aten.eye.default, aten.tril.default, aten.triu.default, aten.ones_like.default,
+    # Sizes are shared: every sample has the same ``B`` and ``T``.
+    aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
 }
 
 
@@ -777,11 +779,18 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
     # some other tensor input is not parameter-derived.
     candidates: dict[fx.Node, Broadcast] = {}
     refused: set[fx.Node] = set()
-    for node in {n for n, _, _ in consumed}:
+    # A broadcast op's output, and the graph's own expands of it, reach batched data as
+    # the broadcast: their consumers need nothing more.
+    broadcast_values: set[fx.Node] = set()
+    consumers = {n for n, _, _ in consumed}
+    graph_nodes = next(iter(consumers)).graph.nodes if consumers else ()
+    for node in (n for n in graph_nodes if n in consumers):  # producers before consumers
         rule = lookup(node.target) if node.op == "call_function" else None
         if node not in sources or rule is None or single:
             continue
         param_positions = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a in sources]
+        if param_positions and all(node.args[i] in broadcast_values for i in param_positions):
+            continue  # an expand of a broadcast op's output
         others = [a for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a not in sources]
         if param_positions and all(i in rule.params for i in param_positions) and (
                 others or node.target is aten.expand.default):
@@ -801,6 +810,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
                     refused.add(node)
             if node not in refused:
                 candidates[node] = plan
+                broadcast_values.update(_own_expands(node, batch))
     for node, plan in candidates.items():
         broadcasts[node] = plan
         batch[node] = BatchDim(plan.batch_dim)
@@ -812,7 +822,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
     for node, index, value in consumed:
         if node in candidates or node in refused:
             continue
-        if value in candidates:
+        if value in broadcast_values:
             continue  # the consumer of a broadcast op's output: nothing to do
         if node.op == "output":
             problems.append(Problem("output", "", _names(sources[value], param_names),
@@ -851,6 +861,17 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
     return uses, broadcasts
 
 
+def _own_expands(node: fx.Node, batch: dict) -> set[fx.Node]:
+    """``node`` and the shared expands of it that the graph itself applies."""
+    found, stack = {node}, [node]
+    while stack:
+        for user in stack.pop().users:
+            if user.target is aten.expand.default and batch.get(user) is None and user not in found:
+                found.add(user)
+                stack.append(user)
+    return found
+
+
 def _expanded_to_batch(node: fx.Node, dim: int) -> bool:
     """``node`` is an ``expand`` that creates ``dim`` from a size-1 (or missing) dim: its
     rows along ``dim`` are copies, so handing row ``b`` to sample ``b`` is exact."""
@@ -877,29 +898,44 @@ def _broadcast_plan(node: fx.Node, batch: dict) -> "Broadcast | None":
     for user in node.users:
         if user.op != "call_function":
             return None
-        is_cat = user.target is aten.cat.default
-        if not (_is_pointwise(user.target) or is_cat):
-            return None
-        b = batch.get(user)
-        if not isinstance(b, BatchDim) or b.dim is None or not b.plain:
-            return None
-        n = _meta(user).dim()
-        added = n - out.dim()
-        if is_cat or b.dim >= added:
-            if not _expanded_to_batch(node, b.dim - added):
+        if user.target is aten.expand.default and batch.get(user) is None:
+            # The output expanded by the graph itself (an embedding of indices that were
+            # expanded, after ``embedding_expand_pass``): the expand's users decide, and
+            # the output broadcasts to the expand's shape wherever the expand does.
+            candidate = _broadcast_plan(user, batch)
+            if candidate is None or candidate.ndim < out.dim():
                 return None
-        flat_args = [a for arg in user.args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
-        ref = next((a for a in flat_args if isinstance(a, fx.Node) and a is not node
-                    and isinstance(batch.get(a), BatchDim) and batch[a].dim is not None
-                    and batch[a].plain), None)
-        if ref is None:
+        else:
+            candidate = _user_plan(node, out, user, batch)
+        if candidate is None:
             return None
-        # the ref's batch dim in its own layout, for reading B at run time
-        candidate = Broadcast(batch_dim=b.dim - added if (is_cat or b.dim >= added) else b.dim,
-                              ndim=out.dim() if (is_cat or b.dim >= added) else n,
-                              ref=ref, ref_dim=batch[ref].dim)
         if plan is None:
             plan = candidate
         elif (plan.batch_dim, plan.ndim) != (candidate.batch_dim, candidate.ndim):
             return None
     return plan
+
+
+def _user_plan(node: fx.Node, out: torch.Tensor, user: fx.Node, batch: dict) -> "Broadcast | None":
+    """The broadcast of ``node``'s output that its pointwise or ``cat`` user needs."""
+    is_cat = user.target is aten.cat.default
+    if not (_is_pointwise(user.target) or is_cat):
+        return None
+    b = batch.get(user)
+    if not isinstance(b, BatchDim) or b.dim is None or not b.plain:
+        return None
+    n = _meta(user).dim()
+    added = n - out.dim()
+    if is_cat or b.dim >= added:
+        if not _expanded_to_batch(node, b.dim - added):
+            return None
+    flat_args = [a for arg in user.args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
+    ref = next((a for a in flat_args if isinstance(a, fx.Node) and a is not node
+                and isinstance(batch.get(a), BatchDim) and batch[a].dim is not None
+                and batch[a].plain), None)
+    if ref is None:
+        return None
+    # the ref's batch dim in its own layout, for reading B at run time
+    return Broadcast(batch_dim=b.dim - added if (is_cat or b.dim >= added) else b.dim,
+                     ndim=out.dim() if (is_cat or b.dim >= added) else n,
+                     ref=ref, ref_dim=batch[ref].dim)

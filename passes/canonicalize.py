@@ -9,7 +9,9 @@ from torch._decomp import get_decompositions
 
 from fxdp._torch_internals import inline_checkpoints, make_fx_traced
 
-__all__ = ["canonicalize_pass", "rnn_initial_state_pass", "repeat_as_expand_pass"]
+__all__ = [
+    "canonicalize_pass", "embedding_expand_pass", "repeat_as_expand_pass", "rnn_initial_state_pass",
+]
 
 _RNN_CALLS = {torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}
 _ZEROS = {torch.zeros}
@@ -103,6 +105,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         out = make_fx_traced(fx.Interpreter(gm).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
                              decompositions=decompositions)
     out = repeat_as_expand_pass(out)
+    out = embedding_expand_pass(out)
     out.graph.lint()
     out.recompile()
     return out
@@ -129,4 +132,65 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
             node.args = (src, [s * r for s, r in zip(shape, reps)])
     gm.graph.lint()
     gm.recompile()
+    return gm
+
+
+_EXPANDS = {torch.ops.aten.expand.default, torch.ops.aten.expand_as.default, torch.ops.aten.broadcast_to.default}
+
+
+def _expand_sizes(gm: fx.GraphModule, expand: fx.Node) -> list:
+    """The sizes ``expand`` expands to, as an ``aten.expand`` argument."""
+    if expand.target is not torch.ops.aten.expand_as.default:
+        return list(expand.args[1])
+    other = expand.args[1]
+    sizes = []
+    for dim, size in enumerate(other.meta["val"].shape):
+        if isinstance(size, int):
+            sizes.append(size)
+        else:
+            sizes.append(gm.graph.call_function(torch.ops.aten.sym_size.int, (other, dim)))
+            sizes[-1].meta["val"] = size
+    return sizes
+
+
+def embedding_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Look up expanded indices before the expand: ``embedding(w, i.expand(s))`` is
+    ``embedding(w, i).expand(*s, d)``, values and gradients alike.
+
+    Hugging Face BERT looks token types up as ``token_type_ids.expand(B, T)`` from a
+    ``[1, T]`` buffer; other models write ``arange(T).expand_as(idx)`` for positions.
+    The expanded indices are a constant the size of the batch, which the batch analysis
+    cannot tell from samples' own indices. Looked up first, the shared rows are expanded
+    to the batch like nanoGPT's ``wpe(arange(T))``, whose per-sample gradients are exact::
+
+        expand = torch.ops.aten.expand.default(arange, [3, 8])              # before
+        embedding = torch.ops.aten.embedding.default(wpe_weight, expand)
+        embedding = torch.ops.aten.embedding.default(wpe_weight, arange)    # after
+        expand_1 = torch.ops.aten.expand.default(embedding, [3, 8, 16])
+    """
+    aten = torch.ops.aten
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.embedding.default or len(node.args) < 2:
+            continue
+        indices = node.args[1]
+        if not (isinstance(indices, fx.Node) and indices.op == "call_function"
+                and indices.target in _EXPANDS):
+            continue
+        source, width = indices.args[0], node.meta["val"].shape[-1]
+        with gm.graph.inserting_before(node):
+            sizes = _expand_sizes(gm, indices)
+            lookup = gm.graph.call_function(aten.embedding.default, (node.args[0], source, *node.args[2:]),
+                                            dict(node.kwargs))
+            expanded = gm.graph.call_function(aten.expand.default, (lookup, [*sizes, width]))
+        lookup.meta.update(node.meta)
+        lookup.meta["val"] = node.meta["val"].new_empty(
+            (*source.meta["val"].shape, width)) if "val" in node.meta else None
+        expanded.meta.update(node.meta)
+        node.replace_all_uses_with(expanded)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
     return gm

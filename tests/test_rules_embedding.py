@@ -109,6 +109,32 @@ class PositionOnFeatures(nn.Module):
         return self.head(torch.tanh(x + self.wpe(pos)).mean(1))
 
 
+class ExpandedIndices(nn.Module):
+    """Shared ids expanded to the batch before the lookup: positions as
+    ``arange(T).expand_as(x)`` (``expand``) or ``broadcast_to``, and Hugging Face BERT's
+    token types, ``self.token_type_ids[:, :T].expand(B, T)`` from a ``[1, T]`` buffer."""
+
+    def __init__(self, num_embeddings: int, positions: int, dim: int, how: str):
+        super().__init__()
+        self.how = how
+        self.wte = nn.Embedding(num_embeddings, dim)
+        self.wpe = nn.Embedding(positions, dim)
+        self.token_type = nn.Embedding(2, dim)
+        self.register_buffer("token_type_ids", torch.zeros(1, positions, dtype=torch.long))
+        self.head = nn.Linear(dim, CLASSES)
+
+    def forward(self, x):
+        batch, length = x.shape
+        pos = torch.arange(length, device=x.device)
+        if self.how == "expand_as":
+            pos = pos.expand_as(x)
+        elif self.how == "broadcast_to":
+            pos = pos.unsqueeze(0).broadcast_to(batch, length)
+        token_types = self.token_type_ids[:, :length].expand(batch, length)
+        h = self.wte(x) + self.token_type(token_types) + self.wpe(pos)
+        return self.head(torch.tanh(h).mean(1))
+
+
 class BagHead(nn.Module):
     """EmbeddingBag over ``[B, K]`` ids, ``[B, P, K]`` ids (P bags per sample) or
     flat ids with offsets (one bag per sample); optionally gated per_sample_weights."""
@@ -233,6 +259,10 @@ CASES = [
          lambda dt: (_ids((B, 6), 30, 16),)),
     Case("position-arange-trainable-tokens", lambda: PositionEmbedding(30, 6, 4),
          lambda dt: (_ids((B, 6), 30, 17),)),
+    Case("position-expand-as-bert-token-types", lambda: ExpandedIndices(30, 6, 4, "expand_as"),
+         lambda dt: (_ids((B, 6), 30, 27),)),
+    Case("position-broadcast-to-bert-token-types", lambda: ExpandedIndices(30, 6, 4, "broadcast_to"),
+         lambda dt: (_ids((B, 6), 30, 28),)),
     Case("bag-sum-2d", lambda: BagHead(10, 4, "sum"), lambda dt: (_ids((B, 6), 5, 18),)),
     Case("bag-mean-2d-pad0", lambda: BagHead(10, 4, "mean", padding_idx=0),
          lambda dt: (_ids((B, 6), 5, 19, padding_idx=0),)),
@@ -600,3 +630,21 @@ def test_hypothesis_embeddings(config):
     if config["grad_sample"]:
         assert_close_all({n_: p.grad_sample for n_, p in model.named_parameters()}, ref.per_sample, 1e-9,
                          "grad_sample")
+
+
+@pytest.mark.parametrize("how", ["expand_as", "broadcast_to"])
+def test_expanded_indices_new_batch_and_sequence_sizes(how):
+    """The expand's sizes become symbols on the second size (``expand_as`` reads them
+    from the ids); every size stays exact."""
+    torch.manual_seed(0)
+    model = ExpandedIndices(30, 9, 4, how).double()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for batch, length in ((4, 6), (5, 6), (7, 9)):
+        x = _ids((batch, length), 30, seed=batch)
+        y = torch.randint(0, CLASSES, (batch,), generator=torch.Generator().manual_seed(length))
+        for p in model.parameters():
+            p.grad = p.grad_sample = None
+        F.cross_entropy(dp(x), y, reduction="sum").backward()
+        ref = reference(model, (x,), lambda out, i: F.cross_entropy(out, y[i:i + 1], reduction="sum"))
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), "grad_sample")
