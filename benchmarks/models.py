@@ -15,7 +15,14 @@ case      model                                           batch
           GroupNorm + ReLU), global average pool          10 classes
 ``gpt``   ``TinyGPT``: nanoGPT-style, d=256, 4 layers,    ``idx [16, 128]`` tokens,
           4 heads, vocab 4096, tied ``wte``/``lm_head``   next tokens ``[16, 128]``
+``gpt_    the same ``TinyGPT`` written the way Opacus      as ``gpt``
+untied``  ghost clipping accepts it: untied head,
+          positions looked up per sample
 ========  ==============================================  =============================
+
+``gpt_untied`` exists for the comparison with Opacus, which cannot run ``gpt`` (ghost
+clipping refuses tied parameters, and its hooks take ``wpe(arange(T))``'s positions for
+samples); it has ``V d`` more parameters and the same compute otherwise.
 
 Every case is trained with cross entropy, averaged over the batch (and over the
 tokens for ``gpt``; a sample's own loss is then the mean over its tokens), see
@@ -191,6 +198,12 @@ class TinyGPT(nn.Module):
         d: Model width.
         layers: Number of transformer blocks.
         heads: Attention heads per block.
+        tied: Whether ``lm_head.weight`` is ``wte.weight`` (nanoGPT) or its own
+            parameter.
+        batched_positions: Look positions up as ``[B, T]`` indices
+            (``arange(T).repeat(B, 1)``) rather than nanoGPT's ``wpe(arange(T))``
+            broadcast over the batch. Same values; only what a hook-based library sees
+            differs.
     """
 
     def __init__(
@@ -200,14 +213,18 @@ class TinyGPT(nn.Module):
         d: int = 256,
         layers: int = 4,
         heads: int = 4,
+        tied: bool = True,
+        batched_positions: bool = False,
     ) -> None:
         super().__init__()
+        self.batched_positions = batched_positions
         self.wte = nn.Embedding(vocab_size, d)
         self.wpe = nn.Embedding(block_size, d)
         self.blocks = nn.ModuleList(_GPTBlock(d, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
+        if tied:
+            self.lm_head.weight = self.wte.weight
         # nanoGPT's initialisation; the default N(0, 1) embedding makes the tied head's
         # logits, and so the first losses, needlessly large.
         for module in self.modules():
@@ -221,6 +238,8 @@ class TinyGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Maps token ids ``idx [B, T]`` to next-token logits ``[B, T, vocab_size]``."""
         positions = torch.arange(idx.shape[1], device=idx.device)
+        if self.batched_positions:
+            positions = positions.unsqueeze(0).repeat(idx.shape[0], 1)
         x = self.wte(idx) + self.wpe(positions)
         for block in self.blocks:
             x = block(x)
@@ -311,6 +330,14 @@ CASES: dict[str, BenchmarkCase] = {
             name="gpt",
             description="nanoGPT d=256 L=4 V=4096 tied, B=16 T=128",
             build=TinyGPT,
+            make_batch=_token_batch(16, 128, 4096),
+            batch_size=16,
+            per_token=True,
+        ),
+        BenchmarkCase(
+            name="gpt_untied",
+            description="nanoGPT as gpt, untied head, [B, T] positions (for Opacus)",
+            build=lambda: TinyGPT(tied=False, batched_positions=True),
             make_batch=_token_batch(16, 128, 4096),
             batch_size=16,
             per_token=True,
