@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from fxdp.batching import WHOLE, BatchDim
 from fxdp.errors import Problem
+from fxdp.passes.writes import follow_write
 from fxdp.registry import lookup
 
 __all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name"]
@@ -169,7 +170,8 @@ _EXTRA_POINTWISE = [
     aten.leaky_relu.default, aten.elu.default, aten.softplus.default, aten.mish.default,
     aten.hardswish.default, aten.hardsigmoid.default, aten.relu6.default, aten.celu.default,
     aten.selu.default,
-    aten.copy.default, aten.copy_.default, aten.fill_.Scalar, aten.fill.Scalar,
+    aten.copy.default, aten.copy_.default, aten.fill_.Scalar, aten.fill.Scalar, aten.fill_.Tensor,
+    aten.fill.Tensor,
 ]
 
 
@@ -666,7 +668,14 @@ def batch_dim_pass(
     loss_kinds: set[str] = set()
     single = isinstance(batch_size, int) and batch_size == 1
 
+    previous = None
     for node in gm.graph.nodes:
+        # An in-place write by the op before changes what later reads of its base hold.
+        reason = follow_write(previous, batch, sources) if previous is not None and not single else None
+        if reason:
+            problems.append(Problem(op_name(previous.target), module_path_of(previous),
+                                    _names(sources.get(previous.args[0], ()), param_names), reason))
+        previous = node
         if node.op == "placeholder":
             b = placeholder_batch.get(node)
             batch[node] = WHOLE if (single and b is not None) else b

@@ -1,0 +1,140 @@
+"""In-place writes, for the batch analysis: where per-sample data lands in memory.
+
+The batch analysis follows values from node to node, but an in-place op changes a
+tensor that other nodes name. T5's ``_shift_right`` and BART's ``shift_tokens_right``
+write the ids into a fresh buffer through a view::
+
+    shifted = input_ids.new_zeros(input_ids.shape)      # shared: made inside the model
+    shifted[:, 1:] = input_ids[:, :-1]                  # slice + copy_: now per-sample
+
+Every later read of ``shifted`` must see it batched, or a reduction over its batch dim
+would pass as a reduction over shared data (and silently mix samples). ``follow_write``
+runs after an in-place op: when it writes per-sample data into a tensor the analysis
+holds as shared, the batch dim is carried back through the views to the written base,
+so later reads see it. A value computed from parameters alone that is written in place
+(``w = W.clone(); w[:, :2] = 0``) is refused: its per-sample gradient is mapped back
+through the ops that computed it, and a write through a view is not one of them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxdp.batching import BatchDim
+
+__all__ = ["follow_write", "writes_in_place"]
+
+aten = torch.ops.aten
+
+
+def writes_in_place(target: Any) -> bool:
+    """Whether ``target`` writes its first argument in place (``copy_``, ``add_``, ...)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    args = target._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def _is_view(node: fx.Node) -> bool:
+    """``node`` returns a view of its first argument."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    schema = node.target._schema
+    return (bool(schema.arguments) and schema.arguments[0].alias_info is not None
+            and not schema.arguments[0].alias_info.is_write and len(schema.returns) == 1
+            and schema.returns[0].alias_info is not None)
+
+
+def _dim_in_base(view: fx.Node, dim: int) -> int | None:
+    """The dim of ``view``'s base that ``view``'s ``dim`` is, or ``None`` where the
+    view does not keep dims apart (a reshape, ``as_strided``)."""
+    base_rank = view.args[0].meta["val"].dim()
+    target = view.target
+    if target in (aten.slice.Tensor, aten.narrow.default, aten.alias.default):
+        return dim
+    if target is aten.select.int:
+        removed = view.args[1] % base_rank
+        return dim if dim < removed else dim + 1
+    if target is aten.unsqueeze.default:
+        added = view.args[1] % (base_rank + 1)
+        return None if dim == added else (dim if dim < added else dim - 1)
+    if target is aten.transpose.int:
+        a, b = (d % base_rank for d in view.args[1:3])
+        return b if dim == a else a if dim == b else dim
+    if target is aten.permute.default:
+        return list(view.args[1])[dim] % base_rank
+    if target is aten.t.default:
+        return (1 - dim) if base_rank == 2 else dim
+    return None
+
+
+def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
+    """Carry an in-place write's batch dim to the tensor it writes.
+
+    Args:
+        node: An op of the graph, after the analysis gave it its batch.
+        batch: The analysis' node -> batch map; updated for the written base and the
+            views the write went through.
+        sources: Parameter-only values (computed from trainable parameters alone).
+
+    Returns:
+        Why the write cannot be followed, or ``None``.
+    """
+    if node.op != "call_function" or not writes_in_place(node.target):
+        return None
+    chain = [node.args[0]]  # the written view, its base, ... up to a tensor no view of another
+    while isinstance(chain[-1], fx.Node) and _is_view(chain[-1]):
+        chain.append(chain[-1].args[0])
+    base = chain[-1]
+    if not isinstance(base, fx.Node):
+        return None
+    if base in sources:
+        return ("it writes in place into a value computed from parameters alone; fxdp maps "
+                "per-sample gradients back through the ops that compute a parameter's value, "
+                "and an in-place write is not one: compute it out of place "
+                "(w = w * mask, torch.where(mask, 0.0, w), torch.cat)")
+    written = batch.get(node)
+    if not (isinstance(written, BatchDim) and written.dim is not None):
+        return None  # nothing per-sample is written
+    held = batch.get(base)
+    if isinstance(held, BatchDim) and held.dim is not None:
+        return None  # already per-sample: the op's own batch rule checked the layouts
+    if held is not None:
+        return None  # the loss or a refused value: judged where it is computed
+    # Per-sample data written into a shared tensor: find its batch dim in the base.
+    dim, dims = written.dim, {chain[0]: written.dim}
+    for view in chain[:-1]:
+        dim = _dim_in_base(view, dim)
+        if dim is None:
+            return (f"it writes per-sample data in place through a {view.target} view of a tensor "
+                    "made inside the model, which fxdp cannot follow; build the tensor out of place "
+                    "(torch.cat, F.pad, torch.where)")
+        dims[view.args[0]] = dim
+    if not bool(base.meta["val"].shape[dim] == node.meta["val"].shape[written.dim]):
+        return "it writes per-sample data into part of the batch dim of a tensor made inside the model"
+    stale = _views_read_after(base, node, set(chain))
+    if stale:
+        return (f"{stale.name} is a view of a tensor that this op later fills with per-sample data in "
+                "place, and it is read after the write; take the view after the write")
+    for alias, d in dims.items():
+        batch[alias] = BatchDim(d)
+    return None
+
+
+def _views_read_after(base: fx.Node, write: fx.Node, written_through: set) -> fx.Node | None:
+    """A view of ``base`` made before ``write`` (not one it wrote through) that is read
+    after it."""
+    order = {n: i for i, n in enumerate(write.graph.nodes)}
+    stack = [u for u in base.users if _is_view(u) and u.args[0] is base]
+    while stack:
+        view = stack.pop()
+        if view in written_through or order[view] > order[write]:
+            continue
+        for user in view.users:
+            if order[user] > order[write]:
+                return view
+            if _is_view(user) and user.args[0] is view:
+                stack.append(user)
+    return None

@@ -1,0 +1,184 @@
+"""In-place writes: per-sample data written into a tensor the model made, and values
+computed from parameters written in place (``passes/writes.py``).
+
+A write through a view changes a tensor other nodes name; the batch analysis follows it
+to the written base, or refuses. Checked against the microbatch loop, and against
+reductions over the batch that the write would otherwise hide.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxdp
+from reference import assert_close_all, reference, tolerance
+
+B = 4
+
+
+class ShiftRight(nn.Module):
+    """BART's ``shift_tokens_right`` on features: ``buf[:, 1:] = x[:, :-1]`` into zeros."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        buf = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        if self.how == "copy":
+            buf[:, 1:].copy_(x[:, :-1])
+        elif self.how == "setitem":
+            buf[:, 1:] = x[:, :-1]
+        elif self.how == "select":  # one position per write, through select views
+            for t in range(1, x.shape[1]):
+                buf[:, t] = x[:, t - 1]
+        elif self.how == "transposed":  # the write goes through a transpose
+            buf.transpose(0, 1)[1:].copy_(x.transpose(0, 1)[:-1])
+        h = torch.where(x > 0, self.fc(buf), x)
+        return self.head(h.mean(1))
+
+
+class ShiftIds(nn.Module):
+    """T5's ``_shift_right``: ids into ``new_zeros``, a start token, then an embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[..., 1:] = ids[..., :-1].clone()
+        shifted[..., 0] = 7
+        return self.head(torch.tanh(self.embedding(shifted)).mean(1))
+
+
+def _check(model, x, grad_sample: bool):
+    y = torch.randint(0, 3, (B,), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(out, i):
+        return F.cross_entropy(out, y[i:i + 1], reduction="sum")
+
+    ref = reference(model, (x,), loss_fn)
+    max_grad_norm = float(ref.norms.median())
+    dp = fxdp.transform(model, max_grad_norm=max_grad_norm, grad_sample=grad_sample,
+                        loss_reduction="sum", compiler="eager")
+    F.cross_entropy(dp(x), y, reduction="sum").backward()
+    tol = tolerance(torch.float64)
+    params = dict(model.named_parameters())
+    assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("sum", max_grad_norm), tol, "grad")
+    assert_close_all({"norms": dp.per_sample_norms}, {"norms": ref.norms}, tol, "norms")
+    if grad_sample:
+        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tol, "grad_sample")
+
+
+@pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
+@pytest.mark.parametrize("how", ["copy", "setitem", "select", "transposed"])
+def test_shift_right_into_a_fresh_buffer(how, grad_sample):
+    torch.manual_seed(0)
+    x = torch.randn(B, 5, 4, dtype=torch.float64)
+    _check(ShiftRight(how).double(), x, grad_sample)
+
+
+@pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
+def test_shift_ids_then_embedding(grad_sample):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 7, (B, 6), generator=torch.Generator().manual_seed(2))
+    _check(ShiftIds().double(), ids, grad_sample)
+
+
+def _problems(model, x):
+    return [p.reason for p in fxdp.validate(model, x)]
+
+
+class ReduceWrittenBuffer(nn.Module):
+    """Per-sample data written into a buffer, then averaged over the batch: mixes samples."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        buf = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        if self.how == "copy":
+            buf[:, 1:].copy_(x[:, :-1])
+        elif self.how == "add":
+            buf[:, 0].add_(x[:, 0])
+        else:  # the whole buffer
+            buf.copy_(x)
+        return self.fc(buf.mean(0)) + x
+
+
+@pytest.mark.parametrize("how", ["copy", "add", "whole"])
+def test_reduction_over_the_batch_of_a_written_buffer_is_refused(how):
+    x = torch.randn(B, 3, 4)
+    with pytest.raises(fxdp.UnsupportedError, match="reduces over the batch dim"):
+        fxdp.transform(ReduceWrittenBuffer(how), compiler="eager")(x)
+
+
+class StaleView(nn.Module):
+    """A view taken before per-sample data is written into its base, read after."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        buf = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        head = buf[:, 0]
+        buf[:, 1:] = x[:, :-1]
+        buf[:, 0] = x[:, -1]  # through another view: `head` now holds per-sample data
+        return self.fc(head.mean(0)) + x
+
+
+def test_view_read_after_a_write_into_its_base_is_refused():
+    problems = _problems(StaleView(), torch.randn(B, 3, 4))
+    assert any("read after the write" in p for p in problems), problems
+
+
+class WrittenWeight(nn.Module):
+    """Weight surgery written in place on a copy of the parameter."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        w = self.fc.weight.clone()
+        if self.how == "slice":
+            w[:, :2] = 0.0
+        elif self.how == "row-mul":
+            w[0].mul_(3.0)
+        else:
+            w.masked_fill_(w > 0, 0.0)
+        return F.linear(x, w, self.fc.bias)
+
+
+@pytest.mark.parametrize("how", ["slice", "row-mul", "masked-fill"])
+def test_parameter_values_written_in_place_are_refused(how):
+    problems = fxdp.validate(WrittenWeight(how), torch.randn(B, 2, 4))
+    assert any(p.parameter == "fc.weight" and "out of place" in p.reason for p in problems), problems
+    with pytest.raises(fxdp.UnsupportedError, match="writes in place into a value computed from parameters"):
+        fxdp.transform(WrittenWeight(how), compiler="eager")(torch.randn(B, 2, 4))
+
+
+def test_out_of_place_weight_surgery_is_exact():
+    """The refusal's advice, ``w = w * mask``, works."""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            self.register_buffer("mask", (torch.arange(4) >= 2).double())
+
+        def forward(self, x):
+            return F.linear(x, self.fc.weight * self.mask, self.fc.bias).mean(1)
+
+    torch.manual_seed(0)
+    _check(Masked().double(), torch.randn(B, 2, 4, dtype=torch.float64), grad_sample=True)
