@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxdp.compiler import CompiledGraph, analyse_graph
 from fxdp.errors import Problem
@@ -60,32 +61,43 @@ class Explanation:
     __repr__ = __str__
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` on the meta device, without copying any data."""
+def _fake_mode() -> FakeTensorMode:
+    # Real tensors the model keeps outside its parameters and buffers (a plain tensor
+    # attribute) become fake constants instead of an error.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors of ``mode``.
+
+    Fake tensors keep the real device (unlike meta tensors), so tensors the forward
+    creates without ``device=`` (``torch.zeros(x.shape)``, ``torch.arange(T)``) land on
+    the same device as the parameters; no data is copied or computed.
+    """
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
+        memo[id(b)] = mode.from_tensor(b)
     return copy.deepcopy(model, memo)
 
 
-def _meta_args(args: tuple) -> tuple:
-    def to_meta(a: Any) -> Any:
+def _fake_args(args: Any, mode: FakeTensorMode) -> Any:
+    def to_fake(a: Any) -> Any:
         if isinstance(a, torch.Tensor):
-            t = torch.empty_like(a, device="meta") if a.is_floating_point() or a.is_complex() else torch.zeros_like(a, device="meta")
+            t = mode.from_tensor(a.detach())
             return t.requires_grad_(a.requires_grad) if a.is_leaf else t
         if isinstance(a, (list, tuple)):
-            return type(a)(to_meta(x) for x in a)
+            return type(a)(to_fake(x) for x in a)
         if isinstance(a, dict):
-            return {k: to_meta(v) for k, v in a.items()}
+            return {k: to_fake(v) for k, v in a.items()}
         return a
 
-    return to_meta(args)
+    return to_fake(args)
 
 
 def explain(model: nn.Module, *example_args: Any, **options: Any) -> Explanation:
-    """Compile a meta-device copy of ``model`` on ``example_args`` and show what fxdp did.
+    """Compile a fake-tensor copy of ``model`` on ``example_args`` and show what fxdp did.
 
     Nothing runs on real data and the model is not touched. Options are
     ``transform``'s; the graphs are built with ``compiler="eager"`` unless given.
@@ -94,11 +106,14 @@ def explain(model: nn.Module, *example_args: Any, **options: Any) -> Explanation
 
     kwargs = options.pop("kwargs", {})
     options.setdefault("compiler", "eager")
-    dp = transform(_meta_copy(model), **options)
-    out = dp(*_meta_args(example_args), **_meta_args((kwargs,))[0])
-    loss = _as_loss(out)
-    if loss is not None and loss.requires_grad:
-        loss.backward()
+    mode = _fake_mode()
+    dp = transform(_fake_copy(model, mode), **options)
+    args, kwargs = _fake_args((example_args, kwargs), mode)
+    with mode:
+        out = dp(*args, **kwargs)
+        loss = _as_loss(out)
+        if loss is not None and loss.requires_grad:
+            loss.backward()
     return dp.explain()
 
 
@@ -119,9 +134,9 @@ def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Probl
     kwargs = options.pop("kwargs", {})
     opts = Options.from_kwargs(options)
     problems: list[Problem] = []
-    names = {id(p): n for n, p in model.named_parameters()}
-    meta_model = _meta_copy(model)
-    names = {id(p): n for n, p in meta_model.named_parameters()}
+    mode = _fake_mode()
+    fake_model = _fake_copy(model, mode)
+    names = {id(p): n for n, p in fake_model.named_parameters()}
 
     def backend(gm, example_inputs):
         _, _, _, analysis = analyse_graph(gm, example_inputs, opts, names)
@@ -129,11 +144,14 @@ def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Probl
         return gm.forward
 
     def call(*args, **kw):
-        return meta_model(*args, **kw)
+        return fake_model(*args, **kw)
 
+    args, kwargs = _fake_args((example_args, kwargs), mode)
     torch._dynamo.reset()
     try:
-        torch.compile(call, backend=backend, fullgraph=True)(*_meta_args(example_args), **_meta_args((kwargs,))[0])
+        # transform traces nn.LSTM/GRU/RNN with allow_rnn; validate must see the same graph.
+        with mode, torch._dynamo.config.patch(allow_rnn=True):
+            torch.compile(call, backend=backend, fullgraph=True)(*args, **kwargs)
     except torch._dynamo.exc.Unsupported as e:
         problems.append(Problem("dynamo", "", "", f"Dynamo cannot capture the model in one graph: {e}"))
     return problems

@@ -167,3 +167,33 @@ def test_register_rule_for_a_new_op():
     finally:
         RULES.pop(op, None)
     assert not fxdp.is_supported(op)
+
+
+class _MadeWithoutDevice(nn.Module):
+    """Creates tensors without ``device=``: they must meet the parameters' device."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.positions = nn.Embedding(8, 4)
+
+    def forward(self, x):
+        zeros = torch.zeros(x.shape, dtype=x.dtype)
+        return self.fc(x + zeros + self.positions(torch.arange(x.shape[1])))
+
+
+def test_validate_and_explain_with_tensors_created_without_device():
+    model = _MadeWithoutDevice()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 5, 4)
+    assert fxdp.validate(model, x) == []
+    explanation = fxdp.explain(model, x, max_grad_norm=1.0)
+    assert explanation.rule_counts == {"linear.weight": 1, "linear.bias": 1, "embedding.weight": 1}
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) and p.grad is None, name
+
+
+def test_validate_traces_rnns_as_transform_does():
+    """transform turns on Dynamo's ``allow_rnn``; validate must not report it as a problem."""
+    model = nn.Sequential(nn.LSTM(4, 5, batch_first=True))
+    assert fxdp.validate(model, torch.randn(3, 5, 4)) == []
