@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from fxdp.batching import BatchDim, batch_major_all
-from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args
+from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args, out_of_place
 
 __all__ = ["UseInfo", "Transform", "TaggedOp", "USES", "new_use_id", "param_grad"]
 
@@ -102,6 +102,57 @@ def _param_grad_fake(operands, param, use_id):
 _TENSOR = object()  # placeholder for a saved tensor argument
 
 
+def _split(args) -> tuple[list[torch.Tensor], list]:
+    """Tensors to save (those inside list arguments too: ``aten.index``'s indices) and
+    the template that puts them back; everything else (SymInts included) stays in it."""
+    tensors: list[torch.Tensor] = []
+
+    def template(a):
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+            return _TENSOR
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            return type(a)(template(x) for x in a)
+        return a
+
+    return tensors, [template(a) for a in args]
+
+
+def _join(template: list, tensors) -> list:
+    it = iter(tensors)
+
+    def fill(a):
+        if a is _TENSOR:
+            return next(it)
+        if isinstance(a, (list, tuple)) and any(x is _TENSOR or isinstance(x, (list, tuple)) for x in a):
+            return type(a)(fill(x) for x in a)
+        return a
+
+    return [fill(a) for a in template]
+
+
+def _as_operand(value: Any, like: torch.Tensor) -> torch.Tensor:
+    """A marker operand for an input of a parameter transform: a tensor as it is, a size
+    (``pos[:, :T]`` with a symbolic ``T``) as an empty ``[T]`` view that carries it, since
+    the marker takes only tensors; ``Transform`` reads it back."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return like.new_zeros(()).expand(value)
+
+
+def _own(out: Any, inputs: list[torch.Tensor]) -> Any:
+    """``out`` as a tensor of its own where the op returned a view of a tensor it made
+    (``aten.linear`` of a 3-d input views its ``addmm``): autograd forbids in-place
+    writes (``h.mul_(gamma)``, ``h[:, 0] += tok``) to a view made inside a custom
+    Function, and nothing else sees that base. A view of an input stays a view."""
+    if not isinstance(out, torch.Tensor) or not out._is_view():
+        return out
+    base = out._base
+    if any(base is a or base is a._base for a in inputs):
+        return out
+    return out.detach()
+
+
 class _Tagged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tagged: "TaggedOp", *args):
@@ -114,16 +165,30 @@ class _Tagged(torch.autograd.Function):
         else:
             extras = ()
         ctx.num_extras = num_extras
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        ctx.save_for_backward(*tensors, *extras)
-        ctx.template = [_TENSOR if isinstance(a, torch.Tensor) else a for a in args]
+        op = tagged.rule.op
+        target = None
+        twin = out_of_place(op)
+        if twin is not None and broadcast is None and isinstance(args[0], torch.Tensor):
+            # An in-place op (h.mul_(gamma), h[:, 0] += tok): compute out of place from a
+            # copy of the old value (the backward needs it; the op overwrites it), write the
+            # result back and tell autograd, which then also handles views of a batch.
+            target, op = args[0], twin
+            args = (target.clone(), *args[1:])
+        tensors, ctx.template = _split(args)
+        extra_tensors, ctx.extras_template = _split(extras)
+        ctx.num_saved_extras = len(extra_tensors)
+        ctx.save_for_backward(*tensors, *extra_tensors)
         ctx.tagged = tagged
-        out = call_with_schema_args(tagged.rule.op, args)
+        out = call_with_schema_args(op, args)
+        if target is not None:
+            target.copy_(out)
+            ctx.mark_dirty(target)
+            return target
         if isinstance(out, (tuple, list)):
             # A multi-output op (embedding_bag): only its first output is differentiable.
             ctx.mark_non_differentiable(*out[1:])
         if broadcast is None:
-            return out
+            return _own(out, tensors)
         # Expand the shared output to the batch (a view): its gradient stays per-sample.
         ctx.added = broadcast.ndim - out.dim()
         out = out.reshape(*([1] * ctx.added), *out.shape)
@@ -133,9 +198,9 @@ class _Tagged(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *_non_differentiable):
         saved = ctx.saved_tensors
-        extras = saved[len(saved) - ctx.num_extras:] if ctx.num_extras else ()
-        it = iter(saved)
-        args = [next(it) if t is _TENSOR else t for t in ctx.template]
+        split = len(saved) - ctx.num_saved_extras
+        args = _join(ctx.template, saved[:split])
+        extras = [_as_operand(e, grad_out) for e in _join(ctx.extras_template, saved[split:])]
         tagged: TaggedOp = ctx.tagged
         grads: list[Any] = [None] * (len(args) + ctx.num_extras)
         input_grad_out = grad_out

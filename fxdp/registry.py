@@ -25,6 +25,7 @@ __all__ = [
     "GRAD",
     "schema_args",
     "call_with_schema_args",
+    "out_of_place",
 ]
 
 # In ``ParamRule.operands``: the gradient of the op's output.
@@ -185,3 +186,23 @@ def call_with_schema_args(op: Any, args: Sequence[Any]) -> Any:
         else:
             positional.append(value)
     return op(*positional, **keywords)
+
+
+def out_of_place(op: Any) -> Any:
+    """The out-of-place twin of an in-place ATen op (``aten.mul_.Tensor`` ->
+    ``aten.mul.Tensor``), or ``None`` when ``op`` does not write to its first argument.
+
+    Rules compute with the twin: ``vjp``/``vmap`` cannot write into a captured tensor,
+    and the tagged op writes the result back itself (``_Tagged`` in ``markers.py``).
+    """
+    arguments = getattr(getattr(op, "_schema", None), "arguments", None)
+    if not arguments or arguments[0].alias_info is None or not arguments[0].alias_info.is_write:
+        return None
+    name = op._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    twin = getattr(packet, op._overloadname, None) if packet is not None else None
+    if twin is None or len(twin._schema.arguments) != len(arguments):
+        return None
+    return twin

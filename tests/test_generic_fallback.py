@@ -156,3 +156,37 @@ def test_larger_float32_batch(mode: str):
     dp_model = run(model, x, mode, torch.float32)
     strategies = {p.name: p.strategy for p in dp_model.explain().plans}
     assert all(strategies[n] == STRATEGY for n in ("exponent", "floor", "fill", "weight")), strategies
+
+
+class InPlace(nn.Module):
+    """A parameter as an operand of an in-place op on an activation: timm's
+    ``LayerScale(inplace=True)`` (``h.mul_(gamma)``), ``h += bias``, a class-token row
+    ``h[:, 0] += tok`` (a write through a view; the base ``h`` is read afterwards)."""
+
+    def __init__(self, kind: str, d: int = D):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(d, d)
+        self.p = nn.Parameter(torch.rand(d) + 0.5)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.kind == "mul_":
+            h.mul_(self.p)
+        elif self.kind == "add_":
+            h += self.p
+        else:
+            h[:, 0] += self.p
+        return self.head(x + h)
+
+
+@pytest.mark.parametrize("kind", ["mul_", "add_", "view_add_"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("mode", ["grad_sample", "clip"])
+def test_in_place_op_on_parameter(kind: str, dtype: torch.dtype, mode: str):
+    torch.manual_seed(0)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dp_model = run(InPlace(kind), x, mode, dtype)
+    plans = {p.name: p for p in dp_model.explain().plans}
+    assert plans["p"].rule == f"generic.{kind.removeprefix('view_')}[1]", plans["p"]

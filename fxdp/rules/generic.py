@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fxdp.batching import BatchDim
-from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args
+from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args, out_of_place
 
 __all__ = ["generic_rule"]
 
@@ -42,6 +42,9 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
     """
     import torch.fx as fx
 
+    # An in-place op's gradients are its out-of-place twin's at the old value, which
+    # ``_Tagged`` saves; vjp cannot write into a captured tensor.
+    compute = out_of_place(op) or op
     tensor_indices = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
     template = [None if i in tensor_indices else a for i, a in enumerate(args)]
 
@@ -61,7 +64,7 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
                 def f(p):
                     a = list(full)
                     a[index] = p
-                    return call_with_schema_args(op, a)
+                    return call_with_schema_args(compute, a)
 
                 _, vjp_fn = torch.func.vjp(f, full[index])
                 return vjp_fn(_one_sample(g_one, out_layout))[0]
@@ -82,7 +85,7 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
         def f(x):
             a = list(call_args)
             a[index] = x
-            return call_with_schema_args(op, a)
+            return call_with_schema_args(compute, a)
 
         _, vjp_fn = torch.func.vjp(f, call_args[index])
         return vjp_fn(grad_out)[0]
