@@ -131,6 +131,16 @@ def _join(template: list, tensors) -> list:
     return [fill(a) for a in template]
 
 
+def _operand(args: list, index: int) -> Any:
+    """Marker operand ``index`` of a call (see ``ParamRule.operands``): an argument, or
+    past the arguments the tensors inside list arguments in order, or ``None``."""
+    if index < len(args):
+        return args[index]
+    listed = [x for a in args if isinstance(a, (list, tuple)) for x in a if isinstance(x, torch.Tensor)]
+    k = index - len(args)
+    return listed[k] if k < len(listed) else None
+
+
 def _as_operand(value: Any, like: torch.Tensor) -> torch.Tensor:
     """A marker operand for an input of a parameter transform: a tensor as it is, a size
     (``pos[:, :T]`` with a symbolic ``T``) as an empty ``[T]`` view that carries it, since
@@ -216,8 +226,7 @@ class _Tagged(torch.autograd.Function):
                 continue
             if i in tagged.uses:
                 use = USES[tagged.uses[i]]
-                operands = [grad_out if s == GRAD else (args[s] if s < len(args) else None)
-                            for s in use.rule.operands]
+                operands = [grad_out if s == GRAD else _operand(args, s) for s in use.rule.operands]
                 if i in tagged.extra_args:
                     operands += list(extras[offsets[i]: offsets[i] + tagged.extra_args[i]])
                 grads[i] = torch.ops.fxdp.param_grad(operands, args[i], use.use_id)

@@ -190,3 +190,43 @@ def test_in_place_op_on_parameter(kind: str, dtype: torch.dtype, mode: str):
     dp_model = run(InPlace(kind), x, mode, dtype)
     plans = {p.name: p for p in dp_model.explain().plans}
     assert plans["p"].rule == f"generic.{kind.removeprefix('view_')}[1]", plans["p"]
+
+
+class Lookup(nn.Module):
+    """A bare parameter indexed by batched integer ids (``aten.index.Tensor``, the ids
+    inside its list argument): center loss ``x - centers[y]`` with ``y`` ``[B]``, a
+    table ``table[ids]`` with ``ids`` ``[B, T]``."""
+
+    def __init__(self, kind: str, rows: int = 6, d: int = D):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(d, d)
+        self.table = nn.Parameter(torch.randn(rows, d))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h - self.table[ids] if self.kind == "center" else h * self.table[ids]
+
+
+@pytest.mark.parametrize("kind", ["center", "sequence"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("mode", ["grad_sample", "clip"])
+def test_parameter_indexed_by_batched_ids(kind: str, dtype: torch.dtype, mode: str):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    shape = (B, D) if kind == "center" else (B, T, D)
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+    ids = torch.randint(0, 6, shape[:-1], generator=gen)
+    ids[1] = ids[0]  # rows shared by two samples
+    model = Lookup(kind).to(dtype)
+    ref = reference(copy.deepcopy(model).double(), (x.double(), ids), lambda out, i: _loss(out).sum())
+    clip = float(ref.norms.median()) if mode == "clip" else None
+    dp_model = fxdp.transform(model, max_grad_norm=clip, grad_sample=mode == "grad_sample", compiler="eager")
+    _loss(dp_model(x, ids)).mean().backward()
+    tol = tolerance(dtype)
+    params = dict(model.named_parameters())
+    assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("mean", clip), tol, "p.grad")
+    if mode == "grad_sample":
+        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tol, "p.grad_sample")
+    assert_close_all({"norms": dp_model.per_sample_norms}, {"norms": ref.norms}, tol, "per_sample_norms")
+    assert {p.name: p.rule for p in dp_model.explain().plans}["table"] == "generic.index[0]"

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fxdp.batching import BatchDim
+from fxdp.batching import RAW, BatchDim, batch_major
 from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args, out_of_place
 
 __all__ = ["generic_rule"]
@@ -27,6 +27,12 @@ def _one_sample(t: torch.Tensor, layout: BatchDim) -> torch.Tensor:
     if bool(layout.inner == 1):
         return t.unsqueeze(layout.dim)
     return t.movedim(0, layout.dim)
+
+
+def _listed_layout(node: Any) -> BatchDim:
+    """Batch layout of a tensor inside a list argument (``RAW`` where it is shared)."""
+    batch = node.meta.get("fxdp_batch")
+    return batch if isinstance(batch, BatchDim) and isinstance(batch.dim, int) else RAW
 
 
 def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[int, BatchDim],
@@ -46,20 +52,36 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
     # ``_Tagged`` saves; vjp cannot write into a captured tensor.
     compute = out_of_place(op) or op
     tensor_indices = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
-    template = [None if i in tensor_indices else a for i, a in enumerate(args)]
+    # Tensors inside list arguments (aten.index's indices): marker operands numbered past
+    # the op's arguments (see ``ParamRule.operands``); they arrive as they are, and their
+    # batch layout is the one the analysis left on their nodes.
+    listed = [(i, j) for i, a in enumerate(args) if isinstance(a, (list, tuple))
+              for j, x in enumerate(a) if isinstance(x, fx.Node)]
+    listed_layouts = [_listed_layout(args[i][j]) for i, j in listed]
+    template = [None if i in tensor_indices else (list(a) if isinstance(a, (list, tuple)) else a)
+                for i, a in enumerate(args)]
 
     def rebuild(tensors) -> list:
-        full = list(template)
+        full = [list(a) if isinstance(a, list) else a for a in template]
         for i, t in zip(tensor_indices, tensors):
             full[i] = t
+        for (i, j), t in zip(listed, tensors[len(tensor_indices):]):
+            full[i][j] = t
         return full
 
+    layouts_all = [layouts[i] for i in tensor_indices] + listed_layouts
+
     def make_param_rule(index: int) -> ParamRule:
-        in_dims = (0, *[None if layouts[i].dim in ("raw", "shared", None) else 0 for i in tensor_indices])
+        in_dims = (0, *[None if b.dim in ("raw", "shared", None) else 0 for b in layouts_all])
 
         def per_sample_grad(g, *tensors, **config):
+            size = g.shape[0]
+            tensors = [*tensors[:len(tensor_indices)],
+                       *[t if b.dim in ("raw", "shared", None) else batch_major(t, b, size)
+                         for t, b in zip(tensors[len(tensor_indices):], listed_layouts)]]
+
             def one(g_one, *ts):
-                full = rebuild([_one_sample(t, layouts[i]) for i, t in zip(tensor_indices, ts)])
+                full = rebuild([_one_sample(t, b) for t, b in zip(ts, layouts_all)])
 
                 def f(p):
                     a = list(full)
@@ -76,7 +98,7 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
 
         return ParamRule(
             name=f"generic.{op.__name__.split('.')[0]}[{index}]",
-            operands=(GRAD, *tensor_indices),
+            operands=(GRAD, *tensor_indices, *range(len(args), len(args) + len(listed))),
             per_sample_grad=per_sample_grad,
             sum_grad=sum_grad,
         )
