@@ -32,6 +32,10 @@ class MixesSamples(Exception):
     """Raised by a propagation rule when an op mixes the rows of the batch."""
 
 
+class _NoPropagation(MixesSamples):
+    """An op without rule or propagation: whether it mixes samples is unknown."""
+
+
 @dataclasses.dataclass
 class Loss:
     """A reduction over the batch to a scalar: the loss inside the graph."""
@@ -172,13 +176,37 @@ _EXTRA_POINTWISE = [
     aten.selu.default,
     aten.copy.default, aten.copy_.default, aten.fill_.Scalar, aten.fill.Scalar, aten.fill_.Tensor,
     aten.fill.Tensor,
+    aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
+    # In-place random fills of a tensor: each element on its own, as ``bernoulli``.
+    aten.bernoulli_.Tensor, aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default,
+    aten.zero_.default,
+    # ``mask_a & mask_b`` (transformers' masking_utils): bitwise_and and friends.
+    aten.__and__.Tensor, aten.__and__.Scalar, aten.__or__.Tensor, aten.__or__.Scalar,
+    aten.__xor__.Tensor, aten.__xor__.Scalar, aten.__iand__.Tensor, aten.__iand__.Scalar,
+    aten.__ior__.Tensor, aten.__ior__.Scalar, aten.__ixor__.Tensor, aten.__ixor__.Scalar,
 ]
 
 
 def _is_pointwise(target: Any) -> bool:
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    return torch.Tag.pointwise in target.tags or target in _EXTRA_POINTWISE
+    if torch.Tag.pointwise in target.tags or target in _EXTRA_POINTWISE:
+        return True
+    out_of_place = _out_of_place(target)
+    return out_of_place is not None and _is_pointwise(out_of_place)
+
+
+def _out_of_place(target: torch._ops.OpOverload) -> Any:
+    """``aten.masked_fill.Scalar`` for ``aten.masked_fill_.Scalar``: an in-place op
+    writes what its out-of-place twin returns, so it propagates the same way (torch
+    tags only some in-place twins ``pointwise``)."""
+    name = target._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.endswith("__"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    if packet is None or target._overloadname not in packet.overloads():
+        return None
+    return getattr(packet, target._overloadname)
 
 
 def _reshape(node: fx.Node, arg_batch: list) -> Any:
@@ -251,6 +279,11 @@ for _op, _idx in [
     (aten.roll.default, 2), (aten.narrow.default, 1),
 ]:
     PROPAGATION[_op] = _dim_op(_arg_dim(_idx))
+
+
+for _op in (aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default):
+    # A triangle of the last two dims (a causal mask of batched scores).
+    PROPAGATION[_op] = _dim_op(lambda node, ndim: [ndim - 2, ndim - 1])
 
 
 @_register(aten.gather.default, aten.index_select.default, aten.narrow.default)
@@ -578,13 +611,60 @@ def _batch_norm(node, arg_batch):
     return _batch_first_only(node, arg_batch[:1])
 
 
+def _arange_dim(node: Any) -> int | None:
+    """The dim along which ``node`` is ``arange(n)`` (n its size there), constant along
+    every other dim; ``None`` if the graph does not show that structurally.
+
+    Followed back through the ops that build ``arange(B)[:, None, None, None]`` and
+    its expansions: unsqueeze, view/reshape, expand, permute and dtype/device copies.
+    """
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    target, args = node.target, node.args
+    if target is aten.arange.default:
+        return 0
+    if target is aten.arange.start:
+        return 0 if args[0] == 0 else None
+    if target is aten.arange.start_step:
+        return 0 if args[0] == 0 and args[2] == 1 else None
+    if target in (aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
+                  aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+                  aten.lift_fresh_copy.default):
+        return _arange_dim(args[0])
+    dim = _arange_dim(args[0]) if args else None
+    if dim is None:
+        return None
+    src, out = _meta(args[0]), _meta(node)
+    if target is aten.unsqueeze.default:
+        d = _norm_dim(args[1], out.dim())
+        return dim + 1 if d <= dim else dim
+    if target is aten.permute.default:
+        return [_norm_dim(d, src.dim()) for d in args[1]].index(dim)
+    if target in (aten.expand.default, aten.broadcast_to.default, aten.expand_as.default):
+        at = dim + out.dim() - src.dim()
+        return at if bool(out.shape[at] == src.shape[dim]) else None
+    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        # Only a reshape of the bare vector (every other dim of size 1) keeps it one.
+        if not bool(src.numel() == src.shape[dim]):
+            return None
+        varying = [j for j, size in enumerate(out.shape) if not bool(size == 1)]
+        return varying[0] if len(varying) == 1 else None
+    return None
+
+
 @_register(aten.index.Tensor)
 def _index(node, arg_batch):
+    """``x[i0, i1, ...]``: the batch dim may be indexed only by ``arange(B)`` (row ``b``
+    of the result takes sample ``b``, as in ``h[arange(B), last]`` and transformers'
+    ``mask[arange(B)[:, None, None, None], kv]``); batched index tensors must then
+    have their batch on the same broadcast dim."""
     b = arg_batch[0]
     indices = node.args[1]
     index_batches = arg_batch[1]
     if isinstance(b, BatchDim) and b.dim is not None:
         first = next(i for i, ix in enumerate(indices) if ix is not None)
+        if b.dim < len(indices) and indices[b.dim] is not None:
+            return _index_batch_by_arange(node, b, index_batches)
         if b.dim >= first:
             raise MixesSamples("it indexes the batch dim (or a dim before it) with a tensor")
         if any(isinstance(ib, BatchDim) for ib in index_batches if ib is not None):
@@ -599,11 +679,32 @@ def _index(node, arg_batch):
     return b
 
 
+def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> BatchDim:
+    data, out = _meta(node.args[0]), _meta(node)
+    indices = node.args[1]
+    by_batch = indices[b.dim]
+    dim = _arange_dim(by_batch)
+    if dim is None or not b.plain or not bool(_meta(by_batch).shape[dim] == data.shape[b.dim]):
+        raise MixesSamples("it indexes the batch dim with a tensor other than torch.arange(B)")
+    indexed = [i for i, ix in enumerate(indices) if ix is not None]
+    # The index tensors broadcast together, right-aligned, into ``broadcast`` dims.
+    broadcast = out.dim() - data.dim() + len(indexed)
+    at = dim + broadcast - _meta(by_batch).dim()
+    for ix, ib in zip(indices, index_batches):
+        if ix is None or ix is by_batch or not isinstance(ib, BatchDim) or ib.dim is None:
+            continue
+        if not ib.plain or ib.dim + broadcast - _meta(ix).dim() != at:
+            raise MixesSamples("batched indices do not line up with torch.arange(B) on the batch dim")
+    # Adjacent index tensors put the broadcast dims in their place; separated ones in front.
+    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
+    return BatchDim((indexed[0] if adjacent else 0) + at)
+
+
 _CREATION = {
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
     aten.full.default, aten.empty.memory_format, aten.randn.default, aten.rand.default,
     aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
-    aten.scalar_tensor.default, aten.eye.default, aten.tril.default, aten.triu.default, aten.ones_like.default,
+    aten.scalar_tensor.default, aten.eye.default, aten.ones_like.default,
     # Sizes are shared: every sample has the same ``B`` and ``T``.
     aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
 }
@@ -736,9 +837,9 @@ def batch_dim_pass(
             elif _is_pointwise(target):
                 batch[node] = _pointwise(node, [b for b in arg_batch])
             else:
-                raise MixesSamples(
-                    "fxdp does not know whether this op keeps samples independent; "
-                    "register a rule for it with fxdp.register_rule"
+                raise _NoPropagation(
+                    f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it "
+                    "keeps samples independent; register a rule for it with fxdp.register_rule"
                 )
             if isinstance(batch[node], Loss):
                 loss_kinds.add(batch[node].reduction)
@@ -746,7 +847,8 @@ def batch_dim_pass(
             consumed_params = sorted({param_names[p] for a in paramish for p in sources.get(a, ())})
             consumes = (f" (it consumes the trainable parameter(s) {', '.join(consumed_params)})"
                         if consumed_params else "")
-            problems.append(Problem(op_name(target), path, "", f"mixes samples: {e}{consumes}"))
+            reason = str(e) if isinstance(e, _NoPropagation) else f"mixes samples: {e}"
+            problems.append(Problem(op_name(target), path, "", f"{reason}{consumes}"))
             # What follows a refused op is unknown, not shared: one refusal must not
             # cascade into spurious problems downstream.
             out = _meta(node)

@@ -534,3 +534,150 @@ def test_parameter_along_the_batch_dim_is_refused():
 def test_bmm_weight_along_the_batch_dim_is_refused():
     model = around(lambda m, h: torch.bmm(h.view(B, 1, D), m.W).view(B, D), W=(B, D, D))()
     assert "along the batch dim" in _reasons(model, torch.randn(B, D))
+
+
+# ---------------------------------------------------------------------------
+# Ops over batched data without parameters: in-place twins, triangles, index by arange(B)
+# ---------------------------------------------------------------------------
+
+
+def _against_the_loop(model: nn.Module, *args: torch.Tensor, dp: fxdp.DPModule | None = None) -> fxdp.DPModule:
+    """Per-sample gradients and the clipped gradient of ``Σ out²`` against the microbatch loop
+    (with ``dp``: that transform, called again, e.g. on a new batch size)."""
+    tol = tolerance(torch.float64)
+    ref = reference(model, args, lambda out, i: out.pow(2).sum())
+    if dp is None:
+        torch._dynamo.reset()
+        dp = fxdp.transform(model, grad_sample=True, max_grad_norm=_clip_between(ref.norms),
+                            loss_reduction="sum", compiler="eager")
+    max_grad_norm = dp.options.max_grad_norm
+    for p in model.parameters():
+        p.grad = None
+    dp(*args).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, tol, "grad_sample")
+    assert_close_all({"norms": dp.per_sample_norms}, {"norms": ref.norms}, tol, "norms")
+    assert_close_all(_params(model, "grad"), ref.grad("sum", max_grad_norm), tol, "clipped grad")
+    return dp
+
+
+class _KeyPaddingMask(nn.Module):
+    """``nn.MultiheadAttention`` with a per-sample ``key_padding_mask``: ``masked_fill_``."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(D, H, batch_first=True)
+
+    def forward(self, x, key_padding_mask):
+        return self.attention(x, x, x, key_padding_mask=key_padding_mask)[0]
+
+
+def test_in_place_masked_fill_of_a_key_padding_mask():
+    torch.manual_seed(0)
+    model = _KeyPaddingMask().double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    key_padding_mask = torch.zeros(B, T, dtype=torch.bool)
+    key_padding_mask[0, 3:] = True
+    key_padding_mask[2, 1:] = True
+    _against_the_loop(model, x, key_padding_mask)
+
+
+def test_in_place_twins_of_pointwise_ops_are_pointwise():
+    from fxdp.passes.batch_dims import _is_pointwise
+
+    for op in (aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.gelu_.default,
+               aten.threshold_.default, aten.hardswish_.default, aten.mish_.default, aten.dropout_.default):
+        assert _is_pointwise(op), op
+    for op in (aten.index_put_.default, aten.scatter_.src, aten.tril_.default, aten.baddbmm_.default):
+        assert not _is_pointwise(op), op
+
+
+class _Triangle(nn.Module):
+    """A causal triangle of batched scores ``[B, T, T]``."""
+
+    def __init__(self, upper: bool = False):
+        super().__init__()
+        self.fc = nn.Linear(T, 2)
+        self.upper = upper
+
+    def forward(self, x):
+        scores = x @ x.transpose(1, 2)
+        return self.fc(torch.triu(scores, 1) if self.upper else torch.tril(scores))
+
+
+@pytest.mark.parametrize("upper", [False, True], ids=["tril", "triu"])
+def test_triangle_of_batched_scores(upper):
+    torch.manual_seed(0)
+    _against_the_loop(_Triangle(upper).double(), torch.randn(B, T, D, dtype=torch.float64))
+
+
+def test_triangle_over_the_batch_dim_is_refused():
+    """``tril`` of ``[B, d]`` keeps row ``b``'s first ``b + 1`` entries: it depends on the sample's index."""
+    model = around(lambda m, h: torch.tril(h) * m.s, s=(D,))()
+    assert "mixes samples: it works along the batch dim" in _reasons(model, torch.randn(B, D))
+
+
+def test_op_without_propagation_does_not_claim_to_mix_samples():
+    model = around(lambda m, h: torch.renorm(h, 2, 1, 1.0) * m.s, s=(D,))()
+    reasons = _reasons(model, torch.randn(B, D))
+    assert "no batch-dim propagation for aten.renorm.default" in reasons, reasons
+    assert "mixes samples" not in reasons, reasons
+
+
+class _PaddingMaskIndex(nn.Module):
+    """transformers' ``masking_utils``: ``padding_mask[arange(B)[:, None, None, None], kv]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, x, attention_mask):
+        batch, length, _ = x.shape
+        rows = torch.arange(batch)[:, None, None, None]
+        kv = torch.arange(length)[None, None, None, :]
+        mask = attention_mask.bool()[rows, kv]  # [B, 1, 1, T]
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, -1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class _LastTokenPool(nn.Module):
+    """HF ``*ForSequenceClassification``: ``h[arange(B), last]``."""
+
+    def __init__(self, rows: Callable = lambda h: torch.arange(h.shape[0])):
+        super().__init__()
+        self.fc = nn.Linear(D, 2)
+        self.rows = rows
+
+    def forward(self, x, last):
+        h = self.fc(x)
+        return h[self.rows(h), last]
+
+
+def test_padding_mask_indexed_by_arange_of_the_batch():
+    torch.manual_seed(0)
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    attention_mask = torch.ones(B, T, dtype=torch.long)
+    attention_mask[0, 3:] = 0
+    attention_mask[2, 2:] = 0
+    _against_the_loop(_PaddingMaskIndex().double(), x, attention_mask)
+
+
+def test_last_token_pooling_indexed_by_arange_of_the_batch():
+    torch.manual_seed(0)
+    model = _LastTokenPool().double()
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64), torch.tensor([4, 2, 3]))
+    # a new batch size: B is symbolic in the recompiled graph
+    _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), torch.tensor([4, 0, 1, 3, 2]), dp=dp)
+
+
+@pytest.mark.parametrize("rows,why", [
+    (lambda h: torch.arange(h.shape[0]).flip(0), "other than torch.arange"),
+    (lambda h: torch.arange(h.shape[0]) // 2, "other than torch.arange"),
+    (lambda h: torch.zeros(h.shape[0], dtype=torch.long), "other than torch.arange"),
+    (lambda h: torch.arange(1, h.shape[0] + 1) % h.shape[0], "other than torch.arange"),
+    (lambda h: torch.arange(h.shape[0])[:, None], "do not line up"),  # out[b, c] = h[b, last[c]]
+], ids=["flipped", "halved", "zeros", "shifted", "misaligned"])
+def test_batch_indexed_by_anything_but_arange_is_refused(rows, why):
+    model = _LastTokenPool(rows).double()
+    reasons = "\n".join(str(p) for p in fxdp.validate(
+        model, torch.randn(B, T, D, dtype=torch.float64), torch.tensor([4, 2, 3])))
+    assert "mixes samples" in reasons and why in reasons, reasons
