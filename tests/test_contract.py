@@ -806,3 +806,24 @@ def test_create_graph_raises():
         with pytest.raises(RuntimeError, match="create_graph|double backward"):
             loss.backward(create_graph=True)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_hugging_face_decoder_with_a_per_sample_attention_mask():
+    """transformers builds the 4D mask as ``padding_mask[arange(B)[:, None, None, None], kv]``."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=13, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                                     use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).to(DTYPE)
+    ids = torch.randint(0, 13, (3, 5), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones(3, 5, dtype=torch.long)
+    attention_mask[0, 3:] = 0
+    attention_mask[2, 1:] = 0
+    ref = reference(model, [ids], lambda out, i: out.logits.pow(2).sum(), kwargs={"attention_mask": attention_mask})
+    max_grad_norm = ref.norms.median().item()
+    dp = fxdp.transform(model, max_grad_norm=max_grad_norm, grad_sample=True, loss_reduction="sum",
+                        compiler="eager")
+    dp(ids, attention_mask=attention_mask).logits.pow(2).sum().backward()
+    assert_close_all(grads(model), ref.grad("sum", max_grad_norm), TOL, "p.grad")
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+    assert_tensor_close(dp.per_sample_norms, ref.norms, "per_sample_norms")
