@@ -652,6 +652,65 @@ def _arange_dim(node: Any) -> int | None:
     return None
 
 
+@_register(aten.one_hot.default)
+def _one_hot(node, arg_batch):
+    """``[*ids] -> [*ids, C]``: the dims of the ids keep their place."""
+    num_classes = node.args[1] if len(node.args) > 1 else node.kwargs.get("num_classes", -1)
+    if isinstance(arg_batch[0], BatchDim) and arg_batch[0].dim is not None and num_classes == -1:
+        raise MixesSamples("without num_classes the number of classes is the largest id of the whole batch")
+    return arg_batch[0]
+
+
+@_register(aten.scatter.src, aten.scatter.value, aten.scatter.reduce, aten.scatter.value_reduce,
+           aten.scatter_add.default, aten.scatter_reduce.two, aten.scatter_.src, aten.scatter_.value,
+           aten.scatter_add_.default, aten.scatter_reduce_.two)
+def _scatter(node, arg_batch):
+    """``self.scatter(dim, index, src)`` writes along ``dim`` at each position of the other
+    dims (index and src have self's rank): samples stay apart unless ``dim`` is the batch."""
+    out = _meta(node)
+    d = _norm_dim(node.args[1], out.dim())
+    result = None
+    for i in (0, 2, 3):
+        b = arg_batch[i] if i < len(arg_batch) else None
+        if not isinstance(b, BatchDim):
+            continue
+        if b.dim is None:
+            candidate = WHOLE
+        elif b.dim == d:
+            raise MixesSamples("it scatters along the batch dim")
+        elif not bool(_meta(node.args[i]).shape[b.dim] == out.shape[b.dim]):
+            raise MixesSamples("its batched index or source covers only part of the batch dim")
+        else:
+            candidate = b
+        if result is None:
+            result = candidate
+        elif not result.same_as(candidate):
+            raise MixesSamples("its batched operands have their batch at different dims")
+    return result
+
+
+@_register(aten.cosine_similarity.default)
+def _cosine_similarity(node, arg_batch):
+    """Broadcast ``x1``, ``x2`` (dims align from the right), then reduce over ``dim``."""
+    ndim = max(_meta(node.args[0]).dim(), _meta(node.args[1]).dim())
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 1)
+    d = _norm_dim(dim, ndim)
+    result = None
+    for arg, b in zip(node.args[:2], arg_batch[:2]):
+        if not isinstance(b, BatchDim):
+            continue
+        candidate = WHOLE if b.dim is None else b.at(b.dim + ndim - _meta(arg).dim())
+        if result is None:
+            result = candidate
+        elif not result.same_as(candidate):
+            raise MixesSamples("its batched operands have their batch at different dims")
+    if result is None or result.dim is None:
+        return result
+    if result.dim == d:
+        raise MixesSamples("it reduces over the batch dim")
+    return result.at(result.dim - (1 if d < result.dim else 0))
+
+
 @_register(aten.index.Tensor)
 def _index(node, arg_batch):
     """``x[i0, i1, ...]``: the batch dim may be indexed only by ``arange(B)`` (row ``b``

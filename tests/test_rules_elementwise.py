@@ -681,3 +681,54 @@ def test_batch_indexed_by_anything_but_arange_is_refused(rows, why):
     reasons = "\n".join(str(p) for p in fxdp.validate(
         model, torch.randn(B, T, D, dtype=torch.float64), torch.tensor([4, 2, 3])))
     assert "mixes samples" in reasons and why in reasons, reasons
+
+
+class _OneHot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, 3)
+
+    def forward(self, x, labels):
+        return self.fc(x) * torch.nn.functional.one_hot(labels, 3).to(x.dtype)
+
+
+class _Cosine(nn.Module):
+    """A siamese head: ``cosine_similarity`` of two encodings of each sample."""
+
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.encode = nn.Linear(D, 3)
+        self.dim = dim
+
+    def forward(self, x):
+        return torch.nn.functional.cosine_similarity(self.encode(x[:, 0]), self.encode(x[:, 1]), dim=self.dim)
+
+
+class _Scatter(nn.Module):
+    """Dense top-k gating: ``zeros_like(logits).scatter(dim, top, weights)``."""
+
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.gate = nn.Linear(D, 3)
+        self.dim = dim
+
+    def forward(self, x):
+        logits = self.gate(x)
+        weights, top = logits.topk(2, -1)
+        if self.dim != -1:
+            return torch.zeros_like(logits).scatter(self.dim, top, weights)
+        return torch.zeros_like(logits).scatter(-1, top, weights) + torch.zeros_like(logits).scatter_add(-1, top, weights)
+
+
+def test_one_hot_cosine_similarity_and_scatter_of_batched_data():
+    torch.manual_seed(0)
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    _against_the_loop(_OneHot().double(), x[:, 0], torch.tensor([0, 2, 1]))
+    _against_the_loop(_Cosine().double(), x)
+    _against_the_loop(_Scatter().double(), x)
+
+
+@pytest.mark.parametrize("model", [_Cosine(dim=0), _Scatter(dim=0)], ids=["cosine", "scatter"])
+def test_cosine_similarity_and_scatter_along_the_batch_dim_are_refused(model):
+    reasons = _reasons(model.double(), torch.randn(B, T, D, dtype=torch.float64))
+    assert "mixes samples" in reasons, reasons
