@@ -41,6 +41,31 @@ class Transform:
     num_sources: int
     isometric: bool
 
+    def __post_init__(self):
+        # A size input (``pos[:, :T]`` with a symbolic ``T``) reaches the backward as a
+        # ``[T]`` marker operand (``_as_operand``): the module reads the size back.
+        placeholders = [n for n in getattr(getattr(self.module, "graph", None), "nodes", ())
+                        if n.op == "placeholder"]
+        sizes = {i for i, n in enumerate(placeholders)
+                 if "val" in n.meta and not isinstance(n.meta["val"], torch.Tensor)}
+        if sizes and not isinstance(self.module, _SizesFromOperands):
+            self.module = _SizesFromOperands(self.module, sizes)
+
+
+class _SizesFromOperands:
+    """A transform's graph module called with each size input as a ``[size]`` tensor."""
+
+    def __init__(self, module: Any, sizes: set[int]):
+        self.module = module
+        self.sizes = sizes
+
+    def __call__(self, *args):
+        return self.module(*[a.shape[0] if i in self.sizes and isinstance(a, torch.Tensor) else a
+                             for i, a in enumerate(args)])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["module"], name)
+
 
 @dataclasses.dataclass
 class UseInfo:

@@ -732,3 +732,61 @@ def test_one_hot_cosine_similarity_and_scatter_of_batched_data():
 def test_cosine_similarity_and_scatter_along_the_batch_dim_are_refused(model):
     reasons = _reasons(model.double(), torch.randn(B, T, D, dtype=torch.float64))
     assert "mixes samples" in reasons, reasons
+
+
+# ---------------------------------------------------------------------------
+# A sequence length that changes between calls (Dynamo recompiles with a symbolic T)
+# ---------------------------------------------------------------------------
+
+
+class PositionTable(nn.Module):
+    """A learned position table read at the call's length ``T``: sliced (``pos[:, :T]``,
+    ViT/nanoGPT style), looked up with shared ids ``[1, T]`` (HF GPT-2's
+    ``wpe(arange(T)[None])``) and a per-position scale ``x * scale[:T]``."""
+
+    def __init__(self, kind: str, max_len: int = 16, d: int = D):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(d, d)
+        if kind == "embedding":
+            self.wpe = nn.Embedding(max_len, d)
+        else:
+            self.pos = nn.Parameter(torch.randn(1, max_len, d))
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, t = self.fc(x), x.shape[1]
+        if self.kind == "slice":
+            h = h + self.pos[:, :t]
+        elif self.kind == "embedding":
+            h = h + self.wpe(torch.arange(t, device=x.device).unsqueeze(0))
+        else:
+            h = h * self.pos[0, :t]
+        return self.head(h)
+
+
+@pytest.mark.parametrize("kind", ["slice", "embedding", "scale"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_position_table_over_changing_sequence_lengths(kind: str, dtype: torch.dtype):
+    """Four calls, ``(B, T)`` = (3, 6), (3, 5), (4, 7), (4, 3): Dynamo recompiles with a
+    symbolic ``T``, then ``B``; every call matches the loop."""
+    import copy
+
+    torch.manual_seed(0)
+    model = PositionTable(kind).to(dtype)
+    tol = tolerance(dtype)
+    calls = []
+    for batch_size, length in [(3, 6), (3, 5), (4, 7), (4, 3)]:
+        x = torch.randn(batch_size, length, D, generator=torch.Generator().manual_seed(length), dtype=dtype)
+        calls.append((x, reference(copy.deepcopy(model).double(), (x.double(),), lambda out, i: out.pow(2).sum())))
+    max_grad_norm = float(torch.cat([ref.norms for _, ref in calls]).median())
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=max_grad_norm, loss_reduction="sum",
+                        compiler="eager")
+    for x, ref in calls:
+        size = tuple(x.shape[:2])
+        for p in model.parameters():
+            p.grad = None
+        dp(x).pow(2).sum().backward()
+        assert_close_all(_params(model, "grad_sample"), ref.per_sample, tol, f"grad_sample {size}")
+        assert_close_all({"norms": dp.per_sample_norms}, {"norms": ref.norms}, tol, f"norms {size}")
+        assert_close_all(_params(model, "grad"), ref.grad("sum", max_grad_norm), tol, f"clipped grad {size}")

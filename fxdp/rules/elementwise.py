@@ -65,12 +65,17 @@ class Layout:
         dim: Its batch dim, ``None`` for a shared tensor or a whole batch of one.
         merged: Whether the batch dim holds ``B·inner`` rows with ``inner != 1``.
         shape: The static shape (parameters), ``None`` where some size is symbolic.
+        sizes: The shape with ``None`` for each symbolic size (a position table sliced
+            to a sequence length that changes between calls). Dynamo specialises sizes
+            0 and 1, so a symbolic size is never a broadcast dim: this is all that
+            ``reduce_per_sample`` needs, and the sizes stay symbolic.
     """
 
     ndim: int
     dim: int | None
     merged: bool
     shape: tuple[int, ...] | None
+    sizes: tuple[int | None, ...] | None = None
 
 
 def _static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -79,17 +84,19 @@ def _static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
     return None
 
 
-def _layout(ndim: int, batch: Any, shape: tuple[int, ...] | None) -> Layout:
+def _layout(ndim: int, batch: Any, shape: tuple[int, ...] | None,
+            sizes: tuple[int | None, ...] | None = None) -> Layout:
     if isinstance(batch, BatchDim) and isinstance(batch.dim, int):
-        return Layout(ndim, batch.dim, not bool(batch.inner == 1), shape)
-    return Layout(ndim, None, False, shape)
+        return Layout(ndim, batch.dim, not bool(batch.inner == 1), shape, sizes)
+    return Layout(ndim, None, False, shape, sizes)
 
 
 def layout_of(meta: Any, batch: Any) -> Layout | None:
     """The ``Layout`` of a tensor with example value ``meta`` and batch ``batch``."""
     if not isinstance(meta, torch.Tensor):
         return None
-    return _layout(meta.dim(), batch, _static_shape(meta))
+    sizes = tuple(s if isinstance(s, int) else None for s in meta.shape)
+    return _layout(meta.dim(), batch, _static_shape(meta), sizes)
 
 
 def _node_of(args: Sequence[Any]) -> fx.Node | None:
@@ -161,8 +168,9 @@ def right_align(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t
 
 
-def reduce_per_sample(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """``[n, *s] -> [n, *shape]``: each sample summed over the dims ``shape`` broadcasts along."""
+def reduce_per_sample(t: torch.Tensor, shape: Sequence[int | None]) -> torch.Tensor:
+    """``[n, *s] -> [n, *shape]``: each sample summed over the dims ``shape`` broadcasts along
+    (``None``, a symbolic size, is never one of them)."""
     lead = t.dim() - 1 - len(shape)
     if lead > 0:
         t = t.sum(tuple(range(1, 1 + lead)))
@@ -261,7 +269,9 @@ def _make_param_rule(op: Any, index: int, partial: _Partial) -> ParamRule:
         return right_align(g, ndim) * partial.fn(*values, **config["scalars"])
 
     def per_sample_grad(*operands, **config):
-        return reduce_per_sample(product(operands, config), config["layouts"][index].shape)
+        layout = config["layouts"][index]
+        return reduce_per_sample(product(operands, config),
+                                 layout.shape if layout.sizes is None else layout.sizes)
 
     def sum_grad(*operands, **config):
         return per_sample_grad(*operands, **config).sum(0)
