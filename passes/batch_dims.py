@@ -1043,11 +1043,15 @@ def _own_expands(node: fx.Node, batch: dict) -> set[fx.Node]:
 
 
 def _expanded_to_batch(node: fx.Node, dim: int) -> bool:
-    """``node`` is an ``expand`` that creates ``dim`` from a size-1 (or missing) dim: its
+    """``node``'s output has size 1 at ``dim`` (HF GPT-2's ``wpe(arange(T)[None])``), or
+    ``node`` is an ``expand`` that creates ``dim`` from a size-1 (or missing) dim: its
     rows along ``dim`` are copies, so handing row ``b`` to sample ``b`` is exact."""
+    out = _meta(node)
+    if bool(out.shape[dim] == 1):
+        return True
     if node.target not in (aten.expand.default,):
         return False
-    src, out = _meta(node.args[0]), _meta(node)
+    src = _meta(node.args[0])
     pad = out.dim() - src.dim()
     return dim < pad or bool(src.shape[dim - pad] == 1)
 

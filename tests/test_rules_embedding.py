@@ -648,3 +648,34 @@ def test_expanded_indices_new_batch_and_sequence_sizes(how):
         ref = reference(model, (x,), lambda out, i: F.cross_entropy(out, y[i:i + 1], reduction="sum"))
         assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
                          tolerance(torch.float64), "grad_sample")
+
+
+def test_gpt2_position_rows_over_many_sequence_lengths():
+    """Hugging Face GPT-2 looks positions up as ``wpe(arange(T)[None])``: a ``[1, T, d]``
+    lookup, expanded to the batch as a broadcast. Twelve lengths stay within Dynamo's
+    recompile limit (a per-sample VJP through the lookup specialised every length) and
+    stay exact."""
+
+    class GPT2Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(30, 4)
+            self.wpe = nn.Embedding(16, 4)
+            self.head = nn.Linear(4, CLASSES)
+
+        def forward(self, x):
+            pos = torch.arange(x.shape[1], device=x.device)[None]
+            return self.head(torch.tanh(self.wte(x) + self.wpe(pos)).mean(1))
+
+    torch.manual_seed(0)
+    model = GPT2Positions().double()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for length in range(3, 15):
+        x = _ids((B, length), 30, seed=length)
+        y = torch.randint(0, CLASSES, (B,), generator=torch.Generator().manual_seed(length))
+        for p in model.parameters():
+            p.grad = p.grad_sample = None
+        F.cross_entropy(dp(x), y, reduction="sum").backward()
+        ref = reference(model, (x,), lambda out, i: F.cross_entropy(out, y[i:i + 1], reduction="sum"))
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), "grad_sample")
