@@ -404,7 +404,7 @@ def _slice(node, arg_batch):
 
 
 @_register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-           aten.unsafe_split.Tensor, aten.split.sizes, aten.tensor_split.sections)
+           aten.unsafe_split.Tensor, aten.unsafe_chunk.default, aten.split.sizes, aten.tensor_split.sections)
 def _split(node, arg_batch):
     b = arg_batch[0]
     n = len(_meta(node))
@@ -1074,7 +1074,7 @@ def _broadcast_plan(node: fx.Node, batch: dict) -> "Broadcast | None":
             return None
         if user.target is aten.expand.default and batch.get(user) is None:
             # The output expanded by the graph itself (an embedding of indices that were
-            # expanded, after ``embedding_expand_pass``): the expand's users decide, and
+            # expanded, after ``expand_after_lookup_pass``): the expand's users decide, and
             # the output broadcasts to the expand's shape wherever the expand does.
             candidate = _broadcast_plan(user, batch)
             if candidate is None or candidate.ndim < out.dim():

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -197,6 +197,24 @@ def _choose(use: UseInfo, operands: list[torch.Tensor], keep: bool) -> tuple[str
     return min(costs, key=costs.get), costs
 
 
+def _per_sample_vjp(transform: Callable, sources: list[torch.Tensor], cotangents: torch.Tensor) -> tuple:
+    """``vjp(transform, sources)`` at each sample's cotangent (``cotangents`` ``[B, ...]``).
+
+    The transform runs once per sample under ``vmap`` on copies of its sources, and one
+    ordinary backward maps every cotangent. ``vmap`` over the VJP function instead would
+    run the backward formulas under ``vmap``, where ``slice_backward`` reads its input's
+    sizes as ints: a symbolic sequence length would be specialised, and every new length
+    would recompile.
+    """
+    batch_size = cotangents.shape[0]
+    # Expanded views of the sources: one per sample, nothing copied.
+    copies = [s.detach().expand(batch_size, *s.shape).requires_grad_(True) for s in sources]
+    with torch.enable_grad():
+        out = torch.func.vmap(transform)(*copies)
+        grads = torch.autograd.grad(out, copies, cotangents, allow_unused=True)
+    return tuple(torch.zeros_like(c) if g is None else g for c, g in zip(copies, grads))
+
+
 def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                           decompositions: dict | None = None) -> tuple[fx.GraphModule, BackwardPlan]:
     """Rewrite ``bw_gm`` so it emits clipped gradients, norms and grad samples.
@@ -280,8 +298,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
             def transform(*srcs):
                 return use.transform.module(*srcs, *others)
 
-            _, vjp_fn = torch.func.vjp(transform, *sources)
-            mapped = torch.func.vmap(vjp_fn)(psg)
+            mapped = _per_sample_vjp(transform, sources, psg)
             return dict(zip(m.args[0][k: k + n], mapped))
 
         batch_size = None

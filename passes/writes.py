@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from fxdp.batching import BatchDim
 
-__all__ = ["follow_write", "writes_in_place"]
+__all__ = ["follow_write", "is_view", "writes_in_place"]
 
 aten = torch.ops.aten
 
@@ -37,7 +37,7 @@ def writes_in_place(target: Any) -> bool:
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
-def _is_view(node: fx.Node) -> bool:
+def is_view(node: fx.Node) -> bool:
     """``node`` returns a view of its first argument."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
@@ -85,7 +85,7 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
     if node.op != "call_function" or not writes_in_place(node.target):
         return None
     chain = [node.args[0]]  # the written view, its base, ... up to a tensor no view of another
-    while isinstance(chain[-1], fx.Node) and _is_view(chain[-1]):
+    while isinstance(chain[-1], fx.Node) and is_view(chain[-1]):
         chain.append(chain[-1].args[0])
     base = chain[-1]
     if not isinstance(base, fx.Node):
@@ -127,7 +127,7 @@ def _views_read_after(base: fx.Node, write: fx.Node, written_through: set) -> fx
     """A view of ``base`` made before ``write`` (not one it wrote through) that is read
     after it."""
     order = {n: i for i, n in enumerate(write.graph.nodes)}
-    stack = [u for u in base.users if _is_view(u) and u.args[0] is base]
+    stack = [u for u in base.users if is_view(u) and u.args[0] is base]
     while stack:
         view = stack.pop()
         if view in written_through or order[view] > order[write]:
@@ -135,6 +135,6 @@ def _views_read_after(base: fx.Node, write: fx.Node, written_through: set) -> fx
         for user in view.users:
             if order[user] > order[write]:
                 return view
-            if _is_view(user) and user.args[0] is view:
+            if is_view(user) and user.args[0] is view:
                 stack.append(user)
     return None

@@ -161,6 +161,40 @@ class RNNClassifier(nn.Module):
         return self.fc(last)
 
 
+class CellDecoder(nn.Module):
+    """Recurrent cells stepped by hand (seq2seq decoders): two stacked ``nn.LSTMCell``,
+    ``GRUCell`` or ``RNNCell``, called without a state on the first step (the cell builds
+    ``zeros(B, H)`` itself)."""
+
+    def __init__(self, kind: str, input_size: int = 4, hidden: int = 5):
+        super().__init__()
+        cell = {"lstm": nn.LSTMCell, "gru": nn.GRUCell, "rnn": nn.RNNCell}[kind]
+        self.kind = kind
+        self.first = cell(input_size, hidden)
+        self.second = cell(hidden, hidden)
+        self.head = nn.Linear(hidden, 3)
+
+    def forward(self, x):
+        h1 = h2 = None
+        for t in range(x.shape[1]):
+            h1 = self.first(x[:, t], h1)
+            h2 = self.second(h1[0] if self.kind == "lstm" else h1, h2)
+        return self.head(h2[0] if self.kind == "lstm" else h2)
+
+
+class BilinearHead(nn.Module):
+    """``nn.Bilinear`` between two views of each sample (ATen's ``_trilinear``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(4, 4)
+        self.bilinear = nn.Bilinear(4, 3, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.encoder(x))
+        return self.bilinear(h[:, 0], h[:, 1, :3])
+
+
 class PackedLSTM(nn.Module):
     """The textbook variable-length LSTM: pack, run, unpack, read each sample's last step."""
 

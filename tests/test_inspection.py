@@ -112,6 +112,7 @@ def test_is_supported():
     assert fxdp.is_supported(torch.ops.aten.linear.default)
     assert fxdp.is_supported(torch.ops.aten.linear)  # the overload packet
     assert fxdp.is_supported(nn.ReLU) and fxdp.is_supported(nn.Sequential)  # no parameters
+    assert fxdp.is_supported(nn.LSTMCell) and fxdp.is_supported(nn.Bilinear)  # canonicalised
     assert not fxdp.is_supported(torch.ops.aten.cumsum.default)
     assert not fxdp.is_supported(object)
     assert not fxdp.is_supported("linear")

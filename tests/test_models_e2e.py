@@ -79,6 +79,10 @@ CASES = [
     Case("gru_2layer", lambda: models.RNNClassifier("gru", num_layers=2), lambda: (_randn(B, 6, 4),)),
     Case("rnn_seq_first", lambda: models.RNNClassifier("rnn", num_layers=2, batch_first=False),
          lambda: (_randn(6, B, 4),), batch_dim=1),
+    Case("lstm_cells", lambda: models.CellDecoder("lstm"), lambda: (_randn(B, 4, 4),), float32=True),
+    Case("gru_cells", lambda: models.CellDecoder("gru"), lambda: (_randn(B, 4, 4),)),
+    Case("rnn_cells", lambda: models.CellDecoder("rnn"), lambda: (_randn(B, 4, 4),)),
+    Case("bilinear", models.BilinearHead, lambda: (_randn(B, 2, 4),), float32=True),
     # 4. ViT and nn.MultiheadAttention variants.
     Case("vit_conv_patches", lambda: models.ViT("conv"), lambda: (_randn(B, 3, 12, 12),), float32=True, conv=True),
     Case("vit_linear_patches", lambda: models.ViT("linear"), lambda: (_randn(B, 3, 12, 12),)),

@@ -790,3 +790,21 @@ def test_position_table_over_changing_sequence_lengths(kind: str, dtype: torch.d
         assert_close_all(_params(model, "grad_sample"), ref.per_sample, tol, f"grad_sample {size}")
         assert_close_all({"norms": dp.per_sample_norms}, {"norms": ref.norms}, tol, f"norms {size}")
         assert_close_all(_params(model, "grad"), ref.grad("sum", max_grad_norm), tol, f"clipped grad {size}")
+
+
+@pytest.mark.parametrize("kind", ["slice", "scale"])
+def test_position_table_over_many_sequence_lengths(kind: str):
+    """Twelve lengths through a sliced table (minGPT's ``pos_emb[:, :T]``): the per-sample
+    VJP of the slice keeps ``T`` symbolic, so Dynamo does not compile once per length
+    (which would hit its recompile limit at the ninth), and every length is exact."""
+    torch.manual_seed(0)
+    model = PositionTable(kind).double()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for length in range(3, 15):
+        x = torch.randn(3, length, D, generator=torch.Generator().manual_seed(length), dtype=torch.float64)
+        for p in model.parameters():
+            p.grad = p.grad_sample = None
+        dp(x).pow(2).sum().backward()
+        ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+        assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64),
+                         f"grad_sample T={length}")

@@ -155,17 +155,28 @@ class WrittenWeight(nn.Module):
             w[:, :2] = 0.0
         elif self.how == "row-mul":
             w[0].mul_(3.0)
-        else:
+        elif self.how == "masked-fill":
             w.masked_fill_(w > 0, 0.0)
-        return F.linear(x, w, self.fc.bias)
+        else:
+            w.mul_(2.0).add_(1.0)
+        return F.linear(x, w, self.fc.bias).mean(1)
 
 
-@pytest.mark.parametrize("how", ["slice", "row-mul", "masked-fill"])
-def test_parameter_values_written_in_place_are_refused(how):
+@pytest.mark.parametrize("how", ["slice", "row-mul"])
+def test_parameter_values_written_in_place_through_views_are_refused(how):
     problems = fxdp.validate(WrittenWeight(how), torch.randn(B, 2, 4))
     assert any(p.parameter == "fc.weight" and "out of place" in p.reason for p in problems), problems
     with pytest.raises(fxdp.UnsupportedError, match="writes in place into a value computed from parameters"):
         fxdp.transform(WrittenWeight(how), compiler="eager")(torch.randn(B, 2, 4))
+
+
+@pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
+@pytest.mark.parametrize("how", ["masked-fill", "mul-add"])
+def test_whole_parameter_values_written_in_place_are_exact(how, grad_sample):
+    """An in-place op on a whole tensor nothing aliases is its out-of-place twin
+    (``in_place_as_out_of_place_pass``): a parameter transform like any other."""
+    torch.manual_seed(0)
+    _check(WrittenWeight(how).double(), torch.randn(B, 2, 4, dtype=torch.float64), grad_sample)
 
 
 def test_out_of_place_weight_surgery_is_exact():

@@ -361,4 +361,5 @@ ADDMM = _register(aten.addmm.default)
 BADDBMM = _register(aten.baddbmm.default)
 
 
-MODULE_OPS: dict[type, tuple] = {}
+# nn.Bilinear is canonicalised into an einsum, and so into bmm (passes/canonicalize.py).
+MODULE_OPS: dict[type, tuple] = {torch.nn.Bilinear: (torch.ops.aten.bmm.default,)}
