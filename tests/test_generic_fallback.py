@@ -189,7 +189,10 @@ def test_in_place_op_on_parameter(kind: str, dtype: torch.dtype, mode: str):
     x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     dp_model = run(InPlace(kind), x, mode, dtype)
     plans = {p.name: p for p in dp_model.explain().plans}
-    assert plans["p"].rule == f"generic.{kind.removeprefix('view_')}[1]", plans["p"]
+    # On a whole tensor nothing aliases, canonicalisation makes the op out of place (and
+    # the elementwise rule takes it); a write through a view stays in place.
+    expected = {"mul_": "mul.other", "add_": "add.other", "view_add_": "generic.add_[1]"}[kind]
+    assert plans["p"].rule == expected, plans["p"]
 
 
 class Lookup(nn.Module):
