@@ -637,17 +637,22 @@ def test_expanded_indices_new_batch_and_sequence_sizes(how):
     """The expand's sizes become symbols on the second size (``expand_as`` reads them
     from the ids); every size stays exact."""
     torch.manual_seed(0)
-    model = ExpandedIndices(30, 9, 4, how).double()
+    _check_over_sizes(ExpandedIndices(30, 9, 4, how).double(), [(4, 6), (5, 6), (7, 9)])
+
+
+def _check_over_sizes(model: nn.Module, sizes: list[tuple[int, int]]) -> None:
+    """One ``fxdp.transform`` called on ids of each ``(batch, length)``, every call's
+    ``grad_sample`` against the loop."""
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
-    for batch, length in ((4, 6), (5, 6), (7, 9)):
-        x = _ids((batch, length), 30, seed=batch)
+    for batch, length in sizes:
+        x = _ids((batch, length), 30, seed=batch + length)
         y = torch.randint(0, CLASSES, (batch,), generator=torch.Generator().manual_seed(length))
         for p in model.parameters():
             p.grad = p.grad_sample = None
         F.cross_entropy(dp(x), y, reduction="sum").backward()
         ref = reference(model, (x,), lambda out, i: F.cross_entropy(out, y[i:i + 1], reduction="sum"))
         assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
-                         tolerance(torch.float64), "grad_sample")
+                         tolerance(torch.float64), f"grad_sample {batch}x{length}")
 
 
 def test_gpt2_position_rows_over_many_sequence_lengths():
@@ -668,14 +673,4 @@ def test_gpt2_position_rows_over_many_sequence_lengths():
             return self.head(torch.tanh(self.wte(x) + self.wpe(pos)).mean(1))
 
     torch.manual_seed(0)
-    model = GPT2Positions().double()
-    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
-    for length in range(3, 15):
-        x = _ids((B, length), 30, seed=length)
-        y = torch.randint(0, CLASSES, (B,), generator=torch.Generator().manual_seed(length))
-        for p in model.parameters():
-            p.grad = p.grad_sample = None
-        F.cross_entropy(dp(x), y, reduction="sum").backward()
-        ref = reference(model, (x,), lambda out, i: F.cross_entropy(out, y[i:i + 1], reduction="sum"))
-        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
-                         tolerance(torch.float64), "grad_sample")
+    _check_over_sizes(GPT2Positions().double(), [(B, length) for length in range(3, 15)])
