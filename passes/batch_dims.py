@@ -21,7 +21,7 @@ import torch.fx as fx
 from fxdp.batching import WHOLE, BatchDim
 from fxdp.errors import Problem
 from fxdp.passes.writes import follow_write
-from fxdp.registry import lookup
+from fxdp.registry import lookup, out_of_place
 
 __all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name"]
 
@@ -192,21 +192,10 @@ def _is_pointwise(target: Any) -> bool:
         return False
     if torch.Tag.pointwise in target.tags or target in _EXTRA_POINTWISE:
         return True
-    out_of_place = _out_of_place(target)
-    return out_of_place is not None and _is_pointwise(out_of_place)
-
-
-def _out_of_place(target: torch._ops.OpOverload) -> Any:
-    """``aten.masked_fill.Scalar`` for ``aten.masked_fill_.Scalar``: an in-place op
-    writes what its out-of-place twin returns, so it propagates the same way (torch
-    tags only some in-place twins ``pointwise``)."""
-    name = target._schema.name.split("::")[-1]
-    if not name.endswith("_") or name.endswith("__"):
-        return None
-    packet = getattr(aten, name[:-1], None)
-    if packet is None or target._overloadname not in packet.overloads():
-        return None
-    return getattr(packet, target._overloadname)
+    # An in-place op writes what its out-of-place twin returns, so it propagates the same
+    # way (torch tags only some in-place twins ``pointwise``).
+    twin = out_of_place(target)
+    return twin is not None and _is_pointwise(twin)
 
 
 def _reshape(node: fx.Node, arg_batch: list) -> Any:
