@@ -23,7 +23,17 @@ __all__ = [
     "current_graph_task_id",
     "refuse_silent_eager_fallback",
     "size_hint",
+    "new_fake_mode",
 ]
+
+
+def new_fake_mode():
+    """A fresh fake-tensor mode for tracing without compute (``fxdp.explain``). Real
+    tensors the model keeps outside its parameters and buffers (a plain tensor
+    attribute) become fake constants instead of an error."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def fake_mode_of(values: Sequence[Any]):

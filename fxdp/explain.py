@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxdp._torch_internals import new_fake_mode
 from fxdp.compiler import CompiledGraph, analyse_graph
 from fxdp.errors import Problem
 from fxdp.options import Options
@@ -61,13 +61,7 @@ class Explanation:
     __repr__ = __str__
 
 
-def _fake_mode() -> FakeTensorMode:
-    # Real tensors the model keeps outside its parameters and buffers (a plain tensor
-    # attribute) become fake constants instead of an error.
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def _fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+def _fake_copy(model: nn.Module, mode: Any) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake tensors of ``mode``.
 
     Fake tensors keep the real device (unlike meta tensors), so tensors the forward
@@ -82,7 +76,7 @@ def _fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _fake_args(args: Any, mode: FakeTensorMode) -> Any:
+def _fake_args(args: Any, mode: Any) -> Any:
     def to_fake(a: Any) -> Any:
         if isinstance(a, torch.Tensor):
             t = mode.from_tensor(a.detach())
@@ -106,7 +100,7 @@ def explain(model: nn.Module, *example_args: Any, **options: Any) -> Explanation
 
     kwargs = options.pop("kwargs", {})
     options.setdefault("compiler", "eager")
-    mode = _fake_mode()
+    mode = new_fake_mode()
     dp = transform(_fake_copy(model, mode), **options)
     args, kwargs = _fake_args((example_args, kwargs), mode)
     with mode:
@@ -134,7 +128,7 @@ def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Probl
     kwargs = options.pop("kwargs", {})
     opts = Options.from_kwargs(options)
     problems: list[Problem] = []
-    mode = _fake_mode()
+    mode = new_fake_mode()
     fake_model = _fake_copy(model, mode)
     names = {id(p): n for n, p in fake_model.named_parameters()}
 
