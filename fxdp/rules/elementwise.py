@@ -64,39 +64,37 @@ class Layout:
         ndim: The argument's number of dims.
         dim: Its batch dim, ``None`` for a shared tensor or a whole batch of one.
         merged: Whether the batch dim holds ``B·inner`` rows with ``inner != 1``.
-        shape: The static shape (parameters), ``None`` where some size is symbolic.
         sizes: The shape with ``None`` for each symbolic size (a position table sliced
-            to a sequence length that changes between calls). Dynamo specialises sizes
-            0 and 1, so a symbolic size is never a broadcast dim: this is all that
-            ``reduce_per_sample`` needs, and the sizes stay symbolic.
+            to a sequence length that changes between calls); ``None`` where unknown.
+            Dynamo specialises sizes 0 and 1, so a symbolic size is never a broadcast
+            dim: this is all that ``reduce_per_sample`` needs, and the sizes stay
+            symbolic.
     """
 
     ndim: int
     dim: int | None
     merged: bool
-    shape: tuple[int, ...] | None
-    sizes: tuple[int | None, ...] | None = None
+    sizes: tuple[int | None, ...] | None
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        """The static shape (parameters), ``None`` where some size is symbolic."""
+        if self.sizes is None or any(s is None for s in self.sizes):
+            return None
+        return self.sizes
 
 
-def _static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
-    if all(isinstance(s, int) for s in t.shape):
-        return tuple(t.shape)
-    return None
-
-
-def _layout(ndim: int, batch: Any, shape: tuple[int, ...] | None,
-            sizes: tuple[int | None, ...] | None = None) -> Layout:
+def _layout(ndim: int, batch: Any, sizes: tuple[int | None, ...] | None) -> Layout:
     if isinstance(batch, BatchDim) and isinstance(batch.dim, int):
-        return Layout(ndim, batch.dim, not bool(batch.inner == 1), shape, sizes)
-    return Layout(ndim, None, False, shape, sizes)
+        return Layout(ndim, batch.dim, not bool(batch.inner == 1), sizes)
+    return Layout(ndim, None, False, sizes)
 
 
 def layout_of(meta: Any, batch: Any) -> Layout | None:
     """The ``Layout`` of a tensor with example value ``meta`` and batch ``batch``."""
     if not isinstance(meta, torch.Tensor):
         return None
-    sizes = tuple(s if isinstance(s, int) else None for s in meta.shape)
-    return _layout(meta.dim(), batch, _static_shape(meta), sizes)
+    return _layout(meta.dim(), batch, tuple(s if isinstance(s, int) else None for s in meta.shape))
 
 
 def _node_of(args: Sequence[Any]) -> fx.Node | None:
@@ -269,9 +267,7 @@ def _make_param_rule(op: Any, index: int, partial: _Partial) -> ParamRule:
         return right_align(g, ndim) * partial.fn(*values, **config["scalars"])
 
     def per_sample_grad(*operands, **config):
-        layout = config["layouts"][index]
-        return reduce_per_sample(product(operands, config),
-                                 layout.shape if layout.sizes is None else layout.sizes)
+        return reduce_per_sample(product(operands, config), config["layouts"][index].sizes)
 
     def sum_grad(*operands, **config):
         return per_sample_grad(*operands, **config).sum(0)
