@@ -134,6 +134,11 @@ _DECOMPOSED = [
 _COMPOSITE = [
     torch.ops.aten.lstm_cell.default, torch.ops.aten.gru_cell.default, torch.ops.aten.rnn_tanh_cell.default,
     torch.ops.aten.rnn_relu_cell.default,
+    # Matrix-transpose aliases (``x.mT``, ``x.mH``, ``x.T``), kept whole by the
+    # pre-dispatch trace: as the transposes and permutes they are, the batch-dim
+    # analysis and the parameter-transform rules know them.
+    torch.ops.aten.mT.default, torch.ops.aten.mH.default, torch.ops.aten.adjoint.default,
+    torch.ops.aten.numpy_T.default, torch.ops.aten.matrix_H.default,
 ]
 
 

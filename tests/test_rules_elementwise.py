@@ -742,7 +742,8 @@ def test_cosine_similarity_and_scatter_along_the_batch_dim_are_refused(model):
 class PositionTable(nn.Module):
     """A learned position table read at the call's length ``T``: sliced (``pos[:, :T]``,
     ViT/nanoGPT style), looked up with shared ids ``[1, T]`` (HF GPT-2's
-    ``wpe(arange(T)[None])``) and a per-position scale ``x * scale[:T]``."""
+    ``wpe(arange(T)[None])``), a per-position scale ``x * scale[:T]`` and token mixing
+    by a table cut to ``[T, T]`` on either side of a matrix product (``mix``)."""
 
     def __init__(self, kind: str, max_len: int = 16, d: int = D):
         super().__init__()
@@ -750,6 +751,9 @@ class PositionTable(nn.Module):
         self.fc = nn.Linear(d, d)
         if kind == "embedding":
             self.wpe = nn.Embedding(max_len, d)
+        elif kind == "mix":
+            self.left = nn.Parameter(torch.randn(max_len, max_len) / max_len)
+            self.right = nn.Parameter(torch.randn(max_len, max_len) / max_len)
         else:
             self.pos = nn.Parameter(torch.randn(1, max_len, d))
         self.head = nn.Linear(d, 2)
@@ -760,12 +764,14 @@ class PositionTable(nn.Module):
             h = h + self.pos[:, :t]
         elif self.kind == "embedding":
             h = h + self.wpe(torch.arange(t, device=x.device).unsqueeze(0))
+        elif self.kind == "mix":
+            h = h + self.left[:t, :t] @ h + (h.mT @ self.right[:t, :t]).mT
         else:
             h = h * self.pos[0, :t]
         return self.head(h)
 
 
-@pytest.mark.parametrize("kind", ["slice", "embedding", "scale"])
+@pytest.mark.parametrize("kind", ["slice", "embedding", "scale", "mix"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_position_table_over_changing_sequence_lengths(kind: str, dtype: torch.dtype):
     """Four calls, ``(B, T)`` = (3, 6), (3, 5), (4, 7), (4, 3): Dynamo recompiles with a
@@ -792,7 +798,7 @@ def test_position_table_over_changing_sequence_lengths(kind: str, dtype: torch.d
         assert_close_all(_params(model, "grad"), ref.grad("sum", max_grad_norm), tol, f"clipped grad {size}")
 
 
-@pytest.mark.parametrize("kind", ["slice", "scale"])
+@pytest.mark.parametrize("kind", ["slice", "scale", "mix"])
 def test_position_table_over_many_sequence_lengths(kind: str):
     """Twelve lengths through a sliced table (minGPT's ``pos_emb[:, :T]``): the per-sample
     VJP of the slice keeps ``T`` symbolic, so Dynamo does not compile once per length

@@ -17,10 +17,19 @@ def hint(size: Any) -> int:
 
 
 def contract(expr: str, *operands: torch.Tensor) -> torch.Tensor:
-    """``einsum`` with the contraction order chosen by opt_einsum from the sizes (hints)."""
+    """``einsum`` with the contraction order chosen by opt_einsum from the sizes (hints).
+
+    The pairwise steps run here as ``torch.einsum`` calls: ``opt_einsum.contract`` would
+    check the operands' sizes against each other and so specialise a symbolic size
+    (a sequence length) to the one it was traced with.
+    """
     shapes = [tuple(hint(s) for s in t.shape) for t in operands]
-    path, _ = opt_einsum.contract_path(expr, *shapes, shapes=True, optimize="optimal")
-    return opt_einsum.contract(expr, *operands, optimize=path, backend="torch")
+    _, info = opt_einsum.contract_path(expr, *shapes, shapes=True, optimize="optimal")
+    pending = list(operands)
+    for positions, _, step, *_ in info.contraction_list:
+        picked = [pending.pop(i) for i in sorted(positions, reverse=True)]
+        pending.append(torch.einsum(step, *picked))
+    return pending[0]
 
 
 def contraction_cost(expr: str, *shapes: Sequence[Any]) -> float:

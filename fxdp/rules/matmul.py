@@ -148,10 +148,17 @@ def _promote(other: torch.Tensor, g: torch.Tensor, which: int, a_ndim: int, b_nd
     return right_align(other, ndim), right_align(g, ndim)
 
 
-def _matrix_shape(shape: Sequence[int], which: int) -> tuple[int, ...]:
+def _matrix_shape(shape: Sequence[int | None], which: int) -> tuple[int | None, ...]:
     if len(shape) > 1:
         return tuple(shape)
     return (1, *shape) if which == 0 else (*shape, 1)
+
+
+def _as_parameter(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """``[n, *matrix shape]`` -> ``[n, *parameter shape]``: a 1-D parameter was promoted
+    to a matrix with one dim of size 1 (``_matrix_shape``); every other matrix shape is
+    the parameter's own (``reduce_per_sample`` left each sample at it)."""
+    return t.flatten(-2) if ndim == 1 else t
 
 
 class _Use:
@@ -195,20 +202,20 @@ class _Use:
         return grads.mT @ rows if self.which == 0 else rows.mT @ grads
 
     def per_sample_grad(self, g, other, **config):
-        shape = config["layouts"][self.param_pos].shape
+        layout = config["layouts"][self.param_pos]
         scale = config["alpha"]
-        found = self.rows(g, other, config) if len(shape) <= 2 else None
+        found = self.rows(g, other, config) if layout.ndim <= 2 else None
         if found is not None:
             rows, grads = found
             psg = contract("ntk,ntm->nmk" if self.which == 0 else "ntk,ntm->nkm", rows, grads)
         else:
-            psg = reduce_per_sample(self._outer(*self._row_views(g, other, config)), _matrix_shape(shape, self.which))
-        psg = psg.reshape(psg.shape[0], *shape)
+            psg = reduce_per_sample(self._outer(*self._row_views(g, other, config)), _matrix_shape(layout.sizes, self.which))
+        psg = _as_parameter(psg, layout.ndim)
         return psg * scale if scale != 1 else psg
 
     def sum_grad(self, g, other, **config):
         """The summed gradient without a per-sample intermediate: the batch joins the rows."""
-        shape = config["layouts"][self.param_pos].shape
+        layout = config["layouts"][self.param_pos]
         rows, grads = self._row_views(g, other, config)
         if rows.shape[0] != grads.shape[0]:
             rows = rows.expand(grads.shape[0], *rows.shape[1:])
@@ -217,12 +224,14 @@ class _Use:
             t = t.movedim(0, -3)
             return t.reshape(*t.shape[:-3], t.shape[-3] * t.shape[-2], t.shape[-1])
 
-        grad = self._outer(fold(rows), fold(grads)).sum_to_size(_matrix_shape(shape, self.which)).reshape(shape)
+        grad = reduce_per_sample(self._outer(fold(rows), fold(grads)).unsqueeze(0),
+                                 _matrix_shape(layout.sizes, self.which))
+        grad = _as_parameter(grad, layout.ndim).squeeze(0)
         scale = config["alpha"]
         return grad * scale if scale != 1 else grad
 
     def ghost_sq_norm(self, g, other, **config):
-        found = self.rows(g, other, config) if len(config["layouts"][self.param_pos].shape) == 2 else None
+        found = self.rows(g, other, config) if config["layouts"][self.param_pos].ndim == 2 else None
         if found is None:
             return self.per_sample_grad(g, other, **config).flatten(1).pow(2).sum(1)
         rows, grads = found
@@ -231,9 +240,13 @@ class _Use:
         return sq * (scale * scale) if scale != 1 else sq
 
     def costs(self, shapes, **config) -> dict[str, float]:
-        shape = config["layouts"][self.param_pos].shape
-        if len(shape) != 2:
+        layout = config["layouts"][self.param_pos]
+        g_shape, other_shape = shapes
+        if layout.ndim != 2 or g_shape is None or other_shape is None or min(len(g_shape), len(other_shape)) < 2:
             return {"instantiate": 0.0}
+        # A symbolic size (a table sliced to the sequence length) from the operands.
+        seen = (g_shape[-2], other_shape[-2]) if self.which == 0 else (other_shape[-1], g_shape[-1])
+        shape = [hint(s if s is not None else other) for s, other in zip(layout.sizes, seen)]
         out_side, in_side = (shape[0], shape[1]) if self.which == 0 else (shape[1], shape[0])
         n = hint(shapes[0][0])
         t = max(1, math.prod(hint(s) for s in shapes[0][1:]) // out_side)
@@ -259,7 +272,7 @@ def _added_term_rule(op: Any) -> ParamRule:
 
     def per_sample_grad(g, **config):
         g = right_align(in_place(g, config["out_layout"]), config["out_ndim"])
-        psg = reduce_per_sample(g, config["layouts"][0].shape)
+        psg = reduce_per_sample(g, config["layouts"][0].sizes)
         return psg * config["beta"] if config["beta"] != 1 else psg
 
     def sum_grad(g, **config):
