@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from fxdp.batching import WHOLE, BatchDim
 from fxdp.errors import Problem
-from fxdp.passes.writes import follow_write
+from fxdp.passes.writes import carries_no_gradient, computed_without_grad, follow_write
 from fxdp.registry import lookup, out_of_place
 
 __all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name"]
@@ -278,9 +278,51 @@ for _op in (aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_
 @_register(aten.gather.default, aten.index_select.default, aten.narrow.default)
 def _indexing_along(node, arg_batch):
     b = arg_batch[0]
-    if len(arg_batch) > 1 and isinstance(arg_batch[-1], BatchDim) and b is None:
-        raise MixesSamples("it indexes shared data with batched indices")
+    index = arg_batch[-1] if len(arg_batch) > 1 else None
+    if b is None and isinstance(index, BatchDim) and index.dim is not None:
+        # Shared data looked up by each sample's own indices (``centers.index_select(0,
+        # y)``): the output's batch is the indices' batch, along the indexed dim.
+        dim = _norm_dim(node.args[1], _meta(node.args[0]).dim())
+        if node.target is aten.index_select.default:
+            return index.at(dim)
+        if node.target is aten.gather.default and index.dim == dim:
+            return index
+        raise MixesSamples("it gathers shared data along another dim than the batch of its indices "
+                           "(each sample would read the row at its own position in the batch)")
     return _dim_op(_arg_dim(1))(node, arg_batch)
+
+
+@_register(aten.embedding_renorm_.default)
+def _embedding_renorm(node, arg_batch):
+    """``nn.Embedding(max_norm=...)`` rescales, under ``no_grad``, every row the batch
+    looks up whose norm exceeds ``max_norm``: a row's new value depends on that row
+    alone, so samples stay independent and the table stays shared. (The in-place write
+    into the parameter is refused by ``follow_write``, with what to do instead.)"""
+    return arg_batch[0]
+
+
+@_register(aten.take_along_dim.default)
+def _take_along_dim(node, arg_batch):
+    """``take_along_dim(input, indices, dim)``: a gather whose operands broadcast."""
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    data, index = arg_batch[0], arg_batch[1]
+    if dim is None:  # both flattened first
+        if isinstance(data, BatchDim) and data.dim is not None:
+            raise MixesSamples("it flattens the batch dim into the positions it takes from")
+        return index if isinstance(index, BatchDim) and index.dim is not None and _meta(node.args[1]).dim() == 1 else data
+    out_ndim = _meta(node).dim()
+    dim = _norm_dim(dim, out_ndim)
+    out = _pointwise(node, arg_batch)
+    if not isinstance(out, BatchDim) or out.dim is None:
+        return out
+    data_meta = _meta(node.args[0])
+    along_data = out.dim - (out_ndim - data_meta.dim())
+    if out.dim == dim and isinstance(data, BatchDim) and data.dim is not None:
+        raise MixesSamples("it takes along the batch dim")
+    if data is None and out.dim != dim and along_data >= 0 and not bool(data_meta.shape[along_data] == 1):
+        raise MixesSamples("it takes from shared data along another dim than the batch of its indices "
+                           "(each sample would read the row at its own position in the batch)")
+    return out
 
 
 @_register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
@@ -978,15 +1020,23 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
                 kind = "broadcast" if a in param_names else "transform"
                 uses.append(UseSite(node, i, kind, sources[a], broadcast=True))
 
+    without_grad = computed_without_grad(next(iter(consumed))[0].graph) if consumed else set()
     for node, index, value in consumed:
         if node in candidates or node in refused:
             continue
+        if node.op == "call_function" and (node in without_grad or carries_no_gradient(value, without_grad)):
+            continue  # no gradient reaches the parameter through this use
         if value in broadcast_values:
             continue  # the consumer of a broadcast op's output: nothing to do
         if node.op == "output":
+            if carries_no_gradient(value, without_grad):
+                continue  # no gradient flows back (spectral norm's power-iteration vectors)
             problems.append(Problem("output", "", _names(sources[value], param_names),
                                     "a parameter (or a value computed from parameters alone) is returned; "
-                                    "its gradient cannot be made per-sample"))
+                                    "its gradient cannot be made per-sample (the old hooks "
+                                    "torch.nn.utils.weight_norm and spectral_norm store their weight on the "
+                                    "module this way: use torch.nn.utils.parametrizations.weight_norm and "
+                                    "spectral_norm instead)"))
             continue
         if node in sources:
             continue  # a parameter-only computation: a transform, judged where it meets data

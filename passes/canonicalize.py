@@ -1,6 +1,7 @@
 """Canonicalise a Dynamo graph to pre-dispatch ATen, where rules are keyed."""
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -178,7 +179,13 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
                              decompositions=decompositions)
     out = repeat_as_expand_pass(out)
     out = in_place_as_out_of_place_pass(out)
+    # Expands move down to the ops that consume them (the lookups and linears, then
+    # what consumes those), where broadcasting replaces them.
+    out = sink_expands_pass(out)
     out = expand_after_lookup_pass(out)
+    out = sink_expands_pass(out)
+    out = broadcast_expanded_operands_pass(out)
+    out = broadcast_batched_product_pass(out)
     out.graph.lint()
     out.recompile()
     return out
@@ -202,7 +209,9 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
         shape = list(src.meta["val"].shape)
         if len(reps) == len(shape) and all(bool(r == 1) or bool(s == 1) for r, s in zip(reps, shape)):
             node.target = aten.expand.default
-            node.args = (src, [s * r for s, r in zip(shape, reps)])
+            # -1 keeps a dim that is not repeated (its size may be symbolic), a size-1
+            # dim takes the repeat count (a graph node for a symbolic batch size).
+            node.args = (src, [r if isinstance(s, int) and s == 1 else -1 for s, r in zip(shape, reps)])
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -224,6 +233,179 @@ def _expand_sizes(gm: fx.GraphModule, expand: fx.Node) -> list:
             sizes.append(gm.graph.call_function(torch.ops.aten.sym_size.int, (other, dim)))
             sizes[-1].meta["val"] = size
     return sizes
+
+
+def _written_through(node: fx.Node) -> bool:
+    """Whether an in-place op writes ``node`` or a view of it."""
+    return any(writes_in_place(u.target) or (is_view(u) and _written_through(u)) for u in node.users
+               if u.op == "call_function")
+
+
+def _leading(expand: fx.Node) -> int:
+    """How many leading dims ``expand`` adds in front of its source's."""
+    return expand.meta["val"].dim() - expand.args[0].meta["val"].dim()
+
+
+def _expands_dim(expand: fx.Node, dim: int) -> bool:
+    """Whether ``expand`` broadcasts its output dim ``dim`` (added, or from size 1)."""
+    lead = _leading(expand)
+    if dim < lead:
+        return True
+    size, source_size = expand.meta["val"].shape[dim], expand.args[0].meta["val"].shape[dim - lead]
+    return isinstance(source_size, int) and source_size == 1 and not (isinstance(size, int) and size == 1)
+
+
+def _call(gm: fx.GraphModule, target: Any, args: tuple, like: fx.Node) -> fx.Node:
+    """A new node computing ``target(*args)``, its example value from the operands'."""
+    new = gm.graph.call_function(target, args)
+    new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
+    values = tuple(a.meta["val"] if isinstance(a, fx.Node) else a for a in args)
+    new.meta["val"] = target(*values)
+    return new
+
+
+def _sunk(gm: fx.GraphModule, view: fx.Node, expand: fx.Node, dim: int, op: Any, rest: tuple,
+          sizes: list) -> fx.Node:
+    """``view`` of ``expand`` (along a dim it does not broadcast) as ``expand`` of the
+    same view of its source."""
+    lead = _leading(expand)
+    inner = _call(gm, op, (expand.args[0], dim - lead, *rest), view)
+    return _call(gm, torch.ops.aten.expand.default, (inner, sizes), view)
+
+
+# Ops that cut their input into pieces along one dim: ``(input, sizes or count, dim)``.
+_SPLITS = {
+    torch.ops.aten.chunk.default, torch.ops.aten.unsafe_chunk.default, torch.ops.aten.split.Tensor,
+    torch.ops.aten.split_with_sizes.default, torch.ops.aten.unsafe_split.Tensor,
+    torch.ops.aten.unsafe_split_with_sizes.default,
+}
+
+
+def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Move an ``expand`` below the views and copies that read it, so that it meets
+    the op that consumes it: ``contiguous(expand(h0))`` is ``expand(h0)`` where nothing
+    writes the copy; ``select``, ``unbind``, ``chunk``/``split``, ``slice`` and
+    ``unsqueeze`` of an expand are the expand of that view of its source, along a dim
+    the expand does not broadcast.
+
+    A recurrent layer started from a learned state ``h0.expand(-1, B, -1).contiguous()``
+    reads layer ``l``'s state as ``unbind(state)[l]``; once the expand reaches the
+    linear and the gate arithmetic, ``expand_after_lookup_pass`` and
+    ``broadcast_expanded_operands_pass`` remove it::
+
+        expand = torch.ops.aten.expand.default(h0, [-1, 3, -1])                  # before
+        contiguous = torch.ops.aten.contiguous.default(expand)
+        unbind = torch.ops.aten.unbind.int(contiguous)
+        getitem = unbind[0]
+        select = torch.ops.aten.select.int(h0, 0, 0)                             # after
+        expand_1 = torch.ops.aten.expand.default(select, [3, -1])
+    """
+    aten = torch.ops.aten
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        expand = node.args[0]
+        if not (expand.op == "call_function" and expand.target is aten.expand.default):
+            continue
+        ndim = expand.meta["val"].dim()
+        sizes = list(expand.args[1])
+        new = None
+        with gm.graph.inserting_before(node):
+            if (node.target in (aten.contiguous.default, aten.clone.default)
+                    and node.kwargs.get("memory_format") in (None, torch.contiguous_format, torch.preserve_format)
+                    and not _written_through(node)):
+                new = expand
+            elif node.target is aten.select.int:
+                dim = node.args[1] % ndim
+                if not _expands_dim(expand, dim):
+                    new = _sunk(gm, node, expand, dim, aten.select.int, (node.args[2],), sizes[:dim] + sizes[dim + 1:])
+            elif node.target is aten.unbind.int:
+                dim = (node.args[1] if len(node.args) > 1 else 0) % ndim
+                users = list(node.users)
+                if not _expands_dim(expand, dim) and all(u.target is operator.getitem for u in users):
+                    for user in users:
+                        with gm.graph.inserting_before(user):
+                            item = _sunk(gm, user, expand, dim, aten.select.int, (user.args[1],),
+                                         sizes[:dim] + sizes[dim + 1:])
+                        user.replace_all_uses_with(item)
+                        gm.graph.erase_node(user)
+                    gm.graph.erase_node(node)
+                    changed = True
+                    continue
+            elif node.target in _SPLITS:
+                dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % ndim
+                users = list(node.users)
+                if not _expands_dim(expand, dim) and all(u.target is operator.getitem for u in users):
+                    pieces = _call(gm, node.target, (expand.args[0], node.args[1], dim - _leading(expand)), node)
+                    kept = sizes[:dim] + [-1] + sizes[dim + 1:]
+                    for user in users:
+                        with gm.graph.inserting_before(user):
+                            piece = _call(gm, operator.getitem, (pieces, user.args[1]), user)
+                            item = _call(gm, aten.expand.default, (piece, kept), user)
+                        user.replace_all_uses_with(item)
+                        gm.graph.erase_node(user)
+                    gm.graph.erase_node(node)
+                    changed = True
+                    continue
+            elif node.target is aten.slice.Tensor:
+                dim = (node.args[1] if len(node.args) > 1 else 0) % ndim
+                if not _expands_dim(expand, dim):
+                    sliced = sizes[:dim] + [-1] + sizes[dim + 1:]
+                    new = _sunk(gm, node, expand, dim, aten.slice.Tensor, tuple(node.args[2:]), sliced)
+            elif node.target is aten.unsqueeze.default:
+                dim = node.args[1] % (ndim + 1)
+                lead = _leading(expand)
+                source = expand.args[0]
+                if dim >= lead:
+                    source = _call(gm, aten.unsqueeze.default, (source, dim - lead), node)
+                new = _call(gm, aten.expand.default, (source, sizes[:dim] + [1] + sizes[dim:]), node)
+        if new is not None:
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A pointwise op reads an expanded operand as the tensor it was expanded from
+    where broadcasting gives the op the same shape: ``z * h0.expand(B, H)`` is
+    ``z * h0``, values and gradients alike.
+
+    The expanded tensor has the batch's size without holding samples; a parameter
+    broadcast against the batch is the ordinary elementwise use (a GRU cell started
+    from a learned ``h0``)::
+
+        expand = torch.ops.aten.expand.default(h0, [3, -1])                    # before
+        mul = torch.ops.aten.mul.Tensor(sigmoid, expand)
+        mul = torch.ops.aten.mul.Tensor(sigmoid, h0)                           # after
+    """
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if torch.Tag.pointwise not in node.target.tags or writes_in_place(node.target):
+            continue
+        out = node.meta.get("val")
+        if not isinstance(out, torch.Tensor):
+            continue
+        for i, arg in enumerate(node.args):
+            if not (isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target in _EXPANDS):
+                continue
+            source = arg.args[0]
+            shapes = [a.meta["val"].shape for j, a in enumerate(node.args)
+                      if j != i and isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+            broadcast = torch.broadcast_shapes(*shapes, source.meta["val"].shape)
+            if len(broadcast) == out.dim() and all(bool(a == b) for a, b in zip(broadcast, out.shape)):
+                node.replace_input_with(arg, source)
+                changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
 
 
 def expand_after_lookup_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -268,6 +450,68 @@ def expand_after_lookup_pass(gm: fx.GraphModule) -> fx.GraphModule:
         applied_shape = (*source_shape, width) if position == 1 else (*source_shape[:-1], width)
         applied.meta["val"] = node.meta["val"].new_empty(applied_shape)
         new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+def _broadcast_source(operand: Any) -> fx.Node | None:
+    """The tensor an operand of ``bmm`` was expanded from, where the expand only
+    broadcast its leading (batch) dim: ``W.expand(B, k, m)``, ``W[None].expand(B, -1, -1)``."""
+    if not (isinstance(operand, fx.Node) and operand.op == "call_function" and operand.target in _EXPANDS):
+        return None
+    source = operand.args[0]
+    shape, expanded = tuple(source.meta["val"].shape), tuple(operand.meta["val"].shape)
+    if not (2 <= len(shape) <= 3) or (len(shape) == 3 and not (isinstance(shape[0], int) and shape[0] == 1)):
+        return None
+    if not all(bool(a == b) for a, b in zip(shape[-2:], expanded[-2:])):
+        return None
+    return source
+
+
+def broadcast_batched_product_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A batched product with one operand expanded to the batch becomes a broadcasting
+    ``matmul`` of the operand it was expanded from: ``bmm(x, W.expand(B, k, m))`` is
+    ``matmul(x, W)``, and ``baddbmm(c, x, W.expand(…), beta, alpha)`` is
+    ``beta·c + alpha·matmul(x, W)``, values and gradients alike.
+
+    The expanded weight is the size of the batch without holding samples; a parameter
+    in ``matmul`` is an ordinary shared operand (the matmul rule and its ghost norm)::
+
+        expand = torch.ops.aten.expand.default(unsqueeze, [3, 8, 5])          # before
+        bmm = torch.ops.aten.bmm.default(x, expand)
+        matmul = torch.ops.aten.matmul.default(x, unsqueeze)                   # after
+    """
+    aten = torch.ops.aten
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.bmm.default, aten.baddbmm.default):
+            continue
+        first = 0 if node.target is aten.bmm.default else 1
+        a, b = node.args[first:first + 2]
+        sources = _broadcast_source(a), _broadcast_source(b)
+        if sources == (None, None) or None not in sources:
+            continue  # nothing expanded, or both (then no batch is left to broadcast to)
+        a, b = sources[0] or a, sources[1] or b
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(aten.matmul.default, (a, b))
+            new.meta.update(node.meta)
+            if node.target is aten.baddbmm.default:
+                beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+                if alpha != 1:
+                    new = gm.graph.call_function(aten.mul.Tensor, (new, alpha))
+                    new.meta.update(node.meta)
+                if beta != 0:
+                    added = node.args[0]
+                    if beta != 1:
+                        added = gm.graph.call_function(aten.mul.Tensor, (added, beta))
+                        added.meta.update(node.meta)
+                    new = gm.graph.call_function(aten.add.Tensor, (added, new))
+                    new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         changed = True

@@ -23,6 +23,7 @@ import torch.fx as fx
 from fxdp.batching import RAW, SHARED, WHOLE
 from fxdp.markers import USES, TaggedOp, Transform, UseInfo, new_use_id
 from fxdp.passes.batch_dims import BatchAnalysis, module_path_of
+from fxdp.passes.writes import carries_no_gradient, computed_without_grad
 from fxdp.registry import GRAD, lookup, schema_args
 from fxdp.rules.generic import generic_rule
 
@@ -60,13 +61,17 @@ def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple
         if n in params:
             sources.append(n)
             return
-        if n not in param_only or n.op != "call_function":
+        outside = n not in param_only or n.op != "call_function"
+        if outside or (n is not derived and carries_no_gradient(n, without_grad)):
+            # Computed outside the transform: data, buffers, and values no gradient
+            # flows through (spectral norm's power iteration, run under no_grad).
             extras.append(n)
             return
         for a in n.all_input_nodes:
             visit(a)
         needed.append(n)
 
+    without_grad = computed_without_grad(derived.graph)
     visit(derived)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

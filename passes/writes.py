@@ -24,7 +24,8 @@ import torch.fx as fx
 
 from fxdp.batching import BatchDim
 
-__all__ = ["follow_write", "is_view", "writes_in_place"]
+__all__ = ["carries_no_gradient", "computed_without_grad", "follow_write", "is_detach", "is_view",
+           "writes_in_place"]
 
 aten = torch.ops.aten
 
@@ -70,6 +71,35 @@ def _dim_in_base(view: fx.Node, dim: int) -> int | None:
     return None
 
 
+def computed_without_grad(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes ``graph`` runs with gradients disabled (between the
+    ``_set_grad_enabled(False)`` and ``_set_grad_enabled(True)`` a ``torch.no_grad()``
+    block traces to): no gradient flows through their values."""
+    enabled, found = True, set()
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+        elif not enabled:
+            found.add(node)
+    return found
+
+
+def is_detach(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.aten.detach.default
+
+
+def carries_no_gradient(node: fx.Node, without_grad: set[fx.Node]) -> bool:
+    """Whether no gradient can flow back through ``node``'s value: it is detached,
+    computed under ``no_grad`` (``without_grad``, from ``computed_without_grad``), or
+    computed from such values alone."""
+    if node.op != "call_function":
+        return False
+    if is_detach(node) or node in without_grad:
+        return True
+    inputs = node.all_input_nodes
+    return bool(inputs) and all(carries_no_gradient(a, without_grad) for a in inputs)
+
+
 def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
     """Carry an in-place write's batch dim to the tensor it writes.
 
@@ -90,6 +120,14 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
     base = chain[-1]
     if not isinstance(base, fx.Node):
         return None
+    if base in sources and base.op == "placeholder":
+        # The backward would receive the parameter's new value, a copy, not the
+        # parameter its per-sample results belong on.
+        return ("it writes in place into a trainable parameter during the forward (nn.Embedding("
+                "max_norm=...) renormalises the rows it looks up); fxdp cannot attach per-sample "
+                "results to a parameter the forward rewrites: drop max_norm, or renormalise the "
+                "weight yourself between steps (with torch.no_grad(): weight.copy_(torch.renorm("
+                "weight, 2, 0, max_norm)))")
     if base in sources:
         return ("it writes in place into a value computed from parameters alone; fxdp maps "
                 "per-sample gradients back through the ops that compute a parameter's value, "

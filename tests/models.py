@@ -143,20 +143,37 @@ class GPTWithLoss(nn.Module):
 class RNNClassifier(nn.Module):
     """``nn.LSTM``/``nn.GRU``/``nn.RNN`` over the sequence, Linear head on the last step.
 
-    The output is ``[B, classes]`` whatever ``batch_first`` is.
+    The output is ``[B, classes]`` whatever ``batch_first`` is. With ``learned_state``
+    the layers start from trainable states ``h0`` (and ``c0``) ``[layers, 1, H]``
+    broadcast to the batch as models write it: ``h0.expand(-1, B, -1).contiguous()``
+    for an LSTM, ``h0.repeat(1, B, 1)`` otherwise.
     """
 
     def __init__(self, cell: str = "lstm", d_in: int = 4, hidden: int = 6, classes: int = 3,
-                 num_layers: int = 1, bidirectional: bool = False, batch_first: bool = True):
+                 num_layers: int = 1, bidirectional: bool = False, batch_first: bool = True,
+                 learned_state: bool = False):
         super().__init__()
         rnn = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[cell]
         self.rnn = rnn(d_in, hidden, num_layers=num_layers, bidirectional=bidirectional,
                        batch_first=batch_first)
         self.fc = nn.Linear(hidden * (2 if bidirectional else 1), classes)
         self.batch_first = batch_first
+        self.state = None
+        if learned_state:
+            states = 2 if cell == "lstm" else 1
+            layers = num_layers * (2 if bidirectional else 1)
+            self.state = nn.ParameterList(nn.Parameter(torch.randn(layers, 1, hidden)) for _ in range(states))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = self.rnn(x)
+        if self.state is None:
+            out, _ = self.rnn(x)
+        else:
+            n = x.shape[0 if self.batch_first else 1]
+            if isinstance(self.rnn, nn.LSTM):
+                state = tuple(s.expand(-1, n, -1).contiguous() for s in self.state)
+            else:
+                state = self.state[0].repeat(1, n, 1)
+            out, _ = self.rnn(x, state)
         last = out[:, -1] if self.batch_first else out[-1]
         return self.fc(last)
 
@@ -164,18 +181,23 @@ class RNNClassifier(nn.Module):
 class CellDecoder(nn.Module):
     """Recurrent cells stepped by hand (seq2seq decoders): two stacked ``nn.LSTMCell``,
     ``GRUCell`` or ``RNNCell``, called without a state on the first step (the cell builds
-    ``zeros(B, H)`` itself)."""
+    ``zeros(B, H)`` itself), or with ``learned_state`` the second one from a trainable
+    ``h0 [1, H]`` as ``h0.expand(B, -1)``."""
 
-    def __init__(self, kind: str, input_size: int = 4, hidden: int = 5):
+    def __init__(self, kind: str, input_size: int = 4, hidden: int = 5, learned_state: bool = False):
         super().__init__()
         cell = {"lstm": nn.LSTMCell, "gru": nn.GRUCell, "rnn": nn.RNNCell}[kind]
         self.kind = kind
         self.first = cell(input_size, hidden)
         self.second = cell(hidden, hidden)
         self.head = nn.Linear(hidden, 3)
+        self.h0 = nn.Parameter(torch.randn(1, hidden)) if learned_state else None
 
     def forward(self, x):
         h1 = h2 = None
+        if self.h0 is not None:
+            h0 = self.h0.expand(x.shape[0], -1)
+            h2 = (h0, h0) if self.kind == "lstm" else h0
         for t in range(x.shape[1]):
             h1 = self.first(x[:, t], h1)
             h2 = self.second(h1[0] if self.kind == "lstm" else h1, h2)

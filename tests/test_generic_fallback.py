@@ -196,9 +196,10 @@ def test_in_place_op_on_parameter(kind: str, dtype: torch.dtype, mode: str):
 
 
 class Lookup(nn.Module):
-    """A bare parameter indexed by batched integer ids (``aten.index.Tensor``, the ids
-    inside its list argument): center loss ``x - centers[y]`` with ``y`` ``[B]``, a
-    table ``table[ids]`` with ``ids`` ``[B, T]``."""
+    """A bare parameter indexed by batched integer ids: center loss ``x - centers[y]``
+    with ``y`` ``[B]`` (``aten.index.Tensor``, the ids inside its list argument), a table
+    ``table[ids]`` with ``ids`` ``[B, T]``, and the same center lookup written as
+    ``index_select``, ``gather`` and ``take_along_dim``."""
 
     def __init__(self, kind: str, rows: int = 6, d: int = D):
         super().__init__()
@@ -208,16 +209,29 @@ class Lookup(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
-        return h - self.table[ids] if self.kind == "center" else h * self.table[ids]
+        if self.kind == "sequence":
+            return h * self.table[ids]
+        if self.kind == "index_select":
+            return h - self.table.index_select(0, ids)
+        if self.kind == "gather":
+            return h - torch.gather(self.table, 0, ids[:, None].expand(-1, h.shape[-1]))
+        if self.kind == "take_along_dim":
+            return h - torch.take_along_dim(self.table, ids[:, None], 0)
+        return h - self.table[ids]
 
 
-@pytest.mark.parametrize("kind", ["center", "sequence"])
+LOOKUP_RULES = {"center": "generic.index[0]", "sequence": "generic.index[0]",
+                "index_select": "generic.index_select[0]", "gather": "generic.gather[0]",
+                "take_along_dim": "generic.take_along_dim[0]"}
+
+
+@pytest.mark.parametrize("kind", list(LOOKUP_RULES))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("mode", ["grad_sample", "clip"])
 def test_parameter_indexed_by_batched_ids(kind: str, dtype: torch.dtype, mode: str):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
-    shape = (B, D) if kind == "center" else (B, T, D)
+    shape = (B, T, D) if kind == "sequence" else (B, D)
     x = torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
     ids = torch.randint(0, 6, shape[:-1], generator=gen)
     ids[1] = ids[0]  # rows shared by two samples
@@ -232,4 +246,4 @@ def test_parameter_indexed_by_batched_ids(kind: str, dtype: torch.dtype, mode: s
     if mode == "grad_sample":
         assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tol, "p.grad_sample")
     assert_close_all({"norms": dp_model.per_sample_norms}, {"norms": ref.norms}, tol, "per_sample_norms")
-    assert {p.name: p.rule for p in dp_model.explain().plans}["table"] == "generic.index[0]"
+    assert {p.name: p.rule for p in dp_model.explain().plans}["table"] == LOOKUP_RULES[kind]

@@ -82,6 +82,16 @@ CASES = [
     Case("lstm_cells", lambda: models.CellDecoder("lstm"), lambda: (_randn(B, 4, 4),), float32=True),
     Case("gru_cells", lambda: models.CellDecoder("gru"), lambda: (_randn(B, 4, 4),)),
     Case("rnn_cells", lambda: models.CellDecoder("rnn"), lambda: (_randn(B, 4, 4),)),
+    # Learned initial states broadcast to the batch (expand + contiguous, repeat).
+    Case("lstm_learned_state", lambda: models.RNNClassifier("lstm", num_layers=2, learned_state=True),
+         lambda: (_randn(B, 3, 4),), float32=True),
+    Case("gru_learned_state_seq_first",
+         lambda: models.RNNClassifier("gru", bidirectional=True, batch_first=False, learned_state=True),
+         lambda: (_randn(3, B, 4),), batch_dim=1),
+    Case("lstm_cells_learned_state", lambda: models.CellDecoder("lstm", learned_state=True),
+         lambda: (_randn(B, 4, 4),)),
+    Case("gru_cells_learned_state", lambda: models.CellDecoder("gru", learned_state=True),
+         lambda: (_randn(B, 4, 4),), float32=True),
     Case("bilinear", models.BilinearHead, lambda: (_randn(B, 2, 4),), float32=True),
     # 4. ViT and nn.MultiheadAttention variants.
     Case("vit_conv_patches", lambda: models.ViT("conv"), lambda: (_randn(B, 3, 12, 12),), float32=True, conv=True),

@@ -536,6 +536,87 @@ def test_bmm_weight_along_the_batch_dim_is_refused():
     assert "along the batch dim" in _reasons(model, torch.randn(B, D))
 
 
+class ExpandedWeight(nn.Module):
+    """A weight expanded to the batch for a batched product: ``bmm(h, W.expand(B, k, m))``
+    (also by ``repeat``), and ``baddbmm`` with ``beta``/``alpha``."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.inp = nn.Linear(D, D)
+        self.W = nn.Parameter(torch.randn(D, D) / D ** 0.5)
+
+    def forward(self, x):
+        h, n = self.inp(x), x.shape[0]
+        if self.kind == "expand":
+            return torch.bmm(h, self.W.expand(n, D, D))
+        if self.kind == "repeat":
+            return torch.bmm(h, self.W.unsqueeze(0).repeat(n, 1, 1))
+        return torch.baddbmm(h, h, self.W[None].expand(n, -1, -1), beta=0.5, alpha=2.0)
+
+
+@pytest.mark.parametrize("kind", ["expand", "repeat", "baddbmm"])
+def test_weight_expanded_to_the_batch_in_a_batched_product(kind: str):
+    """Exact, as the matmul rule (ghost norms available), not the generic fallback;
+    a second batch size runs through the same transform."""
+    torch.manual_seed(0)
+    model = ExpandedWeight(kind).double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    dp = _against_the_loop(model, x)
+    assert {p.name: p.rule for p in dp.explain().plans}["W"] == "matmul.other"
+    _against_the_loop(model, torch.randn(B + 2, T + 1, D, dtype=torch.float64), dp=dp)
+
+
+class SpectralNormed(nn.Module):
+    """A Linear under spectral norm, in train mode: each forward runs one power
+    iteration (``u``, ``v`` buffers updated under ``no_grad``), then divides the weight
+    by ``uᵀ W v``. ``kind``: the parametrization or the old hook-based function."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        wrap = nn.utils.parametrizations.spectral_norm if kind == "parametrization" else nn.utils.spectral_norm
+        self.fc = wrap(nn.Linear(D, D))
+        self.out = nn.Linear(D, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(x)))
+
+
+def test_spectral_norm_in_train_mode():
+    """Exact against samples run one by one, each on the model as the batch found it
+    (the power iteration updates the model at every call, so the loop of one model
+    would give sample ``i`` a weight the batch never used); the buffers end as after
+    one ordinary forward."""
+    import copy
+
+    torch.manual_seed(0)
+    model = SpectralNormed("parametrization").double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    refs = [reference(copy.deepcopy(model), (x[i:i + 1],), lambda out, i: out.pow(2).sum()) for i in range(B)]
+    per_sample = {n: torch.cat([r.per_sample[n] for r in refs]) for n in refs[0].names}
+    after_one_forward = copy.deepcopy(model)
+    after_one_forward(x)
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
+    tol = tolerance(torch.float64)
+    assert_close_all(_params(model, "grad_sample"), per_sample, tol, "grad_sample")
+    assert_close_all(dict(model.named_buffers()), dict(after_one_forward.named_buffers()), tol, "buffers")
+
+
+def test_old_spectral_norm_hook_is_refused_with_the_replacement():
+    """The old hook stores ``weight_orig / sigma`` on the module, a value the graph
+    returns: its gradient could not be per-sample."""
+    message = _reasons(SpectralNormed("hook"), torch.randn(B, T, D))
+    assert "is returned" in message and "parametrizations" in message
+
+
+def test_gather_of_shared_rows_by_position_in_the_batch_is_refused():
+    """``gather(table, 1, ids)`` with ``table [B, V]`` shared: sample ``i`` would read row
+    ``i``, its position in the batch, which it does not have alone."""
+    model = around(lambda m, h: h + torch.gather(m.table, 1, (h.detach() > 1).long()), table=(B, D))()
+    assert "another dim than the batch of its indices" in _reasons(model, torch.randn(B, D))
+
+
 # ---------------------------------------------------------------------------
 # Ops over batched data without parameters: in-place twins, triangles, index by arange(B)
 # ---------------------------------------------------------------------------
