@@ -485,13 +485,23 @@ def _cat(node, arg_batch):
     return result
 
 
+def _named_arg(node: fx.Node, name: str, default: Any) -> Any:
+    """The argument ``name`` of ``node``'s op by its schema (``linalg_vector_norm`` takes
+    ``(self, ord, dim, keepdim)``, ``sum`` takes ``(self, dim, keepdim)``)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            return node.args[i] if i < len(node.args) and not argument.kwarg_only else default
+    return default
+
+
 def _reduction(node: fx.Node, arg_batch: list, kind: str) -> Any:
     b = arg_batch[0]
     x = _meta(node.args[0])
     if not isinstance(b, BatchDim) or b.dim is None:
         return b
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    keepdim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    dims, keepdim = _named_arg(node, "dim", None), _named_arg(node, "keepdim", False)
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         dims = list(range(x.dim()))
     if isinstance(dims, int):
@@ -628,6 +638,33 @@ def _batch_first_only(node, arg_batch):
         elif not result.same_as(b):
             raise MixesSamples("its operands have their batch at different dims")
     return result
+
+
+@_register(aten.im2col.default, aten.col2im.default)
+def _patches(node, arg_batch):
+    """``nn.Unfold`` (``im2col``, ``[N, C, H, W] -> [N, C·k, L]``) and ``nn.Fold``
+    (``col2im``, back): each sample's patches, the batch at dim 0 of a batched call."""
+    b = arg_batch[0]
+    batched_rank = 4 if node.target is aten.im2col.default else 3
+    if isinstance(b, BatchDim) and b.dim is not None and _meta(node.args[0]).dim() != batched_rank:
+        raise MixesSamples("it needs the batch at dim 0 ([N, C, ...])")
+    return _batch_first_only(node, arg_batch[:1])
+
+
+@_register(aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor)
+def _repeat_interleave(node, arg_batch):
+    """``x.repeat_interleave(r, dim)``: each slice along ``dim`` repeated in place."""
+    b = arg_batch[0]
+    if isinstance(arg_batch[1], BatchDim) and arg_batch[1].dim is not None:
+        raise MixesSamples("its repeat counts are per-sample data")
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    dim = _named_arg(node, "dim", None)
+    if dim is None:
+        raise MixesSamples("it flattens the batch dim into one dim (no dim given)")
+    if _norm_dim(dim, _meta(node.args[0]).dim()) == b.dim:
+        raise MixesSamples("it repeats along the batch dim")
+    return b
 
 
 @_register(aten.batch_norm.default, aten._native_batch_norm_legit_functional.default,

@@ -284,9 +284,10 @@ _SPLITS = {
 def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Move an ``expand`` below the views and copies that read it, so that it meets
     the op that consumes it: ``contiguous(expand(h0))`` is ``expand(h0)`` where nothing
-    writes the copy; ``select``, ``unbind``, ``chunk``/``split``, ``slice`` and
-    ``unsqueeze`` of an expand are the expand of that view of its source, along a dim
-    the expand does not broadcast.
+    writes the copy; ``select``, ``unbind``, ``chunk``/``split``, ``slice``,
+    ``unsqueeze``, ``permute``/``transpose`` (keeping added leading dims in front) and a
+    reshape of the dims after the broadcast ones, of an expand, are the expand of that
+    view of its source.
 
     A recurrent layer started from a learned state ``h0.expand(-1, B, -1).contiguous()``
     reads layer ``l``'s state as ``unbind(state)[l]``; once the expand reaches the
@@ -353,6 +354,30 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 if not _expands_dim(expand, dim):
                     sliced = sizes[:dim] + [-1] + sizes[dim + 1:]
                     new = _sunk(gm, node, expand, dim, aten.slice.Tensor, tuple(node.args[2:]), sliced)
+            elif node.target in (aten.permute.default, aten.transpose.int):
+                if node.target is aten.transpose.int:
+                    order = list(range(ndim))
+                    i, j = (d % ndim for d in node.args[1:3])
+                    order[i], order[j] = order[j], order[i]
+                else:
+                    order = [d % ndim for d in node.args[1]]
+                lead = _leading(expand)
+                if all(order[i] == i for i in range(lead)):  # the added leading dims stay in front
+                    inner = _call(gm, aten.permute.default, (expand.args[0], [d - lead for d in order[lead:]]), node)
+                    new = _call(gm, aten.expand.default, (inner, [sizes[d] for d in order]), node)
+            elif node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+                # Only a reshape of the dims after the broadcast ones, which it keeps.
+                shape, target = list(expand.meta["val"].shape), list(node.meta["val"].shape)
+                kept = max((d for d in range(ndim) if _expands_dim(expand, d)), default=-1) + 1
+                lead = _leading(expand)
+                if 0 < kept <= len(target) and all(bool(a == b) for a, b in zip(shape[:kept], target[:kept])):
+                    source_shape = [1] * (kept - lead) + target[kept:]
+                    if kept > lead and not all(
+                            bool(expand.args[0].meta["val"].shape[d - lead] == 1) for d in range(lead, kept)):
+                        source_shape = None
+                    if source_shape is not None and all(isinstance(d, int) for d in source_shape):
+                        inner = _call(gm, aten.reshape.default, (expand.args[0], source_shape), node)
+                        new = _call(gm, aten.expand.default, (inner, sizes[:kept] + [-1] * (len(target) - kept)), node)
             elif node.target is aten.unsqueeze.default:
                 dim = node.args[1] % (ndim + 1)
                 lead = _leading(expand)
@@ -373,7 +398,9 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
 def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """A pointwise op reads an expanded operand as the tensor it was expanded from
     where broadcasting gives the op the same shape: ``z * h0.expand(B, H)`` is
-    ``z * h0``, values and gradients alike.
+    ``z * h0``, values and gradients alike; where it does not (the other operands are
+    shared too: ``sigmoid(gate) * pos.expand(B, …)``), the op runs on the unexpanded
+    tensor and its result is expanded, for the ops after it.
 
     The expanded tensor has the batch's size without holding samples; a parameter
     broadcast against the batch is the ordinary elementwise use (a GRU cell started
@@ -402,6 +429,19 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
             if len(broadcast) == out.dim() and all(bool(a == b) for a, b in zip(broadcast, out.shape)):
                 node.replace_input_with(arg, source)
                 changed = True
+            elif arg.meta["val"].dim() == out.dim():
+                # The other operands are no larger: the op runs on the unexpanded tensor
+                # and its result is expanded (``f(expand(x), y) = expand(f(x, y))``).
+                node.replace_input_with(arg, source)
+                node.meta["val"] = node.target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args),
+                                               **node.kwargs)
+                with gm.graph.inserting_after(node):
+                    expanded = gm.graph.call_function(torch.ops.aten.expand.default, (node, list(arg.args[1])))
+                expanded.meta.update(node.meta)
+                expanded.meta["val"] = out
+                node.replace_all_uses_with(expanded, delete_user_cb=lambda user: user is not expanded)
+                changed = True
+                break
     if changed:
         gm.graph.eliminate_dead_code()
         gm.recompile()

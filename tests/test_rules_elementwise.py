@@ -20,6 +20,7 @@ from typing import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxdp
@@ -639,6 +640,66 @@ def _against_the_loop(model: nn.Module, *args: torch.Tensor, dp: fxdp.DPModule |
     assert_close_all({"norms": dp.per_sample_norms}, {"norms": ref.norms}, tol, "norms")
     assert_close_all(_params(model, "grad"), ref.grad("sum", max_grad_norm), tol, "clipped grad")
     return dp
+
+
+class VectorNorms(nn.Module):
+    """``F.normalize`` (``linalg_vector_norm(h, 2.0, [-1], True)``) and an integer ``ord``
+    with the reduced dims after it, ``linalg_vector_norm(h, 2, dim=0)``: the op's
+    arguments are ``(self, ord, dim, keepdim)``, not a reduction's ``(self, dim, keepdim)``."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.out = nn.Linear(1, 2)
+
+    def forward(self, x):  # x [T, B, d], sequence first
+        h = F.normalize(self.inp(x), dim=-1) * 3 + self.inp(x)
+        return self.out(torch.linalg.vector_norm(h, 2, dim=0).unsqueeze(-1))  # [B, d, 2]
+
+
+@pytest.mark.parametrize("d", [B, B + 1], ids=["d equals B", "d differs"])
+def test_vector_norm_reduces_the_dims_it_names(d: int):
+    """With ``ord`` read as the reduced dim, the batch landed on the wrong output dim:
+    wrong per-sample gradients when ``d == B``, a crash otherwise."""
+    torch.manual_seed(0)
+    model = VectorNorms(d).double()
+    x = torch.randn(T, B, d, dtype=torch.float64)
+    ref = reference(model, (x,), lambda out, i: out.pow(2).sum(), batch_dim=1)
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", batch_first=False, compiler="eager")
+    dp(x).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
+    assert_close_all({"norms": dp.per_sample_norms}, {"norms": ref.norms}, tolerance(torch.float64), "norms")
+
+
+class PatchOps(nn.Module):
+    """``nn.Unfold`` into a linear (timm's TNT), unfold then ``nn.Fold`` around a conv
+    (VOLO's outlook attention), ``repeat_interleave`` along a feature dim (GCViT)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == "unfold":
+            self.fc = nn.Linear(4 * 9, 5)
+        else:
+            self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):  # [B, 4, 6, 6]
+        if self.kind == "unfold":
+            return self.fc(F.unfold(x, 3, padding=1).transpose(1, 2))
+        if self.kind == "fold":
+            return F.fold(F.unfold(self.conv(x), 3, padding=1), (6, 6), 3, padding=1)
+        return self.conv(x).flatten(2).repeat_interleave(2, dim=1)
+
+
+@pytest.mark.parametrize("kind", ["unfold", "fold", "repeat_interleave"])
+def test_patch_and_repeat_ops_keep_samples_apart(kind: str):
+    torch.manual_seed(0)
+    _against_the_loop(PatchOps(kind).double(), torch.randn(B, 4, 6, 6, dtype=torch.float64))
+
+
+def test_repeat_interleave_along_the_batch_dim_is_refused():
+    model = around(lambda m, h: h.repeat_interleave(2, dim=0)[:B] * m.p, p=(D,))()
+    assert "it repeats along the batch dim" in _reasons(model, torch.randn(B, D))
 
 
 class _KeyPaddingMask(nn.Module):
