@@ -702,6 +702,31 @@ def test_repeat_interleave_along_the_batch_dim_is_refused():
     assert "it repeats along the batch dim" in _reasons(model, torch.randn(B, D))
 
 
+class GatedPositions(nn.Module):
+    """timm's ConViT attention: relative positions (a buffer) expanded to the batch,
+    projected by a linear, permuted, gated by a parameter, then added to batched scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rel", torch.randn(1, T, T, 3))
+        self.pos_proj = nn.Linear(3, 2)
+        self.qk = nn.Linear(D, 4)
+        self.gate = nn.Parameter(torch.ones(2))
+
+    def forward(self, x):  # [B, T, D]
+        n = x.shape[0]
+        q, k = self.qk(x).reshape(n, T, 2, 2, 1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2)
+        pos = self.pos_proj(self.rel.expand(n, -1, -1, -1)).permute(0, 3, 1, 2)
+        g = torch.sigmoid(self.gate.view(1, -1, 1, 1))
+        return (g * pos + (1 - g) * scores).softmax(-1)
+
+
+def test_projection_of_a_buffer_expanded_to_the_batch():
+    torch.manual_seed(0)
+    _against_the_loop(GatedPositions().double(), torch.randn(B, T, D, dtype=torch.float64))
+
+
 class _KeyPaddingMask(nn.Module):
     """``nn.MultiheadAttention`` with a per-sample ``key_padding_mask``: ``masked_fill_``."""
 
