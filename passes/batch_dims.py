@@ -36,6 +36,15 @@ class _NoPropagation(MixesSamples):
     """An op without rule or propagation: whether it mixes samples is unknown."""
 
 
+class _MixesButKeepsLayout(MixesSamples):
+    """An op that mixes samples but keeps the batch's layout (BatchNorm in training):
+    the analysis goes on with ``batch``, so that every such op is listed at once."""
+
+    def __init__(self, message: str, batch: Any):
+        super().__init__(message)
+        self.batch = batch
+
+
 @dataclasses.dataclass
 class Loss:
     """A reduction over the batch to a scalar: the loss inside the graph."""
@@ -672,9 +681,10 @@ def _repeat_interleave(node, arg_batch):
 def _batch_norm(node, arg_batch):
     training = node.args[5]
     if training and isinstance(arg_batch[0], BatchDim) and arg_batch[0].dim is not None:
-        raise MixesSamples(
+        raise _MixesButKeepsLayout(
             "BatchNorm in training mode normalises over the batch (and its running statistics "
-            "leak data); replace it with GroupNorm/LayerNorm or call .eval() on it"
+            "leak data); replace it with GroupNorm/LayerNorm or call .eval() on it",
+            _batch_first_only(node, arg_batch[:1]),
         )
     return _batch_first_only(node, arg_batch[:1])
 
@@ -979,7 +989,10 @@ def batch_dim_pass(
             # What follows a refused op is unknown, not shared: one refusal must not
             # cascade into spurious problems downstream.
             out = _meta(node)
-            batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
+            if isinstance(e, _MixesButKeepsLayout):
+                batch[node] = e.batch
+            else:
+                batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
 
     uses, broadcasts = _classify_parameter_uses(
         consumed, sources, batch, param_names, problems, single)

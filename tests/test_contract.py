@@ -636,6 +636,16 @@ def test_batch_norm_in_train_mode_is_refused():
     assert torch.equal(model[1].running_mean, running_mean), "the refused forward must not leak statistics"
 
 
+def test_every_batch_norm_in_train_mode_is_listed_at_once():
+    """A user replacing BatchNorms by hand sees them all in one validate, not one per round."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3),
+                          nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2)).to(DTYPE)
+    model(randn(2, 3, 7, 7))
+    problems = fxdp.validate(model, randn(2, 3, 7, 7))
+    assert sorted(p.module_path for p in problems if "BatchNorm" in p.reason) == ["1", "4"], problems
+
+
 def test_batch_norm_in_eval_mode_works():
     model = bn_mlp().eval()
     model[1].running_mean.normal_()
