@@ -259,8 +259,7 @@ def _call(gm: fx.GraphModule, target: Any, args: tuple, like: fx.Node) -> fx.Nod
     """A new node computing ``target(*args)``, its example value from the operands'."""
     new = gm.graph.call_function(target, args)
     new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
-    values = tuple(a.meta["val"] if isinstance(a, fx.Node) else a for a in args)
-    new.meta["val"] = target(*values)
+    new.meta["val"] = target(*fx.node.map_arg(args, lambda a: a.meta["val"]))
     return new
 
 
@@ -395,6 +394,28 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def _attention_reads_unexpanded(node: fx.Node) -> bool:
+    """``scaled_dot_product_attention`` broadcasts the batch dims (all but the last two)
+    of query, key and value: an operand expanded only along those, of the same rank,
+    is read unexpanded where the others still give the output its shape (timm's
+    attention-pool head ``q = self.q(self.latent.expand(B, -1, -1))``)."""
+    changed = False
+    operands = list(node.args[:3])
+    for i, arg in enumerate(operands):
+        if not (isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target in _EXPANDS):
+            continue
+        source = arg.args[0]
+        ndim = arg.meta["val"].dim()
+        if source.meta["val"].dim() != ndim or any(_expands_dim(arg, d) for d in (ndim - 2, ndim - 1)):
+            continue
+        batch_shapes = [(source if j == i else a).meta["val"].shape[:-2] for j, a in enumerate(operands)]
+        if tuple(torch.broadcast_shapes(*batch_shapes)) == tuple(node.meta["val"].shape[:-2]):
+            node.replace_input_with(arg, source)
+            operands[i] = source
+            changed = True
+    return changed
+
+
 def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """A pointwise op reads an expanded operand as the tensor it was expanded from
     where broadcasting gives the op the same shape: ``z * h0.expand(B, H)`` is
@@ -413,6 +434,9 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            changed |= _attention_reads_unexpanded(node)
             continue
         if torch.Tag.pointwise not in node.target.tags or writes_in_place(node.target):
             continue
@@ -433,8 +457,8 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 # The other operands are no larger: the op runs on the unexpanded tensor
                 # and its result is expanded (``f(expand(x), y) = expand(f(x, y))``).
                 node.replace_input_with(arg, source)
-                node.meta["val"] = node.target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args),
-                                               **node.kwargs)
+                values = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+                node.meta["val"] = node.target(*values[0], **values[1])
                 with gm.graph.inserting_after(node):
                     expanded = gm.graph.call_function(torch.ops.aten.expand.default, (node, list(arg.args[1])))
                 expanded.meta.update(node.meta)

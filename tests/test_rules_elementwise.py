@@ -722,6 +722,31 @@ class GatedPositions(nn.Module):
         return (g * pos + (1 - g) * scores).softmax(-1)
 
 
+class LatentAttentionPool(nn.Module):
+    """timm's ``AttentionPoolLatent`` (``global_pool="map"``, SigLIP heads): a learned
+    latent query expanded to the batch and projected, attending over the tokens."""
+
+    def __init__(self, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.latent = nn.Parameter(torch.randn(1, 1, D))
+        self.q = nn.Linear(D, D)
+        self.kv = nn.Linear(D, 2 * D)
+
+    def forward(self, x):  # [B, T, D]
+        n, t, _ = x.shape
+        q = self.q(self.latent.expand(n, -1, -1)).reshape(n, 1, self.heads, D // self.heads).transpose(1, 2)
+        k, v = self.kv(x).reshape(n, t, 2, self.heads, D // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        return F.scaled_dot_product_attention(q, k, v).reshape(n, -1)
+
+
+def test_latent_query_expanded_to_the_batch():
+    torch.manual_seed(0)
+    model = LatentAttentionPool().double()
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 1, T + 2, D, dtype=torch.float64), dp=dp)
+
+
 def test_projection_of_a_buffer_expanded_to_the_batch():
     torch.manual_seed(0)
     _against_the_loop(GatedPositions().double(), torch.randn(B, T, D, dtype=torch.float64))

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fxdp.batching import RAW, BatchDim, batch_major
+from fxdp.batching import RAW, BatchDim, batch_major, retrack
 from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args, out_of_place
 
 __all__ = ["generic_rule"]
@@ -76,12 +76,16 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
 
         def per_sample_grad(g, *tensors, **config):
             size = g.shape[0]
+            # The layouts' sizes come from the forward's trace: rebuilt from this one's.
+            known = (g, *tensors)
             tensors = [*tensors[:len(tensor_indices)],
-                       *[t if b.dim in ("raw", "shared", None) else batch_major(t, b, size)
+                       *[t if b.dim in ("raw", "shared", None) else batch_major(t, retrack(b, known), size)
                          for t, b in zip(tensors[len(tensor_indices):], listed_layouts)]]
+            layouts_now = [retrack(b, known) for b in layouts_all]
+            out_now = retrack(out_layout, known)
 
             def one(g_one, *ts):
-                full = rebuild([_one_sample(t, b) for t, b in zip(ts, layouts_all)])
+                full = rebuild([_one_sample(t, b) for t, b in zip(ts, layouts_now)])
 
                 def f(p):
                     a = list(full)
@@ -89,7 +93,7 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
                     return call_with_schema_args(compute, a)
 
                 _, vjp_fn = torch.func.vjp(f, full[index])
-                return vjp_fn(_one_sample(g_one, out_layout))[0]
+                return vjp_fn(_one_sample(g_one, out_now))[0]
 
             return torch.func.vmap(one, in_dims=in_dims)(g, *tensors)
 
