@@ -821,7 +821,9 @@ def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> B
     indices = node.args[1]
     by_batch = indices[b.dim]
     dim = _arange_dim(by_batch)
-    if dim is None or not b.plain or not bool(_meta(by_batch).shape[dim] == data.shape[b.dim]):
+    # ``arange`` over the whole dim: the identity on its rows, a merged batch dim
+    # (``[B·C, …]``, BertForMultipleChoice) included.
+    if dim is None or not bool(_meta(by_batch).shape[dim] == data.shape[b.dim]):
         raise MixesSamples("it indexes the batch dim with a tensor other than torch.arange(B)")
     indexed = [i for i, ix in enumerate(indices) if ix is not None]
     # The index tensors broadcast together, right-aligned, into ``broadcast`` dims.
@@ -830,11 +832,11 @@ def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> B
     for ix, ib in zip(indices, index_batches):
         if ix is None or ix is by_batch or not isinstance(ib, BatchDim) or ib.dim is None:
             continue
-        if not ib.plain or ib.dim + broadcast - _meta(ix).dim() != at:
+        if not ib.at(b.dim).same_as(b) or ib.dim + broadcast - _meta(ix).dim() != at:
             raise MixesSamples("batched indices do not line up with torch.arange(B) on the batch dim")
     # Adjacent index tensors put the broadcast dims in their place; separated ones in front.
     adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
-    return BatchDim((indexed[0] if adjacent else 0) + at)
+    return b.at((indexed[0] if adjacent else 0) + at)
 
 
 _CREATION = {

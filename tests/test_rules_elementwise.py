@@ -853,6 +853,30 @@ def test_padding_mask_indexed_by_arange_of_the_batch():
     _against_the_loop(_PaddingMaskIndex().double(), x, attention_mask)
 
 
+class _MultipleChoice(nn.Module):
+    """HF ``*ForMultipleChoice``: ``[B, C, T, d]`` merged to ``[B·C, T, d]`` before the
+    encoder, whose padding mask is indexed by ``arange(B·C)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = _PaddingMaskIndex()
+        self.score = nn.Linear(D, 1)
+
+    def forward(self, x, attention_mask):
+        choices = x.shape[1]
+        h = self.attention(x.flatten(0, 1), attention_mask.flatten(0, 1))  # [B·C, 1, T, D]
+        return self.score(h[:, 0, 0]).view(-1, choices)  # [B, C]
+
+
+def test_padding_mask_of_a_merged_batch_indexed_by_arange():
+    torch.manual_seed(0)
+    x = torch.randn(B, 2, T, D, dtype=torch.float64)
+    attention_mask = torch.ones(B, 2, T, dtype=torch.long)
+    attention_mask[0, 1, 3:] = 0
+    attention_mask[2, :, 2:] = 0
+    _against_the_loop(_MultipleChoice().double(), x, attention_mask)
+
+
 def test_last_token_pooling_indexed_by_arange_of_the_batch():
     torch.manual_seed(0)
     model = _LastTokenPool().double()
