@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from fxdp.batching import BatchDim
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
-from fxdp.rules._common import as_sequence, contract, contraction_cost, gram_cost, gram_inner
+from fxdp.rules._common import as_sequence, contraction_cost, gram_cost, gram_inner
 
 __all__ = ["LINEAR", "linear_weight", "linear_bias", "MODULE_OPS"]
 
