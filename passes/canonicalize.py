@@ -314,7 +314,7 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
         with gm.graph.inserting_before(node):
             if (node.target in (aten.contiguous.default, aten.clone.default)
                     and node.kwargs.get("memory_format") in (None, torch.contiguous_format, torch.preserve_format)
-                    and not _written_through(node)):
+                    and not _written_through(node) and not any(u.op == "output" for u in node.users)):
                 new = expand
             elif node.target is aten.select.int:
                 dim = node.args[1] % ndim
@@ -440,6 +440,8 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if torch.Tag.pointwise not in node.target.tags or writes_in_place(node.target):
             continue
+        if torch.Tag.nondeterministic_seeded in node.target.tags:
+            continue  # random per element (dropout's mask): each row draws its own
         out = node.meta.get("val")
         if not isinstance(out, torch.Tensor):
             continue
