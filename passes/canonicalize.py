@@ -235,6 +235,20 @@ def _expand_sizes(gm: fx.GraphModule, expand: fx.Node) -> list:
     return sizes
 
 
+def _replace(gm: fx.GraphModule, node: fx.Node, new: fx.Node) -> None:
+    """``new`` takes every use of ``node``, which leaves the graph."""
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
+def _finished(gm: fx.GraphModule, changed: bool) -> fx.GraphModule:
+    """``gm`` without the nodes a pass left unused, regenerated if it changed."""
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
 def _written_through(node: fx.Node) -> bool:
     """Whether an in-place op writes ``node`` or a view of it."""
     return any(writes_in_place(u.target) or (is_view(u) and _written_through(u)) for u in node.users
@@ -328,8 +342,7 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                         with gm.graph.inserting_before(user):
                             item = _sunk(gm, user, expand, dim, aten.select.int, (user.args[1],),
                                          sizes[:dim] + sizes[dim + 1:])
-                        user.replace_all_uses_with(item)
-                        gm.graph.erase_node(user)
+                        _replace(gm, user, item)
                     gm.graph.erase_node(node)
                     changed = True
                     continue
@@ -343,8 +356,7 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                         with gm.graph.inserting_before(user):
                             piece = _call(gm, operator.getitem, (pieces, user.args[1]), user)
                             item = _call(gm, aten.expand.default, (piece, kept), user)
-                        user.replace_all_uses_with(item)
-                        gm.graph.erase_node(user)
+                        _replace(gm, user, item)
                     gm.graph.erase_node(node)
                     changed = True
                     continue
@@ -385,13 +397,9 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                     source = _call(gm, aten.unsqueeze.default, (source, dim - lead), node)
                 new = _call(gm, aten.expand.default, (source, sizes[:dim] + [1] + sizes[dim:]), node)
         if new is not None:
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
+            _replace(gm, node, new)
             changed = True
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return gm
+    return _finished(gm, changed)
 
 
 def _attention_reads_unexpanded(node: fx.Node) -> bool:
@@ -468,10 +476,7 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 node.replace_all_uses_with(expanded, delete_user_cb=lambda user: user is not expanded)
                 changed = True
                 break
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return gm
+    return _finished(gm, changed)
 
 
 def expand_after_lookup_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -516,13 +521,9 @@ def expand_after_lookup_pass(gm: fx.GraphModule) -> fx.GraphModule:
         applied_shape = (*source_shape, width) if position == 1 else (*source_shape[:-1], width)
         applied.meta["val"] = node.meta["val"].new_empty(applied_shape)
         new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        _replace(gm, node, new)
         changed = True
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return gm
+    return _finished(gm, changed)
 
 
 def _broadcast_source(operand: Any) -> fx.Node | None:
@@ -578,13 +579,9 @@ def broadcast_batched_product_pass(gm: fx.GraphModule) -> fx.GraphModule:
                         added.meta.update(node.meta)
                     new = gm.graph.call_function(aten.add.Tensor, (added, new))
                     new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        _replace(gm, node, new)
         changed = True
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return gm
+    return _finished(gm, changed)
 
 
 def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
