@@ -694,7 +694,8 @@ def _arange_dim(node: Any) -> int | None:
     every other dim; ``None`` if the graph does not show that structurally.
 
     Followed back through the ops that build ``arange(B)[:, None, None, None]`` and
-    its expansions: unsqueeze, view/reshape, expand, permute and dtype/device copies.
+    its expansions: unsqueeze, a slice that keeps everything, view/reshape, expand,
+    permute and dtype/device copies.
     """
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
@@ -716,6 +717,9 @@ def _arange_dim(node: Any) -> int | None:
     if target is aten.unsqueeze.default:
         d = _norm_dim(args[1], out.dim())
         return dim + 1 if d <= dim else dim
+    if target is aten.slice.Tensor:
+        # ``x[:, None]`` of a symbolic length keeps a slice of the whole dim.
+        return dim if bool(out.numel() == src.numel()) and (len(args) < 5 or args[4] == 1) else None
     if target is aten.permute.default:
         return [_norm_dim(d, src.dim()) for d in args[1]].index(dim)
     if target in (aten.expand.default, aten.broadcast_to.default, aten.expand_as.default):

@@ -140,6 +140,17 @@ _COMPOSITE = [
     # analysis and the parameter-transform rules know them.
     torch.ops.aten.mT.default, torch.ops.aten.mH.default, torch.ops.aten.adjoint.default,
     torch.ops.aten.numpy_T.default, torch.ops.aten.matrix_H.default,
+    # NumPy-style aliases of pointwise ops (``torch.multiply``, ``torch.subtract``, ...):
+    # as the ops they stand for, they meet those ops' rules and propagations.
+    *(getattr(getattr(torch.ops.aten, name), overload) for name, overloads in {
+        "multiply": ("Tensor", "Scalar"), "subtract": ("Tensor", "Scalar"),
+        "divide": ("Tensor", "Scalar", "Tensor_mode"), "true_divide": ("Tensor",),
+        "greater": ("Tensor", "Scalar"), "greater_equal": ("Tensor", "Scalar"), "less": ("Tensor", "Scalar"),
+        "less_equal": ("Tensor", "Scalar"), "not_equal": ("Tensor", "Scalar"), "negative": ("default",),
+        "absolute": ("default",), "arccos": ("default",), "arcsin": ("default",), "arctan": ("default",),
+        "arctanh": ("default",), "clip": ("default",), "fix": ("default",), "square": ("default",),
+        "special_expit": ("default",),
+    }.items() for overload in overloads),
 ]
 
 

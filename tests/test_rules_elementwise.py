@@ -752,6 +752,14 @@ def test_projection_of_a_buffer_expanded_to_the_batch():
     _against_the_loop(GatedPositions().double(), torch.randn(B, T, D, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("alias", [torch.multiply, torch.subtract, torch.divide, torch.true_divide])
+def test_numpy_style_aliases_are_their_ops(alias):
+    """``torch.multiply`` and friends (ConvBERT) reach ``mul``'s rule and propagation."""
+    torch.manual_seed(0)
+    model = around(lambda m, h: alias(h, m.p) * torch.square(h).clip(max=4.0), p=(D,))().double()
+    _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
+
+
 class _KeyPaddingMask(nn.Module):
     """``nn.MultiheadAttention`` with a per-sample ``key_padding_mask``: ``masked_fill_``."""
 
@@ -845,12 +853,17 @@ class _LastTokenPool(nn.Module):
 
 
 def test_padding_mask_indexed_by_arange_of_the_batch():
+    """Also on a second batch size and length, where ``B`` is symbolic and the index
+    keeps a whole-range slice (``arange(B)[:, None]``)."""
     torch.manual_seed(0)
-    x = torch.randn(B, T, D, dtype=torch.float64)
-    attention_mask = torch.ones(B, T, dtype=torch.long)
-    attention_mask[0, 3:] = 0
-    attention_mask[2, 2:] = 0
-    _against_the_loop(_PaddingMaskIndex().double(), x, attention_mask)
+    model = _PaddingMaskIndex().double()
+    dp = None
+    for batch, length in [(B, T), (B + 2, T + 1)]:
+        x = torch.randn(batch, length, D, dtype=torch.float64)
+        attention_mask = torch.ones(batch, length, dtype=torch.long)
+        attention_mask[0, 3:] = 0
+        attention_mask[2, 2:] = 0
+        dp = _against_the_loop(model, x, attention_mask, dp=dp)
 
 
 class _MultipleChoice(nn.Module):
