@@ -191,11 +191,14 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     out = repeat_as_expand_pass(out)
     out = in_place_as_out_of_place_pass(out)
     # Expands move down to the ops that consume them (the lookups and linears, then
-    # what consumes those), where broadcasting replaces them.
-    out = sink_expands_pass(out)
-    out = expand_after_lookup_pass(out)
-    out = sink_expands_pass(out)
-    out = broadcast_expanded_operands_pass(out)
+    # what consumes those), where broadcasting replaces them; a pointwise op that an
+    # expand moves past can bring it to a lookup, hence two rounds.
+    out = constant_ids_as_expand_pass(out)
+    for _ in range(2):
+        out = sink_expands_pass(out)
+        out = expand_after_lookup_pass(out)
+        out = sink_expands_pass(out)
+        out = broadcast_expanded_operands_pass(out)
     out = broadcast_batched_product_pass(out)
     out.graph.lint()
     out.recompile()
@@ -311,7 +314,8 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     writes the copy; ``select``, ``unbind``, ``chunk``/``split``, ``slice``,
     ``unsqueeze``, ``permute``/``transpose`` (keeping added leading dims in front) and a
     reshape of the dims after the broadcast ones, of an expand, are the expand of that
-    view of its source.
+    view of its source; so is a ``layer_norm`` over dims the expand does not broadcast
+    (Perceiver's latents).
 
     A recurrent layer started from a learned state ``h0.expand(-1, B, -1).contiguous()``
     reads layer ``l``'s state as ``unbind(state)[l]``; once the expand reaches the
@@ -400,6 +404,12 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                     if source_shape is not None and all(isinstance(d, int) for d in source_shape):
                         inner = _call(gm, aten.reshape.default, (expand.args[0], source_shape), node)
                         new = _call(gm, aten.expand.default, (inner, sizes[:kept] + [-1] * (len(target) - kept)), node)
+            elif node.target is aten.layer_norm.default:
+                # Normalises each row over its last dims: the rows an expand copies stay copies.
+                normalized = len(node.args[1])
+                if not any(_expands_dim(expand, d) for d in range(ndim - normalized, ndim)):
+                    inner = _call(gm, aten.layer_norm.default, (expand.args[0], *node.args[1:]), node)
+                    new = _call(gm, aten.expand.default, (inner, sizes), node)
             elif node.target is aten.unsqueeze.default:
                 dim = node.args[1] % (ndim + 1)
                 lead = _leading(expand)
@@ -413,19 +423,25 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return _finished(gm, changed)
 
 
-def _attention_reads_unexpanded(node: fx.Node) -> bool:
-    """``scaled_dot_product_attention`` broadcasts the batch dims (all but the last two)
-    of query, key and value: an operand expanded only along those, of the same rank,
-    is read unexpanded where the others still give the output its shape (timm's
-    attention-pool head ``q = self.q(self.latent.expand(B, -1, -1))``)."""
+def _reads_unexpanded(node: fx.Node, count: int) -> bool:
+    """``scaled_dot_product_attention`` (``count`` 3: query, key, value) and ``matmul``
+    (2) broadcast the batch dims of their operands (all but the last two): an operand
+    expanded only along those, of the same rank, is read unexpanded where the others
+    still give the output its shape (timm's attention-pool head
+    ``q = self.q(self.latent.expand(B, -1, -1))``, Perceiver's latent queries)."""
     changed = False
-    operands = list(node.args[:3])
+    operands = list(node.args[:count])
+    if not all(isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) for a in operands):
+        return False
     for i, arg in enumerate(operands):
-        if not (isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target in _EXPANDS):
+        if not (arg.op == "call_function" and arg.target in _EXPANDS):
             continue
         source = arg.args[0]
-        ndim = arg.meta["val"].dim()
-        if source.meta["val"].dim() != ndim or any(_expands_dim(arg, d) for d in (ndim - 2, ndim - 1)):
+        ndim, source_ndim = arg.meta["val"].dim(), source.meta["val"].dim()
+        if ndim < 3 or any(_expands_dim(arg, d) for d in (ndim - 2, ndim - 1)):
+            continue
+        # matmul broadcasts a matrix against a batch of them; attention wants equal ranks.
+        if source_ndim < 2 or (count == 3 and source_ndim != ndim) or any(a.meta["val"].dim() < 2 for a in operands):
             continue
         batch_shapes = [(source if j == i else a).meta["val"].shape[:-2] for j, a in enumerate(operands)]
         if tuple(torch.broadcast_shapes(*batch_shapes)) == tuple(node.meta["val"].shape[:-2]):
@@ -433,6 +449,28 @@ def _attention_reads_unexpanded(node: fx.Node) -> bool:
             operands[i] = source
             changed = True
     return changed
+
+
+def _gather_as_take_along_dim(node: fx.Node) -> bool:
+    """``gather(src.expand(…), dim, ids)`` is ``take_along_dim(src, ids, dim)``, which
+    broadcasts ``src`` itself, where the expand does not broadcast ``dim`` (RoBERTa's
+    ``gather(token_type_ids.expand(B, -1), 1, position_ids)``)."""
+    data, dim, index = node.args[:3]
+    if node.kwargs.get("sparse_grad") or not (
+            isinstance(data, fx.Node) and data.op == "call_function" and data.target in _EXPANDS):
+        return False
+    source = data.args[0]
+    ndim = data.meta["val"].dim()
+    dim %= ndim
+    shape, ids = source.meta["val"].shape, index.meta["val"].shape
+    if source.meta["val"].dim() != ndim or _expands_dim(data, dim):
+        return False
+    if not all(bool(shape[d] == 1) or bool(shape[d] == ids[d]) for d in range(ndim) if d != dim):
+        return False
+    node.target = torch.ops.aten.take_along_dim.default
+    node.args = (source, index, dim)
+    node.kwargs = {}
+    return True
 
 
 def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -455,7 +493,13 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         if node.target is torch.ops.aten.scaled_dot_product_attention.default:
-            changed |= _attention_reads_unexpanded(node)
+            changed |= _reads_unexpanded(node, 3)
+            continue
+        if node.target is torch.ops.aten.matmul.default:
+            changed |= _reads_unexpanded(node, 2)
+            continue
+        if node.target is torch.ops.aten.gather.default:
+            changed |= _gather_as_take_along_dim(node)
             continue
         if torch.Tag.pointwise not in node.target.tags or writes_in_place(node.target):
             continue
@@ -533,6 +577,41 @@ def expand_after_lookup_pass(gm: fx.GraphModule) -> fx.GraphModule:
         applied.meta["val"] = node.meta["val"].new_empty(applied_shape)
         new.meta.update(node.meta)
         _replace(gm, node, new)
+        changed = True
+    return _finished(gm, changed)
+
+
+_FILLED = {torch.ops.aten.zeros.default: 0, torch.ops.aten.ones.default: 1, torch.ops.aten.full.default: None}
+
+
+def constant_ids_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Ids made by ``torch.zeros(input_ids.shape)`` (or ``ones``/``full``) and only looked
+    up by embeddings become one id expanded to that shape.
+
+    LayoutLM, MobileBERT and SqueezeBERT build their default ``token_type_ids`` this
+    way; a tensor the size of the batch that holds no samples' data would make the
+    lookup's output look like one row per sample. As an expand, the lookup moves in
+    front of it (``expand_after_lookup_pass``) and broadcasts::
+
+        zeros = torch.ops.aten.zeros.default([3, 8], dtype = torch.int64)     # before
+        zeros = torch.ops.aten.zeros.default([1, 1], dtype = torch.int64)     # after
+        expand = torch.ops.aten.expand.default(zeros, [3, 8])
+    """
+    aten = torch.ops.aten
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _FILLED or not node.users:
+            continue
+        if not all(u.target is aten.embedding.default and u.args[1] is node and u.args[0] is not node
+                   for u in node.users):
+            continue
+        sizes = list(node.args[0])
+        with gm.graph.inserting_before(node):
+            one = gm.graph.call_function(node.target, ([1] * len(sizes), *node.args[1:]), dict(node.kwargs))
+            one.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            one.meta["val"] = node.meta["val"].new_empty([1] * len(sizes))
+            expanded = _call(gm, aten.expand.default, (one, sizes), node)
+        _replace(gm, node, expanded)
         changed = True
     return _finished(gm, changed)
 

@@ -611,6 +611,65 @@ def test_old_spectral_norm_hook_is_refused_with_the_replacement():
     assert "is returned" in message and "parametrizations" in message
 
 
+class _TokenTypesByPosition(nn.Module):
+    """RoBERTa without ``token_type_ids``: per-sample position ids (a cumsum over the
+    non-padding tokens) gather a ``[1, P]`` buffer expanded to the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(10, D)
+        self.token_types = nn.Embedding(2, D)
+        self.register_buffer("token_type_ids", torch.zeros(1, 12, dtype=torch.long))
+
+    def forward(self, ids):
+        positions = (ids != 1).long().cumsum(1)
+        types = torch.gather(self.token_type_ids.expand(ids.shape[0], -1), 1, positions)
+        return self.tokens(ids) + self.token_types(types)
+
+
+def test_gather_of_an_expanded_buffer_by_per_sample_positions():
+    torch.manual_seed(0)
+    _against_the_loop(_TokenTypesByPosition().double(), torch.randint(0, 10, (B, T)))
+
+
+class _BatchSizedShared(nn.Module):
+    """Shared values the size of the batch, as transformers builds them:
+    ``zeros(input_ids.shape)`` token types (LayoutLM, MobileBERT, SqueezeBERT),
+    ``arange(T).expand(B, -1) + offset`` positions (BART), and latents expanded to the
+    batch, normalised and projected into queries (Perceiver)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == "latents":
+            self.latents = nn.Parameter(torch.randn(2, D))
+            self.norm = nn.LayerNorm(D)
+            self.q = nn.Linear(D, D)
+            self.k = nn.Linear(D, D)
+        else:
+            self.tokens = nn.Embedding(10, D)
+            self.table = nn.Embedding(T + 2, D)
+
+    def forward(self, x):
+        if self.kind == "latents":  # x [B, T, D]
+            queries = self.q(self.norm(self.latents.expand(x.shape[0], -1, -1)))
+            return torch.matmul(queries, self.k(x).transpose(-1, -2))
+        n, t = x.shape  # token ids
+        if self.kind == "zeros":
+            ids = torch.zeros(x.shape, dtype=torch.long, device=x.device)
+        else:
+            ids = torch.arange(t, device=x.device).expand(n, -1) + 2
+        return self.tokens(x) + self.table(ids)
+
+
+@pytest.mark.parametrize("kind", ["zeros", "positions", "latents"])
+def test_shared_values_the_size_of_the_batch(kind: str):
+    torch.manual_seed(0)
+    model = _BatchSizedShared(kind).double()
+    x = torch.randn(B, T, D, dtype=torch.float64) if kind == "latents" else torch.randint(0, 10, (B, T))
+    _against_the_loop(model, x)
+
+
 def test_gather_of_shared_rows_by_position_in_the_batch_is_refused():
     """``gather(table, 1, ids)`` with ``table [B, V]`` shared: sample ``i`` would read row
     ``i``, its position in the batch, which it does not have alone."""
