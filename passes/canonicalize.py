@@ -555,6 +555,15 @@ def expand_after_lookup_pass(gm: fx.GraphModule) -> fx.GraphModule:
     aten = torch.ops.aten
     changed = False
     for node in list(gm.graph.nodes):
+        if (node.op == "call_function" and node.target is aten.index.Tensor and len(node.args[1]) == 1
+                and isinstance(node.args[1][0], fx.Node) and node.args[1][0].target in _EXPANDS
+                and node.args[1][0].meta["val"].dtype in (torch.int64, torch.int32)
+                and node.args[0].meta["val"].dim() == 2):
+            # ``W[ids.expand(…)]`` of a table is the lookup ``embedding(W, ids.expand(…))``
+            # (Whisper's ``embed_positions.weight[position_ids]`` with ``arange(T)`` ids
+            # repeated to the batch).
+            node.target = aten.embedding.default
+            node.args = (node.args[0], node.args[1][0])
         if node.op != "call_function" or node.target not in (aten.embedding.default, aten.linear.default):
             continue
         position = 1 if node.target is aten.embedding.default else 0

@@ -635,7 +635,8 @@ def test_gather_of_an_expanded_buffer_by_per_sample_positions():
 class _BatchSizedShared(nn.Module):
     """Shared values the size of the batch, as transformers builds them:
     ``zeros(input_ids.shape)`` token types (LayoutLM, MobileBERT, SqueezeBERT),
-    ``arange(T).expand(B, -1) + offset`` positions (BART), and latents expanded to the
+    ``arange(T).expand(B, -1) + offset`` positions (BART), a table indexed by positions
+    repeated to the batch (Whisper), and latents expanded to the
     batch, normalised and projected into queries (Perceiver)."""
 
     def __init__(self, kind: str):
@@ -657,12 +658,14 @@ class _BatchSizedShared(nn.Module):
         n, t = x.shape  # token ids
         if self.kind == "zeros":
             ids = torch.zeros(x.shape, dtype=torch.long, device=x.device)
+        elif self.kind == "indexed":  # Whisper: weight[arange(T)[None].repeat(B, 1)]
+            return self.tokens(x) + self.table.weight[torch.arange(t, device=x.device).unsqueeze(0).repeat(n, 1)]
         else:
             ids = torch.arange(t, device=x.device).expand(n, -1) + 2
         return self.tokens(x) + self.table(ids)
 
 
-@pytest.mark.parametrize("kind", ["zeros", "positions", "latents"])
+@pytest.mark.parametrize("kind", ["zeros", "positions", "indexed", "latents"])
 def test_shared_values_the_size_of_the_batch(kind: str):
     torch.manual_seed(0)
     model = _BatchSizedShared(kind).double()
