@@ -88,16 +88,20 @@ def is_detach(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.ops.aten.detach.default
 
 
-def carries_no_gradient(node: fx.Node, without_grad: set[fx.Node]) -> bool:
+def carries_no_gradient(node: fx.Node, without_grad: set[fx.Node], _memo: dict | None = None) -> bool:
     """Whether no gradient can flow back through ``node``'s value: it is detached,
     computed under ``no_grad`` (``without_grad``, from ``computed_without_grad``), or
     computed from such values alone."""
-    if node.op != "call_function":
-        return False
-    if is_detach(node) or node in without_grad:
-        return True
-    inputs = node.all_input_nodes
-    return bool(inputs) and all(carries_no_gradient(a, without_grad) for a in inputs)
+    memo = {} if _memo is None else _memo
+    if node not in memo:
+        if node.op != "call_function":
+            memo[node] = False
+        elif is_detach(node) or node in without_grad:
+            memo[node] = True
+        else:
+            inputs = node.all_input_nodes
+            memo[node] = bool(inputs) and all(carries_no_gradient(a, without_grad, memo) for a in inputs)
+    return memo[node]
 
 
 def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:

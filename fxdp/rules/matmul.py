@@ -246,7 +246,7 @@ class _Use:
             return {"instantiate": 0.0}
         # A symbolic size (a table sliced to the sequence length) from the operands.
         seen = (g_shape[-2], other_shape[-2]) if self.which == 0 else (other_shape[-1], g_shape[-1])
-        shape = [hint(s if s is not None else other) for s, other in zip(layout.sizes, seen)]
+        shape = [hint(s if s is not None else other) for s, other in zip(layout.sizes or (None, None), seen)]
         out_side, in_side = (shape[0], shape[1]) if self.which == 0 else (shape[1], shape[0])
         n = hint(shapes[0][0])
         t = max(1, math.prod(hint(s) for s in shapes[0][1:]) // out_side)
