@@ -206,7 +206,8 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
 
 
 def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """A ``repeat`` that only copies size-1 dims is an ``expand`` (then a view).
+    """A ``repeat`` that only copies size-1 dims is an ``expand`` (then a view), and so
+    is ``expand_as``.
 
     ``nn.MultiheadAttention(add_bias_kv=True)`` writes ``bias_k.repeat(1, bsz, 1)``;
     as an expand it is a parameter expanded to the batch, which the batch analysis
@@ -216,7 +217,13 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
         expand = torch.ops.aten.expand.default(bias_k, [1, 5, 4])   # after
     """
     aten = torch.ops.aten
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.expand_as.default:
+            # ``p.expand_as(h)``: an expand to ``h``'s sizes (read from ``h`` where symbolic).
+            with gm.graph.inserting_before(node):
+                sizes = _expand_sizes(gm, node)
+            node.target, node.args = aten.expand.default, (node.args[0], sizes)
+            continue
         if node.op != "call_function" or node.target is not aten.repeat.default:
             continue
         src, reps = node.args[0], list(node.args[1])
@@ -518,7 +525,7 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
             if len(broadcast) == out.dim() and all(bool(a == b) for a, b in zip(broadcast, out.shape)):
                 node.replace_input_with(arg, source)
                 changed = True
-            elif arg.meta["val"].dim() == out.dim():
+            elif arg.meta["val"].dim() == out.dim() and arg.target is not torch.ops.aten.expand_as.default:
                 # The other operands are no larger: the op runs on the unexpanded tensor
                 # and its result is expanded (``f(expand(x), y) = expand(f(x, y))``).
                 node.replace_input_with(arg, source)

@@ -636,17 +636,18 @@ class _BatchSizedShared(nn.Module):
     """Shared values the size of the batch, as transformers builds them:
     ``zeros(input_ids.shape)`` token types (LayoutLM, MobileBERT, SqueezeBERT),
     ``arange(T).expand(B, -1) + offset`` positions (BART), a table indexed by positions
-    repeated to the batch (Whisper), and latents expanded to the
-    batch, normalised and projected into queries (Perceiver)."""
+    repeated to the batch (Whisper), latents expanded to the batch, normalised and
+    projected into queries (Perceiver), and a gated parameter ``p.expand_as(h)``."""
 
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
-        if kind == "latents":
+        if kind in ("latents", "expand_as"):
             self.latents = nn.Parameter(torch.randn(2, D))
-            self.norm = nn.LayerNorm(D)
-            self.q = nn.Linear(D, D)
             self.k = nn.Linear(D, D)
+            if kind == "latents":
+                self.norm = nn.LayerNorm(D)
+                self.q = nn.Linear(D, D)
         else:
             self.tokens = nn.Embedding(10, D)
             self.table = nn.Embedding(T + 2, D)
@@ -655,6 +656,9 @@ class _BatchSizedShared(nn.Module):
         if self.kind == "latents":  # x [B, T, D]
             queries = self.q(self.norm(self.latents.expand(x.shape[0], -1, -1)))
             return torch.matmul(queries, self.k(x).transpose(-1, -2))
+        if self.kind == "expand_as":  # a gated parameter expanded to the batched value
+            h = self.k(x)
+            return h + torch.sigmoid(self.latents[0]) * self.latents[1:].expand_as(h)
         n, t = x.shape  # token ids
         if self.kind == "zeros":
             ids = torch.zeros(x.shape, dtype=torch.long, device=x.device)
@@ -665,11 +669,11 @@ class _BatchSizedShared(nn.Module):
         return self.tokens(x) + self.table(ids)
 
 
-@pytest.mark.parametrize("kind", ["zeros", "positions", "indexed", "latents"])
+@pytest.mark.parametrize("kind", ["zeros", "positions", "indexed", "latents", "expand_as"])
 def test_shared_values_the_size_of_the_batch(kind: str):
     torch.manual_seed(0)
     model = _BatchSizedShared(kind).double()
-    x = torch.randn(B, T, D, dtype=torch.float64) if kind == "latents" else torch.randint(0, 10, (B, T))
+    x = torch.randn(B, T, D, dtype=torch.float64) if kind in ("latents", "expand_as") else torch.randint(0, 10, (B, T))
     _against_the_loop(model, x)
 
 
