@@ -153,6 +153,15 @@ def _register(*ops: Any) -> Callable:
     return deco
 
 
+def _agreed(result: Any, candidate: Any) -> Any:
+    """The batch of an op's operands so far, with one more operand's ``candidate``."""
+    if result is None:
+        return candidate
+    if not result.same_as(candidate):
+        raise MixesSamples("its batched operands have their batch at different dims")
+    return result
+
+
 def _pointwise(node: fx.Node, arg_batch: list) -> Any:
     """Broadcasting elementwise op: dims align from the right."""
     out = _meta(node)
@@ -165,10 +174,7 @@ def _pointwise(node: fx.Node, arg_batch: list) -> Any:
             candidate = WHOLE
         else:
             candidate = b.at(b.dim + out_ndim - _meta(arg).dim())
-        if result is None:
-            result = candidate
-        elif not result.same_as(candidate):
-            raise MixesSamples("its batched operands have their batch at different dims")
+        result = _agreed(result, candidate)
     return result
 
 
@@ -351,10 +357,7 @@ def _broadcast_tensors(node, arg_batch):
         if not isinstance(b, BatchDim) or not isinstance(t, fx.Node):
             continue
         candidate = WHOLE if b.dim is None else b.at(b.dim + out_ndim - _meta(t).dim())
-        if result is None:
-            result = candidate
-        elif not result.same_as(candidate):
-            raise MixesSamples("its batched operands have their batch at different dims")
+        result = _agreed(result, candidate)
     return [result] * len(outs)
 
 
@@ -487,10 +490,7 @@ def _cat(node, arg_batch):
             if b.dim == d:
                 raise MixesSamples("it concatenates along the batch dim")
             cand = b
-        if result is None:
-            result = cand
-        elif not result.same_as(cand):
-            raise MixesSamples("its batched operands have their batch at different dims")
+        result = _agreed(result, cand)
     return result
 
 
@@ -764,10 +764,7 @@ def _scatter(node, arg_batch):
             raise MixesSamples("its batched index or source covers only part of the batch dim")
         else:
             candidate = b
-        if result is None:
-            result = candidate
-        elif not result.same_as(candidate):
-            raise MixesSamples("its batched operands have their batch at different dims")
+        result = _agreed(result, candidate)
     return result
 
 
@@ -782,10 +779,7 @@ def _cosine_similarity(node, arg_batch):
         if not isinstance(b, BatchDim):
             continue
         candidate = WHOLE if b.dim is None else b.at(b.dim + ndim - _meta(arg).dim())
-        if result is None:
-            result = candidate
-        elif not result.same_as(candidate):
-            raise MixesSamples("its batched operands have their batch at different dims")
+        result = _agreed(result, candidate)
     if result is None or result.dim is None:
         return result
     if result.dim == d:
