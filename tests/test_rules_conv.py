@@ -388,13 +388,16 @@ def test_rule_functions(transposed, groups, output_padding, layout, monkeypatch)
     assert set(costs) == {"ghost", "instantiate"} and min(costs.values()) > 0
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+@pytest.mark.parametrize("layout", ["contiguous", "contiguous-one_sample_chunks", "channels_last", "strided"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
-def test_input_grad_any_input_layout(layout, compiled):
+def test_input_grad_any_input_layout(layout, compiled, monkeypatch):
     """The 2-D input gradient runs channels-last on the CPU with ``x`` standing in for
     itself (a channels-last view of a contiguous ``x``, ``x`` as it is when already
     channels-last, a fresh tensor otherwise); every layout gives aten's gradient, and
-    a contiguous ``x`` gets a contiguous one."""
+    a contiguous ``x`` gets a contiguous one, computed in chunks of samples."""
+    if layout.endswith("one_sample_chunks"):
+        monkeypatch.setattr(conv_module, "INPUT_GRAD_CHUNK_BYTES", 1)
+        layout = "contiguous"
     torch.manual_seed(0)
     base = torch.randn(4, 3, 10, 9 if layout != "strided" else 18)
     x = {"contiguous": base, "channels_last": base.contiguous(memory_format=torch.channels_last),
