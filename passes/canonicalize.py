@@ -200,6 +200,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         out = sink_expands_pass(out)
         out = broadcast_expanded_operands_pass(out)
     out = broadcast_batched_product_pass(out)
+    out = tiled_batched_product_pass(out)
     out.graph.lint()
     out.recompile()
     return out
@@ -685,6 +686,86 @@ def broadcast_batched_product_pass(gm: fx.GraphModule) -> fx.GraphModule:
                         added.meta.update(node.meta)
                     new = gm.graph.call_function(aten.add.Tensor, (added, new))
                     new.meta.update(node.meta)
+        _replace(gm, node, new)
+        changed = True
+    return _finished(gm, changed)
+
+
+def _tile_source(operand: Any) -> tuple[fx.Node, bool, list[fx.Node]] | None:
+    """For an operand of ``bmm`` that tiles a 3-D tensor ``s`` along dim 0 (``s.repeat(R,
+    1, 1)``, or ``s[None].expand(R, -1, -1, -1).reshape(R·H, m, k)``), through
+    transposes of the last two dims and products with a number: the tiled tensor
+    (``s``, or ``s[None]`` where it was expanded), whether that has the leading 1, and
+    the chain of ops, the op nearest ``s`` first."""
+    aten = torch.ops.aten
+    chain: list[fx.Node] = []
+    node = operand
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dim() != 3:
+            return None
+        if node.target is aten.repeat.default:
+            source, reps = node.args[0], list(node.args[1])
+            if source.meta["val"].dim() == 3 and len(reps) == 3 and reps[1:] == [1, 1]:
+                return source, False, chain[::-1]
+            return None
+        if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            expand = node.args[0]
+            if not (isinstance(expand, fx.Node) and expand.op == "call_function" and expand.target in _EXPANDS):
+                return None
+            tiled, source = expand.meta["val"], expand.args[0]
+            if (tiled.dim() != 4 or source.meta["val"].dim() != 4 or not _expands_dim(expand, 0)
+                    or any(_expands_dim(expand, d) for d in (1, 2, 3))
+                    or not all(bool(a == b) for a, b in zip(tiled.shape[2:], value.shape[1:]))):
+                return None
+            return source, True, chain[::-1]
+        if node.target is aten.transpose.int and {d % 3 for d in node.args[1:3]} == {1, 2}:
+            chain.append(node)
+        elif node.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(node.args[1], (int, float)):
+            chain.append(node)
+        else:
+            return None
+        node = node.args[0]
+    return None
+
+
+def tiled_batched_product_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A batched product with one operand tiled over a batch merged with heads becomes a
+    broadcasting ``matmul`` of the tile: with ``s [H, m, k]``,
+    ``bmm(q, s.repeat(B, 1, 1))`` is ``matmul(q.unflatten(0, (-1, H)), s).flatten(0, 1)``.
+
+    DeBERTa's relative-position keys are a parameter's projection repeated over the
+    batch to ``[B·H, 2k, d]``; a sample reads one copy of it, and as a broadcast operand
+    of ``matmul`` it is an ordinary shared one (the matmul rule)::
+
+        repeat = torch.ops.aten.repeat.default(pos_key, [3, 1, 1])          # before
+        bmm = torch.ops.aten.bmm.default(query, repeat)
+        unflatten = torch.ops.aten.unflatten.int(query, 0, [-1, 2])          # after
+        matmul = torch.ops.aten.matmul.default(unflatten, pos_key)
+        flatten = torch.ops.aten.flatten.using_ints(matmul, 0, 1)
+    """
+    aten = torch.ops.aten
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.bmm.default:
+            continue
+        a, b = node.args[:2]
+        with gm.graph.inserting_before(node):
+            tiles = _tile_source(a), _tile_source(b)
+            if (tiles[0] is None) == (tiles[1] is None):
+                continue  # nothing tiled, or both (then no batch is left to broadcast to)
+            side = 0 if tiles[0] is not None else 1
+            tile, leading_one, chain = tiles[side]
+            heads = tile.meta["val"].shape[int(leading_one)]
+            if not isinstance(heads, int):
+                continue
+            if leading_one:
+                tile = _call(gm, aten.select.int, (tile, 0, 0), node)
+            for op in chain:
+                tile = _call(gm, op.target, (tile, *op.args[1:]), op)
+            other = _call(gm, aten.unflatten.int, ((b, a)[side], 0, [-1, heads]), node)
+            product = _call(gm, aten.matmul.default, (tile, other) if side == 0 else (other, tile), node)
+            new = _call(gm, aten.flatten.using_ints, (product, 0, 1), node)
         _replace(gm, node, new)
         changed = True
     return _finished(gm, changed)

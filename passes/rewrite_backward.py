@@ -88,6 +88,10 @@ def _run(node: fx.Node, env: dict, gm: fx.GraphModule) -> Any:
     args = fx.node.map_arg(node.args, lambda n: env[n])
     kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
     if node.op == "call_function":
+        if node.target is torch.ops.aten.view.default:
+            # A gradient fxdp computed (a marker's) may be laid out unlike the one the
+            # backward was traced with; a reshape is the same view where one exists.
+            return torch.ops.aten.reshape.default(*args, **kwargs)
         return node.target(*args, **kwargs)
     if node.op == "get_attr":
         obj = gm

@@ -568,6 +568,43 @@ def test_weight_expanded_to_the_batch_in_a_batched_product(kind: str):
     _against_the_loop(model, torch.randn(B + 2, T + 1, D, dtype=torch.float64), dp=dp)
 
 
+class TiledPerHead(nn.Module):
+    """DeBERTa's relative-position attention: a parameter's projection split into heads
+    ``[H, R, d]`` and tiled over the batch to ``[B·H, R, d]`` (``repeat(B, 1, 1)``, or
+    ``expand`` + ``reshape``), in a batched product with queries ``[B·H, T, d]`` (the
+    batch merged with the heads); ``left``: the tile is the first operand, transposed
+    and scaled."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.q = nn.Linear(D, D)
+        self.rel = nn.Parameter(torch.randn(6, D))
+        self.pos = nn.Linear(D, D)
+
+    def forward(self, x):
+        n, t, _ = x.shape
+        q = self.q(x).view(n, t, H, D // H).permute(0, 2, 1, 3).reshape(n * H, t, D // H)
+        heads = self.pos(self.rel).view(6, H, D // H).permute(1, 0, 2)  # [H, 6, d]
+        if self.kind == "expand":
+            tiled = heads[None].expand(n, -1, -1, -1).reshape(n * H, 6, D // H)
+        else:
+            tiled = heads.repeat(n, 1, 1)
+        if self.kind == "left":
+            return torch.bmm(tiled.transpose(1, 2).transpose(-1, -2) / 2.0, q.transpose(1, 2)).view(n, H, 6, t)
+        return torch.bmm(q, tiled.transpose(-1, -2)).view(n, H, t, 6)
+
+
+@pytest.mark.parametrize("kind", ["repeat", "expand", "left"])
+def test_shared_value_tiled_over_a_batch_merged_with_heads(kind: str):
+    """Exact (the tile becomes a broadcast operand of ``matmul``); a second batch size
+    runs through the same transform."""
+    torch.manual_seed(0)
+    model = TiledPerHead(kind).double()
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, T + 1, D, dtype=torch.float64), dp=dp)
+
+
 class SpectralNormed(nn.Module):
     """A Linear under spectral norm, in train mode: each forward runs one power
     iteration (``u``, ``v`` buffers updated under ``no_grad``), then divides the weight
