@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -691,15 +691,36 @@ def broadcast_batched_product_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return _finished(gm, changed)
 
 
-def _tile_source(operand: Any) -> tuple[fx.Node, bool, list[fx.Node]] | None:
-    """For an operand of ``bmm`` that tiles a 3-D tensor ``s`` along dim 0 (``s.repeat(R,
-    1, 1)``, or ``s[None].expand(R, -1, -1, -1).reshape(R·H, m, k)``), through
-    transposes of the last two dims and products with a number: the tiled tensor
-    (``s``, or ``s[None]`` where it was expanded), whether that has the leading 1, and
-    the chain of ops, the op nearest ``s`` first."""
+def _tile_source(operand: Any) -> tuple[Callable[[fx.GraphModule, fx.Node], fx.Node], Any, list[fx.Node]] | None:
+    """For an operand of ``bmm`` that tiles a 3-D tensor ``s [H, m, k]`` along dim 0
+    (``[R·H, m, k]``, row ``r·H + h`` is ``s[h]``), through transposes of the last two
+    dims and products with a number: a function that emits ``s`` into the graph, ``H``,
+    and that chain of ops, the op nearest ``s`` first. Tiles:
+
+    - ``s.repeat(R, 1, 1)``;
+    - ``s[None].expand(R, -1, -1, -1).reshape(R·H, m, k)``;
+    - ``u.expand(L, R, E).view(L, R·H, k).transpose(0, 1)`` with ``u [L, 1, E]``,
+      ``E = H·k``: the heads of a sequence-first query shared by the batch, as
+      ``nn.MultiheadAttention`` splits them (``s`` is ``u.view(L, H, k).transpose(0, 1)``).
+    """
     aten = torch.ops.aten
     chain: list[fx.Node] = []
     node = operand
+
+    def expand_of(view: Any, dims: int, expanded: int) -> fx.Node | None:
+        """The expand ``view`` reads, if it broadcasts dim ``expanded`` of ``dims`` only."""
+        if not (isinstance(view, fx.Node) and view.op == "call_function"
+                and view.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)):
+            return None
+        expand = view.args[0]
+        if not (isinstance(expand, fx.Node) and expand.op == "call_function" and expand.target in _EXPANDS):
+            return None
+        if expand.meta["val"].dim() != dims or expand.args[0].meta["val"].dim() != dims:
+            return None
+        if not all(_expands_dim(expand, d) == (d == expanded) for d in range(dims)):
+            return None
+        return expand
+
     while isinstance(node, fx.Node) and node.op == "call_function":
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor) or value.dim() != 3:
@@ -707,23 +728,37 @@ def _tile_source(operand: Any) -> tuple[fx.Node, bool, list[fx.Node]] | None:
         if node.target is aten.repeat.default:
             source, reps = node.args[0], list(node.args[1])
             if source.meta["val"].dim() == 3 and len(reps) == 3 and reps[1:] == [1, 1]:
-                return source, False, chain[::-1]
+                return (lambda gm, like: source), source.meta["val"].shape[0], chain[::-1]
             return None
-        if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-            expand = node.args[0]
-            if not (isinstance(expand, fx.Node) and expand.op == "call_function" and expand.target in _EXPANDS):
+        expand = expand_of(node, 4, 0)
+        if expand is not None:
+            if not all(bool(a == b) for a, b in zip(expand.meta["val"].shape[2:], value.shape[1:])):
                 return None
-            tiled, source = expand.meta["val"], expand.args[0]
-            if (tiled.dim() != 4 or source.meta["val"].dim() != 4 or not _expands_dim(expand, 0)
-                    or any(_expands_dim(expand, d) for d in (1, 2, 3))
-                    or not all(bool(a == b) for a, b in zip(tiled.shape[2:], value.shape[1:]))):
+            source = expand.args[0]
+            emit = (lambda gm, like: _call(gm, aten.select.int, (source, 0, 0), like))
+            return emit, source.meta["val"].shape[1], chain[::-1]
+        dims = {d % 3 for d in node.args[1:3]} if node.target is aten.transpose.int else None
+        if dims == {0, 1}:
+            expand = expand_of(node.args[0], 3, 1)
+            if expand is None:
                 return None
-            return source, True, chain[::-1]
-        if node.target is aten.transpose.int and {d % 3 for d in node.args[1:3]} == {1, 2}:
+            length, _, width = expand.meta["val"].shape
+            head_width = value.shape[2]
+            if not (isinstance(length, int) and isinstance(width, int) and isinstance(head_width, int)
+                    and width % head_width == 0 and node.args[0].meta["val"].shape[0] == length):
+                return None
+            source, heads = expand.args[0], width // head_width
+
+            def split_heads(gm: fx.GraphModule, like: fx.Node) -> fx.Node:
+                split = _call(gm, aten.view.default, (source, [length, heads, head_width]), like)
+                return _call(gm, aten.transpose.int, (split, 0, 1), like)
+
+            return split_heads, heads, chain[::-1]
+        if dims == {1, 2}:
             chain.append(node)
         elif node.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(node.args[1], (int, float)):
             chain.append(node)
-        else:
+        elif node.target not in (aten.clone.default, aten.contiguous.default):
             return None
         node = node.args[0]
     return None
@@ -755,12 +790,10 @@ def tiled_batched_product_pass(gm: fx.GraphModule) -> fx.GraphModule:
             if (tiles[0] is None) == (tiles[1] is None):
                 continue  # nothing tiled, or both (then no batch is left to broadcast to)
             side = 0 if tiles[0] is not None else 1
-            tile, leading_one, chain = tiles[side]
-            heads = tile.meta["val"].shape[int(leading_one)]
+            emit, heads, chain = tiles[side]
             if not isinstance(heads, int):
                 continue
-            if leading_one:
-                tile = _call(gm, aten.select.int, (tile, 0, 0), node)
+            tile = emit(gm, node)
             for op in chain:
                 tile = _call(gm, op.target, (tile, *op.args[1:]), op)
             other = _call(gm, aten.unflatten.int, ((b, a)[side], 0, [-1, heads]), node)

@@ -605,6 +605,36 @@ def test_shared_value_tiled_over_a_batch_merged_with_heads(kind: str):
     _against_the_loop(model, torch.randn(B + 2, T + 1, D, dtype=torch.float64), dp=dp)
 
 
+class LearnedQueries(nn.Module):
+    """``nn.MultiheadAttention`` with learned queries shared by the batch: SigLIP's
+    pooling head (``probe.repeat(B, 1, 1)``, batch first) and DETR's object queries
+    (``queries.unsqueeze(1).repeat(1, B, 1)``, sequence first, several of them)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.inp = nn.Linear(D, D)
+        self.queries = nn.Parameter(torch.randn(1 if kind == "probe" else 3, D))
+        self.mha = nn.MultiheadAttention(D, H, batch_first=kind == "probe")
+
+    def forward(self, x):
+        h, n = self.inp(x), x.shape[0]
+        if self.kind == "probe":
+            return self.mha(self.queries[None].repeat(n, 1, 1), h, h)[0]
+        h = h.transpose(0, 1)
+        return self.mha(self.queries.unsqueeze(1).repeat(1, n, 1), h, h)[0]
+
+
+@pytest.mark.parametrize("kind", ["probe", "queries"])
+def test_learned_queries_of_multihead_attention(kind: str):
+    """Exact (each head's query tile becomes a broadcast operand of ``matmul``), and on
+    a second batch size."""
+    torch.manual_seed(0)
+    model = LearnedQueries(kind).double()
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, T + 1, D, dtype=torch.float64), dp=dp)
+
+
 class SpectralNormed(nn.Module):
     """A Linear under spectral norm, in train mode: each forward runs one power
     iteration (``u``, ``v`` buffers updated under ``no_grad``), then divides the weight
