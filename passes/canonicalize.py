@@ -804,9 +804,24 @@ def tiled_batched_product_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return _finished(gm, changed)
 
 
+def _sole_view(view: fx.Node) -> bool:
+    """Whether ``view`` is the only way to its memory: a chain of views, each read by
+    the next alone, from a computed tensor read by that chain alone (DeBERTa's
+    ``transpose_for_scores(pos_q_proj(rel)) /= scale``). A write into it is then a
+    write into a tensor nothing else aliases."""
+    node = view
+    while is_view(node):
+        base = node.args[0]
+        if not isinstance(base, fx.Node) or len(base.users) != 1:
+            return False
+        node = base
+    return node.op == "call_function"
+
+
 def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """An in-place op on a tensor nothing else aliases becomes its out-of-place twin, and
-    later reads of the tensor read the op's result.
+    later reads of the tensor read the op's result (views taken after the write
+    included). The tensor may be a view that is its memory's only way (``_sole_view``).
 
     ``nn.LSTMCell`` computes ``gates = linear(hx, w_hh, b_hh); gates += linear(x, w_ih,
     b_ih)``; written as data flow, the batch analysis and the parameter transforms see
@@ -824,7 +839,8 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
         written = node.args[0]
         twin = out_of_place(node.target)
         if (twin is None or not isinstance(written, fx.Node) or written.op != "call_function"
-                or is_view(written) or any(is_view(u) for u in written.users)):
+                or (is_view(written) and not _sole_view(written))
+                or any(is_view(u) and order[u] < order[node] for u in written.users)):
             continue  # a graph input (the caller sees the write), or aliased memory
         later = [u for u in written.users if u is not node and order[u] > order[node]]
         node.target = twin

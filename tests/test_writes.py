@@ -179,6 +179,40 @@ def test_whole_parameter_values_written_in_place_are_exact(how, grad_sample):
     _check(WrittenWeight(how).double(), torch.randn(B, 2, 4, dtype=torch.float64), grad_sample)
 
 
+class ScaledPositionHeads(nn.Module):
+    """DeBERTa (v1): a parameter's projection split into heads by a view and a permute,
+    scaled in place (``pos_query /= scale``), then read through a transpose taken after
+    the write; ``then_base``: the projection itself is read after the write too."""
+
+    def __init__(self, then_base: bool = False):
+        super().__init__()
+        self.then_base = then_base
+        self.rel = nn.Parameter(torch.randn(6, 4))
+        self.proj = nn.Linear(4, 4)
+        self.key = nn.Linear(4, 4)
+
+    def forward(self, x):
+        projected = self.proj(self.rel)
+        heads = projected.view(6, 2, 2).permute(1, 0, 2)  # [heads, 6, d], a view
+        heads /= 2.0 ** 0.5
+        keys = self.key(x).view(x.shape[0], x.shape[1], 2, 2).permute(0, 2, 1, 3)
+        scores = torch.matmul(keys, heads.transpose(-1, -2)).mean((1, 2))[:, :3]
+        return scores + projected.sum() if self.then_base else scores
+
+
+@pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
+def test_parameter_values_written_in_place_through_their_only_view_are_exact(grad_sample):
+    """An in-place op on a view that is its memory's only way (nothing reads the base
+    or an earlier view of it) is its out-of-place twin, as for a whole tensor."""
+    torch.manual_seed(0)
+    _check(ScaledPositionHeads().double(), torch.randn(B, 5, 4, dtype=torch.float64), grad_sample)
+
+
+def test_parameter_values_written_in_place_through_a_view_of_a_read_base_are_refused():
+    with pytest.raises(fxdp.UnsupportedError, match="writes in place into a value computed from parameters"):
+        fxdp.transform(ScaledPositionHeads(then_base=True), compiler="eager")(torch.randn(B, 5, 4))
+
+
 def test_out_of_place_weight_surgery_is_exact():
     """The refusal's advice, ``w = w * mask``, works."""
 
