@@ -158,7 +158,8 @@ def backend_error(error: BaseException) -> BaseException | None:
 
     Dynamo wraps the backend's exceptions in ``BackendCompilerFailed``; fxdp's own
     (``UnsupportedError``, ``ValueError``, ``TypeError``) are the user's answer. At the
-    recompile limit ``fullgraph=True`` raises "Hard failure due to fullgraph=True".
+    recompile limit ``fullgraph=True`` raises "Hard failure due to fullgraph=True"; at a
+    graph break, Dynamo's ``Unsupported`` (its reason is quoted).
     """
     from fxdp.errors import UnsupportedError
 
@@ -167,6 +168,11 @@ def backend_error(error: BaseException) -> BaseException | None:
             "fxdp cannot trace packed sequences (torch.nn.utils.rnn.pack_padded_sequence). Pad "
             "the batch instead, run the RNN on the padded tensor and read each sample's last "
             "real step with a mask, e.g. (out * mask[..., None]).sum(1)")
+    if isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
+        return UnsupportedError(
+            "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "
+            "Dynamo cannot capture it there; change that code or move it out of the forward "
+            f"(a step done once, before the transform). Dynamo's reason: {error}")
     if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
         return UnsupportedError(
             "Dynamo hit its recompile limit (torch._dynamo.config.recompile_limit) and would run "

@@ -306,6 +306,30 @@ def test_packed_sequence_error_tells_the_user_to_pad():
         dp_model(x, lengths)
 
 
+class RequiresGradMidForward(torch.nn.Module):
+    """wav2vec2's feature encoder: ``hidden.requires_grad = True`` in train mode, which
+    Dynamo cannot put in a graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(1, 4, 3)
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = x[:, None]
+        if self.training:
+            h.requires_grad = True
+        return self.fc(self.conv(h).transpose(1, 2))
+
+
+def test_code_dynamo_cannot_capture_in_one_graph_is_an_fxdp_error_quoting_dynamo():
+    model = RequiresGradMidForward().double()
+    dp_model = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="(?s)one graph.*requires_grad"):
+        dp_model(torch.randn(3, 10, dtype=torch.float64))
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("mode", ["grad_sample", "clip"])
 def test_padded_lstm_matches_the_packed_model(mode: str):
     """What the refusal asks for: the same LSTM run over the padded batch, each sample's
