@@ -847,6 +847,13 @@ _CREATION = {
 }
 
 
+def _is_size(node: fx.Node) -> bool:
+    """A size, stride or number of elements (``sym_size`` of a tensor computed from
+    parameters): it carries no gradient back to them."""
+    value = node.meta.get("val")
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+
+
 def _arg_batch(value: Any, batch: dict) -> Any:
     if isinstance(value, fx.Node):
         return batch.get(value)
@@ -933,7 +940,7 @@ def batch_dim_pass(
             [_arg_batch(v, batch) for v in node.kwargs.values()])
         paramish = [a for a in node.all_input_nodes if a in sources]
         if paramish:
-            if not batched:
+            if not batched and not _is_size(node):
                 sources[node] = frozenset().union(*(sources[a] for a in paramish))
             for a in paramish:
                 index = next((i for i, x in enumerate(node.args) if x is a), None)
@@ -1088,8 +1095,8 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
                                     "module this way: use torch.nn.utils.parametrizations.weight_norm and "
                                     "spectral_norm instead)"))
             continue
-        if node in sources:
-            continue  # a parameter-only computation: a transform, judged where it meets data
+        if node in sources or (node.op == "call_function" and _is_size(node)):
+            continue  # a parameter-only computation (a transform, judged where it meets data), a size
         if node.op == "call_function" and (
                 _any_unknown(batch.get(node)) or _any_unknown([batch.get(a) for a in node.all_input_nodes])):
             continue  # downstream of a refused op

@@ -1,12 +1,14 @@
 """Canonicalise a Dynamo graph to pre-dispatch ATen, where rules are keyed."""
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxdp._torch_internals import inline_checkpoints, make_fx_traced
 from fxdp.passes.writes import is_view, writes_in_place
@@ -161,12 +163,55 @@ def _bilinear_as_einsum(input1, input2, weight, bias=None):
     return out if bias is None else out + bias
 
 
+def _broadcast_letters(equation: str, operands: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The letters of ``equation`` along which every operand that has them is expanded
+    (stride 0) and which the output keeps, with their sizes; ``{}`` for an equation
+    with an ellipsis, an implicit output or a letter repeated within one operand."""
+    if "..." in equation or "->" not in equation:
+        return {}
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    if len(terms) != len(operands) or any(len(set(t)) != len(t) or len(t) != o.dim()
+                                          for t, o in zip(terms, operands)):
+        return {}
+    letters = {}
+    for letter in output:
+        dims = [(o, t.index(letter)) for t, o in zip(terms, operands) if letter in t]
+        if dims and all(o.stride(d) == 0 and not (isinstance(o.shape[d], int) and o.shape[d] == 1)
+                        for o, d in dims):
+            letters[letter] = dims[0][0].shape[dims[0][1]]
+    return letters
+
+
+def _inactive_dropout(x, p, train):
+    """``dropout(x, 0.0, train)`` and ``dropout(x, p, False)`` are ``x`` (a model built
+    with zero dropout keeps the call): the trace reads ``x`` itself, so an expanded ``x``
+    stays visibly expanded to what reads it (XLNet drops out a position table expanded
+    to the batch before an einsum); any other dropout stays itself."""
+    if isinstance(p, (int, float)) and isinstance(train, bool) and (p == 0 or not train):
+        return x
+    return NotImplemented
+
+
 def _einsum_as_products(equation, operands, **kwargs):
     """``aten.einsum`` as ATen's own implementation runs it: permutes, views and
     ``bmm``/``mul``/``sum``. Its tensors come as one list argument, which the tag pass
     cannot tag a parameter in; the ops it becomes have rules (a parameter operand goes
-    through ``bmm`` with a parameter transform in front) and batch propagations."""
-    return torch.ops.aten.einsum.default.decompose(equation, operands, **kwargs)
+    through ``bmm`` with a parameter transform in front) and batch propagations.
+
+    A letter along which its operands are only expanded (XLNet's
+    ``einsum("ibh,hnd->ibnd", pos.expand(-1, B, -1), r)``) is contracted at size 1 and
+    the result expanded: the same values, and an expand the later passes can move to
+    where it meets the batch, instead of a product that mixes it into other dims.
+    """
+    letters = _broadcast_letters(equation, operands)
+    if not letters:
+        return torch.ops.aten.einsum.default.decompose(equation, operands, **kwargs)
+    inputs, output = equation.replace(" ", "").split("->")
+    narrowed = [o[tuple(slice(0, 1) if letter in letters else slice(None) for letter in term)]
+                for term, o in zip(inputs.split(","), operands)]
+    out = torch.ops.aten.einsum.default.decompose(equation, narrowed, **kwargs)
+    return out.expand([letters.get(letter, -1) for letter in output])
 
 
 def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode) -> fx.GraphModule:
@@ -183,27 +228,39 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     # The LSTM decomposition would pick the opaque aten.mkldnn_rnn_layer on CPU float32.
     decompositions = {
         **get_decompositions(_DECOMPOSED), **{op: op.decompose for op in _COMPOSITE},
-        torch.ops.aten.einsum.default: _einsum_as_products, torch.ops.aten.bilinear.default: _bilinear_as_einsum,
+        torch.ops.aten.bilinear.default: _bilinear_as_einsum, torch.ops.aten.dropout.default: _inactive_dropout,
     }
     with torch.backends.mkldnn.flags(enabled=False):
         out = make_fx_traced(fx.Interpreter(gm).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
                              decompositions=decompositions)
-    out = repeat_as_expand_pass(out)
-    out = in_place_as_out_of_place_pass(out)
-    # Expands move down to the ops that consume them (the lookups and linears, then
-    # what consumes those), where broadcasting replaces them; a pointwise op that an
-    # expand moves past can bring it to a lookup, hence two rounds.
-    out = constant_ids_as_expand_pass(out)
-    for _ in range(2):
-        out = sink_expands_pass(out)
-        out = expand_after_lookup_pass(out)
-        out = sink_expands_pass(out)
-        out = broadcast_expanded_operands_pass(out)
-    out = broadcast_batched_product_pass(out)
-    out = tiled_batched_product_pass(out)
+    out = _simplified(out)
+    if any(n.target is torch.ops.aten.einsum.default for n in out.graph.nodes):
+        # Einsums are decomposed once the expands have moved onto their operands, where
+        # the decomposition sees them (``_einsum_as_products``).
+        with torch.backends.mkldnn.flags(enabled=False):
+            out = make_fx_traced(fx.Interpreter(out).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
+                                 decompositions={torch.ops.aten.einsum.default: _einsum_as_products})
+        out = _simplified(out)
     out.graph.lint()
     out.recompile()
     return out
+
+
+def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
+    """The canonical graph's rewrites, in order."""
+    gm = repeat_as_expand_pass(gm)
+    gm = in_place_as_out_of_place_pass(gm)
+    # Expands move down to the ops that consume them (the lookups and linears, then
+    # what consumes those), where broadcasting replaces them; a pointwise op that an
+    # expand moves past can bring it to a lookup, hence two rounds.
+    gm = constant_ids_as_expand_pass(gm)
+    for _ in range(2):
+        gm = sink_expands_pass(gm)
+        gm = expand_after_lookup_pass(gm)
+        gm = sink_expands_pass(gm)
+        gm = broadcast_expanded_operands_pass(gm)
+    gm = broadcast_batched_product_pass(gm)
+    return tiled_batched_product_pass(gm)
 
 
 def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -481,6 +538,11 @@ def _gather_as_take_along_dim(node: fx.Node) -> bool:
     return True
 
 
+# Dtype and device conversions: elementwise like the pointwise ops, untagged.
+_CONVERSIONS = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout,
+                torch.ops.aten._to_copy.default}
+
+
 def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """A pointwise op reads an expanded operand as the tensor it was expanded from
     where broadcasting gives the op the same shape: ``z * h0.expand(B, H)`` is
@@ -509,7 +571,8 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
         if node.target is torch.ops.aten.gather.default:
             changed |= _gather_as_take_along_dim(node)
             continue
-        if torch.Tag.pointwise not in node.target.tags or writes_in_place(node.target):
+        if (torch.Tag.pointwise not in node.target.tags and node.target not in _CONVERSIONS) \
+                or writes_in_place(node.target):
             continue
         if torch.Tag.nondeterministic_seeded in node.target.tags:
             continue  # random per element (dropout's mask): each row draws its own
@@ -707,17 +770,21 @@ def _tile_source(operand: Any) -> tuple[Callable[[fx.GraphModule, fx.Node], fx.N
     chain: list[fx.Node] = []
     node = operand
 
-    def expand_of(view: Any, dims: int, expanded: int) -> fx.Node | None:
-        """The expand ``view`` reads, if it broadcasts dim ``expanded`` of ``dims`` only."""
+    def expand_of(view: Any, dims: int | None, expanded: int) -> fx.Node | None:
+        """The expand ``view`` reads, if it broadcasts dim ``expanded`` of ``dims`` (any
+        number with ``None``: then a leading dim it adds counts as dim 0) only."""
         if not (isinstance(view, fx.Node) and view.op == "call_function"
                 and view.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)):
             return None
         expand = view.args[0]
         if not (isinstance(expand, fx.Node) and expand.op == "call_function" and expand.target in _EXPANDS):
             return None
-        if expand.meta["val"].dim() != dims or expand.args[0].meta["val"].dim() != dims:
+        rank = expand.meta["val"].dim()
+        if dims is not None and (rank != dims or expand.args[0].meta["val"].dim() != dims):
             return None
-        if not all(_expands_dim(expand, d) == (d == expanded) for d in range(dims)):
+        if _leading(expand) > (0 if dims is not None else 1):
+            return None
+        if not all(_expands_dim(expand, d) == (d == expanded) for d in range(rank)):
             return None
         return expand
 
@@ -730,13 +797,28 @@ def _tile_source(operand: Any) -> tuple[Callable[[fx.GraphModule, fx.Node], fx.N
             if source.meta["val"].dim() == 3 and len(reps) == 3 and reps[1:] == [1, 1]:
                 return (lambda gm, like: source), source.meta["val"].shape[0], chain[::-1]
             return None
-        expand = expand_of(node, 4, 0)
+        expand = expand_of(node, None, 0)
         if expand is not None:
-            if not all(bool(a == b) for a, b in zip(expand.meta["val"].shape[2:], value.shape[1:])):
-                return None
+            view = node
+            # Row-major, [R, d1, …, dn] read as [R·H, m, k]: rows r·H + h are s[h] for
+            # s = source[0] read as [H, m, k].
             source = expand.args[0]
-            emit = (lambda gm, like: _call(gm, aten.select.int, (source, 0, 0), like))
-            return emit, source.meta["val"].shape[1], chain[::-1]
+            inner = list(expand.meta["val"].shape[1:])
+            m, k = value.shape[1:]
+            split = next((j for j in range(len(inner) + 1)
+                          if statically_known_true(math.prod(inner[j:]) == m * k)), None)
+            if split is None or not all(isinstance(n, int) for n in inner[:split]):
+                return None
+            heads = math.prod(inner[:split])
+
+            def first_copy(gm: fx.GraphModule, like: fx.Node) -> fx.Node:
+                first = source if _leading(expand) else _call(gm, aten.select.int, (source, 0, 0), like)
+                # A symbolic size is read off the tiled tensor (the code cannot name it).
+                sizes = [heads] + [n if isinstance(n, int) else _call(gm, aten.sym_size.int, (view, d), like)
+                                   for d, n in ((1, m), (2, k))]
+                return _call(gm, aten.reshape.default, (first, sizes), like)
+
+            return first_copy, heads, chain[::-1]
         dims = {d % 3 for d in node.args[1:3]} if node.target is aten.transpose.int else None
         if dims == {0, 1}:
             expand = expand_of(node.args[0], 3, 1)

@@ -635,6 +635,46 @@ def test_learned_queries_of_multihead_attention(kind: str):
     _against_the_loop(model, torch.randn(B + 2, T + 1, D, dtype=torch.float64), dp=dp)
 
 
+class RelativePositionsSequenceFirst(nn.Module):
+    """XLNet's relative attention, sequence first (``[T, B, d]``): a position table
+    expanded to the batch (then a zero-probability dropout and a cast) is projected by an
+    ``einsum`` with a parameter, then meets the queries in a second ``einsum`` with the
+    batch merged with the heads. ``projected``: the queries are projected by
+    ``einsum("ibh,hnd->ibnd")`` too, whose product merges positions with the batch
+    (``[T·B]`` rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(T + 3, 1, D))
+        self.r = nn.Parameter(torch.randn(D, H, D // H))
+        self.q = nn.Parameter(torch.randn(D, H, D // H))
+
+    def forward(self, x):
+        t, n = x.shape[:2]
+        # As XLNet: computed in float32, expanded, dropped out, cast to the model's dtype.
+        table = F.dropout(self.pos[:t].float().expand(-1, n, -1), 0.0, self.training).to(x.dtype)
+        keys = torch.einsum("ibh,hnd->ibnd", table, self.r)
+        queries = torch.einsum("ibh,hnd->ibnd", x, self.q)
+        return torch.einsum("ibnd,jbnd->bnij", queries, keys).permute(2, 0, 1, 3)
+
+
+def test_einsum_of_an_operand_expanded_to_the_batch():
+    """Exact (the einsum runs on the unexpanded table and its result is expanded; the
+    second einsum's tile becomes a broadcast matmul operand), and on a second batch
+    size and length."""
+    torch.manual_seed(0)
+    model = RelativePositionsSequenceFirst().double()
+    torch._dynamo.reset()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", batch_first=False, compiler="eager")
+    for shape in ((T, B, D), (T + 1, B + 2, D)):
+        x = torch.randn(*shape, dtype=torch.float64)
+        ref = reference(model, (x,), lambda out, i: out.pow(2).sum(), batch_dim=1)
+        for p in model.parameters():
+            p.grad_sample = None
+        dp(x).pow(2).sum().backward()
+        assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
+
+
 class SpectralNormed(nn.Module):
     """A Linear under spectral norm, in train mode: each forward runs one power
     iteration (``u``, ``v`` buffers updated under ``no_grad``), then divides the weight

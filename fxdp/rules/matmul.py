@@ -88,12 +88,13 @@ def matmul_batch(a_batch: Any, b_batch: Any, a_ndim: int, b_ndim: int) -> BatchD
             pos = bd.dim - ndim  # from the right
             if (which == 0 and pos == -1) or (which == 1 and pos == -2):
                 raise ValueError("the batch dim is contracted")
+            # The dim keeps its layout (rows merged before or after the batch) whole.
             if which == 0 and pos == -2:
-                candidate = BatchDim(out_ndim - (2 if b_ndim > 1 else 1), bd.inner)
+                candidate = bd.at(out_ndim - (2 if b_ndim > 1 else 1))
             elif which == 1 and pos == -1:
-                candidate = BatchDim(out_ndim - 1, bd.inner)
+                candidate = bd.at(out_ndim - 1)
             else:
-                candidate = BatchDim(out_ndim - tail + pos + 2, bd.inner)
+                candidate = bd.at(out_ndim - tail + pos + 2)
         if result is None:
             result = candidate
         elif not result.same_as(candidate):
