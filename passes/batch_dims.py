@@ -181,7 +181,7 @@ def _pointwise(node: fx.Node, arg_batch: list) -> Any:
 _EXTRA_POINTWISE = [
     aten.dropout.default, aten.native_dropout.default, aten.clone.default, aten.contiguous.default,
     aten.detach.default, aten.alias.default, aten._to_copy.default, aten.to.dtype, aten.to.device,
-    aten.to.dtype_layout, aten.to.other, aten.type_as.default, aten.lift_fresh_copy.default,
+    aten.to.dtype_layout, aten.lift_fresh_copy.default,
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
     aten.rand_like.default, aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p,
     aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.feature_dropout.default,
@@ -247,6 +247,16 @@ def _reshape(node: fx.Node, arg_batch: list) -> Any:
 
 
 def _same(node: fx.Node, arg_batch: list) -> Any:
+    return arg_batch[0]
+
+
+# Ops whose arguments at these positions give only a dtype and device.
+_DTYPE_DONORS = {aten.type_as.default: (1,), aten.to.other: (1,)}
+
+
+@_register(*_DTYPE_DONORS)
+def _converted(node: fx.Node, arg_batch: list) -> Any:
+    """``x.type_as(y)``, ``x.to(y)``: ``x``'s values in ``y``'s dtype and device."""
     return arg_batch[0]
 
 
@@ -935,10 +945,12 @@ def batch_dim_pass(
             continue
         target = node.target
         path = module_path_of(node)
-        arg_batch = [_arg_batch(a, batch) for a in node.args]
+        # An argument that only lends its dtype and device (``x.type_as(y)``) holds no data.
+        donors = [node.args[i] for i in _DTYPE_DONORS.get(target, ()) if i < len(node.args)]
+        arg_batch = [None if any(a is d for d in donors) else _arg_batch(a, batch) for a in node.args]
         batched = _any_batched(arg_batch) or _any_batched(
             [_arg_batch(v, batch) for v in node.kwargs.values()])
-        paramish = [a for a in node.all_input_nodes if a in sources]
+        paramish = [a for a in node.all_input_nodes if a in sources and not any(a is d for d in donors)]
         if paramish:
             if not batched and not _is_size(node):
                 sources[node] = frozenset().union(*(sources[a] for a in paramish))

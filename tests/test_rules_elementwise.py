@@ -675,6 +675,28 @@ def test_einsum_of_an_operand_expanded_to_the_batch():
         assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
 
 
+class DtypeDonors(nn.Module):
+    """``y.type_as(x)`` and ``y.to(x)`` take only ``x``'s dtype: a mask of ones the size
+    of the batch (Funnel's default attention mask) and a parameter cast like the
+    activations (``w.type_as(h)``) hold no samples of ``x``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.w = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        h = self.fc(x)
+        mask = torch.ones(x.shape[:2]).type_as(h)[:, :, None]
+        return h * self.w.type_as(h) * mask + self.w.to(h)
+
+
+def test_arguments_that_only_give_a_dtype():
+    torch.manual_seed(0)
+    dp = _against_the_loop(DtypeDonors().double(), torch.randn(B, T, D, dtype=torch.float64))
+    assert {p.name: p.rule for p in dp.explain().plans}["w"] == "add.other, mul.other"
+
+
 class SpectralNormed(nn.Module):
     """A Linear under spectral norm, in train mode: each forward runs one power
     iteration (``u``, ``v`` buffers updated under ``no_grad``), then divides the weight
