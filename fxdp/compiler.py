@@ -201,9 +201,27 @@ def autograd_function_problems(gm: fx.GraphModule, param_names: dict) -> list[Pr
     return problems
 
 
+def refuse_vmap(gm: fx.GraphModule) -> None:
+    """Raise if the forward runs ``torch.func.vmap`` (Dynamo inlines it between
+    ``_vmap_increment_nesting`` and ``_vmap_decrement_nesting``, as in the
+    ``associative_scan`` that Hugging Face's Mamba uses under compilation): the ops
+    inside see one slice of a hidden batch dim, which neither the re-trace nor the
+    batch analysis can follow."""
+    from fxdp.passes.batch_dims import module_path_of
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_vmap_increment_nesting":
+            raise UnsupportedError("fxdp cannot make this model per-sample:", [Problem(
+                "torch.func.vmap", module_path_of(node), "",
+                "torch.func.vmap runs inside the forward (itself, or an op built on it such as "
+                "torch._higher_order_ops.associative_scan), and fxdp cannot follow the batch "
+                "through vmap's hidden dims; write that part with ordinary batched ops")])
+
+
 def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
                   names: dict[int, str] | None = None):
     """Canonicalise and analyse; no compilation. Used by ``validate`` and ``explain``."""
+    refuse_vmap(gm)
     placeholders, fake_args, param_names, placeholder_batch, batch_size = classify_inputs(
         gm, example_inputs, options, names)
     fake_mode = internals.fake_mode_of([a for a in fake_args if isinstance(a, torch.Tensor)])

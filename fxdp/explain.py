@@ -9,7 +9,7 @@ from torch import nn
 
 from fxdp._torch_internals import new_fake_mode
 from fxdp.compiler import CompiledGraph, analyse_graph
-from fxdp.errors import Problem
+from fxdp.errors import Problem, UnsupportedError
 from fxdp.options import Options
 
 __all__ = ["Explanation", "explain", "validate"]
@@ -133,7 +133,11 @@ def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Probl
     names = {id(p): n for n, p in fake_model.named_parameters()}
 
     def backend(gm, example_inputs):
-        _, _, _, analysis = analyse_graph(gm, example_inputs, opts, names)
+        try:
+            _, _, _, analysis = analyse_graph(gm, example_inputs, opts, names)
+        except UnsupportedError as e:  # found before the analysis could run
+            problems.extend(e.problems)
+            return gm.forward
         problems.extend(analysis.problems)
         return gm.forward
 

@@ -330,6 +330,27 @@ def test_code_dynamo_cannot_capture_in_one_graph_is_an_fxdp_error_quoting_dynamo
     assert all(p.grad is None for p in model.parameters())
 
 
+class VmapInside(torch.nn.Module):
+    """``torch.func.vmap`` in the forward (Hugging Face's Mamba reaches it through
+    ``associative_scan`` when compiled)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.func.vmap(lambda row: self.fc(row).sin())(x)
+
+
+def test_vmap_inside_the_forward_is_refused():
+    model = VmapInside().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert [p.op for p in fxdp.validate(model, x)] == ["torch.func.vmap"]
+    with pytest.raises(fxdp.UnsupportedError, match="vmap's hidden dims"):
+        fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(x)
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("mode", ["grad_sample", "clip"])
 def test_padded_lstm_matches_the_packed_model(mode: str):
     """What the refusal asks for: the same LSTM run over the padded batch, each sample's
