@@ -295,6 +295,10 @@ for _op, _idx in [
     PROPAGATION[_op] = _dim_op(_arg_dim(_idx))
 
 
+# ``F.glu`` halves its dim (default the last) into a value and a gate.
+PROPAGATION[aten.glu.default] = _dim_op(_arg_dim(1, -1))
+
+
 for _op in (aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default):
     # A triangle of the last two dims (a causal mask of batched scores).
     PROPAGATION[_op] = _dim_op(lambda node, ndim: [ndim - 2, ndim - 1])
@@ -657,6 +661,16 @@ def _batch_first_only(node, arg_batch):
         elif not result.same_as(b):
             raise MixesSamples("its operands have their batch at different dims")
     return result
+
+
+@_register(aten.max_pool1d_with_indices.default, aten.max_pool2d_with_indices.default,
+           aten.max_pool3d_with_indices.default, aten.adaptive_max_pool1d.default,
+           aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+def _pool_with_indices(node, arg_batch):
+    """A max pool and its argmax positions (``return_indices=True``, the adaptive max
+    pools): both batched as the input."""
+    b = _batch_first_only(node, arg_batch[:1])
+    return [b, b]
 
 
 @_register(aten.im2col.default, aten.col2im.default)

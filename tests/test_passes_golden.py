@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -294,6 +295,24 @@ def test_sum_over_non_batch_dims():
     assert _is(out, 0), out
     _, out, _ = analyse(lambda x: x.sum(0), ((T, B, D), 1))
     assert _is(out, 0), out
+
+
+def test_matmul_keeps_a_merged_batch_layout():
+    """``[T·B]`` rows (``outer=T``) stay so through a product, and a view splits them back."""
+    analysis, out, _ = analyse(lambda x, w: torch.matmul(x.reshape(1, -1, D), w).view(T, B, D),
+                               ((T, B, D), 1), ((1, D, D), None))
+    assert analysis.problems == [] and _is(out, 1), (analysis.problems, out)
+
+
+def test_max_pools_with_indices_and_glu():
+    analysis, out, _ = analyse(lambda x: F.max_pool2d(x, 2, return_indices=True)[1], ((B, 4, 6, 6), 0))
+    assert analysis.problems == [] and _is(out, 0), out
+    analysis, out, _ = analyse(lambda x: F.adaptive_max_pool2d(x, 2), ((B, 4, 6, 6), 0))
+    assert analysis.problems == [] and _is(out, 0), out
+    analysis, out, _ = analyse(lambda x: F.glu(x), ((B, T, 2 * D), 0))
+    assert analysis.problems == [] and _is(out, 0), out
+    analysis, _, _ = analyse(lambda x: F.glu(x, 0), ((2 * B, D), 0), batch_size=2 * B)
+    assert "along the batch dim" in analysis.problems[0].reason
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
