@@ -177,8 +177,9 @@ def _broadcast_letters(equation: str, operands: Sequence[torch.Tensor]) -> dict[
     letters = {}
     for letter in output:
         dims = [(o, t.index(letter)) for t, o in zip(terms, operands) if letter in t]
-        if dims and all(o.stride(d) == 0 and not (isinstance(o.shape[d], int) and o.shape[d] == 1)
-                        for o, d in dims):
+        # An expand's stride is a literal 0; a symbolic stride is compared with nothing.
+        if dims and all(isinstance(o.stride(d), int) and o.stride(d) == 0
+                        and not (isinstance(o.shape[d], int) and o.shape[d] == 1) for o, d in dims):
             letters[letter] = dims[0][0].shape[dims[0][1]]
     return letters
 
