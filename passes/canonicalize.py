@@ -287,11 +287,16 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         src, reps = node.args[0], list(node.args[1])
         shape = list(src.meta["val"].shape)
-        if len(reps) == len(shape) and all(bool(r == 1) or bool(s == 1) for r, s in zip(reps, shape)):
+        # More counts than dims: repeat reads the tensor with leading size-1 dims added.
+        lead = len(reps) - len(shape)
+        shape = [1] * lead + shape
+        if lead >= 0 and all(bool(r == 1) or bool(s == 1) for r, s in zip(reps, shape)):
             node.target = aten.expand.default
             # -1 keeps a dim that is not repeated (its size may be symbolic), a size-1
-            # dim takes the repeat count (a graph node for a symbolic batch size).
-            node.args = (src, [r if isinstance(s, int) and s == 1 else -1 for s, r in zip(shape, reps)])
+            # dim takes the repeat count (a graph node for a symbolic batch size), and
+            # so does a dim expand adds in front.
+            node.args = (src, [r if i < lead or (isinstance(s, int) and s == 1) else -1
+                               for i, (s, r) in enumerate(zip(shape, reps))])
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -413,8 +418,13 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 new = expand
             elif node.target is aten.select.int:
                 dim = node.args[1] % ndim
+                kept = sizes[:dim] + sizes[dim + 1:]
                 if not _expands_dim(expand, dim):
-                    new = _sunk(gm, node, expand, dim, aten.select.int, (node.args[2],), sizes[:dim] + sizes[dim + 1:])
+                    new = _sunk(gm, node, expand, dim, aten.select.int, (node.args[2],), kept)
+                elif dim >= _leading(expand):  # every index along it reads the source's one row
+                    new = _sunk(gm, node, expand, dim, aten.select.int, (0,), kept)
+                else:  # a dim the expand added: the source itself
+                    new = _call(gm, aten.expand.default, (expand.args[0], kept), node)
             elif node.target is aten.unbind.int:
                 dim = (node.args[1] if len(node.args) > 1 else 0) % ndim
                 users = list(node.users)
@@ -667,7 +677,11 @@ _FILLED = {torch.ops.aten.zeros.default: 0, torch.ops.aten.ones.default: 1, torc
 
 def constant_ids_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Ids made by ``torch.zeros(input_ids.shape)`` (or ``ones``/``full``) and only looked
-    up by embeddings become one id expanded to that shape.
+    up by embeddings become one id expanded to that shape; a filled tensor read only as
+    the input of linears and elementwise ops (through row views), one row expanded
+    (Opacus's ``DPLSTM`` starts from ``torch.zeros(layers, B, H)``: ``linear(h0, W_hh,
+    b_hh)`` is then the bias broadcast to the batch, not a parameter with one row per
+    sample).
 
     LayoutLM, MobileBERT and SqueezeBERT build their default ``token_type_ids`` this
     way; a tensor the size of the batch that holds no samples' data would make the
@@ -683,18 +697,48 @@ def constant_ids_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _FILLED or not node.users:
             continue
-        if not all(u.target is aten.embedding.default and u.args[1] is node and u.args[0] is not node
-                   for u in node.users):
-            continue
         sizes = list(node.args[0])
+        if all(u.target is aten.embedding.default and u.args[1] is node and u.args[0] is not node
+               for u in node.users):
+            kept = [1] * len(sizes)  # ids: every one the same
+        elif len(sizes) >= 2 and not _written_through(node) and _read_as_features(node):
+            kept = [1] * (len(sizes) - 1) + sizes[-1:]  # rows: every one the same
+        else:
+            continue
         with gm.graph.inserting_before(node):
-            one = gm.graph.call_function(node.target, ([1] * len(sizes), *node.args[1:]), dict(node.kwargs))
+            one = gm.graph.call_function(node.target, (kept, *node.args[1:]), dict(node.kwargs))
             one.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-            one.meta["val"] = node.meta["val"].new_empty([1] * len(sizes))
+            one.meta["val"] = node.meta["val"].new_empty([k if isinstance(k, int) else k.meta["val"] for k in kept])
             expanded = _call(gm, aten.expand.default, (one, sizes), node)
         _replace(gm, node, expanded)
         changed = True
     return _finished(gm, changed)
+
+
+# Views that ``sink_expands_pass`` moves an expand below, and elementwise reads.
+_ROW_VIEWS = {
+    torch.ops.aten.select.int, torch.ops.aten.slice.Tensor, torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.unbind.int, operator.getitem, *_SPLITS,
+}
+
+
+def _read_as_features(node: fx.Node) -> bool:
+    """Whether every read of ``node`` (through row views) is the input of a linear or an
+    elementwise op: the reads an expand of its rows can move past or broadcast into."""
+    for user in node.users:
+        if user.op != "call_function":
+            return False
+        if user.target in _ROW_VIEWS:
+            if not _read_as_features(user):
+                return False
+        elif user.target is torch.ops.aten.linear.default:
+            if user.args[0] is not node or any(a is node for a in user.args[1:]):
+                return False
+        elif not (isinstance(user.target, torch._ops.OpOverload) and torch.Tag.pointwise in user.target.tags
+                  and not writes_in_place(user.target)
+                  and torch.Tag.nondeterministic_seeded not in user.target.tags):
+            return False
+    return True
 
 
 def _broadcast_source(operand: Any) -> fx.Node | None:

@@ -697,6 +697,58 @@ def test_arguments_that_only_give_a_dtype():
     assert {p.name: p.rule for p in dp.explain().plans}["w"] == "add.other, mul.other"
 
 
+class ZeroStateCell(nn.Module):
+    """Opacus's ``DPLSTM`` as written: the state starts from ``torch.zeros(layers, B, H)``
+    built inside the forward, read per layer by ``h0[layer]``, then a linear of it
+    (``linear(h0[0], W_hh, b_hh)``: the bias broadcast to the batch) and an elementwise
+    gate (``f * c0[0]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ih = nn.Linear(D, 2 * D)
+        self.hh = nn.Linear(D, 2 * D)
+
+    def forward(self, x):
+        n = x.shape[0]
+        h0 = torch.zeros(2, n, D, dtype=x.dtype)
+        c0 = torch.zeros(2, n, D, dtype=x.dtype)
+        h, c = h0[0], c0[0]
+        for t in range(x.shape[1]):
+            gates = self.ih(x[:, t]) + self.hh(h)
+            f, g = gates.chunk(2, 1)
+            c = torch.sigmoid(f) * c + torch.tanh(g)
+            h = torch.tanh(c)
+        return h
+
+
+class SeqFirstSequenceBias(nn.Module):
+    """Opacus's ``SequenceBias``: ``cat([x, bias.repeat(1, B, 1)])`` with ``bias`` 1-D
+    (``repeat`` with more counts than dims), sequence first."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.bias = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        h = self.inp(x)
+        return torch.cat([h, self.bias.repeat(1, h.shape[1], 1)])
+
+
+@pytest.mark.parametrize("kind", ["zero_state", "sequence_bias"])
+def test_opacus_style_layers_as_written(kind: str):
+    torch.manual_seed(0)
+    if kind == "zero_state":
+        model, x, batch_dim = ZeroStateCell().double(), torch.randn(B, T, D, dtype=torch.float64), 0
+    else:
+        model, x, batch_dim = SeqFirstSequenceBias().double(), torch.randn(T, B, D, dtype=torch.float64), 1
+    torch._dynamo.reset()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", batch_first=batch_dim == 0, compiler="eager")
+    ref = reference(model, (x,), lambda out, i: out.pow(2).sum(), batch_dim=batch_dim)
+    dp(x).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
+
+
 class SpectralNormed(nn.Module):
     """A Linear under spectral norm, in train mode: each forward runs one power
     iteration (``u``, ``v`` buffers updated under ``no_grad``), then divides the weight
