@@ -250,14 +250,10 @@ def _same(node: fx.Node, arg_batch: list) -> Any:
     return arg_batch[0]
 
 
-# Ops whose arguments at these positions give only a dtype and device.
+# Ops whose arguments at these positions give only a dtype and device: ``x.type_as(y)``
+# and ``x.to(y)`` are ``x``'s values in ``y``'s dtype and device.
 _DTYPE_DONORS = {aten.type_as.default: (1,), aten.to.other: (1,)}
-
-
-@_register(*_DTYPE_DONORS)
-def _converted(node: fx.Node, arg_batch: list) -> Any:
-    """``x.type_as(y)``, ``x.to(y)``: ``x``'s values in ``y``'s dtype and device."""
-    return arg_batch[0]
+_register(*_DTYPE_DONORS)(_same)
 
 
 def _dim_op(check_dims: Callable[[fx.Node, int], list[int]], keep_shape: bool = True):
