@@ -606,8 +606,13 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 node.replace_input_with(arg, source)
                 values = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
                 node.meta["val"] = node.target(*values[0], **values[1])
+                # The expand's sizes where the result is still broadcast (size 1, or a dim
+                # in front); elsewhere the other operands gave the result its size.
+                old, lead = list(arg.args[1]), out.dim() - node.meta["val"].dim()
+                sizes = [old[i] if i < lead or (isinstance(n, int) and n == 1) else -1
+                         for i, n in enumerate([None] * lead + list(node.meta["val"].shape))]
                 with gm.graph.inserting_after(node):
-                    expanded = gm.graph.call_function(torch.ops.aten.expand.default, (node, list(arg.args[1])))
+                    expanded = gm.graph.call_function(torch.ops.aten.expand.default, (node, sizes))
                 expanded.meta.update(node.meta)
                 expanded.meta["val"] = out
                 node.replace_all_uses_with(expanded, delete_user_cb=lambda user: user is not expanded)

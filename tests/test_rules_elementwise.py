@@ -749,6 +749,29 @@ def test_opacus_style_layers_as_written(kind: str):
     assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
 
 
+class ExpandedThenBroadcast(nn.Module):
+    """A shared table expanded to the batch, then divided by a shared operand that
+    broadcasts one of the table's size-1 dims (timm XCiT's Fourier positions, Funnel's
+    token-type matrix): the division runs on the unexpanded table and its result is
+    expanded to the sizes the division gave it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 2)
+        self.scale = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        n, t = x.shape[:2]
+        table = torch.arange(1, t + 1, dtype=x.dtype).view(1, t, 1).expand(n, t, 1)
+        pos = table / torch.arange(1, D + 1, dtype=x.dtype).view(1, 1, D)
+        return self.lin(x * self.scale + pos.cumsum(-1))
+
+
+def test_expanded_value_meets_a_broadcasting_shared_operand():
+    torch.manual_seed(0)
+    _against_the_loop(ExpandedThenBroadcast().double(), torch.randn(B, T, D, dtype=torch.float64))
+
+
 class SpectralNormed(nn.Module):
     """A Linear under spectral norm, in train mode: each forward runs one power
     iteration (``u``, ``v`` buffers updated under ``no_grad``), then divides the weight
