@@ -194,6 +194,16 @@ def _inactive_dropout(x, p, train):
     return NotImplemented
 
 
+def _select_scatter_as_slice(base, src, dim, index):
+    """``select_scatter`` as the ``slice_scatter`` of one row: the per-sample VJP of a
+    parameter transform runs under ``vmap``, where ``select_scatter``'s backward left
+    the written row's gradient through ``base`` unmasked (torch 2.13: three times the
+    gradient of ``select_scatter(w, 3 * w[0], 0, 0)``'s row 0)."""
+    if index < 0:
+        index = index + base.shape[dim]
+    return torch.ops.aten.slice_scatter.default(base, src.unsqueeze(dim), dim, index, index + 1)
+
+
 def _einsum_as_products(equation, operands, **kwargs):
     """``aten.einsum`` as ATen's own implementation runs it: permutes, views and
     ``bmm``/``mul``/``sum``. Its tensors come as one list argument, which the tag pass
@@ -230,6 +240,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     decompositions = {
         **get_decompositions(_DECOMPOSED), **{op: op.decompose for op in _COMPOSITE},
         torch.ops.aten.bilinear.default: _bilinear_as_einsum, torch.ops.aten.dropout.default: _inactive_dropout,
+        torch.ops.aten.select_scatter.default: _select_scatter_as_slice,
     }
     with torch.backends.mkldnn.flags(enabled=False):
         out = make_fx_traced(fx.Interpreter(gm).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
@@ -970,10 +981,13 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         written = node.args[0]
         twin = out_of_place(node.target)
-        if (twin is None or not isinstance(written, fx.Node) or written.op != "call_function"
-                or (is_view(written) and not _sole_view(written))
-                or any(is_view(u) and order[u] < order[node] for u in written.users)):
-            continue  # a graph input (the caller sees the write), or aliased memory
+        if twin is None or not isinstance(written, fx.Node) or written.op != "call_function":
+            continue  # a graph input: the caller sees the write
+        if any(is_view(u) and order[u] < order[node] for u in written.users):
+            continue  # aliased memory
+        if is_view(written) and not _sole_view(written):
+            changed |= _write_as_scatter(gm, node, twin, order)
+            continue
         later = [u for u in written.users if u is not node and order[u] > order[node]]
         node.target = twin
         for user in later:
@@ -982,3 +996,42 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
     if changed:
         gm.recompile()
     return gm
+
+
+_SCATTERS = {torch.ops.aten.slice.Tensor, torch.ops.aten.select.int}
+
+
+def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict) -> bool:
+    """An in-place op with no tensor operand (``zero_``, ``fill_``, ``mul_`` by a number)
+    on a slice or select of a computed tensor that no other view reads, as its
+    out-of-place twin scattered into a new tensor that later reads of the base read
+    (torchvision's Swin V2: ``qkv_bias = bias.clone(); qkv_bias[n:2 * n].zero_()``)::
+
+        slice_1 = torch.ops.aten.slice.Tensor(clone, 0, 4, 8)           # before
+        zero_ = torch.ops.aten.zero_.default(slice_1)
+        zero = torch.ops.aten.zero.default(slice_1)                     # after
+        slice_scatter = torch.ops.aten.slice_scatter.default(clone, zero, 0, 4, 8)
+    """
+    view = node.args[0]
+    base = view.args[0]
+    if (view.target not in _SCATTERS or not isinstance(base, fx.Node) or base.op != "call_function"
+            or is_view(base) or any(is_view(u) and u is not view for u in base.users)
+            or any(u.op == "output" for u in base.users)):
+        return False
+    if any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+        return False  # a write of other tensors' values: followed by passes/writes.py
+    node.target = twin
+    with gm.graph.inserting_before(node.next):  # in order, right after the write
+        if view.target is torch.ops.aten.slice.Tensor:
+            scattered = _call(gm, torch.ops.aten.slice_scatter.default, (base, node, *view.args[1:]), node)
+        else:  # a select, as the slice of one row (see _select_scatter_as_slice)
+            dim, index = view.args[1], view.args[2]
+            if index < 0:
+                index = index + base.meta["val"].shape[dim]
+            row = _call(gm, torch.ops.aten.unsqueeze.default, (node, dim), node)
+            scattered = _call(gm, torch.ops.aten.slice_scatter.default, (base, row, dim, index, index + 1), node)
+    for user in [u for u in base.users if u is not scattered and order.get(u, -1) > order[node]]:
+        user.replace_input_with(base, scattered)
+    for user in [u for u in view.users if u is not node and order.get(u, -1) > order[node]]:
+        user.replace_input_with(view, node)
+    return True
