@@ -1020,6 +1020,8 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
         return False
     if any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
         return False  # a write of other tensors' values: followed by passes/writes.py
+    if view.target is torch.ops.aten.select.int and not all(isinstance(a, int) for a in view.args[1:3]):
+        return False
     node.target = twin
     with gm.graph.inserting_before(node.next):  # in order, right after the write
         if view.target is torch.ops.aten.slice.Tensor:
