@@ -1020,16 +1020,19 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
         return False
     if any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
         return False  # a write of other tensors' values: followed by passes/writes.py
-    if view.target is torch.ops.aten.select.int and not all(isinstance(a, int) for a in view.args[1:3]):
-        return False
+    if view.target is torch.ops.aten.select.int:
+        dim, index = view.args[1], view.args[2]
+        if not (isinstance(dim, int) and isinstance(index, int)):
+            return False
+        if index < 0:  # counted from the end of a dim whose size the graph may not name
+            index = index + base.meta["val"].shape[dim]
+            if not isinstance(index, int):
+                return False
     node.target = twin
     with gm.graph.inserting_before(node.next):  # in order, right after the write
         if view.target is torch.ops.aten.slice.Tensor:
             scattered = _call(gm, torch.ops.aten.slice_scatter.default, (base, node, *view.args[1:]), node)
         else:  # a select, as the slice of one row (see _select_scatter_as_slice)
-            dim, index = view.args[1], view.args[2]
-            if index < 0:
-                index = index + base.meta["val"].shape[dim]
             row = _call(gm, torch.ops.aten.unsqueeze.default, (node, dim), node)
             scattered = _call(gm, torch.ops.aten.slice_scatter.default, (base, row, dim, index, index + 1), node)
     for user in [u for u in base.users if u is not scattered and order.get(u, -1) > order[node]]:
