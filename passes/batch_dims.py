@@ -670,7 +670,7 @@ def _pool_with_indices(node, arg_batch):
 
 
 @_register(aten.slice_scatter.default, aten.select_scatter.default)
-def _scatter(node, arg_batch):
+def _view_scatter(node, arg_batch):
     """``base`` with ``src`` written into a slice or select of it (the functional form of
     an in-place write into that view): batched as ``base`` and ``src`` agree, never
     along the dim written into."""
@@ -679,8 +679,9 @@ def _scatter(node, arg_batch):
     dim = _norm_dim(node.args[2] if len(node.args) > 2 else 0, ndim)
     if isinstance(src, BatchDim) and src.dim is not None and node.target is aten.select_scatter.default:
         src = src.at(src.dim + (src.dim >= dim))  # src lacks the selected dim
-    result = _agreed(None, base) if isinstance(base, BatchDim) else None
-    result = _agreed(result, src) if isinstance(src, BatchDim) else result
+    result = base if isinstance(base, BatchDim) else None
+    if isinstance(src, BatchDim):
+        result = _agreed(result, src)
     if isinstance(result, BatchDim) and result.dim == dim:
         raise MixesSamples("it writes into part of the batch dim")
     return result
