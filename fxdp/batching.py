@@ -128,7 +128,9 @@ def batch_major(t: torch.Tensor, batch: BatchDim, batch_size: Any = None) -> tor
     if batch.dim == "shared":
         return t.unsqueeze(0).expand(batch_size, *t.shape)
     if batch.dim is None:
-        return t.unsqueeze(0)
+        # A whole parameter's gradient (B == 1) is sparse from Embedding(sparse=True);
+        # per-sample gradients are dense, as for any B.
+        return (t.to_dense() if t.is_sparse else t).unsqueeze(0)
     t = t.movedim(batch.dim, 0)
     if not _equal(batch.outer, 1):
         # [outer·B·inner, *rest] -> [B, outer·inner, *rest]: one sample's rows together

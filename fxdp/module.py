@@ -43,6 +43,12 @@ class DPModule(nn.Module):
         return self._module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, nn.utils.rnn.PackedSequence) for a in (*args, *kwargs.values())):
+            raise UnsupportedError(
+                "fxdp cannot take a PackedSequence argument: its data interleaves the samples' "
+                "steps, so it has no batch dim. Pass the padded batch instead ([B, T, ...] "
+                "with the lengths or a mask), run the RNN on it and read each sample's last "
+                "real step with the mask, e.g. (out * mask[..., None]).sum(1)")
         RUN_STATE.ran = False
         # nn.LSTM/GRU/RNN are traced only with allow_rnn (read at trace time).
         with torch._dynamo.config.patch(allow_rnn=True):

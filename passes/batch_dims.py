@@ -100,6 +100,10 @@ class BatchAnalysis:
         problems: Everything that cannot be made per-sample.
         uses: Every place a parameter's gradient is made per-sample.
         loss: The reduction of the in-graph loss, or ``None`` if the loss is outside.
+        single: ``B`` is 1 or 0: the batch is one sample, whose gradient is the
+            ordinary gradient, or none; no use needs a rule (``uses`` is empty, see
+            ``tag_pass``).
+        empty: ``B == 0``.
     """
 
     batch: dict[fx.Node, Any]
@@ -108,6 +112,8 @@ class BatchAnalysis:
     loss: str | None
     broadcasts: dict[fx.Node, Broadcast] = dataclasses.field(default_factory=dict)
     param_only: dict[fx.Node, frozenset] = dataclasses.field(default_factory=dict)
+    single: bool = False
+    empty: bool = False
 
 
 def op_name(target: Any) -> str:
@@ -937,7 +943,7 @@ def batch_dim_pass(
             parameters and buffers).
         param_names: Trainable-parameter placeholders and their names.
         batch_size: ``B``; with ``B == 1`` everything derived from the inputs is one
-            sample (``WHOLE``) and nothing can mix samples.
+            sample (``WHOLE``) and nothing can mix samples; ``B == 0`` likewise.
 
     Returns:
         The analysis; the graph is not changed (nodes get ``meta["fxdp_batch"]``).
@@ -949,7 +955,7 @@ def batch_dim_pass(
     # (consumer, argument index or None, consumed parameter-only value)
     consumed: list[tuple[fx.Node, int | None, fx.Node]] = []
     loss_kinds: set[str] = set()
-    single = isinstance(batch_size, int) and batch_size == 1
+    single = isinstance(batch_size, int) and batch_size in (0, 1)
 
     previous = None
     for node in gm.graph.nodes:
@@ -1041,8 +1047,8 @@ def batch_dim_pass(
             else:
                 batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
 
-    uses, broadcasts = _classify_parameter_uses(
-        consumed, sources, batch, param_names, problems, single)
+    uses, broadcasts = ([], {}) if single else _classify_parameter_uses(
+        consumed, sources, batch, param_names, problems)
 
     for node in gm.graph.nodes:
         node.meta["fxdp_batch"] = batch.get(node)
@@ -1052,14 +1058,15 @@ def batch_dim_pass(
             problems.append(Problem("loss", "", "", f"the graph adds losses of different reductions {sorted(loss_kinds)}"))
         loss = sorted(loss_kinds)[0]
     return BatchAnalysis(batch=batch, problems=problems, uses=uses, loss=loss,
-                         broadcasts=broadcasts, param_only=sources)
+                         broadcasts=broadcasts, param_only=sources, single=single,
+                         empty=single and batch_size == 0)
 
 
 def _names(nodes, param_names) -> str:
     return ", ".join(sorted(param_names[p] for p in nodes))
 
 
-def _classify_parameter_uses(consumed, sources, batch, param_names, problems, single):
+def _classify_parameter_uses(consumed, sources, batch, param_names, problems):
     """Decide, for every place a parameter (or a parameter-only value) meets batched data,
     how its per-sample gradient is obtained.
 
@@ -1084,7 +1091,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
     graph_nodes = next(iter(consumers)).graph.nodes if consumers else ()
     for node in (n for n in graph_nodes if n in consumers):  # producers before consumers
         rule = lookup(node.target) if node.op == "call_function" else None
-        if node not in sources or rule is None or single:
+        if node not in sources or rule is None:
             continue
         param_positions = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a in sources]
         if param_positions and all(node.args[i] in broadcast_values for i in param_positions):
@@ -1143,9 +1150,6 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, si
         target, path = node.target, module_path_of(node)
         rule = lookup(target)
         kind = "direct" if value in param_names else "transform"
-        if single:
-            uses.append(UseSite(node, index, kind, sources[value], generic=rule is None or index not in rule.params))
-            continue
         if rule is not None and index is not None and index in rule.params:
             reason = rule.check(
                 [_arg_batch(a, batch) for a in node.args], [_meta(a) for a in node.args], index

@@ -24,7 +24,7 @@ from fxdp.batching import RAW, SHARED, WHOLE
 from fxdp.markers import USES, TaggedOp, Transform, UseInfo, new_use_id
 from fxdp.passes.batch_dims import BatchAnalysis, module_path_of
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad
-from fxdp.registry import GRAD, lookup, schema_args
+from fxdp.registry import GRAD, OpRule, ParamRule, lookup, schema_args
 from fxdp.rules.generic import generic_rule
 
 __all__ = ["tag_pass", "ISOMETRIC"]
@@ -40,6 +40,44 @@ ISOMETRIC = {
     aten.contiguous.default, aten.alias.default, aten.flatten.using_ints, aten.unflatten.int,
     aten.movedim.int,
 }
+
+
+def _whole_parameter_rule(param_rule: ParamRule) -> OpRule:
+    return OpRule(op=aten.alias.default, params={0: param_rule},
+                  input_grad=lambda args, grad_out, index: None, batch_rule=lambda *args: None)
+
+
+# A batch of one sample (``B == 1``): that sample's gradient is the ordinary gradient,
+# whatever the ops. Each trainable parameter is read through one tagged alias, whose
+# marker receives the parameter's whole gradient as a WHOLE operand (``[1, *p.shape]``);
+# no op needs a rule.
+_BATCH_OF_ONE = _whole_parameter_rule(ParamRule(
+    name="batch-of-one", operands=(GRAD,), per_sample_grad=lambda g: g, sum_grad=lambda g: g.sum(0)))
+# No sample (``B == 0``): no per-sample gradient, a zero gradient.
+_EMPTY_BATCH = _whole_parameter_rule(ParamRule(
+    name="empty-batch", operands=(GRAD,), per_sample_grad=lambda g: g[:0],
+    sum_grad=lambda g: g.new_zeros(g.shape[1:])))
+
+
+def _tag_whole_parameters(gm: fx.GraphModule, param_names: dict[fx.Node, str],
+                          excluded: set[str], op_rule: OpRule) -> dict[str, int]:
+    """``B`` is 1 or 0: every use of a trainable parameter reads ``fxdp_alias(p)``."""
+    first_op = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    counts: collections.Counter = collections.Counter()
+    rule = op_rule.params[0]
+    for p, name in param_names.items():
+        if name in excluded or not p.users:
+            continue
+        use_id = new_use_id()
+        USES[use_id] = UseInfo(use_id=use_id, rule=rule, param=name, module_path="",
+                               operand_batch=[WHOLE], config={}, source_names=[name])
+        with gm.graph.inserting_before(first_op):
+            new = gm.graph.call_function(TaggedOp(op_rule, {0: use_id}), (p,))
+        new.meta.update(p.meta)
+        new.meta["fxdp"] = {"rule": rule.name, "params": [name], "use_ids": [use_id]}
+        p.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        counts[rule.name] += 1
+    return dict(counts)
 
 
 def _first_user(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
@@ -119,6 +157,13 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
             with gm.graph.inserting_after(p):
                 detached = gm.graph.call_function(torch.ops.aten.detach.default, (p,))
             p.replace_all_uses_with(detached, delete_user_cb=lambda u: u is not detached)
+
+    if analysis.single:
+        op_rule = _EMPTY_BATCH if analysis.empty else _BATCH_OF_ONE
+        counts.update(_tag_whole_parameters(gm, param_names, excluded, op_rule))
+        gm.graph.lint()
+        gm.recompile()
+        return gm, dict(counts)
 
     batch = analysis.batch
     params = set(param_names)

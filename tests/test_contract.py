@@ -7,6 +7,7 @@ unless a test is about Inductor.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import re
 import warnings
@@ -244,6 +245,103 @@ def test_batch_of_one():
     assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
     assert_tensor_close(dp.per_sample_norms, ref.norms, "per_sample_norms")
     assert_tensor_close(dp.clip_factors, ref.clip_factors(max_grad_norm), "clip_factors")
+
+
+class _SequenceFirstBias(nn.Module):
+    """Opacus's ``SequenceBias``: a learned step appended to a ``[T, B, d]`` sequence,
+    the parameter inside ``cat``'s list argument."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return torch.cat([x, self.bias.view(1, 1, -1).repeat(1, x.shape[1], 1)])
+
+
+class _FirstOutput(nn.Module):
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args):
+        return self.layer(*args)[0]
+
+
+# Layers whose rules read a fixed layout ([N, C, ...]), whose parameters never reach a
+# rule directly, or (the last ones) that are refused for B > 1, where they tie samples
+# together; ``no_empty``: Dynamo itself cannot trace the layer on an empty batch.
+_ODD_BATCHES = {
+    "group-norm": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4)), lambda b: [randn(b, 3, 6, 6)], 0),
+    "instance-norm": (lambda: nn.Sequential(nn.Conv1d(3, 4, 3), nn.InstanceNorm1d(4, affine=True)),
+                      lambda b: [randn(b, 3, 7)], 0),
+    "depthwise-conv": (lambda: nn.Conv2d(4, 4, 3, groups=4), lambda b: [randn(b, 4, 6, 6)], 0),
+    "transposed-conv": (lambda: nn.ConvTranspose1d(3, 2, 3, stride=2), lambda b: [randn(b, 3, 5)], 0),
+    "batch-norm-eval": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval(),
+                        lambda b: [randn(b, 3, 6, 6)], 0),
+    "prelu": (lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(6)), lambda b: [randn(b, 6, 4)], 0),
+    "lstm": (lambda: _FirstOutput(nn.LSTM(4, 5, batch_first=True)), lambda b: [randn(b, 3, 4)], 0),
+    "sequence-first-bias": (lambda: _SequenceFirstBias(4), lambda b: [randn(5, b, 4)], 1),
+    "multihead-attention-bias-kv": (
+        lambda: _FirstOutput(nn.MultiheadAttention(4, 2, add_bias_kv=True, add_zero_attn=True)),
+        lambda b: [randn(5, b, 4), randn(6, b, 4, seed=2), randn(6, b, 4, seed=3)], 1),
+    "batch-norm-train": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), lambda b: [randn(b, 3, 6, 6)], 0),
+    "embedding-bag-max": (lambda: nn.EmbeddingBag(10, 4, mode="max"),
+                          lambda b: [torch.tensor([[1, 7, 3]] * b, dtype=torch.long).reshape(b, 3)], 0),
+}
+_NO_EMPTY = {"instance-norm", "multihead-attention-bias-kv", "batch-norm-train"}
+
+
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("name", sorted(_ODD_BATCHES))
+def test_batch_of_one_is_the_ordinary_gradient(name, clip):
+    """With ``B == 1`` the one sample's gradient is the ordinary gradient: every
+    parameter's own, whatever the ops (no rule reads a layout)."""
+    make, make_args, batch_dim = _ODD_BATCHES[name]
+    torch.manual_seed(0)
+    model, args = make().to(DTYPE), make_args(1)
+    ref = reference(model, args, lambda out, i: out.pow(2).sum(), batch_dim=batch_dim)
+    max_grad_norm = ref.norms.item() / 2 if clip else None
+    dp = fxdp.transform(model, max_grad_norm=max_grad_norm, grad_sample=True, batch_first=batch_dim == 0,
+                        compiler="eager")
+    dp(*args).pow(2).sum().backward()
+    assert_close_all(grads(model), ref.grad("mean", max_grad_norm), TOL, "p.grad")
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+    assert_tensor_close(dp.per_sample_norms, ref.norms, "per_sample_norms")
+    assert "batch-of-one" in str(dp.explain())
+
+
+@pytest.mark.parametrize("name", sorted(set(_ODD_BATCHES) - _NO_EMPTY))
+def test_empty_batch_of_any_layer(name):
+    make, make_args, batch_dim = _ODD_BATCHES[name]
+    torch.manual_seed(0)
+    model, args = make().to(DTYPE), make_args(0)
+    dp = fxdp.transform(model, max_grad_norm=1.0, grad_sample=True, batch_first=batch_dim == 0,
+                        loss_reduction="sum", compiler="eager")
+    dp(*args).pow(2).sum().backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, torch.zeros_like(p)), n
+        assert p.grad_sample.shape == (0, *p.shape), n
+    assert dp.per_sample_norms.shape == (0,) and dp.clip_factors.shape == (0,)
+
+
+@pytest.mark.parametrize("batch_size", [0, 1, 3])
+def test_sparse_embedding_gives_dense_per_sample_gradients(batch_size):
+    """``Embedding(sparse=True)``: autograd's gradient of the weight is sparse; fxdp's
+    gradients are dense, and equal the dense layer's per-sample ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)).to(DTYPE)
+    dense = copy.deepcopy(model)
+    dense[0].sparse = False
+    ids = torch.randint(0, 10, (batch_size, 5))
+    dp = fxdp.transform(model, max_grad_norm=1.0, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(ids).pow(2).sum().backward()
+    if batch_size == 0:
+        assert torch.equal(model[0].weight.grad, torch.zeros_like(model[0].weight))
+        return
+    ref = reference(dense, [ids], lambda out, i: out.pow(2).sum())
+    assert_close_all(grads(model), ref.grad("sum", 1.0), TOL, "p.grad")
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
 
 
 # ---------------------------------------------------------------------------

@@ -306,6 +306,18 @@ def test_packed_sequence_error_tells_the_user_to_pad():
         dp_model(x, lengths)
 
 
+def test_packed_sequence_argument_is_refused():
+    """A ``PackedSequence`` passed in (Opacus's ``DPLSTM`` takes one) has no batch dim."""
+    torch.manual_seed(0)
+    rnn = torch.nn.LSTM(4, 4, batch_first=True).double()
+    x, lengths, _ = _packed_inputs()
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    dp_model = fxdp.transform(rnn, max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="PackedSequence argument.*(?s:.*)padded batch"):
+        dp_model(packed)
+    assert all(p.grad is None for p in rnn.parameters())
+
+
 class RequiresGradMidForward(torch.nn.Module):
     """wav2vec2's feature encoder: ``hidden.requires_grad = True`` in train mode, which
     Dynamo cannot put in a graph."""

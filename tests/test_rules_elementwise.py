@@ -232,7 +232,7 @@ CASES = [
          rules=("mul.other",)),
     Case("used-twice", around(lambda m, h: h * m.g + m.g, g=(D,)), (B, T, D), rules=("mul.other", "add.other")),
     Case("shared-table-broadcast", SharedTable, (B, T, D), rules=("mul.other",)),
-    Case("layer-scale-batch-of-one", around(lambda m, h: h * m.gamma, gamma=(D,)), (1, T, D), rules=("mul.other",)),
+    Case("layer-scale-batch-of-one", around(lambda m, h: h * m.gamma, gamma=(D,)), (1, T, D), rules=("batch-of-one",)),
     # matrix products
     Case("matmul-weight", around(lambda m, h: h @ m.W, d_out=6, W=(D, 6)), (B, T, D), rules=("matmul.other",),
          product=True),

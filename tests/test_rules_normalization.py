@@ -128,7 +128,7 @@ CASES = [
          rules=("instance_norm.weight",)),
     Case("instancenorm1d-eval-running-stats", _eval_instance_norm, (B, 2, 6), rules=("instance_norm.bias",)),
     Case("layernorm-of-shared-table", SharedTable, (B, T, D), rules=("layer_norm.weight",)),
-    Case("layernorm-batch-of-one", lambda: Sandwich(nn.LayerNorm(D)), (1, T, D), rules=("layer_norm.weight",)),
+    Case("layernorm-batch-of-one", lambda: Sandwich(nn.LayerNorm(D)), (1, T, D), rules=("batch-of-one",)),
 ]
 
 RUNS = [
