@@ -16,6 +16,7 @@ from fxdp import _torch_internals as internals
 from fxdp.batching import BatchDim
 from fxdp.errors import Problem, UnsupportedError
 from fxdp.options import Options
+from fxdp.passes.autocast import ambient_autocast, no_autocast
 from fxdp.passes.batch_dims import batch_dim_pass
 from fxdp.passes.canonicalize import canonicalize_pass
 from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass
@@ -282,26 +283,31 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     record.rule_counts = counts
     record._stage("tagged", tagged)
 
+    # The graphs hold autocast's casts (passes/autocast.py): they run with autocast off.
+    devices = list(ambient_autocast())
+
     def backward_compiler(bw_gm: fx.GraphModule, bw_inputs: Sequence[Any], inner: Callable) -> Callable:
         if internals.in_compiled_autograd():
             raise UnsupportedError("fxdp does not support compiled autograd; disable it "
                                    "(torch._dynamo.config.compiled_autograd = False)")
         record._stage("backward", bw_gm)
         decomps = internals.inductor_decompositions() if options.compiler == "inductor" else None
-        new_gm, plan = backward_rewrite_pass(bw_gm, options, decompositions=decomps)
-        record.plan = plan
-        record.annotated_backward = annotated_code(new_gm)
-        record._stage("backward_rewritten", new_gm)
-        compiled = inner(new_gm, bw_inputs)
-        return _backward_runner(compiled, plan, options)
+        with no_autocast(devices):
+            new_gm, plan = backward_rewrite_pass(bw_gm, options, decompositions=decomps)
+            record.plan = plan
+            record.annotated_backward = annotated_code(new_gm)
+            record._stage("backward_rewritten", new_gm)
+            compiled = inner(new_gm, bw_inputs)
+        return _backward_runner(compiled, plan, options, devices)
 
-    if options.compiler == "inductor":
-        compiled = internals.inductor_compile(tagged, example_inputs, backward_compiler,
-                                              lambda g: record._stage("forward", g))
-    else:
-        compiled = internals.eager_compile(tagged, example_inputs, backward_compiler,
-                                           lambda g: record._stage("forward", g))
-    return _forward_runner(compiled, record)
+    with no_autocast(devices):
+        if options.compiler == "inductor":
+            compiled = internals.inductor_compile(tagged, example_inputs, backward_compiler,
+                                                  lambda g: record._stage("forward", g))
+        else:
+            compiled = internals.eager_compile(tagged, example_inputs, backward_compiler,
+                                               lambda g: record._stage("forward", g))
+    return _forward_runner(compiled, record, devices)
 
 
 _CLASS_LOSSES = {
@@ -343,10 +349,11 @@ def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     return gm
 
 
-def _forward_runner(compiled: Callable, record: CompiledGraph) -> Callable:
+def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices: list[str]) -> Callable:
     def run(*args):
         RUN_STATE.ran = True
-        return compiled(*args)
+        with no_autocast(autocast_devices):
+            return compiled(*args)
 
     run.fxdp_record = record  # type: ignore[attr-defined]
     return run
@@ -361,7 +368,8 @@ class StepRecord:
         self.clip_factors = clip_factors
 
 
-def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options) -> Callable:
+def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
+                     autocast_devices: list[str]) -> Callable:
     n = plan.num_grads
     param_positions = [p.placeholder_index for p in plan.params]
 
@@ -377,7 +385,8 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options) -
         for p in grad_sample_params:
             # replaced by this backward: free the old one before the new one is built
             p.grad_sample = None
-        outs = compiled(args)
+        with no_autocast(autocast_devices):
+            outs = compiled(args)
         extras = list(outs[n:])
         norms = extras.pop(0)
         factors = extras.pop(0) if plan.has_clip_factors else None

@@ -11,6 +11,7 @@ from torch._decomp import get_decompositions
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxdp._torch_internals import inline_checkpoints, make_fx_traced
+from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
 from fxdp.passes.writes import is_view, writes_in_place
 from fxdp.registry import out_of_place
 
@@ -230,7 +231,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
 
     ``torch._C._nn.linear(x, w, b)`` becomes ``torch.ops.aten.linear.default(x, w, b)``;
     ``aten.lstm`` and the recurrent cells become per-step linears, ``aten.einsum`` and
-    ``aten.bilinear`` matrix products;
+    ``aten.bilinear`` matrix products; autocast's casts become ops (``passes/autocast.py``);
     activation-checkpointed regions are inlined (their ops become ordinary ops of the
     graph). Placeholders keep their order, node meta (``nn_module_stack``) is preserved.
     """
@@ -245,11 +246,13 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     with torch.backends.mkldnn.flags(enabled=False):
         out = make_fx_traced(fx.Interpreter(gm).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
                              decompositions=decompositions)
+    ambient = ambient_autocast()
+    out = explicit_autocast_pass(out, fake_args, fake_mode=fake_mode, ambient=ambient)
     out = _simplified(out)
     if any(n.target is torch.ops.aten.einsum.default for n in out.graph.nodes):
         # Einsums are decomposed once the expands have moved onto their operands, where
         # the decomposition sees them (``_einsum_as_products``).
-        with torch.backends.mkldnn.flags(enabled=False):
+        with torch.backends.mkldnn.flags(enabled=False), no_autocast(list(ambient)):
             out = make_fx_traced(fx.Interpreter(out).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
                                  decompositions={torch.ops.aten.einsum.default: _einsum_as_products})
         out = _simplified(out)

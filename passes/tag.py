@@ -39,6 +39,9 @@ ISOMETRIC = {
     aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.clone.default,
     aten.contiguous.default, aten.alias.default, aten.flatten.using_ints, aten.unflatten.int,
     aten.movedim.int,
+    # A cast's vector-Jacobian product casts the gradient back: norms are kept (autocast's
+    # parameter casts, ``passes/autocast.py``).
+    aten._to_copy.default,
 }
 
 

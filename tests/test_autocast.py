@@ -1,0 +1,143 @@
+"""Mixed precision: ``torch.autocast`` around the call or inside the forward.
+
+fxdp writes autocast's casts into the graph (``passes/autocast.py``) and runs it with
+autocast off, so it computes what eager autocast computes. Ground truth is the
+microbatch loop run under the same autocast; the tolerance is the low precision's
+(each sample's gradient is rounded differently when computed alone and in a batch).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxdp
+from reference import assert_close_all, reference
+
+B, T, D = 4, 5, 8
+# Relative to the largest reference value: a few roundings of the low precision.
+TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+class _FirstOutput(nn.Module):
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args):
+        return self.layer(*args)[0]
+
+
+def _randn(*shape, seed=1):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+MODELS = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 3)), lambda: [_randn(B, D)]),
+    "sequence-layernorm": (lambda: nn.Sequential(nn.Linear(D, 16), nn.LayerNorm(16), nn.Linear(16, 3)),
+                           lambda: [_randn(B, T, D)]),
+    "conv-groupnorm": (lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.ReLU(), nn.Conv2d(8, 4, 3)),
+                       lambda: [_randn(B, 3, 9, 9)]),
+    "embedding": (lambda: nn.Sequential(nn.Embedding(20, D), nn.Linear(D, 3)),
+                  lambda: [torch.randint(0, 20, (B, T), generator=torch.Generator().manual_seed(2))]),
+    "attention": (lambda: _FirstOutput(nn.MultiheadAttention(D, 2, batch_first=True)),
+                  lambda: [_randn(B, T, D), _randn(B, T, D, seed=2), _randn(B, T, D, seed=3)]),
+    "encoder-layer": (lambda: nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True),
+                      lambda: [_randn(B, T, D)]),
+    "lstm": (lambda: _FirstOutput(nn.LSTM(D, 6, batch_first=True)), lambda: [_randn(B, T, D)]),
+}
+# oneDNN has no float16 LSTM on CPU (eager autocast fails too).
+CASES = [(name, dtype) for name in MODELS for dtype in (torch.bfloat16, torch.float16)
+         if not (name == "lstm" and dtype == torch.float16)]
+
+
+def _sq_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).sum()
+
+
+@pytest.mark.parametrize("mode", ["grad_sample-sum", "clip-mean"])
+@pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
+def test_autocast_around_the_call(name, dtype, mode):
+    make, make_args = MODELS[name]
+    torch.manual_seed(0)
+    model, args = make(), make_args()
+    with torch.autocast("cpu", dtype=dtype):
+        ref = reference(model, args, lambda out, i: _sq_loss(out))
+        eager_out = model(*args)
+    clip = float(ref.norms.median()) if mode.startswith("clip") else None
+    reduction = mode.split("-")[1]
+    m = copy.deepcopy(model)
+    dp = fxdp.transform(m, max_grad_norm=clip, grad_sample=clip is None, loss_reduction=reduction,
+                        compiler="eager")
+    with torch.autocast("cpu", dtype=dtype):
+        out = dp(*args)
+    if name != "lstm":  # decomposed into linears (bfloat16) and a float32 state update
+        assert out.dtype == eager_out.dtype  # autocast's precision, not float32
+    loss = _sq_loss(out)
+    (loss / B if reduction == "mean" else loss).backward()
+    tol = TOL[dtype]
+    trainable = {n: p for n, p in m.named_parameters() if p.requires_grad}
+    assert_close_all({n: p.grad for n, p in trainable.items()}, ref.grad(reduction, clip), tol, "p.grad")
+    if clip is None:
+        assert_close_all({n: p.grad_sample for n, p in trainable.items()}, ref.per_sample, tol, "p.grad_sample")
+    assert (dp.per_sample_norms - ref.norms).abs().max() <= tol * ref.norms.max()
+    assert all(p.grad.dtype == torch.float32 for p in trainable.values())
+
+
+class RegionsInside(nn.Module):
+    """An autocast region in the forward, with a float32 island (``enabled=False``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D, 16)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        self.b = nn.Linear(16, 3)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.a(x)
+            with torch.autocast("cpu", enabled=False):
+                h = h.float() * self.scale
+            return self.b(h)
+
+
+def test_autocast_regions_inside_the_forward():
+    torch.manual_seed(0)
+    model, x = RegionsInside(), _randn(B, T, D)
+    ref = reference(model, [x], lambda out, i: _sq_loss(out))
+    m = copy.deepcopy(model)
+    dp = fxdp.transform(m, grad_sample=True, loss_reduction="sum", compiler="eager")
+    out = dp(x)
+    assert out.dtype == torch.bfloat16
+    _sq_loss(out).backward()
+    assert_close_all({n: p.grad_sample for n, p in m.named_parameters()}, ref.per_sample, TOL[torch.bfloat16],
+                     "p.grad_sample")
+    forward = str(dp.explain()).split("--- backward")[0]
+    assert "_enter_autocast" not in forward and "_to_copy" in forward
+
+
+def test_parameter_casts_keep_ghost_norms():
+    """Autocast's ``w.to(bfloat16)`` is a parameter transform whose VJP keeps norms: the
+    linear rule still picks its own strategy (ghost norms here), not a per-sample VJP."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        text = str(fxdp.explain(model, _randn(B, 4, 64), max_grad_norm=1.0))
+    assert "strategy=ghost" in text
+    assert "per-sample VJP" not in text
+
+
+def test_autocast_with_inductor():
+    torch.manual_seed(0)
+    make, make_args = MODELS["sequence-layernorm"]
+    model, args = make(), make_args()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = reference(model, args, lambda out, i: _sq_loss(out))
+    m = copy.deepcopy(model)
+    dp = fxdp.transform(m, grad_sample=True, loss_reduction="sum", compiler="inductor")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = dp(*args)
+    _sq_loss(out).backward()
+    assert_close_all({n: p.grad_sample for n, p in m.named_parameters()}, ref.per_sample, TOL[torch.bfloat16],
+                     "p.grad_sample")
