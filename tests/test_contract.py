@@ -491,6 +491,38 @@ def test_train_and_eval_pass_through():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_dropout_in_training_is_per_sample():
+    """Active dropout: each sample's gradient through its own mask. The reference is
+    autograd on the eager model's batched graph, sample by sample, with the same seed
+    (the eager-compiled graph draws the same mask)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3)).to(DTYPE)
+    dp = fxdp.transform(copy.deepcopy(model), grad_sample=True, max_grad_norm=0.5, loss_reduction="sum",
+                        compiler="eager")
+    x = randn(6, 4)
+    torch.manual_seed(5)
+    out = dp(x)
+    torch.manual_seed(5)
+    eager = model(x)
+    assert torch.equal(out, eager)
+    with torch.no_grad():
+        assert not torch.allclose(eager, model[3](model[1](model[0](x)))), "dropout is active"
+    out.pow(2).sum().backward()
+    names = [n for n, _ in model.named_parameters()]
+    per_sample = {n: [] for n in names}
+    for i in range(x.shape[0]):
+        for n, g in zip(names, torch.autograd.grad(eager[i].pow(2).sum(), list(model.parameters()),
+                                                   retain_graph=True)):
+            per_sample[n].append(g)
+    expected = {n: torch.stack(g) for n, g in per_sample.items()}
+    assert_close_all(grad_samples(dp.module), expected, TOL, "p.grad_sample")
+    norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    assert_tensor_close(dp.per_sample_norms, norms, "per_sample_norms")
+    factors = (0.5 / (norms + 1e-6)).clamp(max=1.0)
+    clipped = {n: torch.einsum("b,b...->...", factors, g) for n, g in expected.items()}
+    assert_close_all(grads(dp.module), clipped, TOL, "p.grad")
+
+
 def test_no_grad_forward_runs_and_stores_nothing():
     model = mlp()
     dp = fxdp.transform(model, max_grad_norm=1.0, grad_sample=True, compiler="eager")
