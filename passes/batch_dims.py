@@ -720,6 +720,25 @@ def _repeat_interleave(node, arg_batch):
     return b
 
 
+_RUNNING_STATISTICS = {
+    aten.batch_norm.default, aten._native_batch_norm_legit_functional.default,
+    aten.native_batch_norm.default, aten._batch_norm_impl_index.default, aten.instance_norm.default,
+}
+
+
+def _records_running_statistics(node: fx.Node) -> str | None:
+    """Why a normalisation that writes the batch's statistics into its buffers is
+    refused at any batch size (the buffers are data, released without noise)."""
+    if node.target not in _RUNNING_STATISTICS or len(node.args) < 6:
+        return None
+    if not (node.args[5] and isinstance(node.args[3], fx.Node)):  # training / use_input_stats
+        return None
+    name = "InstanceNorm" if node.target is aten.instance_norm.default else "BatchNorm"
+    return (f"{name} with track_running_stats=True in training writes the batch's statistics into "
+            "its running buffers, which leak data outside the private gradient; use "
+            "track_running_stats=False or call .eval() on it")
+
+
 @_register(aten.batch_norm.default, aten._native_batch_norm_legit_functional.default,
            aten.native_batch_norm.default, aten._batch_norm_impl_index.default)
 def _batch_norm(node, arg_batch):
@@ -1016,6 +1035,9 @@ def batch_dim_pass(
             continue
         try:
             if single:
+                leak = _records_running_statistics(node)
+                if leak:
+                    problems.append(Problem(op_name(target), path, "", leak))
                 out = _meta(node)
                 batch[node] = [WHOLE] * len(out) if isinstance(out, (list, tuple)) else WHOLE
                 continue

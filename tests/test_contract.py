@@ -285,7 +285,8 @@ _ODD_BATCHES = {
     "multihead-attention-bias-kv": (
         lambda: _FirstOutput(nn.MultiheadAttention(4, 2, add_bias_kv=True, add_zero_attn=True)),
         lambda b: [randn(5, b, 4), randn(6, b, 4, seed=2), randn(6, b, 4, seed=3)], 1),
-    "batch-norm-train": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), lambda b: [randn(b, 3, 6, 6)], 0),
+    "batch-norm-train": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False)),
+                         lambda b: [randn(b, 3, 6, 6)], 0),
     "embedding-bag-max": (lambda: nn.EmbeddingBag(10, 4, mode="max"),
                           lambda b: [torch.tensor([[1, 7, 3]] * b, dtype=torch.long).reshape(b, 3)], 0),
 }
@@ -309,6 +310,16 @@ def test_batch_of_one_is_the_ordinary_gradient(name, clip):
     assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
     assert_tensor_close(dp.per_sample_norms, ref.norms, "per_sample_norms")
     assert "batch-of-one" in str(dp.explain())
+
+
+@pytest.mark.parametrize("norm,batch_size", [(nn.BatchNorm2d, 0), (nn.BatchNorm2d, 1), (nn.InstanceNorm2d, 1)])
+def test_running_statistics_in_training_are_refused_for_any_batch(norm, batch_size):
+    """A batch of one cannot mix samples, but running statistics still record its data."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), norm(4, affine=True, track_running_stats=True)).to(DTYPE)
+    problems = fxdp.validate(model, randn(batch_size, 3, 6, 6))
+    assert [p.op.split(".")[1] for p in problems] == [norm.__name__.lower()[:-2].replace("norm", "_norm")]
+    assert "leak data" in problems[0].reason
+    assert fxdp.validate(model.eval(), randn(batch_size, 3, 6, 6)) == []
 
 
 @pytest.mark.parametrize("name", sorted(set(_ODD_BATCHES) - _NO_EMPTY))
