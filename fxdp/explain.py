@@ -124,7 +124,11 @@ def _as_loss(out: Any) -> torch.Tensor | None:
 
 
 def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Problem]:
-    """Every op, module and parameter fxdp cannot make per-sample (empty list: all fine)."""
+    """Every op, module and parameter fxdp cannot make per-sample (empty list: all fine).
+
+    The answer is for the example's batch size: a batch of one cannot mix samples, so
+    validate with at least two samples to see what larger batches would meet.
+    """
     kwargs = options.pop("kwargs", {})
     opts = Options.from_kwargs(options)
     problems: list[Problem] = []
