@@ -22,7 +22,7 @@ __all__ = [
     "ViTBlock", "ViT", "Attention",
     "LoRALinear", "add_lora",
     "TransposedWeight", "PackedChunk", "PackedSlice", "WeightNormLinear", "Symmetric",
-    "CustomParametrized", "TiedTranspose", "LayerScaleBias",
+    "CustomParametrized", "TiedTranspose", "LayerScaleBias", "FirstOutput",
 ]
 
 
@@ -449,3 +449,15 @@ class LayerScaleBias(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + torch.tanh(self.fc(x)) * self.gamma
         return self.head(x + self.b)
+
+
+class FirstOutput(nn.Module):
+    """A layer that returns a tuple (RNNs, ``nn.MultiheadAttention``), reduced to its
+    first output."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args):
+        return self.layer(*args)[0]

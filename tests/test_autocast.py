@@ -14,20 +14,12 @@ import torch
 from torch import nn
 
 import fxdp
+from models import FirstOutput
 from reference import assert_close_all, reference
 
 B, T, D = 4, 5, 8
 # Relative to the largest reference value: a few roundings of the low precision.
 TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
-
-
-class _FirstOutput(nn.Module):
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, *args):
-        return self.layer(*args)[0]
 
 
 def _randn(*shape, seed=1):
@@ -42,11 +34,11 @@ MODELS = {
                        lambda: [_randn(B, 3, 9, 9)]),
     "embedding": (lambda: nn.Sequential(nn.Embedding(20, D), nn.Linear(D, 3)),
                   lambda: [torch.randint(0, 20, (B, T), generator=torch.Generator().manual_seed(2))]),
-    "attention": (lambda: _FirstOutput(nn.MultiheadAttention(D, 2, batch_first=True)),
+    "attention": (lambda: FirstOutput(nn.MultiheadAttention(D, 2, batch_first=True)),
                   lambda: [_randn(B, T, D), _randn(B, T, D, seed=2), _randn(B, T, D, seed=3)]),
     "encoder-layer": (lambda: nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True),
                       lambda: [_randn(B, T, D)]),
-    "lstm": (lambda: _FirstOutput(nn.LSTM(D, 6, batch_first=True)), lambda: [_randn(B, T, D)]),
+    "lstm": (lambda: FirstOutput(nn.LSTM(D, 6, batch_first=True)), lambda: [_randn(B, T, D)]),
 }
 # oneDNN has no float16 LSTM on CPU (eager autocast fails too).
 CASES = [(name, dtype) for name in MODELS for dtype in (torch.bfloat16, torch.float16)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxdp
+from models import FirstOutput
 from reference import assert_close_all, reference, tolerance
 
 DTYPE = torch.float64
@@ -259,15 +260,6 @@ class _SequenceFirstBias(nn.Module):
         return torch.cat([x, self.bias.view(1, 1, -1).repeat(1, x.shape[1], 1)])
 
 
-class _FirstOutput(nn.Module):
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, *args):
-        return self.layer(*args)[0]
-
-
 # Layers whose rules read a fixed layout ([N, C, ...]), whose parameters never reach a
 # rule directly, or (the last ones) that are refused for B > 1, where they tie samples
 # together; ``no_empty``: Dynamo itself cannot trace the layer on an empty batch.
@@ -280,10 +272,10 @@ _ODD_BATCHES = {
     "batch-norm-eval": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval(),
                         lambda b: [randn(b, 3, 6, 6)], 0),
     "prelu": (lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(6)), lambda b: [randn(b, 6, 4)], 0),
-    "lstm": (lambda: _FirstOutput(nn.LSTM(4, 5, batch_first=True)), lambda b: [randn(b, 3, 4)], 0),
+    "lstm": (lambda: FirstOutput(nn.LSTM(4, 5, batch_first=True)), lambda b: [randn(b, 3, 4)], 0),
     "sequence-first-bias": (lambda: _SequenceFirstBias(4), lambda b: [randn(5, b, 4)], 1),
     "multihead-attention-bias-kv": (
-        lambda: _FirstOutput(nn.MultiheadAttention(4, 2, add_bias_kv=True, add_zero_attn=True)),
+        lambda: FirstOutput(nn.MultiheadAttention(4, 2, add_bias_kv=True, add_zero_attn=True)),
         lambda b: [randn(5, b, 4), randn(6, b, 4, seed=2), randn(6, b, 4, seed=3)], 1),
     "batch-norm-train": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False)),
                          lambda b: [randn(b, 3, 6, 6)], 0),
