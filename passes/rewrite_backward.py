@@ -332,9 +332,12 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     merged = ops[0]
                 else:
                     merged = None
-                own = all(m.args[1] is p for m in ms)
+                # Here every marker's argument is ``p`` or an isometric transform of it (an
+                # autocast cast, a transpose): kept per-sample gradients sum to that
+                # argument's gradient, which the backward maps to ``p`` as usual.
+                derived = env[ms[0].args[1]]
                 operands = [t for o in ops for t in o if isinstance(t, torch.Tensor)]
-                fits = own and budget.fits(batch_size * param.numel(), param.element_size(), operands)
+                fits = budget.fits(batch_size * param.numel(), derived.element_size(), operands)
                 # Uses by several rules (a tied embedding and head) go by ghost cross terms.
                 keepable = keep or (same_rule and fits)
                 groups = None if (merged is not None or keepable) else _rule_groups(uses, ops)
@@ -417,9 +420,10 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     "module": use.module_path}
             with annotate({"fxdp": info}):
                 weights = factors.to(psg.dtype) if clip else psg.new_ones(psg.shape[0])
-                env[first] = torch.tensordot(weights, psg, dims=1).to(env[p].dtype)
+                derived = env[first.args[1]]
+                env[first] = torch.tensordot(weights, psg, dims=1).reshape(derived.shape).to(derived.dtype)
                 for m in rest:
-                    env[m] = torch.zeros_like(env[p])
+                    env[m] = torch.zeros_like(env[m.args[1]])
         for m in markers:
             if m not in env:
                 use = USES[m.args[2]]

@@ -110,14 +110,17 @@ def test_autocast_regions_inside_the_forward():
     assert "_enter_autocast" not in forward and "_to_copy" in forward
 
 
-def test_parameter_casts_keep_ghost_norms():
+def test_parameter_casts_keep_the_rules_strategies():
     """Autocast's ``w.to(bfloat16)`` is a parameter transform whose VJP keeps norms: the
-    linear rule still picks its own strategy (ghost norms here), not a per-sample VJP."""
+    linear rule still picks its own strategy, not a per-sample VJP: ghost norms for
+    sequences, kept per-sample gradients (summed with the clip factors) for vectors."""
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        text = str(fxdp.explain(model, _randn(B, 4, 64), max_grad_norm=1.0))
-    assert "strategy=ghost" in text
-    assert "per-sample VJP" not in text
+        sequences = str(fxdp.explain(model, _randn(B, 4, 64), max_grad_norm=1.0))
+        vectors = str(fxdp.explain(model, _randn(B, 64), max_grad_norm=1.0))
+    assert "strategy=ghost" in sequences
+    assert "strategy=instantiate + keep" in vectors
+    assert "per-sample VJP" not in sequences + vectors
 
 
 def test_autocast_with_inductor():
