@@ -112,15 +112,14 @@ def test_autocast_regions_inside_the_forward():
 
 def test_parameter_casts_keep_the_rules_strategies():
     """Autocast's ``w.to(bfloat16)`` is a parameter transform whose VJP keeps norms: the
-    linear rule still picks its own strategy, not a per-sample VJP: ghost norms for
-    sequences, kept per-sample gradients (summed with the clip factors) for vectors."""
+    rules still pick their own strategies, not a per-sample VJP: here ghost norms for the
+    weights, kept per-sample gradients (summed with the clip factors) for the biases."""
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        sequences = str(fxdp.explain(model, _randn(B, 4, 64), max_grad_norm=1.0))
-        vectors = str(fxdp.explain(model, _randn(B, 64), max_grad_norm=1.0))
-    assert "strategy=ghost" in sequences
-    assert "strategy=instantiate + keep" in vectors
-    assert "per-sample VJP" not in sequences + vectors
+        text = str(fxdp.explain(model, _randn(B, 4, 64), max_grad_norm=1.0))
+    assert "0.weight: rule=linear.weight uses=1 strategy=ghost" in text
+    assert "0.bias: rule=linear.bias uses=1 strategy=instantiate + keep" in text
+    assert "per-sample VJP" not in text
 
 
 def test_autocast_with_inductor():
