@@ -1008,8 +1008,9 @@ def batch_dim_pass(
             if not batched and not _is_size(node):
                 sources[node] = frozenset().union(*(sources[a] for a in paramish))
             for a in paramish:
-                index = next((i for i, x in enumerate(node.args) if x is a), None)
-                consumed.append((node, index, a))
+                # Every argument it is (``layer_norm(x, s, w, w)``): each use is per-sample.
+                for index in [i for i, x in enumerate(node.args) if x is a] or [None]:
+                    consumed.append((node, index, a))
         if target is operator.getitem:
             src = batch.get(node.args[0])
             batch[node] = src[node.args[1]] if isinstance(src, (list, tuple)) else src

@@ -231,6 +231,12 @@ CASES = [
     Case("merged-batch", around(lambda m, h: (h.reshape(-1, D) * m.gamma).view(h.shape), gamma=(D,)), (B, T, D),
          rules=("mul.other",)),
     Case("used-twice", around(lambda m, h: h * m.g + m.g, g=(D,)), (B, T, D), rules=("mul.other", "add.other")),
+    # One parameter as two arguments of one op: both uses are per-sample (the second was
+    # once taken as an ordinary gradient, leaving the norms short).
+    Case("twice-in-one-addcmul", around(lambda m, h: torch.addcmul(m.g, h, m.g), g=(D,)), (B, T, D),
+         rules=("addcmul.self", "addcmul.tensor2")),
+    Case("layer-norm-weight-as-bias", around(lambda m, h: F.layer_norm(h, (D,), m.g, m.g), g=(D,)), (B, T, D),
+         rules=("layer_norm.weight", "layer_norm.bias")),
     Case("shared-table-broadcast", SharedTable, (B, T, D), rules=("mul.other",)),
     Case("layer-scale-batch-of-one", around(lambda m, h: h * m.gamma, gamma=(D,)), (1, T, D), rules=("batch-of-one",)),
     # matrix products
