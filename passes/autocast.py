@@ -64,33 +64,61 @@ def _autocast(state: dict[str, torch.dtype | None]) -> Iterator[None]:
 
 
 class _RecordCasts(TorchDispatchMode):
-    """Which of ``watched`` autocast copies to another dtype (below the Autocast key,
-    its casts arrive here as ``aten._to_copy``)."""
+    """What autocast copies to another dtype (below the Autocast key, its casts arrive
+    here as ``aten._to_copy``): which of ``watched`` (the op's arguments), and to which
+    dtypes values computed inside the op (a composite op's sub-ops are cast one by one)."""
 
     def __init__(self, watched: list[torch.Tensor]):
         super().__init__()
         self.watched = watched
         self.casts: dict[int, torch.dtype] = {}
+        self.inner: set[torch.dtype] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is aten._to_copy.default and args and "dtype" in kwargs and any(args[0] is w for w in self.watched):
-            self.casts[id(args[0])] = kwargs["dtype"]
+        if func is aten._to_copy.default and args and "dtype" in kwargs:
+            if any(args[0] is w for w in self.watched):
+                self.casts[id(args[0])] = kwargs["dtype"]
+            elif args[0].dtype != kwargs["dtype"]:
+                self.inner.add(kwargs["dtype"])
         return func(*args, **kwargs)
 
 
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)  # autocast leaves float64 alone
+
+
+def _in_mode(value: Any, fake_mode) -> Any:
+    """``value`` as a tensor of ``fake_mode`` (a graph constant may be real, or fake
+    from another mode)."""
+    if not isinstance(value, torch.Tensor) or getattr(value, "fake_mode", None) is fake_mode:
+        return value
+    with fake_mode:
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+
 def _casts_of(node: fx.Node, state: dict, fake_mode) -> dict[int, torch.dtype]:
-    """``id(argument value) -> dtype`` for the arguments autocast casts at ``node``."""
+    """``id(argument value) -> dtype`` for the arguments autocast casts at ``node``.
+
+    A composite op without an autocast kernel of its own (``einsum``) is cast inside,
+    sub-op by sub-op; when every such cast goes to one dtype, its floating arguments
+    are cast to that dtype up front, which is what its matrix products then see.
+    """
     values = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     tensors: list[torch.Tensor] = []
     fx.node.map_aggregate(values, lambda v: tensors.append(v) if isinstance(v, torch.Tensor) else None)
     if not tensors:
         return {}
-    recorder = _RecordCasts(tensors)
-    args, kwargs = values
+    own = {id(t): _in_mode(t, fake_mode) for t in tensors}
+    recorder = _RecordCasts(list(own.values()))
+    args, kwargs = fx.node.map_aggregate(values, lambda v: own[id(v)] if isinstance(v, torch.Tensor) else v)
     with fake_mode, _autocast(state), recorder:
         node.target(*args, **kwargs)
-    return recorder.casts
+    # Reported by the graph's own values (``cast`` in the pass looks them up).
+    by_value = {id(t): recorder.casts[id(own[id(t)])] for t in tensors if id(own[id(t)]) in recorder.casts}
+    if not by_value and len(recorder.inner) == 1:
+        (dtype,) = recorder.inner
+        by_value = {id(t): dtype for t in tensors if t.dtype in _CASTABLE and t.dtype != dtype}
+    return by_value
 
 
 def _uses_autocast(gm: fx.GraphModule) -> bool:

@@ -135,3 +135,34 @@ def test_autocast_with_inductor():
     _sq_loss(out).backward()
     assert_close_all({n: p.grad_sample for n, p in m.named_parameters()}, ref.per_sample, TOL[torch.bfloat16],
                      "p.grad_sample")
+
+
+class ConstantAndEinsum(nn.Module):
+    """A tensor built in the forward (DeBERTa-v2's log buckets) and an einsum of a
+    bfloat16 projection with a float32 sum (Funnel's relative attention): eager autocast
+    casts inside the einsum, sub-op by sub-op."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.bias = nn.Parameter(torch.linspace(-1, 1, D))
+
+    def forward(self, x):
+        scale = torch.tensor(0.5).type_as(x)
+        return torch.einsum("bid,bjd->bij", x + self.bias, self.fc(x)) * scale
+
+
+def test_autocast_constants_and_composite_ops():
+    torch.manual_seed(0)
+    model, x = ConstantAndEinsum(), _randn(B, T, D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = reference(model, [x], lambda out, i: _sq_loss(out))
+        eager_out = model(x)
+    m = copy.deepcopy(model)
+    dp = fxdp.transform(m, grad_sample=True, loss_reduction="sum", compiler="eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = dp(x)
+    assert out.dtype == eager_out.dtype == torch.bfloat16
+    _sq_loss(out).backward()
+    assert_close_all({n: p.grad_sample for n, p in m.named_parameters()}, ref.per_sample, TOL[torch.bfloat16],
+                     "p.grad_sample")
