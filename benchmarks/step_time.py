@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -773,6 +774,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         action="store_false",
         help="skip the check of private variants against the microbatch loop",
     )
+    parser.add_argument(
+        "--autocast",
+        choices=("bfloat16", "float16"),
+        default=None,
+        help="run every variant (and the reference) under torch.autocast with this "
+        "dtype; the check then allows the low precision's error (3e-2)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args(argv)
     # Opacus' full backward hooks warn on every step that the model's input does not
@@ -796,6 +804,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "rounds": args.rounds,
         "max_grad_norm": MAX_GRAD_NORM,
         "noise_multiplier": NOISE_MULTIPLIER,
+        "autocast": args.autocast,
     }
     try:
         import opacus
@@ -806,7 +815,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config["load_average"] = os.getloadavg()[0]
     print(
         f"torch {config['torch']}, {device}, {config['threads']} threads, "
-        f"median of >= {args.steps} steps and >= {args.min_seconds:g} s "
+        + (f"autocast {args.autocast}, " if args.autocast else "")
+        + f"median of >= {args.steps} steps and >= {args.min_seconds:g} s "
         f"after {args.warmup} warm-up, in {args.rounds} alternating rounds",
         flush=True,
     )
@@ -819,20 +829,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             flush=True,
         )
 
+    precision = (
+        torch.autocast(device.type, dtype=getattr(torch, args.autocast))
+        if args.autocast
+        else contextlib.nullcontext()
+    )
     cases = []
     for name in args.models:
         case = CASES[name]
-        case_result = run_case(
-            case,
-            args.variants,
-            args.steps,
-            args.warmup,
-            device,
-            min_seconds=args.min_seconds,
-            check=args.check,
-            rounds=args.rounds,
-            log=lambda message: print(message, file=sys.stderr, flush=True),
-        )
+        with precision:
+            case_result = run_case(
+                case,
+                args.variants,
+                args.steps,
+                args.warmup,
+                device,
+                min_seconds=args.min_seconds,
+                check=args.check,
+                rounds=args.rounds,
+                log=lambda message: print(message, file=sys.stderr, flush=True),
+            )
+        if args.autocast:
+            # Each sample alone and in the batch round differently in low precision.
+            case_result["check_tolerance"] = 3e-2
         print(format_case(case_result), flush=True)
         cases.append(case_result)
 
