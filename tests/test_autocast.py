@@ -166,3 +166,16 @@ def test_autocast_constants_and_composite_ops():
     _sq_loss(out).backward()
     assert_close_all({n: p.grad_sample for n, p in m.named_parameters()}, ref.per_sample, TOL[torch.bfloat16],
                      "p.grad_sample")
+
+
+@pytest.mark.parametrize("positions", [1, 128])
+def test_gram_norms_of_half_precision_operands(positions):
+    """Autocast's ghost norms: whole Gram matrices in bfloat16, their inner product in
+    float32, the result in the operands' dtype (what the fake kernels declare)."""
+    from fxdp.rules._common import gram_inner
+
+    g, a = _randn(3, positions, 24, seed=4), _randn(3, positions, 40, seed=5)
+    expected = torch.einsum("nto,nti->noi", g.double(), a.double()).pow(2).sum((1, 2))
+    got = gram_inner(g.bfloat16(), a.bfloat16())
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - expected).abs() / expected).max() < 2e-2
