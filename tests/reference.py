@@ -90,6 +90,8 @@ def reference(model: nn.Module, args: Sequence[Any], loss_fn: Callable[..., torc
         loss.backward()
         for n in names:
             g = params[n].grad
+            if g is not None and g.is_sparse:  # Embedding(sparse=True)
+                g = g.to_dense()
             grads[n].append(torch.zeros_like(params[n]) if g is None else g.detach().clone())
     per_sample = {
         n: torch.stack(v) if v else torch.zeros(0, *params[n].shape, dtype=params[n].dtype)
