@@ -111,8 +111,11 @@ def _casts_of(node: fx.Node, state: dict, fake_mode) -> dict[int, torch.dtype]:
     own = {id(t): _in_mode(t, fake_mode) for t in tensors}
     recorder = _RecordCasts(list(own.values()))
     args, kwargs = fx.node.map_aggregate(values, lambda v: own[id(v)] if isinstance(v, torch.Tensor) else v)
-    with fake_mode, _autocast(state), recorder:
-        node.target(*args, **kwargs)
+    try:
+        with fake_mode, _autocast(state), recorder:
+            node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - an op fake tensors cannot run (data-dependent): no casts
+        return {}
     # Reported by the graph's own values (``cast`` in the pass looks them up).
     by_value = {id(t): recorder.casts[id(own[id(t)])] for t in tensors if id(own[id(t)]) in recorder.casts}
     if not by_value and len(recorder.inner) == 1:
