@@ -175,7 +175,7 @@ def explicit_autocast_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake
                 new = graph.call_function(aten._to_copy.default, (a,), {"dtype": dtype})
             new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             with fake_mode:
-                new.meta["val"] = value.to(dtype)
+                new.meta["val"] = _in_mode(value, fake_mode).to(dtype)
             return new
 
         node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), cast)
