@@ -22,7 +22,7 @@ __all__ = [
     "ViTBlock", "ViT", "Attention",
     "LoRALinear", "add_lora",
     "TransposedWeight", "PackedChunk", "PackedSlice", "WeightNormLinear", "Symmetric",
-    "CustomParametrized", "TiedTranspose", "LayerScaleBias", "FirstOutput",
+    "CustomParametrized", "TiedTranspose", "LayerScaleBias", "FirstOutput", "SequenceFirstBias",
 ]
 
 
@@ -461,3 +461,18 @@ class FirstOutput(nn.Module):
 
     def forward(self, *args):
         return self.layer(*args)[0]
+
+
+class SequenceFirstBias(nn.Module):
+    """Opacus's ``SequenceBias`` after a linear: ``cat([h, bias.repeat(1, B, 1)])`` with
+    ``bias`` 1-D (``repeat`` with more counts than dims, the parameter inside ``cat``'s
+    list argument), sequence first."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.bias = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        h = self.inp(x)
+        return torch.cat([h, self.bias.repeat(1, h.shape[1], 1)])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxdp
-from models import FirstOutput
+from models import FirstOutput, SequenceFirstBias
 from reference import assert_close_all, reference, tolerance
 
 DTYPE = torch.float64
@@ -248,18 +248,6 @@ def test_batch_of_one():
     assert_tensor_close(dp.clip_factors, ref.clip_factors(max_grad_norm), "clip_factors")
 
 
-class _SequenceFirstBias(nn.Module):
-    """Opacus's ``SequenceBias``: a learned step appended to a ``[T, B, d]`` sequence,
-    the parameter inside ``cat``'s list argument."""
-
-    def __init__(self, d: int):
-        super().__init__()
-        self.bias = nn.Parameter(torch.randn(d))
-
-    def forward(self, x):
-        return torch.cat([x, self.bias.view(1, 1, -1).repeat(1, x.shape[1], 1)])
-
-
 # Layers whose rules read a fixed layout ([N, C, ...]), whose parameters never reach a
 # rule directly, or (the last ones) that are refused for B > 1, where they tie samples
 # together; ``no_empty``: Dynamo itself cannot trace the layer on an empty batch.
@@ -273,7 +261,7 @@ _ODD_BATCHES = {
                         lambda b: [randn(b, 3, 6, 6)], 0),
     "prelu": (lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(6)), lambda b: [randn(b, 6, 4)], 0),
     "lstm": (lambda: FirstOutput(nn.LSTM(4, 5, batch_first=True)), lambda b: [randn(b, 3, 4)], 0),
-    "sequence-first-bias": (lambda: _SequenceFirstBias(4), lambda b: [randn(5, b, 4)], 1),
+    "sequence-first-bias": (lambda: SequenceFirstBias(4), lambda b: [randn(5, b, 4)], 1),
     "multihead-attention-bias-kv": (
         lambda: FirstOutput(nn.MultiheadAttention(4, 2, add_bias_kv=True, add_zero_attn=True)),
         lambda b: [randn(5, b, 4), randn(6, b, 4, seed=2), randn(6, b, 4, seed=3)], 1),

@@ -27,6 +27,7 @@ import fxdp
 from fxdp.batching import WHOLE, BatchDim
 from fxdp.rules.elementwise import Layout, pointwise_batch
 from fxdp.rules.matmul import matmul_batch
+from models import SequenceFirstBias
 from reference import assert_close_all, reference, tolerance
 
 aten = torch.ops.aten
@@ -727,27 +728,13 @@ class ZeroStateCell(nn.Module):
         return h
 
 
-class SeqFirstSequenceBias(nn.Module):
-    """Opacus's ``SequenceBias``: ``cat([x, bias.repeat(1, B, 1)])`` with ``bias`` 1-D
-    (``repeat`` with more counts than dims), sequence first."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.bias = nn.Parameter(torch.randn(D))
-
-    def forward(self, x):
-        h = self.inp(x)
-        return torch.cat([h, self.bias.repeat(1, h.shape[1], 1)])
-
-
 @pytest.mark.parametrize("kind", ["zero_state", "sequence_bias"])
 def test_opacus_style_layers_as_written(kind: str):
     torch.manual_seed(0)
     if kind == "zero_state":
         model, x, batch_dim = ZeroStateCell().double(), torch.randn(B, T, D, dtype=torch.float64), 0
     else:
-        model, x, batch_dim = SeqFirstSequenceBias().double(), torch.randn(T, B, D, dtype=torch.float64), 1
+        model, x, batch_dim = SequenceFirstBias(D).double(), torch.randn(T, B, D, dtype=torch.float64), 1
     torch._dynamo.reset()
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", batch_first=batch_dim == 0, compiler="eager")
     ref = reference(model, (x,), lambda out, i: out.pow(2).sum(), batch_dim=batch_dim)
