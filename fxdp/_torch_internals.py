@@ -24,6 +24,7 @@ __all__ = [
     "refuse_silent_eager_fallback",
     "size_hint",
     "new_fake_mode",
+    "capture_config",
 ]
 
 
@@ -34,6 +35,36 @@ def new_fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def capture_config():
+    """Dynamo's settings for capturing a model whole (``fullgraph=True``), read at trace time.
+
+    ``allow_rnn`` traces nn.LSTM/GRU/RNN. ``warnings.warn`` in a forward (PyTorch's own
+    deprecation notices, e.g. ``F._canonical_mask`` on a float causal mask beside a bool
+    padding mask) is issued after the graph runs instead of breaking it. Dynamo replays
+    such reordered calls only from the frame it compiles and drops those made in the
+    functions it inlines (every module's forward, under ``transform``), so each is
+    recorded on that frame.
+    """
+    import warnings
+    from unittest import mock
+
+    from torch._dynamo.variables.misc import DebuggingVariable
+
+    config = torch._dynamo.config
+    logging_functions = set(config.reorderable_logging_functions) | {warnings.warn}
+    record = DebuggingVariable.call_function
+
+    def record_on_compiled_frame(self, tx, args, kwargs):
+        while getattr(tx, "parent", None) is not None:
+            tx = tx.parent
+        return record(self, tx, args, kwargs)
+
+    with config.patch(allow_rnn=True, reorderable_logging_functions=logging_functions), \
+            mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame):
+        yield
 
 
 def fake_mode_of(values: Sequence[Any]):

@@ -23,22 +23,24 @@ class Backend:
         records: One ``CompiledGraph`` per graph compiled, for ``explain()``.
     """
 
-    def __init__(self, options: Options, names: dict[int, str] | None = None):
+    def __init__(self, options: Options, names: dict[int, str] | None = None,
+                 arg_names: Sequence[str] = ()):
         self.options = options
         self.names = names
+        self.arg_names = tuple(arg_names)
         self.records: list[CompiledGraph] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
         if kwargs.get("options"):
             return Backend(Options.from_kwargs({**vars_of(self.options), **kwargs["options"]}),
-                           self.names)(gm, example_inputs)
+                           self.names, self.arg_names)(gm, example_inputs)
         if not torch.is_grad_enabled() or not any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
         ):
             return _plain(gm, example_inputs, self.options)
         record = CompiledGraph(self.options)
         self.records.append(record)
-        return compile_graph(gm, example_inputs, self.options, self.names, record)
+        return compile_graph(gm, example_inputs, self.options, self.names, record, self.arg_names)
 
     def __repr__(self) -> str:
         return f"fxdp.backend({self.options})"

@@ -22,7 +22,7 @@ from fxdp.passes.canonicalize import canonicalize_pass
 from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass
 from fxdp.passes.tag import tag_pass
 
-__all__ = ["compile_graph", "CompiledGraph", "RUN_STATE", "latest_record", "analyse_graph"]
+__all__ = ["compile_graph", "CompiledGraph", "RUN_STATE", "latest_record", "analyse_graph", "forward_arg_names"]
 
 # Set by every compiled fxdp forward; ``DPModule`` checks it to detect a silent
 # eager fallback of Dynamo.
@@ -104,38 +104,67 @@ def _param_name(source: str) -> str:
     return ".".join(parts) or (keys[0] if keys else source)
 
 
-def _argument_position(source: str, arg_names: Sequence[str]) -> tuple:
-    m = re.match(r"L\['args'\]\[(\d+)\]$", source)
+def _argument_key(source: str, arg_names: Sequence[str]) -> tuple[int | None, str | None] | None:
+    """Which forward argument a placeholder comes from: ``(position, name)``, either
+    ``None`` where unknown; ``None`` for values that are no argument (closures).
+
+    ``transform`` calls the model as ``call(*args, **kwargs)`` (``L['args'][i]``,
+    ``L['kwargs']['k']``); a Dynamo backend sees the forward's own frame (``L['x']``).
+    A tensor inside a tuple argument (an LSTM's ``(h, c)``) belongs to that argument.
+    """
+    m = re.match(r"L\['args'\]\[(\d+)\]", source)
     if m:
-        return (0, int(m.group(1)))
-    m = re.match(r"L\['(\w+)'\]$", source)
-    if m and m.group(1) in arg_names:
-        return (0, list(arg_names).index(m.group(1)))
-    return (1, 0)
+        position = int(m.group(1))
+        return position, arg_names[position] if position < len(arg_names) else None
+    m = re.match(r"L\['kwargs'\]\['(\w+)'\]", source) or re.match(r"L\['(\w+)'\]", source)
+    if m:
+        name = m.group(1)
+        return (list(arg_names).index(name) if name in arg_names else None), name
+    return None
+
+
+def forward_arg_names(model: torch.nn.Module) -> tuple[str, ...]:
+    """The names of ``model.forward``'s positional parameters, in order."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C++ forward has no signature
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)
 
 
 def _arg_names() -> list[str]:
+    """The positional parameter names of the frame Dynamo is tracing, less ``self``."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         code = InstructionTranslator.current_tx().f_code
-        return list(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
+        names = list(code.co_varnames[: code.co_argcount])
+        return names[1:] if names[:1] == ["self"] else names
     except Exception:  # noqa: BLE001 - outside Dynamo there is no frame to ask
         return []
 
 
 def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
-                    names: dict[int, str] | None):
+                    names: dict[int, str] | None, arg_names: Sequence[str] = ()):
     """Split placeholders into trainable parameters and inputs; give inputs their batch dims.
 
+    Args:
+        arg_names: The forward's positional parameter names (``transform`` knows them;
+            a Dynamo backend reads them from the traced frame).
+
     Returns:
-        (placeholders, fake_args, param_names {node: name}, placeholder_batch, batch_size)
+        (placeholders, fake_args, param_names {node: name}, placeholder_batch, batch_size,
+        notes): ``notes`` name the inputs whose sizes could have misled the size rule,
+        for the error message should the analysis refuse the model.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fake_args = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
     param_names: dict[fx.Node, str] = {}
-    inputs: list[tuple[tuple, fx.Node, Any]] = []
-    arg_names = _arg_names()
+    inputs: list[tuple] = []
+    arg_names = list(arg_names) or _arg_names()
     for order, (node, real, fake) in enumerate(zip(placeholders, example_inputs, fake_args)):
         if not isinstance(real, torch.Tensor):
             continue
@@ -148,23 +177,20 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
             continue
         if is_buffer:
             continue
-        key = _argument_position(source, arg_names)
-        inputs.append(((*key, order), node, fake))
+        position, name = _argument_key(source, arg_names) or (None, None)
+        # Positional arguments first, in order; then the rest in graph order.
+        rank = (0, position, order) if position is not None else (1, 0, order)
+        inputs.append((rank, node, fake, position, name))
     inputs.sort(key=lambda item: item[0])
     placeholder_batch: dict[fx.Node, BatchDim | None] = {}
     batch_size = None
-    for rank, (key, node, fake) in enumerate(inputs):
-        position = key[1] if key[0] == 0 else None
-        if options.in_dims is not None and position is not None and position < len(options.in_dims):
-            dim = options.in_dims[position]
-            explicit = True
-        else:
-            dim = options.default_batch_dim
-            explicit = False
+    notes: list[str] = []
+    for rank, node, fake, position, name in inputs:
+        dim, explicit = options.batch_dim_of(position, name)
         if dim is None:
             placeholder_batch[node] = None
             continue
-        if rank == 0 or batch_size is None:
+        if batch_size is None:
             if fake.dim() <= dim:
                 raise ValueError(
                     f"the first tensor argument ({source_name(node)}, shape {tuple(fake.shape)}) has no "
@@ -174,9 +200,33 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
             batch_size = fake.shape[dim]
             placeholder_batch[node] = BatchDim(dim)
             continue
+        if explicit and fake.dim() <= dim:
+            raise ValueError(f"in_dims gives {source_name(node)} (shape {tuple(fake.shape)}) batch dim {dim}, "
+                             f"which it does not have")
         batched = fake.dim() > dim and (explicit or bool(fake.shape[dim] == batch_size))
         placeholder_batch[node] = BatchDim(dim) if batched else None
-    return placeholders, fake_args, param_names, placeholder_batch, batch_size
+        if not explicit:
+            notes.extend(_size_rule_note(name or source_name(node), fake, dim, batched, batch_size))
+    return placeholders, fake_args, param_names, placeholder_batch, batch_size, notes
+
+
+def _size_rule_note(name: str, fake: torch.Tensor, dim: int, batched: bool, batch_size: int) -> list[str]:
+    """A hint where the size rule may have read an input wrongly: a shared input with
+    some other dim of size ``B``, or a batched one with a second dim of size ``B``."""
+    # Size hints: a note must not add guards to the compiled graph.
+    shape = tuple(internals.size_hint(size) for size in fake.shape)
+    batch_size = internals.size_hint(batch_size)
+    others = [d for d, size in enumerate(shape) if d != dim and size == batch_size]
+    if not others:
+        return []
+    if batched:
+        return [f"{name} (shape {shape}) was taken as batched at dim {dim}, but its dim {others[0]} has size "
+                f"B = {batch_size} too; if the samples are along dim {others[0]}, pass in_dims={{{name!r}: "
+                f"{others[0]}}}, and if it is shared by all of them (a [T, T] mask with T == B), "
+                f"in_dims={{{name!r}: None}}"]
+    return [f"{name} (shape {shape}) was taken as shared by all samples: its dim {dim} is not of size "
+            f"B = {batch_size}. If it holds the samples along dim {others[0]} (an RNN's hidden state is "
+            f"[layers, B, hidden] even with batch_first=True), pass in_dims={{{name!r}: {others[0]}}}"]
 
 
 def autograd_function_problems(gm: fx.GraphModule, param_names: dict) -> list[Problem]:
@@ -220,11 +270,11 @@ def refuse_vmap(gm: fx.GraphModule) -> None:
 
 
 def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
-                  names: dict[int, str] | None = None):
+                  names: dict[int, str] | None = None, arg_names: Sequence[str] = ()):
     """Canonicalise and analyse; no compilation. Used by ``validate`` and ``explain``."""
     refuse_vmap(gm)
-    placeholders, fake_args, param_names, placeholder_batch, batch_size = classify_inputs(
-        gm, example_inputs, options, names)
+    placeholders, fake_args, param_names, placeholder_batch, batch_size, notes = classify_inputs(
+        gm, example_inputs, options, names, arg_names)
     fake_mode = internals.fake_mode_of([a for a in fake_args if isinstance(a, torch.Tensor)])
     canon = canonicalize_pass(gm, fake_args, fake_mode=fake_mode)
     canon_placeholders = [n for n in canon.graph.nodes if n.op == "placeholder"]
@@ -235,6 +285,7 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
         raise ValueError("fxdp found no tensor argument to take the batch size from")
     analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
     analysis.problems[:0] = autograd_function_problems(gm, param_names)
+    analysis.notes = list(dict.fromkeys(notes))
     if analysis.loss is not None and analysis.loss != options.loss_reduction:
         analysis.problems.append(Problem(
             "loss", "", "",
@@ -245,7 +296,7 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
                   names: dict[int, str] | None = None,
-                  record: CompiledGraph | None = None) -> Callable:
+                  record: CompiledGraph | None = None, arg_names: Sequence[str] = ()) -> Callable:
     """Capture → canonicalise → analyse → tag → AOTAutograd → rewrite backward → lower."""
     record = record or CompiledGraph(options)
     record._stage("captured", gm)
@@ -258,14 +309,15 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             "with fullgraph=True."
         )
     internals.refuse_silent_eager_fallback()
-    canon, fake_mode, param_names, analysis = analyse_graph(gm, example_inputs, options, names)
+    canon, fake_mode, param_names, analysis = analyse_graph(gm, example_inputs, options, names, arg_names)
     record._stage("canonical", canon)
     record.param_names = list(param_names.values())
     excluded: set[str] = set()
     if analysis.problems:
         record.problems = analysis.problems
         if options.strict:
-            raise UnsupportedError("fxdp cannot make this model per-sample:", analysis.problems)
+            raise UnsupportedError("fxdp cannot make this model per-sample:", analysis.problems,
+                                   analysis.notes)
         excluded = {p.parameter for p in analysis.problems if p.parameter}
         warnings.warn(
             "fxdp: these parameters get no gradient (strict=False):\n"
@@ -276,7 +328,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             raise UnsupportedError(
                 "fxdp cannot make this model per-sample (problems not tied to one parameter "
                 "cannot be excluded with strict=False):",
-                [p for p in analysis.problems if not p.parameter],
+                [p for p in analysis.problems if not p.parameter], analysis.notes,
             )
     loss_normaliser_pass(canon, analysis)
     tagged, counts = tag_pass(canon, analysis, param_names, excluded)

@@ -37,10 +37,14 @@ class UnsupportedError(RuntimeError):
 
     Attributes:
         problems: Every ``Problem`` found, not just the first.
+        notes: What may have led to them (how the size rule read an input).
     """
 
-    def __init__(self, message: str, problems: list[Problem] | None = None):
+    def __init__(self, message: str, problems: list[Problem] | None = None, notes: list[str] | None = None):
         self.problems = list(problems or [])
+        self.notes = list(notes or [])
         if self.problems:
             message = f"{message}\n{format_problems(self.problems)}"
+        if self.notes:
+            message = message + "".join(f"\nNote: {note}" for note in self.notes)
         super().__init__(message)

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxdp._torch_internals import new_fake_mode
-from fxdp.compiler import CompiledGraph, analyse_graph
+from fxdp._torch_internals import capture_config, new_fake_mode
+from fxdp.compiler import CompiledGraph, analyse_graph, forward_arg_names
 from fxdp.errors import Problem, UnsupportedError
 from fxdp.options import Options
 
@@ -138,7 +138,7 @@ def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Probl
 
     def backend(gm, example_inputs):
         try:
-            _, _, _, analysis = analyse_graph(gm, example_inputs, opts, names)
+            _, _, _, analysis = analyse_graph(gm, example_inputs, opts, names, forward_arg_names(fake_model))
         except UnsupportedError as e:  # found before the analysis could run
             problems.extend(e.problems)
             return gm.forward
@@ -151,8 +151,8 @@ def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Probl
     args, kwargs = _fake_args((example_args, kwargs), mode)
     torch._dynamo.reset()
     try:
-        # transform traces nn.LSTM/GRU/RNN with allow_rnn; validate must see the same graph.
-        with mode, torch._dynamo.config.patch(allow_rnn=True):
+        # validate must see the graph transform captures.
+        with mode, capture_config():
             torch.compile(call, backend=backend, fullgraph=True)(*args, **kwargs)
     except torch._dynamo.exc.Unsupported as e:
         problems.append(Problem("dynamo", "", "", f"Dynamo cannot capture the model in one graph: {e}"))

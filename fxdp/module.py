@@ -8,7 +8,7 @@ from torch import nn
 
 from fxdp import _torch_internals as internals
 from fxdp.backend import Backend
-from fxdp.compiler import RUN_STATE, latest_record
+from fxdp.compiler import RUN_STATE, forward_arg_names, latest_record
 from fxdp.errors import UnsupportedError
 from fxdp.options import Options
 
@@ -29,7 +29,7 @@ class DPModule(nn.Module):
         object.__setattr__(self, "_module", model)
         object.__setattr__(self, "options", options)
         names = {id(p): n for n, p in model.named_parameters()}
-        backend = Backend(options, names)
+        backend = Backend(options, names, forward_arg_names(model))
         object.__setattr__(self, "_backend", backend)
 
         def call(*args, **kwargs):
@@ -50,8 +50,7 @@ class DPModule(nn.Module):
                 "with the lengths or a mask), run the RNN on it and read each sample's last "
                 "real step with the mask, e.g. (out * mask[..., None]).sum(1)")
         RUN_STATE.ran = False
-        # nn.LSTM/GRU/RNN are traced only with allow_rnn (read at trace time).
-        with torch._dynamo.config.patch(allow_rnn=True):
+        with internals.capture_config():
             try:
                 out = self._compiled(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - only unwraps, always re-raises

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["Options"]
@@ -23,7 +24,10 @@ class Options:
         strict: ``False`` warns about unsupported parameters (they get ``grad=None``).
         compiler: "inductor", or "eager" to run the rewritten graphs without Inductor.
         in_dims: Per positional argument, its batch dim or ``None`` for shared inputs,
-            as ``vmap``'s ``in_dims``; overrides the size rule of DESIGN.md.
+            as ``vmap``'s ``in_dims``; or a dict keyed by argument name (keyword
+            arguments too) or position. Overrides the size rule of DESIGN.md; an int
+            applies to every tensor inside a tuple or list argument. A dict is kept
+            as a frozenset of its items (options are hashable).
         memory_budget_bytes: Bytes of per-sample gradients layers may keep alive
             across the backward (strategy "instantiate + keep"); ``None`` keeps a
             layer's where they are smaller than the operands they replace, ``0`` never.
@@ -35,7 +39,7 @@ class Options:
     batch_first: bool = True
     strict: bool = True
     compiler: str = "inductor"
-    in_dims: tuple | None = None
+    in_dims: tuple | frozenset | None = None
     memory_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -54,11 +58,36 @@ class Options:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.in_dims is not None:
-            dims = self.in_dims if isinstance(self.in_dims, (tuple, list)) else (self.in_dims,)
+            if isinstance(self.in_dims, (Mapping, frozenset)):
+                items = frozenset(self.in_dims.items() if isinstance(self.in_dims, Mapping) else self.in_dims)
+                for key, _ in items:
+                    if isinstance(key, bool) or not isinstance(key, (int, str)) or (
+                            isinstance(key, int) and key < 0):
+                        raise TypeError(f"in_dims keys must be argument names or positions >= 0, got {key!r}")
+                dims = [d for _, d in items]
+                object.__setattr__(self, "in_dims", items)
+            else:
+                dims = self.in_dims if isinstance(self.in_dims, (tuple, list)) else (self.in_dims,)
+                object.__setattr__(self, "in_dims", tuple(dims))
             for d in dims:
                 if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
                     raise TypeError(f"in_dims entries must be int or None, got {d!r}")
-            object.__setattr__(self, "in_dims", tuple(dims))
+
+    def batch_dim_of(self, position: int | None, name: str | None) -> tuple[int | None, bool]:
+        """The batch dim of a forward argument and whether ``in_dims`` chose it.
+
+        Args:
+            position: Its position among the positional arguments, or ``None``.
+            name: Its parameter or keyword name, or ``None`` where unknown.
+        """
+        if isinstance(self.in_dims, frozenset):
+            given = dict(self.in_dims)
+            for key in (name, position):
+                if key is not None and key in given:
+                    return given[key], True
+        elif self.in_dims is not None and position is not None and position < len(self.in_dims):
+            return self.in_dims[position], True
+        return self.default_batch_dim, False
 
     @property
     def default_batch_dim(self) -> int:

@@ -104,6 +104,8 @@ class BatchAnalysis:
             ordinary gradient, or none; no use needs a rule (``uses`` is empty, see
             ``tag_pass``).
         empty: ``B == 0``.
+        notes: Hints for an error message about how the inputs were read (set by the
+            compiler, which reads them).
     """
 
     batch: dict[fx.Node, Any]
@@ -114,6 +116,7 @@ class BatchAnalysis:
     param_only: dict[fx.Node, frozenset] = dataclasses.field(default_factory=dict)
     single: bool = False
     empty: bool = False
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def op_name(target: Any) -> str:

@@ -185,6 +185,48 @@ def _broadcast_letters(equation: str, operands: Sequence[torch.Tensor]) -> dict[
     return letters
 
 
+def _chunked_linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                                  label_smoothing, batch_chunk_size, acc_policy, acc_dtype, allow_retain_graph,
+                                  compute_input_grad, compute_linear_weight_grad, compute_linear_bias_grad):
+    """``nn.LinearCrossEntropyLoss`` with chunking ``options``: a custom op that computes
+    the loss and its gradients chunk by chunk, in the forward. Per sample it is the linear
+    and the loss it fuses, whose ops have rules; its precomputed gradients (the other
+    outputs, unread by the graph) become zeros of their shapes."""
+    loss = torch.nn.functional.cross_entropy(
+        torch.nn.functional.linear(input, linear_weight, linear_bias), target, weight=weight,
+        reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing)
+    grad_shapes = (input.shape if compute_input_grad else (0, 0),
+                   linear_weight.shape if compute_linear_weight_grad else (0, 0),
+                   linear_weight.shape[:-1] if compute_linear_bias_grad else (0,))
+    return (loss, *(input.new_zeros(shape) for shape in grad_shapes))
+
+
+def _chunked_linear_cross_entropy_per_sample(input, linear_weight, target, linear_bias, weight, ignore_index,
+                                             batch_chunk_size, acc_policy, acc_dtype):
+    """The ``reduction="none"`` form of ``_chunked_linear_cross_entropy``."""
+    return torch.nn.functional.cross_entropy(
+        torch.nn.functional.linear(input, linear_weight, linear_bias), target, weight=weight,
+        reduction="none", ignore_index=ignore_index)
+
+
+def _chunked_linear_cross_entropy_ops() -> dict:
+    """The chunked ops of ``nn.LinearCrossEntropyLoss`` (registered when torch.nn's
+    module is imported; absent before torch 2.13)."""
+    try:
+        import torch.nn.modules.linear_cross_entropy  # noqa: F401 - registers the ops
+    except ImportError:
+        return {}
+    ops = getattr(torch.ops, "torch_nn", None)
+    found = {}
+    for name, decomposition in (("_linear_cross_entropy_batch_chunked", _chunked_linear_cross_entropy),
+                                ("_linear_cross_entropy_batch_chunked_no_reduction",
+                                 _chunked_linear_cross_entropy_per_sample)):
+        op = getattr(ops, name, None) if ops is not None else None
+        if op is not None:
+            found[op.default] = decomposition
+    return found
+
+
 def _inactive_dropout(x, p, train):
     """``dropout(x, 0.0, train)`` and ``dropout(x, p, False)`` are ``x`` (a model built
     with zero dropout keeps the call): the trace reads ``x`` itself, so an expanded ``x``
@@ -242,6 +284,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         **get_decompositions(_DECOMPOSED), **{op: op.decompose for op in _COMPOSITE},
         torch.ops.aten.bilinear.default: _bilinear_as_einsum, torch.ops.aten.dropout.default: _inactive_dropout,
         torch.ops.aten.select_scatter.default: _select_scatter_as_slice,
+        **_chunked_linear_cross_entropy_ops(),
     }
     with torch.backends.mkldnn.flags(enabled=False):
         out = make_fx_traced(fx.Interpreter(gm).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,

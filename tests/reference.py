@@ -6,7 +6,7 @@ the same loss, call backward, read ``.grad``. Slow and obviously right.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -59,9 +59,18 @@ def _slice_batch(a: Any, i: int, batch_size: int, dim: int) -> Any:
     return a
 
 
+def _narrow(a: Any, i: int, dim: int | None) -> Any:
+    """Sample ``i`` of an argument batched at ``dim`` (every tensor inside a tuple)."""
+    if dim is None:
+        return a
+    if isinstance(a, (list, tuple)):
+        return type(a)(_narrow(x, i, dim) for x in a)
+    return a.narrow(dim, i, 1) if isinstance(a, torch.Tensor) else a
+
+
 def reference(model: nn.Module, args: Sequence[Any], loss_fn: Callable[..., torch.Tensor],
               *, batch_dim: int = 0, kwargs: dict | None = None,
-              in_dims: Sequence[int | None] | None = None) -> Reference:
+              in_dims: Sequence[int | None] | Mapping[int | str, int | None] | None = None) -> Reference:
     """Per-sample gradients by the microbatch loop.
 
     Args:
@@ -70,7 +79,8 @@ def reference(model: nn.Module, args: Sequence[Any], loss_fn: Callable[..., torc
         loss_fn: ``loss_fn(output, i) -> scalar`` for sample ``i`` (a batch of one);
             it must reduce like the batched loss does for one sample.
         batch_dim: Where the batch is in batched arguments.
-        in_dims: Per argument, batch dim or ``None`` (shared), overriding the size rule.
+        in_dims: Per argument, batch dim or ``None`` (shared), overriding the size rule:
+            a sequence for positional arguments, or a dict keyed by position or keyword.
     """
     kwargs = kwargs or {}
     first = next(a for a in args if isinstance(a, torch.Tensor))
@@ -81,11 +91,11 @@ def reference(model: nn.Module, args: Sequence[Any], loss_fn: Callable[..., torc
     grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     for i in range(batch_size):
         m.zero_grad(set_to_none=True)
-        if in_dims is not None:
-            one = [a.narrow(d, i, 1) if d is not None else a for a, d in zip(args, in_dims)]
-        else:
-            one = [_slice_batch(a, i, batch_size, batch_dim) for a in args]
-        kw = {k: _slice_batch(v, i, batch_size, batch_dim) for k, v in kwargs.items()}
+        given = dict(enumerate(in_dims)) if isinstance(in_dims, Sequence) else dict(in_dims or {})
+        one = [_narrow(a, i, given[k]) if k in given else _slice_batch(a, i, batch_size, batch_dim)
+               for k, a in enumerate(args)]
+        kw = {k: _narrow(v, i, given[k]) if k in given else _slice_batch(v, i, batch_size, batch_dim)
+              for k, v in kwargs.items()}
         loss = loss_fn(m(*one, **kw), i)
         loss.backward()
         for n in names:

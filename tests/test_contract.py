@@ -214,6 +214,98 @@ def test_in_dims_overrides_size_rule_when_sizes_collide():
     assert_tensor_close(dp.per_sample_norms, ref.norms, "per_sample_norms")
 
 
+def _sum_sq_step(model, *args, options=None, **kwargs):
+    dp = fxdp.transform(model, max_grad_norm=1.0, grad_sample=True, loss_reduction="sum", compiler="eager",
+                        **(options or {}))
+    out = dp(*args, **kwargs)
+    (out[0] if isinstance(out, tuple) else out).pow(2).sum().backward()
+    return dp
+
+
+def _check_sum_sq(model, dp, ref):
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+    assert_close_all(grads(model), ref.grad("sum", 1.0), TOL, "p.grad")
+    assert_tensor_close(dp.per_sample_norms, ref.norms, "per_sample_norms")
+
+
+def _first_sq(out, i):
+    return (out[0] if isinstance(out, tuple) else out).pow(2).sum()
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+@pytest.mark.parametrize("in_dims", [(0, 1), {"hx": 1}, {1: 1}], ids=["tuple", "name", "position"])
+def test_in_dims_reaches_tensors_inside_a_tuple_argument(cell, in_dims):
+    """An RNN's hidden state is ``[layers, B, hidden]`` even with ``batch_first=True``:
+    the size rule calls it shared, and the error says which ``in_dims`` to pass; with
+    it, every tensor of the ``(h, c)`` tuple is batched at dim 1."""
+    torch.manual_seed(0)
+    model = getattr(nn, cell)(3, 4, num_layers=2, batch_first=True).to(DTYPE)
+    x, h = randn(5, 6, 3), randn(2, 5, 4, seed=2)
+    hx = (h, randn(2, 5, 4, seed=3)) if cell == "LSTM" else h
+    with pytest.raises(Exception) as info:
+        _sum_sq_step(copy.deepcopy(model), x, hx)
+    assert "pass in_dims={'hx': 1}" in str(unwrap(info.value))
+    torch._dynamo.reset()
+    ref = reference(model, [x, hx], _first_sq, in_dims=(0, 1))
+    _check_sum_sq(model, _sum_sq_step(model, x, hx, options={"in_dims": in_dims}), ref)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_in_dims_by_name_for_keyword_arguments(batch_first):
+    """``nn.TransformerEncoderLayer`` with keyword masks and ``B == T``: the size rule
+    takes the shared ``[T, T]`` mask as batched (and, with ``batch_first=False``, the
+    ``[B, T]`` padding mask at dim 1); ``in_dims`` by name settles both."""
+    torch.manual_seed(0)
+    B = T = 3
+    model = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=batch_first).to(DTYPE)
+    x = randn(B, T, 4) if batch_first else randn(T, B, 4)
+    mask = nn.Transformer.generate_square_subsequent_mask(T, dtype=DTYPE)
+    padding = torch.tensor([[False, False, True], [False, False, False], [False, True, True]])
+    masks = {"src_mask": mask, "src_key_padding_mask": padding}
+    with refused("different dims"):
+        _sum_sq_step(copy.deepcopy(model), x, **masks)
+    torch._dynamo.reset()
+    in_dims = {0: 0 if batch_first else 1, "src_mask": None, "src_key_padding_mask": 0}
+    ref = reference(model, [x], _first_sq, kwargs=masks, in_dims=in_dims)
+    _check_sum_sq(model, _sum_sq_step(model, x, options={"in_dims": in_dims}, **masks), ref)
+
+
+def test_in_dims_by_name_through_the_backend():
+    """Through ``torch.compile`` Dynamo traces the forward's own frame (``self``, then
+    the arguments): positions and names in ``in_dims`` count the arguments only."""
+    for in_dims in ((0, None), {"table": None}):
+        model = AddTable().to(DTYPE)
+        x, table = randn(4, 4, 4), randn(4, 4, seed=2)  # B == T == 4
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager", in_dims=in_dims))
+        mean_sq_loss(compiled(x, table)).backward()
+        ref = reference(model, [x, table], per_sample_sq_loss, in_dims=(0, None))
+        assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample, in_dims={in_dims}")
+
+
+def test_warnings_in_the_forward_are_issued_after_the_graph():
+    """``warnings.warn`` in a forward (PyTorch's own mask-dtype deprecation notice, say)
+    would break the one graph fxdp needs; it is issued after the graph runs instead."""
+
+    class Warns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            warnings.warn("a note from the forward")
+            return self.lin(x)
+
+    model = Warns().to(DTYPE)
+    x = randn(5, 4)
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dp = _sum_sq_step(model, x)
+    assert "a note from the forward" in [str(w.message) for w in caught]
+    _check_sum_sq(model, dp, ref)
+
+
 # ---------------------------------------------------------------------------
 # B == 0 and B == 1
 # ---------------------------------------------------------------------------
@@ -415,6 +507,40 @@ def test_in_graph_sum_with_ignored_target_works():
     dp = fxdp.transform(step, max_grad_norm=1.0, grad_sample=True, loss_reduction="sum", compiler="eager")
     dp(x, target).backward()
     assert_close_all(grads(step), ref.grad("sum", 1.0), TOL, "p.grad")
+    assert_close_all(grad_samples(step), ref.per_sample, TOL, "p.grad_sample")
+    assert_tensor_close(dp.per_sample_norms, ref.norms, "per_sample_norms")
+
+
+class LinearCrossEntropyHead(nn.Module):
+    """A hidden layer and ``nn.LinearCrossEntropyLoss``, whose head weight is trainable."""
+
+    def __init__(self, reduction: str, options):
+        super().__init__()
+        torch.manual_seed(0)
+        self.hidden = nn.Linear(4, 8)
+        self.head = nn.LinearCrossEntropyLoss(8, 5, bias=True, reduction=reduction, options=options)
+
+    def forward(self, x, target):
+        return self.head(torch.tanh(self.hidden(x)), target)
+
+
+@pytest.mark.skipif(not hasattr(nn, "LinearCrossEntropyLoss"), reason="torch < 2.13")
+@pytest.mark.parametrize("chunked", [False, True], ids=["plain", "chunked"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_linear_cross_entropy_loss_module(reduction, chunked):
+    """``nn.LinearCrossEntropyLoss``: with chunking ``options`` it is a custom op that
+    computes its gradients in the forward; fxdp reads it as the linear and the loss it
+    fuses. The loss is inside the graph, or (``reduction="none"``) summed outside."""
+    from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+
+    options = LinearCrossEntropyOptions(batch_chunk_size=2, allow_retain_graph=True) if chunked else None
+    step = LinearCrossEntropyHead(reduction, options).to(DTYPE)
+    x, target = randn(6, 4), torch.tensor([0, 4, 2, 1, 3, 2])
+    ref = reference(step, [x, target], lambda out, i: out.sum())
+    declared = "sum" if reduction == "none" else reduction
+    dp = fxdp.transform(step, max_grad_norm=1.0, grad_sample=True, loss_reduction=declared, compiler="eager")
+    dp(x, target).sum().backward()
+    assert_close_all(grads(step), ref.grad(declared, 1.0), TOL, "p.grad")
     assert_close_all(grad_samples(step), ref.per_sample, TOL, "p.grad_sample")
     assert_tensor_close(dp.per_sample_norms, ref.norms, "per_sample_norms")
 
@@ -673,6 +799,9 @@ def test_forward_graph_is_the_non_private_one():
     (dict(batch_first=1), TypeError),
     (dict(strict=None), TypeError),
     (dict(in_dims=(0, "x")), TypeError),
+    (dict(in_dims={"mask": "x"}), TypeError),
+    (dict(in_dims={-1: 0}), TypeError),
+    (dict(in_dims={1.5: 0}), TypeError),
     (dict(clip_norm=1.0), TypeError),
     (dict(noise_multiplier=1.0), TypeError),
 ])
