@@ -239,6 +239,10 @@ CASES = [
     Case("layer-norm-weight-as-bias", around(lambda m, h: F.layer_norm(h, (D,), m.g, m.g), g=(D,)), (B, T, D),
          rules=("layer_norm.weight", "layer_norm.bias")),
     Case("shared-table-broadcast", SharedTable, (B, T, D), rules=("mul.other",)),
+    # 0-d parameters (a learned temperature, ReZero's alpha): per-sample gradients [B]
+    Case("scalar-scale", around(lambda m, h: h * m.s, s=()), (B, T, D), rules=("mul.other",)),
+    Case("scalar-scale-and-shift", around(lambda m, h: m.s * h + m.t, s=(), t=()), (B, D),
+         rules=("mul.self", "add.other")),
     Case("layer-scale-batch-of-one", around(lambda m, h: h * m.gamma, gamma=(D,)), (1, T, D), rules=("batch-of-one",)),
     # matrix products
     Case("matmul-weight", around(lambda m, h: h @ m.W, d_out=6, W=(D, 6)), (B, T, D), rules=("matmul.other",),
@@ -401,6 +405,7 @@ TRANSFORMS = [
     Case("gemma-rmsnorm-one-plus-w", lambda: nn.Sequential(nn.Linear(D, D), GemmaRMSNorm(D), nn.Linear(D, 3)),
          (B, T, D), rules=("mul.other",)),
     Case("vit-cls-token-expand-cat", ClsToken, (B, T, D)),
+    Case("clip-logit-scale-exp", around(lambda m, h: h * m.s.exp(), s=()), (B, T, D)),
 ]
 
 
