@@ -2,6 +2,7 @@
 runtime wrappers that move the backward's extra outputs onto the parameters."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import re
@@ -104,20 +105,23 @@ def _param_name(source: str) -> str:
     return ".".join(parts) or (keys[0] if keys else source)
 
 
-def _argument_key(source: str, arg_names: Sequence[str]) -> tuple[int | None, str | None] | None:
+def _argument_key(source: str, arg_names: Sequence[str],
+                  frame_names: frozenset = frozenset()) -> tuple[int | None, str | None] | None:
     """Which forward argument a placeholder comes from: ``(position, name)``, either
-    ``None`` where unknown; ``None`` for values that are no argument (closures).
+    ``None`` where unknown; ``None`` for a value that is no argument (a plain tensor
+    attribute of a module, a closure or a global: model state, shared by all samples).
 
     ``transform`` calls the model as ``call(*args, **kwargs)`` (``L['args'][i]``,
-    ``L['kwargs']['k']``); a Dynamo backend sees the forward's own frame (``L['x']``).
-    A tensor inside a tuple argument (an LSTM's ``(h, c)``) belongs to that argument.
+    ``L['kwargs']['k']``); a Dynamo backend sees the forward's own frame (``L['x']``,
+    one of ``frame_names``). A tensor inside a tuple argument (an LSTM's ``(h, c)``)
+    belongs to that argument.
     """
     m = re.match(r"L\['args'\]\[(\d+)\]", source)
     if m:
         position = int(m.group(1))
         return position, arg_names[position] if position < len(arg_names) else None
     m = re.match(r"L\['kwargs'\]\['(\w+)'\]", source) or re.match(r"L\['(\w+)'\]", source)
-    if m:
+    if m and (source.startswith("L['kwargs']") or m.group(1) in frame_names):
         name = m.group(1)
         return (list(arg_names).index(name) if name in arg_names else None), name
     return None
@@ -135,16 +139,24 @@ def forward_arg_names(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(p.name for p in parameters if p.kind in kinds)
 
 
-def _arg_names() -> list[str]:
-    """The positional parameter names of the frame Dynamo is tracing, less ``self``."""
+def _frame_arg_names() -> tuple[list[str], frozenset]:
+    """The frame Dynamo is tracing: its positional parameter names, less the module
+    whose ``forward`` it is, and the names of all its parameters (keyword-only,
+    ``*args`` and ``**kwargs`` too)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        code = InstructionTranslator.current_tx().f_code
-        names = list(code.co_varnames[: code.co_argcount])
-        return names[1:] if names[:1] == ["self"] else names
+        tx = InstructionTranslator.current_tx()
+        code, f_locals = tx.f_code, getattr(tx, "f_locals", {})
     except Exception:  # noqa: BLE001 - outside Dynamo there is no frame to ask
-        return []
+        return [], frozenset()
+    positional = list(code.co_varnames[: code.co_argcount])
+    if positional and isinstance(f_locals.get(positional[0]), torch.nn.Module):
+        positional = positional[1:]
+    count = code.co_argcount + code.co_kwonlyargcount
+    count += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    names = frozenset(code.co_varnames[:count])
+    return positional, names - {name for name in names if isinstance(f_locals.get(name), torch.nn.Module)}
 
 
 def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
@@ -164,7 +176,8 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
     fake_args = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
     param_names: dict[fx.Node, str] = {}
     inputs: list[tuple] = []
-    arg_names = list(arg_names) or _arg_names()
+    frame_positional, frame_names = _frame_arg_names()
+    arg_names = list(arg_names) or frame_positional
     for order, (node, real, fake) in enumerate(zip(placeholders, example_inputs, fake_args)):
         if not isinstance(real, torch.Tensor):
             continue
@@ -175,9 +188,10 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
             if real.requires_grad:
                 param_names[node] = (names or {}).get(id(real)) or _param_name(source)
             continue
-        if is_buffer:
+        key = _argument_key(source, arg_names, frame_names)
+        if is_buffer or key is None:  # model state, shared by all samples
             continue
-        position, name = _argument_key(source, arg_names) or (None, None)
+        position, name = key
         # Positional arguments first, in order; then the rest in graph order.
         rank = (0, position, order) if position is not None else (1, 0, order)
         inputs.append((rank, node, fake, position, name))

@@ -357,7 +357,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                         for use, o in zip(uses, ops):
                             g = use.rule.per_sample_grad(*o, **use.config).reshape(-1, *param.shape)
                             psg = g if psg is None else psg + g
-                        sq = psg.reshape(psg.shape[0], -1).pow(2).sum(1)
+                        sq = psg.reshape(psg.shape[0], param.numel()).pow(2).sum(1)
                         if keep:
                             grad_samples[p] = psg
                         if fits:
@@ -377,7 +377,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                         psg = g if psg is None else psg + g
                     if batch_size is None:
                         batch_size = psg.shape[0]
-                    sq = psg.reshape(psg.shape[0], -1).pow(2).sum(1)
+                    sq = psg.reshape(psg.shape[0], param.numel()).pow(2).sum(1)
                     if keep:
                         grad_samples[p] = psg
             sq_norms.append(sq)

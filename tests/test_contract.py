@@ -283,6 +283,35 @@ def test_in_dims_by_name_through_the_backend():
         assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample, in_dims={in_dims}")
 
 
+class MaskedByAttribute(nn.Module):
+    """A ``[T, T]`` mask kept as a plain tensor attribute (no buffer), and a keyword
+    argument batched by the size rule; ``me`` is ``self`` by another name."""
+
+    def __init__(me):
+        super().__init__()
+        torch.manual_seed(0)
+        me.fc = nn.Linear(4, 4)
+        me.mask = torch.tril(torch.ones(4, 4, dtype=DTYPE))
+
+    def forward(me, x, scale=None):
+        return me.fc(x) * me.mask * scale
+
+
+@pytest.mark.parametrize("path", ["transform", "backend"])
+def test_module_tensor_attributes_are_shared(path):
+    """Model state that is no argument (a plain tensor attribute, like a buffer) is
+    shared by all samples, whatever its sizes: here ``[T, T]`` with ``T == B``."""
+    model = MaskedByAttribute().to(DTYPE)
+    x, scale = randn(4, 4, 4), randn(4, 1, 1, seed=2)
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum(), kwargs={"scale": scale})
+    options = dict(max_grad_norm=1.0, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp = fxdp.transform(model, **options) if path == "transform" else torch.compile(
+        model, backend=fxdp.backend(**options))
+    dp(x, scale=scale).pow(2).sum().backward()
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+    assert_close_all(grads(model), ref.grad("sum", 1.0), TOL, "p.grad")
+
+
 def test_warnings_in_the_forward_are_issued_after_the_graph():
     """``warnings.warn`` in a forward (PyTorch's own mask-dtype deprecation notice, say)
     would break the one graph fxdp needs; it is issued after the graph runs instead."""
