@@ -37,33 +37,54 @@ def new_fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+# Logger methods a forward may call (Hugging Face adds ``warning_once`` and ``warning_advice``).
+_LOG_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "log"}
+
+
 @contextlib.contextmanager
 def capture_config():
     """Dynamo's settings for capturing a model whole (``fullgraph=True``), read at trace time.
 
-    ``allow_rnn`` traces nn.LSTM/GRU/RNN. ``warnings.warn`` in a forward (PyTorch's own
-    deprecation notices, e.g. ``F._canonical_mask`` on a float causal mask beside a bool
-    padding mask) is issued after the graph runs instead of breaking it. Dynamo replays
-    such reordered calls only from the frame it compiles and drops those made in the
-    functions it inlines (every module's forward, under ``transform``), so each is
-    recorded on that frame.
+    - ``allow_rnn`` traces nn.LSTM/GRU/RNN.
+    - ``warnings.warn`` in a forward (PyTorch's own deprecation notices, e.g.
+      ``F._canonical_mask`` on a float causal mask beside a bool padding mask) is issued
+      after the graph runs instead of breaking it. Dynamo replays such reordered calls
+      only from the frame it compiles and drops those made in the functions it inlines
+      (every module's forward, under ``transform``), so each is recorded on that frame.
+    - A ``logging.Logger`` call with constant arguments (Hugging Face's
+      ``logger.warning_once`` about a config) is logged once, when the graph is
+      captured, instead of breaking it; Dynamo cannot replay logger calls.
     """
     import warnings
     from unittest import mock
 
-    from torch._dynamo.variables.misc import DebuggingVariable
+    from torch._dynamo.variables import ConstantVariable
+    from torch._dynamo.variables.misc import DebuggingVariable, LoggingLoggerVariable
 
     config = torch._dynamo.config
     logging_functions = set(config.reorderable_logging_functions) | {warnings.warn}
     record = DebuggingVariable.call_function
+    logger_call = LoggingLoggerVariable.call_method
 
     def record_on_compiled_frame(self, tx, args, kwargs):
         while getattr(tx, "parent", None) is not None:
             tx = tx.parent
         return record(self, tx, args, kwargs)
 
+    def log_at_capture(self, tx, name, args, kwargs):
+        if name in _LOG_METHODS or name.endswith(("_once", "_advice")):
+            try:
+                values = [a.as_python_constant() for a in args]
+                keywords = {k: v.as_python_constant() for k, v in kwargs.items()}
+            except NotImplementedError:  # a tensor or other traced value: Dynamo's own answer
+                return logger_call(self, tx, name, args, kwargs)
+            getattr(self.value, name)(*values, **keywords)
+            return ConstantVariable.create(None)
+        return logger_call(self, tx, name, args, kwargs)
+
     with config.patch(allow_rnn=True, reorderable_logging_functions=logging_functions), \
-            mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame):
+            mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame), \
+            mock.patch.object(LoggingLoggerVariable, "call_method", log_at_capture):
         yield
 
 

@@ -219,6 +219,12 @@ def _per_sample_vjp(transform: Callable, sources: list[torch.Tensor], cotangents
     return tuple(torch.zeros_like(c) if g is None else g for c, g in zip(copies, grads))
 
 
+def _per_sample_shaped(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A rule's per-sample gradient as ``[B, *shape]``; a parameter without elements
+    leaves no size for ``-1`` to infer."""
+    return grad.reshape(-1, *shape) if shape.numel() else grad.reshape(grad.shape[0], *shape)
+
+
 def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                           decompositions: dict | None = None) -> tuple[fx.GraphModule, BackwardPlan]:
     """Rewrite ``bw_gm`` so it emits clipped gradients, norms and grad samples.
@@ -355,7 +361,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     else:
                         psg = None
                         for use, o in zip(uses, ops):
-                            g = use.rule.per_sample_grad(*o, **use.config).reshape(-1, *param.shape)
+                            g = _per_sample_shaped(use.rule.per_sample_grad(*o, **use.config), param.shape)
                             psg = g if psg is None else psg + g
                         sq = psg.reshape(psg.shape[0], param.numel()).pow(2).sum(1)
                         if keep:
@@ -373,7 +379,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     for m in ms:
                         if m not in mapped_cache:
                             mapped_cache[m] = per_sample_in_param_space(m)
-                        g = mapped_cache[m][p].reshape(-1, *param.shape)
+                        g = _per_sample_shaped(mapped_cache[m][p], param.shape)
                         psg = g if psg is None else psg + g
                     if batch_size is None:
                         batch_size = psg.shape[0]

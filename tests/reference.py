@@ -83,7 +83,7 @@ def reference(model: nn.Module, args: Sequence[Any], loss_fn: Callable[..., torc
             a sequence for positional arguments, or a dict keyed by position or keyword.
     """
     kwargs = kwargs or {}
-    first = next(a for a in args if isinstance(a, torch.Tensor))
+    first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
     batch_size = first.shape[batch_dim]
     m = copy.deepcopy(model)
     names = [n for n, p in m.named_parameters() if p.requires_grad]

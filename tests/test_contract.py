@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import re
 import warnings
@@ -333,6 +334,44 @@ def test_warnings_in_the_forward_are_issued_after_the_graph():
         dp = _sum_sq_step(model, x)
     assert "a note from the forward" in [str(w.message) for w in caught]
     _check_sum_sq(model, dp, ref)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_logger_calls_in_the_forward_are_logged_when_captured():
+    """A ``logging.Logger`` call in a forward (Hugging Face warns about its config from
+    there) would break the graph; it is logged once, when the graph is captured."""
+    logger = logging.getLogger("fxdp.tests")  # as a module's ``logger = logging.getLogger(__name__)``
+
+    class Logs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            logger.warning("a note about the %s", "config")
+            return self.lin(x)
+
+    model = Logs().to(DTYPE)
+    x = randn(5, 4)
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    records = _Records()
+    logger.addHandler(records)
+    try:
+        dp = _sum_sq_step(model, x)
+        grads_first = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+        dp(x).pow(2).sum().backward()  # the captured graph again: nothing logged
+    finally:
+        logger.removeHandler(records)
+    assert records.messages == ["a note about the config"]
+    assert_close_all(grads_first, ref.per_sample, TOL, "p.grad_sample")
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,255 @@
+"""PyTorch's own test inputs, run against fxdp.
+
+``torch.testing._internal.common_modules.module_db`` holds, for every ``torch.nn``
+module, the constructor arguments and forward inputs PyTorch tests it with;
+``common_methods_invocations.op_db`` does the same for functional ops. Here every
+batched sample of a module or op that takes trainable tensors goes through
+``fxdp.transform(..., grad_sample=True, max_grad_norm=...)`` and is compared with the
+microbatch loop (``tests/reference.py``) in float64: inputs written by someone else,
+for every layer PyTorch ships.
+
+Samples without a batch dim are left out, except for the recurrent layers, multi-head
+attention and transformer layers, whose samples are all unbatched: those are batched
+here by stacking perturbed copies. A sample fxdp must refuse (BatchNorm in training, a
+mean normalised over other samples' labels) must be refused with the reason the table
+below names; a sample Dynamo itself cannot capture in one graph is listed too.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+import fxdp
+from reference import assert_close_all, reference
+
+pytest.importorskip("expecttest")  # torch.testing._internal imports it
+
+from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+from torch.testing._internal.common_modules import module_db  # noqa: E402
+
+DTYPE = torch.float64
+TOL = 1e-9
+SEQUENCE_FIRST = {"RNN", "GRU", "LSTM", "MultiheadAttention", "Transformer", "TransformerEncoder",
+                  "TransformerEncoderLayer", "TransformerDecoderLayer"}
+
+# What fxdp refuses on purpose, by module: a sample meeting it must raise this.
+REFUSED = {
+    "BatchNorm1d": "BatchNorm in training mode", "BatchNorm2d": "BatchNorm in training mode",
+    "BatchNorm3d": "BatchNorm in training mode",
+    "LinearCrossEntropyLoss": "class weights make the mean's normaliser|ignore_index=.* under reduction='mean'|"
+                              "loss inside the graph is a mean",
+    "nn.functional.instance_norm": "track_running_stats=True in training",
+}
+# What Dynamo cannot capture in one graph (plain ``torch.compile(fullgraph=True)``
+# fails the same way), by module: the error must say so.
+DYNAMO = {
+    # momentum=None: the running average's factor is 1 / num_batches_tracked, a tensor read
+    "BatchNorm2d": "data-dependent", "BatchNorm3d": "data-dependent",
+    # chunked options under Dynamo: a function marked as skipped
+    "LinearCrossEntropyLoss": "marked as skipped",
+    # a causal mask passed without is_causal: PyTorch tests the mask's values
+    "Transformer": "data-dependent", "TransformerEncoder": "data-dependent",
+}
+
+
+def _loss(out: Any) -> torch.Tensor:
+    """A loss that sums over samples: the output itself when the module is a loss
+    (reduced already), else the sum of squares of every floating output."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum(t.pow(2).sum() for t in leaves)
+
+
+def _clip_between(norms: torch.Tensor) -> float:
+    """A clipping norm that clips some samples and not others."""
+    return float(norms.median()) + 1e-3 if norms.numel() else 1.0
+
+
+def _batched(name: str, desc: str, first: torch.Tensor) -> bool:
+    if name.endswith("Cell"):
+        return first.dim() == 2
+    if name in SEQUENCE_FIRST:
+        return first.dim() == 3
+    return "no_batch" not in desc and (first.dim() >= 2 or name == "Embedding")
+
+
+def _stack(t: Any, dim: int, batch: int, seed: int) -> Any:
+    """``batch`` perturbed copies of an unbatched tensor, stacked at ``dim``."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    g = torch.Generator().manual_seed(seed)
+    copies = [t if not t.is_floating_point() else t + 0.3 * torch.randn(t.shape, generator=g, dtype=t.dtype)
+              for _ in range(batch)]
+    return torch.stack(copies, dim)
+
+
+def _module_cases():
+    cases = []
+    for info in module_db:
+        name = info.module_cls.__name__
+        if name.startswith("Lazy"):
+            continue
+        samples = info.module_inputs_func(info, device="cpu", dtype=DTYPE, requires_grad=False, training=True)
+        for k, sample in enumerate(samples):
+            if sample.forward_input is None:
+                continue
+            args, kwargs = sample.forward_input.args, sample.forward_input.kwargs
+            first = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), None)
+            if first is None:
+                continue
+            desc = sample.desc or ""
+            # LinearCrossEntropyLoss has hundreds of samples: every fourth keeps each kind.
+            if name == "LinearCrossEntropyLoss" and k % 4:
+                continue
+            cases.append(pytest.param(info, sample, id=f"{name}-{k}{'-' + desc if desc else ''}"))
+    return cases
+
+
+def _recurrent_batch(name: str, args: tuple, batch_first: bool, batch: int):
+    """Batch the unbatched samples of the recurrent layers and cells: the input at
+    its batch dim, the hidden state (tensor or tuple) at dim 1 (dim 0 for cells)."""
+    input_dim = 0 if (batch_first or name.endswith("Cell")) else 1
+    state_dim = 0 if name.endswith("Cell") else 1
+    x = _stack(args[0], input_dim, batch, seed=1)
+    if len(args) == 1:
+        return (x,), {0: input_dim}
+    state = tree_map(lambda t: _stack(t, state_dim, batch, seed=2), args[1])
+    return (x, state), {0: input_dim, 1: state_dim}
+
+
+@pytest.mark.parametrize("info,sample", _module_cases())
+def test_module_db(info, sample):
+    name = info.module_cls.__name__
+    ckwargs = sample.constructor_input.kwargs
+    torch.manual_seed(0)
+    model = info.module_cls(*sample.constructor_input.args, **ckwargs).to(DTYPE).train()
+    if not any(p.requires_grad for p in model.parameters()):
+        pytest.skip("no trainable parameters")
+    args, kwargs = tuple(sample.forward_input.args), dict(sample.forward_input.kwargs)
+    batch_first = name not in SEQUENCE_FIRST
+    first = next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor))
+    batch_first = next((m.batch_first for m in model.modules() if hasattr(m, "batch_first")), batch_first)
+    in_dims = None
+    if not _batched(name, sample.desc or "", first):
+        if not (name in ("RNN", "GRU", "LSTM") or name.endswith("Cell")):
+            pytest.skip("unbatched sample")
+        args, in_dims = _recurrent_batch(name, args, batch_first, batch=3)
+    reduction = getattr(model, "reduction", None)
+    loss_reduction = reduction if reduction in ("mean", "sum") else "sum"
+    try:
+        ref = reference(model, list(args), lambda out, i: _loss(out), batch_dim=0 if batch_first else 1,
+                        kwargs=kwargs, in_dims=in_dims)
+    except (RuntimeError, ValueError, AssertionError) as e:  # a batch of one PyTorch itself rejects
+        pytest.skip(f"the microbatch loop cannot run it: {e}")
+    if not torch.isfinite(ref.norms).all():  # a mean over no kept target, an empty LayerNorm
+        pytest.skip("the microbatch loop gives non-finite gradients")
+    torch._dynamo.reset()
+    dp = fxdp.transform(model, max_grad_norm=_clip_between(ref.norms), grad_sample=True,
+                        loss_reduction=loss_reduction, batch_first=batch_first, compiler="eager",
+                        in_dims=in_dims)
+    try:
+        _loss(dp(*args, **kwargs)).backward()
+    except Exception as e:  # noqa: BLE001 - checked against the tables
+        message = str(e)
+        expected = "|".join(f"(?:{table[name]})" for table in (REFUSED, DYNAMO) if name in table)
+        if expected and re.search(expected, message):
+            return
+        raise
+    grads = {n: p.grad_sample for n, p in model.named_parameters() if p.requires_grad}
+    assert_close_all(grads, ref.per_sample, TOL, f"{name}: p.grad_sample")
+    clipped = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert_close_all(clipped, ref.grad(loss_reduction, dp.options.max_grad_norm), TOL, f"{name}: p.grad")
+
+
+# ---------------------------------------------------------------------------
+# op_db: functional ops whose weights become parameters
+# ---------------------------------------------------------------------------
+
+OPS = {"nn.functional.linear", "nn.functional.bilinear", "nn.functional.conv1d", "nn.functional.conv2d",
+       "nn.functional.conv3d", "nn.functional.conv_transpose1d", "nn.functional.conv_transpose2d",
+       "nn.functional.conv_transpose3d", "nn.functional.layer_norm", "nn.functional.group_norm",
+       "nn.functional.instance_norm", "nn.functional.rms_norm", "nn.functional.prelu", "matmul", "mm",
+       "addmm", "baddbmm", "einsum", "mul", "add"}
+
+
+class Functional(nn.Module):
+    """``op(x, *args, **kwargs)`` with its floating tensors that require grad as
+    parameters, its other tensors with ``x``'s leading size as further inputs (batched)
+    and the rest as constants (running statistics, say)."""
+
+    def __init__(self, op, x: torch.Tensor, args: tuple, kwargs: dict):
+        super().__init__()
+        self.op = op
+        self.spec: list[tuple[str, Any]] = []
+        for i, a in enumerate([*args, *kwargs.values()]):
+            if isinstance(a, torch.Tensor) and a.requires_grad and a.is_floating_point():
+                self.register_parameter(f"w{i}", nn.Parameter(a.detach().clone()))
+                self.spec.append(("param", f"w{i}"))
+            else:
+                batched = isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[0] == x.shape[0]
+                self.spec.append(("input" if batched else "const", a))
+        self.n_args = len(args)
+        self.keys = list(kwargs)
+
+    def inputs(self) -> list[torch.Tensor]:
+        return [v.detach() for kind, v in self.spec if kind == "input"]
+
+    def forward(self, x, *inputs):
+        it = iter(inputs)
+        values = [getattr(self, v) if kind == "param" else next(it) if kind == "input" else v
+                  for kind, v in self.spec]
+        return self.op(x, *values[:self.n_args], **dict(zip(self.keys, values[self.n_args:])))
+
+
+def _op_cases():
+    cases = []
+    for op in op_db:
+        if op.name not in OPS:
+            continue
+        for k, sample in enumerate(op.sample_inputs("cpu", DTYPE, requires_grad=True)):
+            x = sample.input
+            if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] < 2:
+                continue
+            weight = next((a for a in sample.args if isinstance(a, torch.Tensor)), None)
+            if "conv" in op.name and weight is not None and x.dim() != weight.dim():
+                continue  # an unbatched convolution
+            cases.append(pytest.param(op, sample, id=f"{op.name}-{k}"))
+    return cases
+
+
+@pytest.mark.parametrize("op,sample", _op_cases())
+def test_op_db(op, sample):
+    model = Functional(op.op, sample.input, sample.args, sample.kwargs)
+    if not any(True for _ in model.parameters()):
+        pytest.skip("no tensor that requires grad")
+    x = sample.input.detach()
+    args = [x, *model.inputs()]
+    try:
+        with torch.no_grad():  # the sample is per-sample only where samples do not mix
+            whole = _loss(model(*args))
+            parts = sum(_loss(model(*[a[i:i + 1] for a in args])) for i in range(x.shape[0]))
+    except RuntimeError as e:  # a weight of the sample holds per-row data (bilinear's x2)
+        pytest.skip(f"this sample's dim 0 is no batch: {e}")
+    if not torch.allclose(whole, parts):
+        pytest.skip("this sample's dim 0 is no batch")
+    ref = reference(model, args, lambda out, i: _loss(out))
+    torch._dynamo.reset()
+    dp = fxdp.transform(model, max_grad_norm=_clip_between(ref.norms), grad_sample=True,
+                        loss_reduction="sum", compiler="eager")
+    try:
+        _loss(dp(*args)).backward()
+    except Exception as e:  # noqa: BLE001 - checked against the table
+        if op.name in REFUSED and re.search(REFUSED[op.name], str(e)):
+            return
+        raise
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, TOL,
+                     f"{op.name}: p.grad_sample")
+    assert_close_all({n: p.grad for n, p in model.named_parameters()},
+                     ref.grad("sum", dp.options.max_grad_norm), TOL, f"{op.name}: p.grad")
