@@ -129,8 +129,6 @@ def _argument_key(source: str, arg_names: Sequence[str],
 
 def forward_arg_names(model: torch.nn.Module) -> tuple[str, ...]:
     """The names of ``model.forward``'s positional parameters, in order."""
-    import inspect
-
     try:
         parameters = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError):  # a builtin or C++ forward has no signature
