@@ -16,7 +16,6 @@ below names; a sample Dynamo itself cannot capture in one graph is listed too.
 """
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
 
