@@ -89,9 +89,9 @@ def reference(model: nn.Module, args: Sequence[Any], loss_fn: Callable[..., torc
     names = [n for n, p in m.named_parameters() if p.requires_grad]
     params = dict(m.named_parameters())
     grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    given = dict(enumerate(in_dims)) if isinstance(in_dims, Sequence) else dict(in_dims or {})
     for i in range(batch_size):
         m.zero_grad(set_to_none=True)
-        given = dict(enumerate(in_dims)) if isinstance(in_dims, Sequence) else dict(in_dims or {})
         one = [_narrow(a, i, given[k]) if k in given else _slice_batch(a, i, batch_size, batch_dim)
                for k, a in enumerate(args)]
         kw = {k: _narrow(v, i, given[k]) if k in given else _slice_batch(v, i, batch_size, batch_dim)

@@ -304,7 +304,7 @@ def test_module_tensor_attributes_are_shared(path):
     shared by all samples, whatever its sizes: here ``[T, T]`` with ``T == B``."""
     model = MaskedByAttribute().to(DTYPE)
     x, scale = randn(4, 4, 4), randn(4, 1, 1, seed=2)
-    ref = reference(model, [x], lambda out, i: out.pow(2).sum(), kwargs={"scale": scale})
+    ref = reference(model, [x], per_sample_sq_loss, kwargs={"scale": scale})
     options = dict(max_grad_norm=1.0, grad_sample=True, loss_reduction="sum", compiler="eager")
     dp = fxdp.transform(model, **options) if path == "transform" else torch.compile(
         model, backend=fxdp.backend(**options))
@@ -328,7 +328,7 @@ def test_warnings_in_the_forward_are_issued_after_the_graph():
 
     model = Warns().to(DTYPE)
     x = randn(5, 4)
-    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    ref = reference(model, [x], per_sample_sq_loss)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dp = _sum_sq_step(model, x)
@@ -361,7 +361,7 @@ def test_logger_calls_in_the_forward_are_logged_when_captured():
 
     model = Logs().to(DTYPE)
     x = randn(5, 4)
-    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    ref = reference(model, [x], per_sample_sq_loss)
     records = _Records()
     logger.addHandler(records)
     try:
@@ -1136,7 +1136,8 @@ def test_create_graph_raises():
 
 def test_hugging_face_decoder_with_a_per_sample_attention_mask():
     """transformers builds the 4D mask as ``padding_mask[arange(B)[:, None, None, None], kv]``."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is no test dependency: the Hugging Face GPT-2 mask path is untested")
     config = transformers.GPT2Config(vocab_size=13, n_positions=8, n_embd=8, n_layer=1, n_head=2,
                                      use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-pytest.importorskip("sklearn")
-pytest.importorskip("tqdm")
+pytest.importorskip("sklearn", reason="the example trains on scikit-learn's digits (the examples extra)")
+pytest.importorskip("tqdm", reason="the example's progress bar (the examples extra)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_mlp.py")

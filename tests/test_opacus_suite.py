@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 import fxdp
 
-pytest.importorskip("opacus")
+pytest.importorskip("opacus", reason="Opacus's per-sample test suite ships in the opacus wheel (the test extra)")
 
 from opacus.tests.grad_samples import common  # noqa: E402
 from opacus.utils.module_utils import trainable_parameters  # noqa: E402

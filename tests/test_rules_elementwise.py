@@ -11,7 +11,7 @@ parameter used twice, a shared table scaled by a parameter (broadcast), ``x @ W`
 gradients run too. Each case runs in float64 with a sum loss and in float32 with a
 mean loss, with grad samples and clipping; matrix products also without grad
 samples, where the cost model picks ghost or instantiate. Then the propagation
-rules alone, the refusals, and what the core cannot do yet (``xfail``).
+rules alone and the refusals.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 import fxdp
 from reference import assert_close_all, reference
 
-pytest.importorskip("expecttest")  # torch.testing._internal imports it
+pytest.importorskip("expecttest", reason="torch.testing._internal imports it (the test extra)")
 
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
 from torch.testing._internal.common_modules import module_db  # noqa: E402
