@@ -54,12 +54,14 @@ def capture_config():
     - A ``logging.Logger`` call with constant arguments (Hugging Face's
       ``logger.warning_once`` about a config) is logged once, when the graph is
       captured, instead of breaking it; Dynamo cannot replay logger calls.
+    - A ``torch.autograd.Function`` call's higher-order op records its class and where
+      each ``apply`` argument went (``meta["fxdp_function"]``), to find its rule.
     """
     import warnings
     from unittest import mock
 
     from torch._dynamo.variables import ConstantVariable
-    from torch._dynamo.variables.misc import DebuggingVariable, LoggingLoggerVariable
+    from torch._dynamo.variables.misc import AutogradFunctionVariable, DebuggingVariable, LoggingLoggerVariable
 
     config = torch._dynamo.config
     logging_functions = set(config.reorderable_logging_functions) | {warnings.warn}
@@ -82,10 +84,44 @@ def capture_config():
             return ConstantVariable.create(None)
         return logger_call(self, tx, name, args, kwargs)
 
+    apply = AutogradFunctionVariable.call_apply
+
+    def apply_and_name(self, tx, args, kwargs):
+        result = apply(self, tx, args, kwargs)
+        _name_function_call(self.fn_cls, args, result)
+        return result
+
     with config.patch(allow_rnn=True, reorderable_logging_functions=logging_functions), \
             mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame), \
-            mock.patch.object(LoggingLoggerVariable, "call_method", log_at_capture):
+            mock.patch.object(LoggingLoggerVariable, "call_method", log_at_capture), \
+            mock.patch.object(AutogradFunctionVariable, "call_apply", apply_and_name):
         yield
+
+
+def _node_of(variable: Any) -> fx.Node | None:
+    from torch._dynamo.variables import TensorVariable
+
+    return variable.as_proxy().node if isinstance(variable, TensorVariable) else None
+
+
+def _name_function_call(cls: type, args: list, result: Any) -> None:
+    """``meta["fxdp_function"] = (cls, {apply argument index: operand index})`` on the
+    ``autograd_function_apply`` node that produced ``result``."""
+    import operator
+
+    hop = torch.ops.higher_order.autograd_function_apply
+    for item in getattr(result, "items", [result]):
+        node = _node_of(item)
+        if node is not None and node.target is operator.getitem and getattr(node.args[0], "target", None) is hop:
+            call = node.args[0]
+            operands = list(call.args[2:])
+            positions = {}
+            for k, a in enumerate(args):
+                arg = _node_of(a)
+                if arg is not None and any(arg is o for o in operands):
+                    positions[k] = next(i for i, o in enumerate(operands) if o is arg)
+            call.meta["fxdp_function"] = (cls, positions)
+            return
 
 
 def fake_mode_of(values: Sequence[Any]):

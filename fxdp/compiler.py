@@ -241,29 +241,6 @@ def _size_rule_note(name: str, fake: torch.Tensor, dim: int, batched: bool, batc
             f"[layers, B, hidden] even with batch_first=True), pass in_dims={{{name!r}: {others[0]}}}"]
 
 
-def autograd_function_problems(gm: fx.GraphModule, param_names: dict) -> list[Problem]:
-    """``torch.autograd.Function`` calls in a Dynamo graph: their hand-written backward
-    would be lost (canonicalisation inlines the forward), so they are refused."""
-    from fxdp.passes.batch_dims import module_path_of
-
-    hop = getattr(torch.ops.higher_order, "autograd_function_apply", None)
-    problems = []
-    for node in gm.graph.nodes:
-        if hop is None or node.op != "call_function" or node.target is not hop:
-            continue
-        params = sorted(param_names[a] for a in node.all_input_nodes if a in param_names)
-        trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-        where = f" (called at {trace[-2].strip()} {trace[-1].strip()})" if len(trace) >= 2 else ""
-        problems.append(Problem(
-            "torch.autograd.Function", module_path_of(node), "",
-            "fxdp cannot keep a torch.autograd.Function's hand-written backward: canonicalisation "
-            "inlines its forward without autograd, so no gradient would flow through it"
-            + (f" (it consumes the trainable parameter(s) {', '.join(params)})" if params else "")
-            + where + ". Write it as a torch.library.custom_op with register_autograd and give it "
-            "an fxdp rule with fxdp.register_rule, or use ordinary torch ops"))
-    return problems
-
-
 def refuse_vmap(gm: fx.GraphModule) -> None:
     """Raise if the forward runs ``torch.func.vmap`` (Dynamo inlines it between
     ``_vmap_increment_nesting`` and ``_vmap_decrement_nesting``, as in the
@@ -296,7 +273,6 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     if batch_size is None and c_param_names:
         raise ValueError("fxdp found no tensor argument to take the batch size from")
     analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
-    analysis.problems[:0] = autograd_function_problems(gm, param_names)
     analysis.notes = list(dict.fromkeys(notes))
     if analysis.loss is not None and analysis.loss != options.loss_reduction:
         analysis.problems.append(Problem(

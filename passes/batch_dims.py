@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from fxdp.batching import WHOLE, BatchDim
 from fxdp.errors import Problem
+from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad, follow_write
 from fxdp.registry import lookup, out_of_place
 
@@ -1045,7 +1046,9 @@ def batch_dim_pass(
                 out = _meta(node)
                 batch[node] = [WHOLE] * len(out) if isinstance(out, (list, tuple)) else WHOLE
                 continue
-            if rule is not None:
+            if target is FUNCTION_APPLY:
+                batch[node] = function_batch(node, arg_batch, batch_size)
+            elif rule is not None:
                 metas = [_meta(a) for a in node.args]
                 batch[node] = rule.batch_rule(arg_batch, metas, _meta(node), rule.config(node.args))
             elif target in PROPAGATION:
@@ -1176,6 +1179,19 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems):
         target, path = node.target, module_path_of(node)
         rule = lookup(target)
         kind = "direct" if value in param_names else "transform"
+        if target is FUNCTION_APPLY and index is not None:
+            generic = function_param_rule(node, index) is None
+            outputs = batch.get(node) or []
+            differentiable = [b for i, b in enumerate(outputs)
+                              if i not in node.kwargs.get("non_differentiable_idx", [])]
+            if generic and not all(isinstance(b, BatchDim) for b in differentiable):
+                problems.append(Problem(
+                    f"torch.autograd.Function {function_call(node).name}", path, _names(sources[value], param_names),
+                    "its backward can give per-sample gradients only when every differentiable output "
+                    "is batched; register a rule for it with fxdp.register_rule"))
+            else:
+                uses.append(UseSite(node, index, kind, sources[value], generic=generic))
+            continue
         if rule is not None and index is not None and index in rule.params:
             reason = rule.check(
                 [_arg_batch(a, batch) for a in node.args], [_meta(a) for a in node.args], index

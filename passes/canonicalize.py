@@ -11,6 +11,7 @@ from torch._decomp import get_decompositions
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxdp._torch_internals import inline_checkpoints, make_fx_traced
+from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
 from fxdp.passes.writes import is_view, writes_in_place
 from fxdp.registry import out_of_place
@@ -275,9 +276,9 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     ``aten.lstm`` and the recurrent cells become per-step linears, ``aten.einsum`` and
     ``aten.bilinear`` matrix products; autocast's casts become ops (``passes/autocast.py``);
     activation-checkpointed regions are inlined (their ops become ordinary ops of the
-    graph). Placeholders keep their order, node meta (``nn_module_stack``) is preserved.
+    graph); ``torch.autograd.Function`` calls stay whole (``fxdp/functions.py``). Placeholders keep their order, node meta (``nn_module_stack``) is preserved.
     """
-    gm = inline_checkpoints(gm)
+    gm = functions_as_ops(inline_checkpoints(gm))
     gm = rnn_initial_state_pass(gm)
     # The LSTM decomposition would pick the opaque aten.mkldnn_rnn_layer on CPU float32.
     decompositions = {
@@ -299,6 +300,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
             out = make_fx_traced(fx.Interpreter(out).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
                                  decompositions={torch.ops.aten.einsum.default: _einsum_as_products})
         out = _simplified(out)
+    out = ops_as_functions(out)
     out.graph.lint()
     out.recompile()
     return out

@@ -20,7 +20,9 @@ import collections
 import torch
 import torch.fx as fx
 
-from fxdp.batching import RAW, SHARED, WHOLE
+from fxdp.batching import RAW, SHARED, WHOLE, BatchDim
+from fxdp.functions import (FUNCTION_APPLY, TaggedFunction, backward_rule, function_call,
+                            function_param_rule, registered_operands)
 from fxdp.markers import USES, TaggedOp, Transform, UseInfo, new_use_id
 from fxdp.passes.batch_dims import BatchAnalysis, module_path_of
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad
@@ -134,6 +136,57 @@ def _config(rule, node: fx.Node, broadcast) -> dict:
     return config
 
 
+def _tag_function(gm: fx.GraphModule, node: fx.Node, sites: list, analysis: BatchAnalysis,
+                  param_names: dict[fx.Node, str], counts: collections.Counter) -> None:
+    """Tag a ``torch.autograd.Function`` call (``fxdp/functions.py``): its parameter
+    operands get markers, fed by a registered rule's operands or, without one, by
+    everything its backward receives (``backward_rule``)."""
+    call = function_call(node)
+    batch = analysis.batch
+    operands = list(node.args[2:])
+    out_batch = node.meta["fxdp_function_batch"][0]
+    use_ids, specs, extra_args = {}, {}, {}
+    for site in sites:
+        i = site.index - 2
+        if site.generic:
+            param_rule, specs[i], operand_batch = backward_rule(node, site.index)
+        else:
+            param_rule = function_param_rule(node, site.index)
+            specs[i] = registered_operands(param_rule, call)
+            operand_batch = []
+            for kind, j in specs[i]:
+                b = out_batch[j] if kind == "grad" else batch.get(operands[j])
+                is_param = kind == "operand" and (operands[j] in param_names or operands[j] in analysis.param_only)
+                operand_batch.append(b if isinstance(b, BatchDim) else (RAW if is_param else WHOLE))
+        if site.kind == "transform":
+            transform, inputs = _extract_transform(node.args[site.index], analysis.param_only, set(param_names))
+            extra_args[i] = inputs
+            operand_batch = operand_batch + [RAW] * len(inputs)
+            source_names = [param_names[n] for n in inputs[: transform.num_sources]]
+        else:
+            transform, source_names = None, [param_names[node.args[site.index]]]
+        use_id = new_use_id()
+        USES[use_id] = UseInfo(
+            use_id=use_id, rule=param_rule, param=", ".join(source_names), module_path=module_path_of(node),
+            operand_batch=operand_batch, config={}, transform=transform,
+            strategy_hint="generic" if site.generic else None, source_names=source_names)
+        use_ids[i] = use_id
+        counts[param_rule.name] += 1
+    tagged = TaggedFunction(call, use_ids, specs, {i: len(v) for i, v in extra_args.items()})
+    flat_extras = [n for i in sorted(extra_args) for n in extra_args[i]]
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(tagged, (*operands, *flat_extras))
+    new.meta.update(node.meta)
+    new.meta["fxdp"] = {
+        "rule": ", ".join(USES[u].rule.name for u in use_ids.values()),
+        "params": [USES[u].param for u in use_ids.values()],
+        "use_ids": list(use_ids.values()),
+    }
+    batch[new] = batch.get(node)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
 def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.Node, str],
              excluded: set[str]) -> tuple[fx.GraphModule, dict[str, int]]:
     """Tag every per-sample use of a trainable parameter; detach excluded parameters.
@@ -171,6 +224,9 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
     batch = analysis.batch
     params = set(param_names)
     for node, sites in sites_by_node.items():
+        if node.target is FUNCTION_APPLY:
+            _tag_function(gm, node, sites, analysis, param_names, counts)
+            continue
         if node.kwargs:
             # Keyword-only settings (alpha, value, beta) become positional in schema order,
             # so rules see them by index; the tagged op calls the ATen op by its schema.

@@ -1,0 +1,422 @@
+"""``torch.autograd.Function`` calls, kept with their hand-written backward.
+
+Dynamo captures ``MyFn.apply(x, w)`` as the higher-order op
+``autograd_function_apply(fwd_body, bwd_body, *operands)``, whose two bodies are
+``forward`` and ``backward`` as graphs. ``make_fx`` (canonicalisation) would inline
+the forward and lose the backward, so the call crosses canonicalisation as the
+opaque op ``fxdp::function_apply`` and comes back as the higher-order op after it::
+
+    autograd_function_apply = autograd_function_apply(fwd_body_0, bwd_body_0, linear, ...)
+
+AOTAutograd then traces both bodies, as it does under ``torch.compile``.
+
+- **Batch analysis** (``function_batch``): the forward body is canonicalised and
+  analysed with the operands' batch dims, which gives the outputs' batch dims; the
+  backward body is analysed for the gradients of the batched operands. Either one
+  mixing samples refuses the call, naming the Function.
+- **Parameters** consumed by the call get per-sample gradients from a rule registered
+  for the Function class (``fxdp.register_rule(OpRule(op=MyFn, params=...))``), or
+  else from its own backward run on each sample as a batch of one under ``vmap``
+  (``_backward_per_sample``). The tagged call (``TaggedFunction``) runs the bodies
+  and puts ``fxdp::param_grad`` markers where the backward returned the parameters'
+  gradients.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxdp.batching import RAW, BatchDim, retrack, scale_batch
+from fxdp.registry import GRAD, OpRule, ParamRule, lookup
+
+__all__ = [
+    "FUNCTION_APPLY", "FunctionCall", "TaggedFunction", "function_batch", "function_param_rule",
+    "functions_as_ops", "ops_as_functions", "function_call",
+]
+
+FUNCTION_APPLY = torch.ops.higher_order.autograd_function_apply
+
+
+@dataclasses.dataclass
+class FunctionCall:
+    """One captured ``Function.apply`` call.
+
+    Attributes:
+        fwd: Dynamo's forward body: ``(*operands) -> ((*outputs), (*saved))``.
+        bwd: Dynamo's backward body: ``(*output grads, *saved) -> (*operand grads)``.
+        kwargs: The higher-order op's settings (``non_differentiable_idx``, ...).
+        cls: The Function class (``None`` where it was captured outside ``fxdp.transform``).
+        positions: Index of an ``apply`` argument -> index of its operand.
+        kinds: "t" (tensor) or "s" (size) for each operand.
+    """
+
+    fwd: fx.GraphModule
+    bwd: fx.GraphModule
+    kwargs: dict
+    cls: type | None
+    positions: dict[int, int]
+    kinds: list[str]
+
+    @property
+    def name(self) -> str:
+        if self.cls is not None:
+            return f"{self.cls.__qualname__}"
+        return "a torch.autograd.Function"
+
+
+_keys = itertools.count()
+_CALLS: dict[int, FunctionCall] = {}
+
+
+def _run_forward(key: int, tensors: list, sizes: list) -> list[torch.Tensor]:
+    call = _CALLS[key]
+    operands = _merge(call, tensors, sizes)
+    with torch.no_grad():
+        outputs, _saved = _run(call.fwd, *operands)
+    # An opaque op's outputs are its own (a Function may return an input).
+    return [o.clone() for o in outputs]
+
+
+@torch.library.custom_op("fxdp::function_apply", mutates_args=())
+def _function_apply(tensors: list[torch.Tensor], sizes: list[int], key: int) -> list[torch.Tensor]:
+    """Stands for an ``autograd_function_apply`` call during canonicalisation only."""
+    return _run_forward(key, tensors, sizes)
+
+
+@_function_apply.register_fake
+def _(tensors, sizes, key):
+    return _run_forward(key, tensors, sizes)
+
+
+_OPAQUE = torch.ops.fxdp.function_apply.default
+
+
+def _run(body: fx.GraphModule, *args) -> Any:
+    """Run a body; it switches grad mode off and back on: the caller's mode is restored."""
+    with torch.set_grad_enabled(torch.is_grad_enabled()):
+        return torch.fx.Interpreter(body).run(*args)
+
+
+def _merge(call: FunctionCall, tensors: list, sizes: list) -> list:
+    """The operands in order from the opaque op's tensors and sizes."""
+    tensors, sizes = iter(tensors), iter(sizes)
+    return [next(tensors) if kind == "t" else next(sizes) for kind in call.kinds]
+
+
+def _operand_kind(node: Any) -> str:
+    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else node
+    if isinstance(value, torch.Tensor):
+        return "t"
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        return "s"
+    raise NotImplementedError(
+        f"fxdp cannot pass {type(value).__name__} {node} into a torch.autograd.Function call")
+
+
+def functions_as_ops(gm: fx.GraphModule) -> fx.GraphModule:
+    """Each ``autograd_function_apply`` of a Dynamo graph (and of the checkpointed
+    regions it inlines) as the opaque ``fxdp::function_apply``, which ``make_fx`` keeps."""
+    from fxdp._torch_internals import _call_body
+
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is _call_body:
+            functions_as_ops(node.args[0])  # an inlined checkpointed region
+        if node.op != "call_function" or node.target is not FUNCTION_APPLY:
+            continue
+        cls, positions = node.meta.get("fxdp_function", (None, {}))
+        operands = list(node.args[2:])
+        call = FunctionCall(fwd=getattr(gm, node.args[0].target), bwd=getattr(gm, node.args[1].target),
+                            kwargs=dict(node.kwargs), cls=cls, positions=dict(positions),
+                            kinds=[_operand_kind(a) for a in operands])
+        key = next(_keys)
+        _CALLS[key] = call
+        tensors = [a for a, k in zip(operands, call.kinds) if k == "t"]
+        sizes = [a for a, k in zip(operands, call.kinds) if k == "s"]
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(_OPAQUE, (tensors, sizes, key))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def ops_as_functions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Undo ``functions_as_ops`` on a canonical graph: the higher-order op again, with
+    its bodies as submodules; ``meta["fxdp_function"]`` holds its ``FunctionCall`` key."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _OPAQUE:
+            continue
+        tensors, sizes, key = node.args
+        call = _CALLS[key]
+        names = []
+        for part in ("fwd", "bwd"):
+            names.append(f"fxdp_function_{key}_{part}")
+            gm.add_submodule(names[-1], getattr(call, part))
+        with gm.graph.inserting_before(node):
+            bodies = [gm.graph.get_attr(n) for n in names]
+            new = gm.graph.call_function(FUNCTION_APPLY, (*bodies, *_merge(call, tensors, sizes)),
+                                         dict(call.kwargs))
+        new.meta.update(node.meta)
+        new.meta["fxdp_function"] = key
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def function_call(node: fx.Node) -> FunctionCall:
+    return _CALLS[node.meta["fxdp_function"]]
+
+
+def _meta(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _body_analysis(body: fx.GraphModule, args: list, batches: list, batch_size: Any):
+    """Canonicalise a body on ``args`` (fake values) and analyse it with ``batches``."""
+    from fxdp._torch_internals import fake_mode_of
+    from fxdp.passes.batch_dims import batch_dim_pass
+    from fxdp.passes.canonicalize import canonicalize_pass
+
+    canon = canonicalize_pass(body, args, fake_mode=fake_mode_of([a for a in args if isinstance(a, torch.Tensor)]))
+    placeholders = [n for n in canon.graph.nodes if n.op == "placeholder"]
+    analysis = batch_dim_pass(canon, dict(zip(placeholders, batches)), {}, batch_size=batch_size)
+    output = next(n for n in canon.graph.nodes if n.op == "output")
+    return canon, analysis, output
+
+
+def _batch_of(value: Any, analysis) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_batch_of(v, analysis) for v in value]
+    return analysis.batch.get(value) if isinstance(value, fx.Node) else None
+
+
+def _refusal(call: FunctionCall, where: str, problems: list) -> Exception:
+    from fxdp.passes.batch_dims import MixesSamples
+
+    return MixesSamples(f"inside {call.name}.{where}: " + "; ".join(
+        f"{p.op}: {p.reason}" for p in problems))
+
+
+def function_batch(node: fx.Node, arg_batch: list, batch_size: Any) -> list:
+    """The batch dims of a Function call's outputs, from its forward body; raises
+    ``MixesSamples`` where its forward, or its backward for the batched operands,
+    mixes samples. Records ``meta["fxdp_function_batch"] = (outputs, saved)``."""
+    call = function_call(node)
+    operands, operand_batch = list(node.args[2:]), list(arg_batch[2:])
+    _, fwd, output = _body_analysis(call.fwd, [_meta(a) for a in operands], operand_batch, batch_size)
+    if fwd.problems:
+        raise _refusal(call, "forward", fwd.problems)
+    out_nodes, saved_nodes = output.args[0]
+    out_batch, saved_batch = _batch_of(list(out_nodes), fwd), _batch_of(list(saved_nodes), fwd)
+
+    # The backward, cut down to the gradients of the batched operands (a parameter's
+    # gradient sums over the batch, which is what the markers replace).
+    keep = {i for i, b in enumerate(operand_batch) if isinstance(b, BatchDim)}
+    bwd = _pruned_backward(call.bwd, keep)
+    bwd_args = [_meta(o) for o in out_nodes] + [_meta(s) for s in saved_nodes]
+    grad_batch = [b if isinstance(b, BatchDim) else None for b in out_batch]
+    _, back, back_output = _body_analysis(bwd, bwd_args, grad_batch + saved_batch, batch_size)
+    if back.problems:
+        raise _refusal(call, "backward", back.problems)
+    for i, g in enumerate(back_output.args[0]):
+        if i in keep and isinstance(g, fx.Node) and not isinstance(back.batch.get(g), BatchDim):
+            from fxdp.passes.batch_dims import MixesSamples
+            raise MixesSamples(f"inside {call.name}.backward: the gradient of its batched input {i} "
+                               "is not computed per sample")
+    node.meta["fxdp_function_batch"] = (out_batch, saved_batch)
+    return out_batch
+
+
+def _pruned_backward(bwd: fx.GraphModule, keep: set[int]) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict = {}
+    for n in bwd.graph.nodes:
+        if n.op == "output":
+            grads = n.args[0]
+            graph.output(tuple(env[g] if (i in keep and isinstance(g, fx.Node)) else None
+                               for i, g in enumerate(grads)))
+        else:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    pruned = fx.GraphModule(bwd, graph)
+    pruned.graph.eliminate_dead_code()
+    pruned.recompile()
+    return pruned
+
+
+def function_param_rule(node: fx.Node, index: int) -> ParamRule | None:
+    """The registered rule's ``ParamRule`` for operand ``index`` of a Function call
+    (its ``apply`` argument ``k``), or ``None``."""
+    call = function_call(node)
+    rule = lookup(call.cls) if call.cls is not None else None
+    if rule is None:
+        return None
+    for k, position in call.positions.items():
+        if position == index - 2 and k in rule.params:
+            return rule.params[k]
+    return None
+
+
+class TaggedFunction:
+    """Call target of a tagged Function call in the canonical graph.
+
+    Args:
+        call: The captured call.
+        uses: Operand index -> use id, for operands that are trainable parameters.
+        operands: Operand index -> what its marker receives, as ``("grad", j)``,
+            ``("operand", i)`` or ``("saved", j)``.
+        extra_args: Operand index -> how many inputs of its parameter transform follow
+            the operands.
+    """
+
+    def __init__(self, call: FunctionCall, uses: dict[int, int], operands: dict[int, list],
+                 extra_args: dict[int, int]):
+        self.call = call
+        self.uses = dict(uses)
+        self.operands = operands
+        self.extra_args = dict(extra_args)
+        self.__name__ = f"fxdp_function_{call.cls.__name__ if call.cls else 'apply'}"
+        self.__qualname__ = self.__name__
+
+    def __call__(self, *args):
+        return _TaggedFunction.apply(self, *args)
+
+    def __repr__(self) -> str:
+        return f"{self.__name__}[uses={self.uses}]"
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+
+
+class _TaggedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tagged: TaggedFunction, *args):
+        from fxdp.markers import _join, _split
+
+        num_extras = sum(tagged.extra_args.values())
+        operands, extras = args[:len(args) - num_extras], args[len(args) - num_extras:]
+        outputs, saved = _run(tagged.call.fwd, *operands)
+        saved_tensors, ctx.saved_template = _split(list(saved))
+        operand_tensors, ctx.operand_template = _split(list(operands))
+        extra_tensors, ctx.extras_template = _split(list(extras))
+        ctx.counts = (len(saved_tensors), len(operand_tensors))
+        ctx.save_for_backward(*saved_tensors, *operand_tensors, *extra_tensors)
+        ctx.tagged = tagged
+        ctx.num_extras = num_extras
+        outputs = tuple(outputs)
+        non_differentiable = tagged.call.kwargs.get("non_differentiable_idx", [])
+        if non_differentiable:
+            ctx.mark_non_differentiable(*[outputs[i] for i in non_differentiable])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from fxdp.markers import USES, _as_operand, _join
+
+        tensors = ctx.saved_tensors
+        num_saved, num_operands = ctx.counts
+        saved = _join(ctx.saved_template, tensors[:num_saved])
+        operands = _join(ctx.operand_template, tensors[num_saved:num_saved + num_operands])
+        extras = _join(ctx.extras_template, tensors[num_saved + num_operands:])
+        tagged: TaggedFunction = ctx.tagged
+        input_grads = list(_run(tagged.call.bwd, *grads, *saved))
+        offsets, start = {}, 0
+        for i in sorted(tagged.extra_args):
+            offsets[i] = start
+            start += tagged.extra_args[i]
+        like = next(g for g in grads if isinstance(g, torch.Tensor))
+        values = {"grad": list(grads), "operand": list(operands), "saved": list(saved)}
+        for i, use_id in tagged.uses.items():
+            if not ctx.needs_input_grad[1 + i]:
+                continue
+            marker_operands = [_as_operand(values[kind][j], like) for kind, j in tagged.operands[i]]
+            if i in tagged.extra_args:
+                marker_operands += [_as_operand(e, like)
+                                    for e in extras[offsets[i]: offsets[i] + tagged.extra_args[i]]]
+            input_grads[i] = torch.ops.fxdp.param_grad(marker_operands, operands[i], USES[use_id].use_id)
+        return (None, *input_grads, *[None] * ctx.num_extras)
+
+
+def _one_sample(t: torch.Tensor, layout: BatchDim) -> torch.Tensor:
+    from fxdp.rules.generic import _one_sample as one
+
+    return one(t, layout)
+
+
+def backward_rule(node: fx.Node, index: int) -> tuple[ParamRule, list, list]:
+    """A ``ParamRule`` for operand ``index`` of a Function call without a registered
+    rule: the Function's backward on each sample as a batch of one, under ``vmap``.
+
+    Returns:
+        The rule, its marker operands (``("grad", j)``/``("saved", j)``) and their
+        batch layouts.
+    """
+    call = function_call(node)
+    out_batch, saved_batch = node.meta["fxdp_function_batch"]
+    saved_values = _saved_values(call, node)
+    specs = [("grad", j) for j in range(len(out_batch))] + [("saved", j) for j in range(len(saved_batch))]
+    layouts = [b if isinstance(b, BatchDim) else RAW for b in [*out_batch, *saved_batch]]
+    sizes = {k for k, v in enumerate(saved_values) if _is_size(v)}
+    num_grads = len(out_batch)
+    position = index - 2
+    bwd = call.bwd
+    param = _meta(node.args[index])
+
+    def per_sample_grad(*tensors):
+        layouts_now = [retrack(b, tensors) for b in layouts]
+        in_dims = tuple(None if b.dim in ("raw", "shared", None) else 0 for b in layouts_now)
+
+        def one(*ts):
+            values = [_one_sample(t, b) for t, b in zip(ts, layouts_now)]
+            grads = values[:num_grads]
+            saved = [v.shape[0] if k in sizes else v for k, v in enumerate(values[num_grads:])]
+            g = _run(bwd, *grads, *saved)[position]
+            # A backward that returns no gradient for it: zero.
+            return g if g is not None else ts[0].new_zeros(param.shape)
+
+        return torch.func.vmap(one, in_dims=in_dims)(*tensors)
+
+    argument = next((k for k, i in call.positions.items() if i == position), position)
+    rule = ParamRule(
+        name=f"function.{call.cls.__name__ if call.cls else 'apply'}[{argument}]",
+        operands=tuple(specs),
+        per_sample_grad=per_sample_grad,
+        sum_grad=lambda *tensors: per_sample_grad(*tensors).sum(0),
+        weighted_sum_grad=lambda weights, *tensors: scale_batch(per_sample_grad(*tensors), weights).sum(0),
+    )
+    return rule, specs, layouts
+
+
+def _saved_values(call: FunctionCall, node: fx.Node) -> list:
+    """The forward body's saved values as example values (to tell sizes from tensors)."""
+    output = next(n for n in call.fwd.graph.nodes if n.op == "output")
+    return [_meta(s) if isinstance(s, fx.Node) else s for s in output.args[0][1]]
+
+
+def registered_operands(rule: ParamRule, call: FunctionCall) -> list:
+    """A registered rule's operands as ``("grad", 0)`` / ``("operand", i)``."""
+    specs = []
+    for s in rule.operands:
+        if s == GRAD:
+            specs.append(("grad", 0))
+        elif s in call.positions:
+            specs.append(("operand", call.positions[s]))
+        else:
+            raise ValueError(f"the rule {rule.name} names argument {s} of {call.name}.apply, "
+                             "which is not a tensor argument of this call")
+    return specs
+
