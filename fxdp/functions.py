@@ -63,9 +63,7 @@ class FunctionCall:
 
     @property
     def name(self) -> str:
-        if self.cls is not None:
-            return f"{self.cls.__qualname__}"
-        return "a torch.autograd.Function"
+        return self.cls.__qualname__ if self.cls is not None else "Function"
 
 
 _keys = itertools.count()
@@ -207,8 +205,8 @@ def _batch_of(value: Any, analysis) -> Any:
 def _refusal(call: FunctionCall, where: str, problems: list) -> Exception:
     from fxdp.passes.batch_dims import MixesSamples
 
-    return MixesSamples(f"inside {call.name}.{where}: " + "; ".join(
-        f"{p.op}: {p.reason}" for p in problems))
+    return MixesSamples(f"in {call.name}.{where}, " + "; ".join(
+        f"{p.op}: {p.reason.removeprefix('mixes samples: ')}" for p in problems))
 
 
 def function_batch(node: fx.Node, arg_batch: list, batch_size: Any) -> list:
@@ -235,7 +233,7 @@ def function_batch(node: fx.Node, arg_batch: list, batch_size: Any) -> list:
     for i, g in enumerate(back_output.args[0]):
         if i in keep and isinstance(g, fx.Node) and not isinstance(back.batch.get(g), BatchDim):
             from fxdp.passes.batch_dims import MixesSamples
-            raise MixesSamples(f"inside {call.name}.backward: the gradient of its batched input {i} "
+            raise MixesSamples(f"in {call.name}.backward, the gradient of its batched input {i} "
                                "is not computed per sample")
     node.meta["fxdp_function_batch"] = (out_batch, saved_batch)
     return out_batch

@@ -70,17 +70,29 @@ class ParamRule:
     weighted_sum_grad: Callable[..., torch.Tensor] | None = None
 
 
+def _no_config(args: Sequence[Any]) -> dict:
+    return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class OpRule:
     """How one canonical op is made per-sample.
 
     Attributes:
-        op: The ATen overload, as it appears after canonicalisation.
+        op: The ATen overload, as it appears after canonicalisation, or a
+            ``torch.autograd.Function`` class. For a Function, ``params`` are keyed by
+            the position of the parameter among ``apply``'s arguments, ``GRAD`` in
+            ``ParamRule.operands`` is the gradient of its first output and an index is
+            an ``apply`` argument; fxdp reads the batch dims from its forward and
+            gets the other inputs' gradients from its backward, so ``input_grad``,
+            ``batch_rule``, ``config`` and ``check`` stay unset.
         params: Argument index -> ``ParamRule`` for arguments that may be parameters.
         input_grad: ``(args, grad_out, index) -> Tensor``: gradient of a
-            non-parameter argument (only called when it requires grad).
+            non-parameter argument (only called when it requires grad). Required
+            for an op.
         batch_rule: ``(args_batch, args_meta, out_meta, config) -> BatchDim | None``
-            where the output's batch goes, or raises ``MixesSamples``.
+            where the output's batch goes, or raises ``MixesSamples``. Required for
+            an op.
         config: ``args -> dict`` of the op's static settings passed to the
             ``ParamRule`` functions (e.g. stride, padding).
         check: Optional ``(args_batch, args_meta, index) -> str | None``: why this
@@ -89,10 +101,15 @@ class OpRule:
 
     op: Any
     params: dict[int, ParamRule]
-    input_grad: Callable[..., torch.Tensor | None]
-    batch_rule: Callable[..., Any]
-    config: Callable[[Sequence[Any]], dict] = lambda args: {}
+    input_grad: Callable[..., torch.Tensor | None] | None = None
+    batch_rule: Callable[..., Any] | None = None
+    config: Callable[[Sequence[Any]], dict] = _no_config
     check: Callable[..., str | None] | None = None
+
+    @property
+    def for_function(self) -> bool:
+        """The op is a ``torch.autograd.Function`` class."""
+        return isinstance(self.op, type) and issubclass(self.op, torch.autograd.Function)
 
 
 RULES: dict[Any, OpRule] = {}
@@ -126,10 +143,27 @@ def register_rule(rule: OpRule, *, override: bool = False) -> OpRule:
     """Add ``rule`` to the table keyed by its op.
 
     Args:
-        rule: The rule.
+        rule: The rule (for an op or a ``torch.autograd.Function`` class, see ``OpRule``).
         override: Replace an existing rule for the same op; without it a
             duplicate registration raises.
+
+    A Function's rule is found where ``fxdp.transform`` (or ``fxdp.validate``,
+    ``fxdp.explain``) captured the model; through ``torch.compile(backend="fxdp")``,
+    which fxdp does not capture, its parameters take the generic path (its backward
+    per sample).
     """
+    if rule.for_function:
+        settings = [name for name, value in (("input_grad", rule.input_grad), ("batch_rule", rule.batch_rule),
+                                             ("check", rule.check)) if value is not None]
+        if rule.config is not _no_config:
+            settings.append("config")
+        if settings:
+            raise ValueError(
+                f"a rule for the torch.autograd.Function {rule.op.__qualname__} takes no "
+                f"{', '.join(settings)}: fxdp reads the batch dims from its forward and the other "
+                "inputs' gradients from its backward")
+    elif rule.input_grad is None or rule.batch_rule is None:
+        raise ValueError(f"a rule for {rule.op} needs input_grad and batch_rule")
     if rule.op in RULES and not override:
         raise ValueError(
             f"a rule for {rule.op} is already registered; pass override=True to replace it"

@@ -1067,7 +1067,9 @@ def batch_dim_pass(
             consumes = (f" (it consumes the trainable parameter(s) {', '.join(consumed_params)})"
                         if consumed_params else "")
             reason = str(e) if isinstance(e, _NoPropagation) else f"mixes samples: {e}"
-            problems.append(Problem(op_name(target), path, "", f"{reason}{consumes}"))
+            name = (f"torch.autograd.Function {function_call(node).name}" if target is FUNCTION_APPLY
+                    else op_name(target))
+            problems.append(Problem(name, path, "", f"{reason}{consumes}"))
             # What follows a refused op is unknown, not shared: one refusal must not
             # cascade into spurious problems downstream.
             out = _meta(node)
