@@ -10,7 +10,10 @@ model that feeds a trainable parameter into one is refused until the op has a ru
 3. registers an ``fxdp.OpRule`` for it: where the batch goes, which argument is the
    parameter, its per-sample gradient, summed gradient and Gram-matrix ghost norm;
 4. checks the per-sample gradients and the clipped gradient against a plain loop
-   over the samples, and prints the strategy fxdp chose for each parameter.
+   over the samples, and prints the strategy fxdp chose for each parameter;
+5. writes the same layer as a ``torch.autograd.Function``, which fxdp runs without a
+   rule (its backward per sample), then registers the same maths for the Function
+   class, which gives it the ghost norm.
 
 Run: ``python examples/register_rule.py`` (a few seconds, CPU, no download).
 """
@@ -210,6 +213,64 @@ def main() -> None:
     for plan in dp_model.explain().plans:
         cost = ", ".join(f"{k}={v:.3g}" for k, v in plan.costs.items()) or "-"
         print(f"    {plan.name:12s} rule={plan.rule:22s} strategy={plan.strategy:12s} flops: {cost}")
+
+    function_part(x)
+
+
+# -- 5. the same layer as a torch.autograd.Function --------------------------------------------
+
+class ScaledLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, scale):
+        ctx.save_for_backward(x, weight)
+        ctx.scale = scale
+        return x @ weight.t() * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) * ctx.scale
+        return grad @ weight * ctx.scale, grad_weight, None
+
+
+class FunctionModel(Model):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = ScaledLinearFunction.apply(x, self.proj.weight, self.proj.scale)
+        return self.head(torch.tanh(h))
+
+
+# For a Function, ``params`` and the operand indices count ``apply``'s arguments
+# (weight is argument 1, x argument 0); fxdp reads the batch dims from its forward and
+# the input gradient from its backward. The scale is a constant of this model.
+SCALED_LINEAR_FUNCTION = fxdp.OpRule(op=ScaledLinearFunction, params={1: fxdp.ParamRule(
+    name="scaled_linear_function.weight",
+    operands=(GRAD, 0),
+    per_sample_grad=lambda g, x: per_sample_grad(g, x, scale=0.5),
+    sum_grad=lambda g, x: sum_grad(g, x, scale=0.5),
+    ghost_sq_norm=lambda g, x: ghost_sq_norm(g, x, scale=0.5),
+    costs=lambda shapes: costs(shapes, scale=0.5),
+)})
+
+
+def function_part(x: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    model = FunctionModel().double()
+    truth = loop_grads(model, x)
+    norms = torch.cat([g.flatten(1) for g in truth.values()], 1).norm(dim=1)
+    clip = float(norms.median())
+    factors = (clip / (norms + 1e-6)).clamp(max=1.0)
+    for registered in (False, True):
+        if registered:
+            fxdp.register_rule(SCALED_LINEAR_FUNCTION)
+        model.zero_grad()
+        dp_model = fxdp.transform(model, max_grad_norm=clip, compiler="eager")
+        per_sample_loss(dp_model(x)).mean().backward()
+        for n, p in model.named_parameters():
+            expected = (truth[n] * factors.reshape(-1, *[1] * (truth[n].dim() - 1))).mean(0)
+            assert (p.grad - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
+        plan = next(p for p in dp_model.explain().plans if p.name == "proj.weight")
+        print(f"\nautograd.Function, {'with' if registered else 'without'} a rule: clipped gradient "
+              f"matches the loop; proj.weight rule={plan.rule} strategy={plan.strategy}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from fxdp.batching import RAW, BatchDim, retrack, scale_batch
-from fxdp.registry import GRAD, OpRule, ParamRule, lookup
+from fxdp.registry import GRAD, ParamRule, lookup
 
 __all__ = [
     "FUNCTION_APPLY", "FunctionCall", "TaggedFunction", "function_batch", "function_param_rule",
@@ -303,7 +303,7 @@ def _is_size(value: Any) -> bool:
 class _TaggedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tagged: TaggedFunction, *args):
-        from fxdp.markers import _join, _split
+        from fxdp.markers import _split
 
         num_extras = sum(tagged.extra_args.values())
         operands, extras = args[:len(args) - num_extras], args[len(args) - num_extras:]

@@ -177,7 +177,9 @@ def lookup(op: Any) -> OpRule | None:
 
 
 def is_supported(op_or_module: Any) -> bool:
-    """Whether fxdp has a per-sample rule for an op, a module, or a module class.
+    """Whether fxdp has a per-sample rule for an op, a module, a module class or a
+    ``torch.autograd.Function`` class (without one, a Function's parameters take its
+    backward per sample).
 
     A module is supported when every op its parameters feed into has a rule; for a
     module (class) this answers from the canonical ops its kind is known to lower
@@ -187,6 +189,8 @@ def is_supported(op_or_module: Any) -> bool:
 
     if isinstance(op_or_module, torch.nn.Module):
         op_or_module = type(op_or_module)
+    if isinstance(op_or_module, type) and issubclass(op_or_module, torch.autograd.Function):
+        return op_or_module in RULES
     if isinstance(op_or_module, type):
         if not any(True for _ in op_or_module.__mro__ if _ is torch.nn.Module):
             return False

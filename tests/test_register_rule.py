@@ -4,9 +4,9 @@ A ``torch.library.custom_op`` stays one node in fxdp's canonical graph
 (``torch.ops.fxdp_tests.scaled_linear.default(x, weight, scale)``); without a rule a
 parameter fed to it is refused, with a rule it is exact against the microbatch loop
 (per-sample gradients, clipping, ghost norms). A duplicate registration raises,
-``override=True`` replaces a built-in rule. A ``torch.autograd.Function`` does not
-stay one node: Dynamo captures it as the higher-order op ``autograd_function_apply``,
-which no rule can key. ``examples/register_rule.py`` runs as a script.
+``override=True`` replaces a built-in rule. Rules for a ``torch.autograd.Function``
+class are tested in ``test_autograd_function.py``. ``examples/register_rule.py`` runs
+as a script.
 """
 from __future__ import annotations
 
@@ -266,99 +266,6 @@ def test_override_replaces_a_builtin_rule():
                      tolerance(torch.float64), "p.grad")
 
 
-# -- torch.autograd.Function ------------------------------------------------------------------
-
-class ScaledMatmul(torch.autograd.Function):
-    """``x Wᵀ`` with a hand-written backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return x @ weight.t()
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        return grad @ weight, grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-
-
-class Tanh(torch.autograd.Function):
-    """A parameter-free custom activation."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = torch.tanh(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        (y,) = ctx.saved_tensors
-        return grad * (1 - y * y)
-
-
-class FunctionModel(nn.Module):
-    def __init__(self, param_in_function: bool):
-        super().__init__()
-        self.param_in_function = param_in_function
-        self.fc = nn.Linear(D, D)
-        self.weight = nn.Parameter(torch.randn(D, D) / D ** 0.5)
-        self.head = nn.Linear(D, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        h = ScaledMatmul.apply(h, self.weight) if self.param_in_function else Tanh.apply(h) @ self.weight.t()
-        return self.head(h)
-
-
-def test_autograd_function_reaches_fxdp_as_a_higher_order_op():
-    """What a rule would have to key on: Dynamo turns ``Function.apply`` into
-    ``torch.ops.higher_order.autograd_function_apply(fwd_body, bwd_body, *args)``,
-    which the rule table does not (and cannot usefully) hold."""
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch.manual_seed(0)
-    torch.compile(FunctionModel(True).double(), backend=capture, fullgraph=True)(_x())
-    hop = torch.ops.higher_order.autograd_function_apply
-    targets = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
-    assert hop in targets, targets
-    assert not fxdp.is_supported(torch.ops.higher_order.autograd_function_apply)
-
-
-def _refused_or_exact(model: nn.Module, parameter: str | None) -> None:
-    x = _x()
-    ref = reference(model, (x,), lambda out, i: _loss(out).sum())
-    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
-    try:
-        out = dp_model(x)
-    except fxdp.UnsupportedError as e:
-        assert "autograd.Function" in str(e), str(e)
-        if parameter is not None:
-            assert parameter in str(e), str(e)
-        problems = fxdp.validate(model, x)
-        assert any("autograd.Function" in str(p) for p in problems), problems
-        return
-    _loss(out).mean().backward()
-    params = dict(model.named_parameters())
-    assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("mean"), 1e-9, "p.grad")
-    assert_close_all({n: getattr(p, "grad_sample", None) for n, p in params.items()}, ref.per_sample, 1e-9,
-                     "p.grad_sample")
-
-
-def test_autograd_function_consuming_a_parameter_is_refused_or_exact():
-    torch.manual_seed(0)
-    _refused_or_exact(FunctionModel(True).double(), "weight")
-
-
-def test_parameter_free_autograd_function_is_refused_or_exact():
-    torch.manual_seed(0)
-    _refused_or_exact(FunctionModel(False).double(), None)
-
-
 # -- the example ---------------------------------------------------------------------------------
 
 def test_example_script_runs_and_matches_the_loop():
@@ -371,3 +278,7 @@ def test_example_script_runs_and_matches_the_loop():
     assert "per-sample gradients match the loop" in out
     assert "proj.weight  grad_sample (8, 16, 16)" in out
     assert "rule=scaled_linear.weight" in out and "strategy=ghost" in out
+    assert ("without a rule: clipped gradient matches the loop; proj.weight "
+            "rule=function.ScaledLinearFunction[1] strategy=instantiate (per-sample VJP)") in out
+    assert ("with a rule: clipped gradient matches the loop; proj.weight "
+            "rule=scaled_linear_function.weight strategy=ghost") in out

@@ -1,0 +1,399 @@
+"""``torch.autograd.Function`` in a model, with its hand-written backward (``fxdp/functions.py``).
+
+Real models carry their own Functions: straight-through estimators, memory-efficient
+activations (timm's ``SwishAutoFn``), gradient reversal, fused layers that consume a
+weight. fxdp keeps each call with its own backward, checks that both its forward and
+its backward keep samples independent, and makes a parameter it consumes per-sample
+either by a rule registered for the Function class or by running its backward on each
+sample as a batch of one (under ``vmap``). Every case is checked against the microbatch
+loop, whose eager autograd runs the very same Functions.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import fxdp
+from fxdp.registry import GRAD, RULES
+from reference import assert_close_all, reference, tolerance
+
+D = 6
+
+
+# -- the Functions -------------------------------------------------------------------------------
+
+class RoundSTE(torch.autograd.Function):
+    """Quantise to quarters; the straight-through estimator passes the gradient as it is."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Swish(torch.autograd.Function):
+    """timm's memory-efficient Swish: saves the input, recomputes the sigmoid."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * (s * (1 + x * (1 - s)))
+
+
+class GradReverse(torch.autograd.Function):
+    """Gradient reversal (domain-adversarial training), with a constant argument."""
+
+    @staticmethod
+    def forward(ctx, x, strength):
+        ctx.strength = strength
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.strength * grad, None
+
+
+class ScaleWithMask(torch.autograd.Function):
+    """Two outputs, the second non-differentiable; a constant between the tensors; the
+    parameter ``scale`` (argument 2) is read before ``x`` in the forward."""
+
+    @staticmethod
+    def forward(ctx, x, alpha, scale):
+        y = scale * x * alpha
+        mask = (x > 0).to(x.dtype)
+        ctx.mark_non_differentiable(mask)
+        ctx.save_for_backward(x, scale)
+        ctx.alpha = alpha
+        return y, mask
+
+    @staticmethod
+    def backward(ctx, grad, _grad_mask):
+        x, scale = ctx.saved_tensors
+        grad_scale = (grad * x * ctx.alpha).reshape(-1, x.shape[-1]).sum(0)
+        return grad * scale * ctx.alpha, None, grad_scale
+
+
+class LinearFn(torch.autograd.Function):
+    """A fused linear layer with weight and bias, as C++/Triton extensions write them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t() + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        return grad @ weight, g2.t() @ x2, g2.sum(0)
+
+
+class CenterOverBatch(torch.autograd.Function):
+    """Mixes samples in its forward (a batch statistic)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x - x.mean(0, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad - grad.mean(0, keepdim=True)
+
+
+class NormalizeGrad(torch.autograd.Function):
+    """Samples independent forward, but its backward normalises the whole batch's gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / grad.norm()
+
+
+class ScaleAndReturnIt(torch.autograd.Function):
+    """Returns the parameter-only ``2 * scale`` beside the batched output."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x, scale)
+        return x * scale, scale * 2
+
+    @staticmethod
+    def backward(ctx, grad, grad_twice):
+        x, scale = ctx.saved_tensors
+        return grad * scale, (grad * x).reshape(-1, x.shape[-1]).sum(0) + 2 * grad_twice
+
+
+# -- the models ----------------------------------------------------------------------------------
+
+class Model(nn.Module):
+    """``fc -> body -> head``: ``body(self, h)`` calls the Functions."""
+
+    def __init__(self, body: Callable, params: dict[str, tuple]):
+        super().__init__()
+        self.body = body
+        self.fc = nn.Linear(D, D)
+        for name, shape in params.items():
+            self.register_parameter(name, nn.Parameter(torch.randn(*shape) / shape[-1] ** 0.5))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.head(self.body(self, self.fc(x)))
+
+
+def _scale_with_mask(m, h):
+    y, mask = ScaleWithMask.apply(h, 3.0, m.scale)
+    return y * mask + y
+
+
+def _swish_linear(m, h):
+    return LinearFn.apply(Swish.apply(h), m.weight, m.bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    body: Callable
+    params: dict = dataclasses.field(default_factory=dict)
+
+
+CASES = [
+    Case("straight-through", lambda m, h: RoundSTE.apply(h)),
+    Case("swish", lambda m, h: Swish.apply(h)),
+    Case("gradient-reversal", lambda m, h: torch.tanh(GradReverse.apply(h, 0.5))),
+    Case("multi-output-with-parameter", _scale_with_mask, {"scale": (D,)}),
+    Case("linear-function", _swish_linear, {"weight": (D, D), "bias": (D,)}),
+    Case("parameter-transformed-before", lambda m, h: LinearFn.apply(h, m.weight.t() * 2, m.bias),
+         {"weight": (D, D), "bias": (D,)}),
+    Case("checkpointed", lambda m, h: checkpoint(_swish_linear, m, h, use_reentrant=False),
+         {"weight": (D, D), "bias": (D,)}),
+    Case("nested-in-module-code", lambda m, h: Swish.apply(RoundSTE.apply(h)) + h),
+]
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).reshape(out.shape[0], -1).sum(1)
+
+
+def _batch(shape, dtype, seed=1) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+def _check(model: nn.Module, dp_model: Callable, x: torch.Tensor, *, mode: str, reduction: str,
+           clip: float | None = None) -> fxdp.DPModule:
+    ref = reference(model, (x,), lambda out, i: _loss(out).sum())
+    for p in model.parameters():
+        p.grad = None
+    loss = _loss(dp_model(x))
+    (loss.mean() if reduction == "mean" else loss.sum()).backward()
+    params = dict(model.named_parameters())
+    tol = tolerance(x.dtype)
+    if mode == "grad_sample":
+        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tol, "grad_sample")
+        assert_close_all({n: p.grad for n, p in params.items()}, ref.grad(reduction), tol, "grad")
+    else:
+        assert_close_all({n: p.grad for n, p in params.items()}, ref.grad(reduction, clip), tol, "clipped grad")
+        torch.testing.assert_close(fxdp.per_sample_norms(model).to(ref.norms.dtype), ref.norms,
+                                   rtol=tol * 10, atol=tol * 10)
+    return ref
+
+
+@pytest.mark.parametrize("shape", [(5, D), (4, 3, D)], ids=["2d", "3d"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("mode", ["grad_sample", "clip"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_function_matches_the_loop(case: Case, mode: str, reduction: str, dtype: torch.dtype, shape):
+    torch.manual_seed(0)
+    model = Model(case.body, case.params).to(dtype)
+    x = _batch(shape, dtype)
+    clip = None
+    if mode == "clip":
+        clip = float(reference(model, (x,), lambda out, i: _loss(out).sum()).norms.median())
+    dp_model = fxdp.transform(model, grad_sample=mode == "grad_sample", max_grad_norm=clip,
+                              loss_reduction=reduction, compiler="eager")
+    _check(model, dp_model, x, mode=mode, reduction=reduction, clip=clip)
+
+
+def test_function_parameter_without_rule_is_shown_as_its_backward_per_sample():
+    torch.manual_seed(0)
+    model = Model(_swish_linear, {"weight": (D, D), "bias": (D,)}).double()
+    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+    _loss(dp_model(_batch((5, D), torch.float64))).sum().backward()
+    report = dp_model.explain()
+    assert report.rule_counts == {"linear.weight": 2, "linear.bias": 2, "function.LinearFn[1]": 1,
+                                  "function.LinearFn[2]": 1}, report.rule_counts
+    text = str(report)
+    assert "weight: rule=function.LinearFn[1]" in text and "strategy=instantiate (per-sample VJP)" in text, text
+
+
+def test_new_batch_sizes_and_a_batch_of_one():
+    """Dynamic batch sizes (the sizes the Function saves are symbolic) and ``B == 1``."""
+    torch.manual_seed(0)
+    model = Model(_swish_linear, {"weight": (D, D), "bias": (D,)}).double()
+    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+    for size in (5, 7, 9, 1):
+        _check(model, dp_model, _batch((size, 3, D), torch.float64, seed=size), mode="grad_sample",
+               reduction="mean")
+
+
+def test_through_the_torch_compile_backend():
+    torch.manual_seed(0)
+    model = Model(_scale_with_mask, {"scale": (D,)}).double()
+    compiled = torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager"))
+    for size in (5, 7):
+        _check(model, compiled, _batch((size, D), torch.float64, seed=size), mode="grad_sample",
+               reduction="mean")
+
+
+def test_inductor():
+    torch.manual_seed(0)
+    model = Model(_swish_linear, {"weight": (D, D), "bias": (D,)})
+    x = _batch((8, 3, D), torch.float32)
+    clip = float(reference(model, (x,), lambda out, i: _loss(out).sum()).norms.median())
+    dp_model = fxdp.transform(model, max_grad_norm=clip, compiler="inductor")
+    _check(model, dp_model, x, mode="clip", reduction="mean", clip=clip)
+
+
+# -- a rule registered for a Function -------------------------------------------------------------
+
+def _sequence(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+CALLED: list[str] = []
+
+
+def _weight_per_sample(g, x):
+    CALLED.append("per_sample_grad")
+    return torch.einsum("nto,nti->noi", _sequence(g), _sequence(x))
+
+
+def _weight_ghost(g, x):
+    CALLED.append("ghost_sq_norm")
+    g, x = _sequence(g), _sequence(x)
+    return (torch.bmm(x, x.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+
+
+def _bias_per_sample(g):
+    return _sequence(g).sum(1)
+
+
+LINEAR_FN_RULE = fxdp.OpRule(op=LinearFn, params={
+    1: fxdp.ParamRule(name="linear_fn.weight", operands=(GRAD, 0), per_sample_grad=_weight_per_sample,
+                      sum_grad=lambda g, x: _weight_per_sample(g, x).sum(0), ghost_sq_norm=_weight_ghost,
+                      costs=lambda shapes: {"ghost": 1.0, "instantiate": 2.0}),
+    2: fxdp.ParamRule(name="linear_fn.bias", operands=(GRAD,), per_sample_grad=_bias_per_sample,
+                      sum_grad=lambda g: _bias_per_sample(g).sum(0)),
+})
+
+
+@pytest.fixture
+def linear_fn_rule():
+    fxdp.register_rule(LINEAR_FN_RULE)
+    CALLED.clear()
+    yield
+    del RULES[LinearFn]
+
+
+@pytest.mark.parametrize("mode", ["grad_sample", "clip"])
+def test_registered_rule_for_a_function(linear_fn_rule, mode: str):
+    torch.manual_seed(0)
+    model = Model(_swish_linear, {"weight": (D, D), "bias": (D,)}).double()
+    x = _batch((4, 3, D), torch.float64)
+    clip = float(reference(model, (x,), lambda out, i: _loss(out).sum()).norms.median())
+    dp_model = fxdp.transform(model, grad_sample=mode == "grad_sample",
+                              max_grad_norm=clip if mode == "clip" else None, compiler="eager")
+    _check(model, dp_model, x, mode=mode, reduction="mean", clip=clip)
+    assert dp_model.explain().rule_counts == {"linear.weight": 2, "linear.bias": 2, "linear_fn.weight": 1,
+                                              "linear_fn.bias": 1}
+    # Clipping takes the weight's norm by the rule's ghost norm, never its per-sample gradient.
+    assert CALLED == (["per_sample_grad"] if mode == "grad_sample" else ["ghost_sq_norm", "per_sample_grad"])
+    assert fxdp.is_supported(LinearFn)
+
+
+def test_registered_rule_names_apply_arguments():
+    """The rule's indices are ``apply``'s arguments, whatever order the forward reads them in."""
+    class ScaleFirst(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, scale, x):
+            ctx.save_for_backward(x, scale)
+            return x * scale
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, scale = ctx.saved_tensors
+            return (grad * x).reshape(-1, x.shape[-1]).sum(0), grad * scale
+
+    fxdp.register_rule(fxdp.OpRule(op=ScaleFirst, params={0: fxdp.ParamRule(
+        name="scale_first.scale", operands=(GRAD, 1),
+        per_sample_grad=lambda g, x: (_sequence(g) * _sequence(x)).sum(1),
+        sum_grad=lambda g, x: (_sequence(g) * _sequence(x)).sum((0, 1)))}))
+    try:
+        torch.manual_seed(0)
+        model = Model(lambda m, h: ScaleFirst.apply(m.scale, torch.tanh(h)), {"scale": (D,)}).double()
+        dp_model = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+        _check(model, dp_model, _batch((4, 3, D), torch.float64), mode="grad_sample", reduction="sum")
+        assert "scale_first.scale" in dp_model.explain().rule_counts
+    finally:
+        del RULES[ScaleFirst]
+
+
+def test_rule_for_a_function_takes_no_input_grad_or_batch_rule():
+    with pytest.raises(ValueError, match="takes no input_grad, batch_rule"):
+        fxdp.register_rule(dataclasses.replace(LINEAR_FN_RULE, input_grad=lambda *a: None,
+                                               batch_rule=lambda *a: None))
+    with pytest.raises(ValueError, match="needs input_grad and batch_rule"):
+        fxdp.register_rule(fxdp.OpRule(op=torch.ops.aten.sinc.default, params={}))
+
+
+# -- refusals --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("function, where, op", [
+    (CenterOverBatch, "forward", "aten.mean.dim"),
+    (NormalizeGrad, "backward", "aten.linalg_vector_norm.default"),
+], ids=["forward", "backward"])
+def test_function_that_mixes_samples_is_refused(function, where: str, op: str):
+    torch.manual_seed(0)
+    model = Model(lambda m, h: function.apply(h), {}).double()
+    x = _batch((5, D), torch.float64)
+    problems = fxdp.validate(model, x)
+    assert [p.op for p in problems] == [f"torch.autograd.Function {function.__qualname__}"], problems
+    assert f"in {function.__qualname__}.{where}, {op}: it reduces over the batch dim" in problems[0].reason
+    with pytest.raises(fxdp.UnsupportedError, match=f"{function.__qualname__}.{where}"):
+        fxdp.transform(model, grad_sample=True, compiler="eager")(x)
+
+
+def test_parameter_through_a_function_with_a_shared_output_is_refused():
+    torch.manual_seed(0)
+    model = Model(lambda m, h: sum(ScaleAndReturnIt.apply(h, m.scale)), {"scale": (D,)}).double()
+    problems = fxdp.validate(model, _batch((5, D), torch.float64))
+    assert len(problems) == 1 and problems[0].parameter == "scale", problems
+    assert "every differentiable output is batched" in problems[0].reason
+
+
+def test_function_copies_of_the_model_are_independent():
+    """Two transforms of copies of one model: each call keeps its own bodies."""
+    torch.manual_seed(0)
+    model = Model(_swish_linear, {"weight": (D, D), "bias": (D,)}).double()
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        _check(m, fxdp.transform(m, grad_sample=True, compiler="eager"), _batch((5, D), torch.float64),
+               mode="grad_sample", reduction="mean")
