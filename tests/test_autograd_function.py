@@ -103,6 +103,36 @@ class LinearFn(torch.autograd.Function):
         return grad @ weight, g2.t() @ x2, g2.sum(0)
 
 
+class SwishLinearFn(torch.autograd.Function):
+    """Calls other Functions in its forward; its own backward is the whole chain's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return LinearFn.apply(Swish.apply(x), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        g2, a2 = grad.reshape(-1, grad.shape[-1]), (x * s).reshape(-1, x.shape[-1])
+        return (grad @ weight) * (s * (1 + x * (1 - s))), g2.t() @ a2, g2.sum(0)
+
+
+class DoubleInPlace(torch.autograd.Function):
+    """Writes into its input (``ctx.mark_dirty``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
 class CenterOverBatch(torch.autograd.Function):
     """Mixes samples in its forward (a batch statistic)."""
 
@@ -184,7 +214,10 @@ CASES = [
          {"weight": (D, D), "bias": (D,)}),
     Case("checkpointed", lambda m, h: checkpoint(_swish_linear, m, h, use_reentrant=False),
          {"weight": (D, D), "bias": (D,)}),
-    Case("nested-in-module-code", lambda m, h: Swish.apply(RoundSTE.apply(h)) + h),
+    Case("composed-in-module-code", lambda m, h: Swish.apply(RoundSTE.apply(h)) + h),
+    Case("function-calling-functions", lambda m, h: SwishLinearFn.apply(h, m.weight, m.bias),
+         {"weight": (D, D), "bias": (D,)}),
+    Case("in-place", lambda m, h: DoubleInPlace.apply(h * 1.0)),
 ]
 
 
@@ -397,3 +430,27 @@ def test_function_copies_of_the_model_are_independent():
     for m in (model, twin):
         _check(m, fxdp.transform(m, grad_sample=True, compiler="eager"), _batch((5, D), torch.float64),
                mode="grad_sample", reduction="mean")
+
+
+def test_hugging_face_bloom_gelu_function():
+    """BLOOM's MLP runs ``GeLUFunction.apply`` in training mode."""
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is no test dependency: BLOOM's GeLUFunction is untested")
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+    bloom = transformers.BloomForCausalLM(config).double().train()
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bloom = bloom
+
+        def forward(self, ids):
+            return self.bloom(input_ids=ids, use_cache=False).logits
+
+    model = Logits()
+    ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(2))
+    ref = reference(model, (ids,), lambda out, i: _loss(out).sum())
+    _loss(fxdp.transform(model, grad_sample=True, compiler="eager")(ids)).mean().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, 1e-9,
+                     "grad_sample")
