@@ -454,3 +454,43 @@ def test_hugging_face_bloom_gelu_function():
     _loss(fxdp.transform(model, grad_sample=True, compiler="eager")(ids)).mean().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, 1e-9,
                      "grad_sample")
+
+
+class LinearAmp(torch.autograd.Function):
+    """A fused linear layer written for autocast, as ``torch.amp`` documents it."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t() + bias
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        return grad @ weight, g2.t() @ x2, g2.sum(0)
+
+
+def test_under_autocast():
+    """bfloat16 autocast around the model: ``custom_fwd`` casts the Function's inputs back
+    to float32, the parameter-free Function runs in bfloat16."""
+    torch.manual_seed(0)
+    model = Model(lambda m, h: LinearAmp.apply(Swish.apply(h), m.weight, m.bias), {"weight": (D, D), "bias": (D,)})
+
+    class Autocast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.model(x).float()
+
+    wrapped = Autocast()
+    x = _batch((4, 3, D), torch.float32)
+    ref = reference(wrapped, (x,), lambda out, i: _loss(out).sum())
+    _loss(fxdp.transform(wrapped, grad_sample=True, compiler="eager")(x)).mean().backward()
+    assert_close_all({n: p.grad_sample for n, p in wrapped.named_parameters()}, ref.per_sample, 3e-2,
+                     "grad_sample")
