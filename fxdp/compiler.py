@@ -360,33 +360,56 @@ def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     """Guard a mean over the batch that skips ``ignore_index`` targets.
 
     ``F.cross_entropy(..., reduction="mean")`` divides by the number of targets that
-    are not ``ignore_index``: with an ignored target that number depends on other
-    samples' labels, so no sample has a loss of its own (DESIGN.md refuses such a
-    normaliser). The graph gets a run-time check that no target is ignored::
+    are not ``ignore_index`` in the whole batch. Where every sample keeps the same
+    number ``n`` of them (Hugging Face's causal-LM loss ignores the last position of
+    each sequence), that mean is the mean over samples of each sample's own mean over
+    its ``n`` targets, and each sample has a loss of its own. Where the numbers differ,
+    the normaliser depends on the other samples' labels (DESIGN.md refuses that). The
+    graph gets a run-time check; ``B`` is read from a batched input::
 
-        ne = torch.ops.aten.ne.Scalar(target, -100)
-        all_1 = torch.ops.aten.all.default(ne)
-        _assert_async = torch.ops.aten._assert_async.msg(all_1, "fxdp: ...")
+        fxdp_same_kept_targets = fxdp_same_kept_targets(view_1, -100, 0, input_ids, 0)
     """
     from fxdp.passes.batch_dims import Loss
 
+    reference = next(((n, b.dim) for n, b in analysis.batch.items() if n.op == "placeholder"
+                      and isinstance(b, BatchDim) and isinstance(b.dim, int) and b.plain), None)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _CLASS_LOSSES:
             continue
-        if not isinstance(analysis.batch.get(node), Loss) or analysis.batch[node].reduction != "mean":
+        if not isinstance(analysis.batch[node], Loss) or analysis.batch[node].reduction != "mean":
             continue
+        target = node.args[1]
+        layout = analysis.batch.get(target)
         ignore_index = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+        if not (isinstance(layout, BatchDim) and isinstance(layout.dim, int)):
+            continue  # shared targets, or one sample's (B == 1): every sample keeps as many
+        # Sample b's targets are rows [b·inner, (b+1)·inner) of the batch dim; with an
+        # ``outer`` merge (or no batched input to read B from), no target may be ignored.
+        by_sample = reference is not None and bool(layout.outer == 1)
+        args = (target, ignore_index, layout.dim, *(reference if by_sample else (None, None)))
         with gm.graph.inserting_before(node):
-            ne = gm.graph.call_function(torch.ops.aten.ne.Scalar, (node.args[1], ignore_index))
-            every = gm.graph.call_function(torch.ops.aten.all.default, (ne,))
-            gm.graph.call_function(torch.ops.aten._assert_async.msg, (every, (
-                f"fxdp: a target equals ignore_index={ignore_index} under reduction='mean': the "
-                "loss is then divided by the number of kept targets of the whole batch, so no "
-                "sample has a loss of its own. Use reduction='sum' (loss_reduction='sum') and "
-                "divide by a fixed number yourself.")))
+            gm.graph.call_function(fxdp_same_kept_targets, args)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def fxdp_same_kept_targets(target: torch.Tensor, ignore_index: int, dim: int,
+                           reference: torch.Tensor | None, reference_dim: int | None) -> None:
+    """Assert that every sample keeps as many targets (not ``ignore_index``) as the
+    first; the samples are ``reference.shape[reference_dim]`` consecutive blocks of
+    ``target``'s dim ``dim``. Without a reference, that no target is ignored."""
+    kept = target != ignore_index
+    if reference is None:
+        same = kept.all()
+    else:
+        counts = kept.movedim(dim, 0).reshape(reference.shape[reference_dim], -1).sum(1)
+        same = (counts[:1] == counts).all()
+    torch._assert_async(same, (
+        f"fxdp: samples keep different numbers of targets that are not ignore_index={ignore_index} "
+        "under reduction='mean': the loss is then divided by the number of kept targets of the whole "
+        "batch, so no sample has a loss of its own. Use reduction='sum' (loss_reduction='sum') and "
+        "divide by a fixed number yourself (Hugging Face models: pass num_items_in_batch)."))
 
 
 def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices: list[str]) -> Callable:

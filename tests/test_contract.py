@@ -557,14 +557,53 @@ def test_loss_inside_graph_must_match_loss_reduction(loss, reduction, declared):
 
 def test_in_graph_mean_over_kept_targets_is_refused():
     """``cross_entropy(..., reduction="mean")`` with an ignored target divides by the
-    number of kept targets of the whole batch: a normaliser that depends on other
-    samples' labels. The step raises instead of returning a wrong clip."""
+    number of kept targets of the whole batch: where samples keep different numbers,
+    a normaliser that depends on other samples' labels. The step raises instead of
+    returning a wrong clip."""
     step = TrainStep(mlp(), "cross_entropy", "mean")
     x, target = randn(6, 4), torch.tensor([0, 1, -100, 0, 1, 2])
     dp = fxdp.transform(step, max_grad_norm=1.0, compiler="eager")
-    with pytest.raises(RuntimeError, match="ignore_index"):
+    with pytest.raises(RuntimeError, match="samples keep different numbers of targets"):
         dp(x, target).backward()
     assert all(p.grad is None for p in step.parameters())
+
+
+class CausalLMStep(nn.Module):
+    """Hugging Face's causal-LM loss: labels shifted left, the last position padded with
+    ``ignore_index``, a mean over the kept tokens of the whole batch."""
+
+    def __init__(self, vocab: int = 7, d: int = 5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, d)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.fc(self.emb(ids))))
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
+
+
+def test_in_graph_mean_with_as_many_kept_targets_per_sample_is_exact():
+    """Every sample keeps the same number of targets (here T - 1): the batch mean is the
+    mean over samples of each one's own token mean, and each sample's gradient is that
+    of its own loss. A new batch size keeps the check (B is read from the input)."""
+    step = CausalLMStep().to(DTYPE)
+    dp = fxdp.transform(step, max_grad_norm=0.1, grad_sample=True, compiler="eager")
+    for batch in (4, 6):
+        ids = torch.randint(0, 7, (batch, 5), generator=torch.Generator().manual_seed(batch))
+        labels = ids.clone()
+        labels[:, 1] = -100  # one more ignored target in every sample
+        ref = reference(step, [ids, labels], lambda out, i: out)
+        for p in step.parameters():
+            p.grad = None
+        dp(ids, labels).backward()
+        assert_close_all(grad_samples(step), ref.per_sample, TOL, "p.grad_sample")
+        assert_close_all(grads(step), ref.grad("mean", 0.1), TOL, "p.grad")
+    labels[2, 3] = -100
+    with pytest.raises(RuntimeError, match="samples keep different numbers of targets"):
+        dp(ids, labels).backward()
 
 
 def test_in_graph_sum_with_ignored_target_works():
