@@ -606,6 +606,32 @@ def test_in_graph_mean_with_as_many_kept_targets_per_sample_is_exact():
         dp(ids, labels).backward()
 
 
+def test_hugging_face_causal_lm_labels_with_the_default_mean():
+    """``LlamaForCausalLM(input_ids, labels=input_ids).loss`` as written: transformers
+    shifts the labels and pads them with -100, so every sample keeps T - 1 targets. Its
+    loss runs in float32 (``logits.float()``), hence the float32 tolerance."""
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is no test dependency: the Hugging Face labels= loss is untested")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    llama = transformers.LlamaForCausalLM(config).to(DTYPE).train()
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.llama = llama
+
+        def forward(self, ids, labels):
+            return self.llama(input_ids=ids, labels=labels, use_cache=False).loss
+
+    step = Step()
+    ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(0))
+    ref = reference(step, [ids, ids], lambda out, i: out)
+    fxdp.transform(step, grad_sample=True, compiler="eager")(ids, ids).backward()
+    assert_close_all(grad_samples(step), ref.per_sample, 1e-6, "p.grad_sample")
+
+
 def test_in_graph_sum_with_ignored_target_works():
     step = TrainStep(mlp(), "cross_entropy", "sum")
     x, target = randn(6, 4), torch.tensor([0, 1, -100, 0, 1, 2])
