@@ -111,8 +111,11 @@ def _operand_kind(node: Any) -> str:
         return "t"
     if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
         return "s"
-    raise NotImplementedError(
-        f"fxdp cannot pass {type(value).__name__} {node} into a torch.autograd.Function call")
+    from fxdp.errors import UnsupportedError
+
+    raise UnsupportedError(
+        f"fxdp cannot pass a {type(value).__name__} ({node}) into a torch.autograd.Function call: "
+        "only tensors and integer sizes can cross it; compute that value inside the Function")
 
 
 def functions_as_ops(gm: fx.GraphModule) -> fx.GraphModule:
