@@ -34,7 +34,7 @@ from fxdp.batching import RAW, BatchDim, retrack, scale_batch
 from fxdp.registry import GRAD, ParamRule, lookup
 
 __all__ = [
-    "FUNCTION_APPLY", "FunctionCall", "TaggedFunction", "function_batch", "function_param_rule",
+    "FUNCTION_APPLY", "FunctionCall", "FunctionInTransform", "TaggedFunction", "function_batch", "function_param_rule",
     "functions_as_ops", "ops_as_functions", "function_call",
 ]
 
@@ -350,6 +350,51 @@ class _TaggedFunction(torch.autograd.Function):
                                     for e in extras[offsets[i]: offsets[i] + tagged.extra_args[i]]]
             input_grads[i] = torch.ops.fxdp.param_grad(marker_operands, operands[i], USES[use_id].use_id)
         return (None, *input_grads, *[None] * ctx.num_extras)
+
+
+class _Bodies(torch.autograd.Function):
+    """A Function call as its two bodies, usable under ``vmap`` (``generate_vmap_rule``):
+    inside a parameter transform (``F.linear(x, RoundSTE.apply(w))``), which the backward
+    rewrite runs under ``vmap`` once per sample. The forward returns the saved values
+    after the outputs, so that ``setup_context`` can save them."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(call: FunctionCall, *operands):
+        outputs, saved = _run(call.fwd, *operands)
+        # Views: autograd refuses an input returned as it is and saved by setup_context.
+        return (*outputs, *[s.view_as(s) for s in saved if isinstance(s, torch.Tensor)])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        call, operands = inputs[0], inputs[1:]
+        with torch.no_grad():
+            _, saved = _run(call.fwd, *operands)
+        num_outputs = len(output) - sum(isinstance(s, torch.Tensor) for s in saved)
+        ctx.call, ctx.num_outputs, ctx.saved_template = call, num_outputs, [
+            None if isinstance(s, torch.Tensor) else s for s in saved]
+        ctx.save_for_backward(*output[num_outputs:])
+        ctx.mark_non_differentiable(*output[num_outputs:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        tensors = iter(ctx.saved_tensors)
+        saved = [next(tensors) if s is None else s for s in ctx.saved_template]
+        return (None, *_run(ctx.call.bwd, *grads[:ctx.num_outputs], *saved))
+
+
+class FunctionInTransform:
+    """Call target standing for a Function call inside a parameter transform's graph."""
+
+    def __init__(self, call: FunctionCall):
+        self.call = call
+        self.__name__ = f"fxdp_function_{call.cls.__name__ if call.cls else 'apply'}"
+
+    def __call__(self, *operands):
+        outputs = _Bodies.apply(self.call, *operands)
+        output = next(n for n in self.call.fwd.graph.nodes if n.op == "output")
+        return outputs[:len(output.args[0][0])]
 
 
 def _one_sample(t: torch.Tensor, layout: BatchDim) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from fxdp.batching import RAW, SHARED, WHOLE, BatchDim
-from fxdp.functions import (FUNCTION_APPLY, TaggedFunction, backward_rule, function_call,
+from fxdp.functions import (FUNCTION_APPLY, FunctionInTransform, TaggedFunction, backward_rule, function_call,
                             function_param_rule, registered_operands)
 from fxdp.markers import USES, TaggedOp, Transform, UseInfo, new_use_id
 from fxdp.passes.batch_dims import BatchAnalysis, module_path_of
@@ -110,8 +110,10 @@ def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple
             # flows through (spectral norm's power iteration, run under no_grad).
             extras.append(n)
             return
-        for a in n.all_input_nodes:
-            visit(a)
+        # A Function call's bodies are its own (``FunctionInTransform``), not inputs.
+        for a in (n.args[2:] if n.target is FUNCTION_APPLY else n.all_input_nodes):
+            if isinstance(a, fx.Node):
+                visit(a)
         needed.append(n)
 
     without_grad = computed_without_grad(derived.graph)
@@ -122,7 +124,12 @@ def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple
         env[n] = graph.placeholder(n.name)
         env[n].meta = dict(n.meta)
     for n in needed:
-        env[n] = graph.node_copy(n, lambda a: env[a])
+        if n.target is FUNCTION_APPLY:
+            env[n] = graph.call_function(FunctionInTransform(function_call(n)),
+                                         tuple(env[a] if isinstance(a, fx.Node) else a for a in n.args[2:]))
+            env[n].meta = dict(n.meta)
+        else:
+            env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(env[derived])
     module = fx.GraphModule(torch.nn.Module(), graph)
     isometric = len(sources) == 1 and not extras and all(n.target in ISOMETRIC for n in needed)

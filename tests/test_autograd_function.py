@@ -218,6 +218,10 @@ CASES = [
     Case("function-calling-functions", lambda m, h: SwishLinearFn.apply(h, m.weight, m.bias),
          {"weight": (D, D), "bias": (D,)}),
     Case("in-place", lambda m, h: DoubleInPlace.apply(h * 1.0)),
+    # On the parameters alone (quantisation-aware training): a parameter transform.
+    Case("quantised-weight", lambda m, h: torch.nn.functional.linear(h, RoundSTE.apply(m.weight), m.bias),
+         {"weight": (D, D), "bias": (D,)}),
+    Case("weight-through-saving-function", lambda m, h: h * Swish.apply(m.scale), {"scale": (D,)}),
 ]
 
 
