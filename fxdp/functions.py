@@ -206,9 +206,12 @@ def _batch_of(value: Any, analysis) -> Any:
 
 
 def _refusal(call: FunctionCall, where: str, problems: list) -> Exception:
-    from fxdp.passes.batch_dims import MixesSamples
+    """``MixesSamples`` naming the body and its ops; where none of them mixes samples
+    (an op without a batch propagation), the error the analysis prints as it is."""
+    from fxdp.passes.batch_dims import MixesSamples, _NoPropagation
 
-    return MixesSamples(f"in {call.name}.{where}, " + "; ".join(
+    mixes = any(p.reason.startswith("mixes samples: ") for p in problems)
+    return (MixesSamples if mixes else _NoPropagation)(f"in {call.name}.{where}, " + "; ".join(
         f"{p.op}: {p.reason.removeprefix('mixes samples: ')}" for p in problems))
 
 

@@ -418,6 +418,48 @@ def test_function_that_mixes_samples_is_refused(function, where: str, op: str):
         fxdp.transform(model, grad_sample=True, compiler="eager")(x)
 
 
+def test_refusal_names_the_module_and_an_op_without_propagation():
+    class Block(nn.Module):
+        def forward(self, h):
+            return CenterOverBatch.apply(h)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+            self.block = Block()
+
+        def forward(self, x):
+            return self.block(self.fc(x))
+
+    problems = fxdp.validate(Outer().double(), _batch((5, D), torch.float64))
+    assert [(p.op, p.module_path) for p in problems] == [("torch.autograd.Function CenterOverBatch", "block")]
+
+    class Opaque(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return torch.ops.fxdp_tests_functions.opaque(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    model = Model(lambda m, h: Opaque.apply(h), {}).double()
+    (problem,) = fxdp.validate(model, _batch((5, D), torch.float64))
+    assert problem.reason.startswith("in Opaque.forward, fxdp_tests_functions.opaque.default: no batch-dim "
+                                     "propagation"), problem.reason
+
+
+@torch.library.custom_op("fxdp_tests_functions::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_opaque.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 def test_parameter_through_a_function_with_a_shared_output_is_refused():
     torch.manual_seed(0)
     model = Model(lambda m, h: sum(ScaleAndReturnIt.apply(h, m.scale)), {"scale": (D,)}).double()
