@@ -63,7 +63,7 @@ class FunctionCall:
 
     @property
     def name(self) -> str:
-        return self.cls.__qualname__ if self.cls is not None else "Function"
+        return self.cls.__name__ if self.cls is not None else "Function"
 
 
 _keys = itertools.count()

@@ -159,7 +159,7 @@ def register_rule(rule: OpRule, *, override: bool = False) -> OpRule:
             settings.append("config")
         if settings:
             raise ValueError(
-                f"a rule for the torch.autograd.Function {rule.op.__qualname__} takes no "
+                f"a rule for the torch.autograd.Function {rule.op.__name__} takes no "
                 f"{', '.join(settings)}: fxdp reads the batch dims from its forward and the other "
                 "inputs' gradients from its backward")
     elif rule.input_grad is None or rule.batch_rule is None:
