@@ -23,6 +23,7 @@ AOTAutograd then traces both bodies, as it does under ``torch.compile``.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from typing import Any
@@ -192,6 +193,8 @@ def _body_analysis(body: fx.GraphModule, args: list, batches: list, batch_size: 
     from fxdp.passes.batch_dims import batch_dim_pass
     from fxdp.passes.canonicalize import canonicalize_pass
 
+    # Canonicalisation rewrites a graph in place; AOTAutograd runs the body as captured.
+    body = fx.GraphModule(body, copy.deepcopy(body.graph))
     canon = canonicalize_pass(body, args, fake_mode=fake_mode_of([a for a in args if isinstance(a, torch.Tensor)]))
     placeholders = [n for n in canon.graph.nodes if n.op == "placeholder"]
     analysis = batch_dim_pass(canon, dict(zip(placeholders, batches)), {}, batch_size=batch_size)
