@@ -190,8 +190,12 @@ def _tag_function(gm: fx.GraphModule, node: fx.Node, sites: list, analysis: Batc
         "use_ids": list(use_ids.values()),
     }
     batch[new] = batch.get(node)
+    bodies = node.args[:2]
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
+    for body in bodies:  # they now live in the tagged call
+        if not body.users:
+            gm.graph.erase_node(body)
 
 
 def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.Node, str],
