@@ -376,7 +376,7 @@ def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _CLASS_LOSSES:
             continue
-        if not isinstance(analysis.batch[node], Loss) or analysis.batch[node].reduction != "mean":
+        if not isinstance(analysis.batch.get(node), Loss) or analysis.batch[node].reduction != "mean":
             continue
         target = node.args[1]
         layout = analysis.batch.get(target)

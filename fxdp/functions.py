@@ -295,6 +295,8 @@ class TaggedFunction:
         self.uses = dict(uses)
         self.operands = operands
         self.extra_args = dict(extra_args)
+        # The operands the backward reads: the parameters and what their markers name.
+        self.kept = set(uses) | {j for specs in operands.values() for kind, j in specs if kind == "operand"}
         self.__name__ = f"fxdp_function_{call.cls.__name__ if call.cls else 'apply'}"
         self.__qualname__ = self.__name__
 
@@ -318,7 +320,8 @@ class _TaggedFunction(torch.autograd.Function):
         operands, extras = args[:len(args) - num_extras], args[len(args) - num_extras:]
         outputs, saved = _run(tagged.call.fwd, *operands)
         saved_tensors, ctx.saved_template = _split(list(saved))
-        operand_tensors, ctx.operand_template = _split(list(operands))
+        operand_tensors, ctx.operand_template = _split(
+            [o if i in tagged.kept else None for i, o in enumerate(operands)])
         extra_tensors, ctx.extras_template = _split(list(extras))
         ctx.counts = (len(saved_tensors), len(operand_tensors))
         ctx.save_for_backward(*saved_tensors, *operand_tensors, *extra_tensors)

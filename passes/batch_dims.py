@@ -1188,7 +1188,8 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems):
                               if i not in node.kwargs.get("non_differentiable_idx", [])]
             if generic and not all(isinstance(b, BatchDim) for b in differentiable):
                 problems.append(Problem(
-                    f"torch.autograd.Function {function_call(node).name}", path, _names(sources[value], param_names),
+                    f"torch.autograd.Function {function_call(node).name}", path,
+                    _names(sources[value], param_names),
                     "its backward can give per-sample gradients only when every differentiable output "
                     "is batched; register a rule for it with fxdp.register_rule"))
             else:

@@ -276,7 +276,8 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     ``aten.lstm`` and the recurrent cells become per-step linears, ``aten.einsum`` and
     ``aten.bilinear`` matrix products; autocast's casts become ops (``passes/autocast.py``);
     activation-checkpointed regions are inlined (their ops become ordinary ops of the
-    graph); ``torch.autograd.Function`` calls stay whole (``fxdp/functions.py``). Placeholders keep their order, node meta (``nn_module_stack``) is preserved.
+    graph); ``torch.autograd.Function`` calls stay whole (``fxdp/functions.py``).
+    Placeholders keep their order, node meta (``nn_module_stack``) is preserved.
     """
     gm = functions_as_ops(inline_checkpoints(gm))
     gm = rnn_initial_state_pass(gm)
