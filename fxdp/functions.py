@@ -140,11 +140,21 @@ def functions_as_ops(gm: fx.GraphModule) -> fx.GraphModule:
         tensors = [a for a, k in zip(operands, call.kinds) if k == "t"]
         sizes = [a for a, k in zip(operands, call.kinds) if k == "s"]
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(_OPAQUE, (tensors, sizes, key))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+            opaque = gm.graph.call_function(_OPAQUE, (tensors, sizes, key))
+        _replace(gm, node, opaque)
         changed = True
+    return _finished(gm, changed)
+
+
+def _replace(gm: fx.GraphModule, node: fx.Node, new: fx.Node) -> fx.Node:
+    """``new`` in ``node``'s place, with its meta (``nn_module_stack``, stack trace)."""
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return new
+
+
+def _finished(gm: fx.GraphModule, changed: bool) -> fx.GraphModule:
     if changed:
         gm.graph.lint()
         gm.recompile()
@@ -166,17 +176,10 @@ def ops_as_functions(gm: fx.GraphModule) -> fx.GraphModule:
             gm.add_submodule(names[-1], getattr(call, part))
         with gm.graph.inserting_before(node):
             bodies = [gm.graph.get_attr(n) for n in names]
-            new = gm.graph.call_function(FUNCTION_APPLY, (*bodies, *_merge(call, tensors, sizes)),
-                                         dict(call.kwargs))
-        new.meta.update(node.meta)
-        new.meta["fxdp_function"] = key
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+            new = gm.graph.call_function(FUNCTION_APPLY, (*bodies, *_merge(call, tensors, sizes)), dict(call.kwargs))
+        _replace(gm, node, new).meta["fxdp_function"] = key
         changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return _finished(gm, changed)
 
 
 def function_call(node: fx.Node) -> FunctionCall:
