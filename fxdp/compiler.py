@@ -350,7 +350,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     return _forward_runner(compiled, record, devices)
 
 
-_CLASS_LOSSES = {
+CLASS_LOSSES = {
     torch.ops.aten.cross_entropy_loss.default, torch.ops.aten.nll_loss.default,
     torch.ops.aten.nll_loss_nd.default, torch.ops.aten.nll_loss2d.default,
 }
@@ -365,30 +365,36 @@ def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     each sequence), that mean is the mean over samples of each sample's own mean over
     its ``n`` targets, and each sample has a loss of its own. Where the numbers differ,
     the normaliser depends on the other samples' labels (DESIGN.md refuses that). The
-    graph gets a run-time check; ``B`` is read from a batched input::
+    graph gets a run-time check, also for such a loss inside a ``torch.autograd.Function``
+    (on the operand its targets come from); ``B`` is read from a batched input::
 
         fxdp_same_kept_targets = fxdp_same_kept_targets(view_1, -100, 0, input_ids, 0)
     """
+    from fxdp.functions import FUNCTION_APPLY
     from fxdp.passes.batch_dims import Loss
 
     reference = next(((n, b.dim) for n, b in analysis.batch.items() if n.op == "placeholder"
                       and isinstance(b, BatchDim) and isinstance(b.dim, int) and b.plain), None)
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _CLASS_LOSSES:
+        if node.op != "call_function":
             continue
-        if not isinstance(analysis.batch.get(node), Loss) or analysis.batch[node].reduction != "mean":
+        if node.target is FUNCTION_APPLY:
+            guards = [(node.args[2 + k], ignore_index) for k, ignore_index in node.meta.get("fxdp_function_losses", [])]
+        elif node.target in CLASS_LOSSES and isinstance(analysis.batch.get(node), Loss) \
+                and analysis.batch[node].reduction == "mean":
+            guards = [(node.args[1], node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100))]
+        else:
             continue
-        target = node.args[1]
-        layout = analysis.batch.get(target)
-        ignore_index = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
-        if not (isinstance(layout, BatchDim) and isinstance(layout.dim, int)):
-            continue  # shared targets, or one sample's (B == 1): every sample keeps as many
-        # Sample b's targets are rows [b·inner, (b+1)·inner) of the batch dim; with an
-        # ``outer`` merge (or no batched input to read B from), no target may be ignored.
-        by_sample = reference is not None and bool(layout.outer == 1)
-        args = (target, ignore_index, layout.dim, *(reference if by_sample else (None, None)))
-        with gm.graph.inserting_before(node):
-            gm.graph.call_function(fxdp_same_kept_targets, args)
+        for target, ignore_index in guards:
+            layout = analysis.batch.get(target)
+            if not (isinstance(layout, BatchDim) and isinstance(layout.dim, int)):
+                continue  # shared targets, or one sample's (B == 1): every sample keeps as many
+            # Sample b's targets are rows [b·inner, (b+1)·inner) of the batch dim; with an
+            # ``outer`` merge (or no batched input to read B from), no target may be ignored.
+            by_sample = reference is not None and bool(layout.outer == 1)
+            args = (target, ignore_index, layout.dim, *(reference if by_sample else (None, None)))
+            with gm.graph.inserting_before(node):
+                gm.graph.call_function(fxdp_same_kept_targets, args)
     gm.graph.lint()
     gm.recompile()
     return gm

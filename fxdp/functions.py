@@ -227,11 +227,12 @@ def function_batch(node: fx.Node, arg_batch: list, batch_size: Any) -> list:
     mixes samples. Records ``meta["fxdp_function_batch"] = (outputs, saved)``."""
     call = function_call(node)
     operands, operand_batch = list(node.args[2:]), list(arg_batch[2:])
-    _, fwd, output = _body_analysis(call.fwd, [_meta(a) for a in operands], operand_batch, batch_size)
+    canon, fwd, output = _body_analysis(call.fwd, [_meta(a) for a in operands], operand_batch, batch_size)
     if fwd.problems:
         raise _refusal(call, "forward", fwd.problems)
     out_nodes, saved_nodes = output.args[0]
     out_batch, saved_batch = _batch_of(list(out_nodes), fwd), _batch_of(list(saved_nodes), fwd)
+    node.meta["fxdp_function_losses"] = _mean_class_losses(call, canon, fwd)
 
     # The backward, cut down to the gradients of the batched operands (a parameter's
     # gradient sums over the batch, which is what the markers replace).
@@ -249,6 +250,36 @@ def function_batch(node: fx.Node, arg_batch: list, batch_size: Any) -> list:
                                "is not computed per sample")
     node.meta["fxdp_function_batch"] = (out_batch, saved_batch)
     return out_batch
+
+
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.flatten.using_ints, torch.ops.aten.clone.default, torch.ops.aten.alias.default}
+
+
+def _mean_class_losses(call: FunctionCall, canon: fx.GraphModule, analysis) -> list[tuple[int, int]]:
+    """``(operand index, ignore_index)`` of each mean cross entropy / NLL over the batch
+    in the forward body, for ``loss_normaliser_pass``'s check of the kept targets.
+    Raises ``MixesSamples`` where the targets are computed inside the Function."""
+    from fxdp.compiler import CLASS_LOSSES
+    from fxdp.passes.batch_dims import Loss, MixesSamples
+
+    placeholders = [n for n in canon.graph.nodes if n.op == "placeholder"]
+    losses = []
+    for n in canon.graph.nodes:
+        if not (n.op == "call_function" and n.target in CLASS_LOSSES and isinstance(analysis.batch.get(n), Loss)
+                and analysis.batch[n].reduction == "mean"):
+            continue
+        target = n.args[1]
+        while isinstance(target, fx.Node) and target.op == "call_function" and target.target in _VIEWS:
+            target = target.args[0]
+        if target not in placeholders:
+            raise MixesSamples(
+                f"in {call.name}.forward, a mean {n.target.__name__.split('.')[0]} divides by the number of "
+                "kept targets (not ignore_index) of the whole batch, and its targets are computed inside the "
+                "Function, where fxdp cannot check that every sample keeps as many; use reduction='sum' "
+                "(loss_reduction='sum') and divide by a fixed number")
+        losses.append((placeholders.index(target), n.args[4] if len(n.args) > 4 else n.kwargs.get("ignore_index", -100)))
+    return losses
 
 
 def _pruned_backward(bwd: fx.GraphModule, keep: set[int]) -> fx.GraphModule:

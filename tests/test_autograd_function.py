@@ -540,3 +540,78 @@ def test_under_autocast():
     _loss(fxdp.transform(wrapped, grad_sample=True, compiler="eager")(x)).mean().backward()
     assert_close_all({n: p.grad_sample for n, p in wrapped.named_parameters()}, ref.per_sample, 3e-2,
                      "grad_sample")
+
+
+class FusedCrossEntropy(torch.autograd.Function):
+    """A mean cross entropy with its own backward, as fused-loss kernels write it
+    (``ignore_index`` targets get no gradient; the mean divides by the kept ones)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, kept_per_sample):
+        ctx.save_for_backward(logits, target)
+        ctx.kept_per_sample = kept_per_sample
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, target = ctx.saved_tensors
+        flat, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+        kept = (t != -100).to(flat.dtype)[:, None]
+        one_hot = torch.nn.functional.one_hot(t.clamp(min=0), flat.shape[-1]).to(flat.dtype)
+        # the number of kept targets, from sizes: exact where every sample keeps as many
+        count = logits.shape[0] * ctx.kept_per_sample
+        return (grad * (flat.softmax(-1) - one_hot) * kept / count).reshape(logits.shape), None, None
+
+
+class FusedLossStep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, 3)
+
+    def forward(self, x, target):
+        return FusedCrossEntropy.apply(self.fc(x), target, 4)
+
+
+def test_mean_loss_inside_a_function_checks_the_kept_targets():
+    """A mean over kept targets inside a Function gets the same run-time check as one in
+    the graph: exact where every sample keeps as many (4 of 5 here), refused where not."""
+    torch.manual_seed(0)
+    step = FusedLossStep().double()
+    dp_model = fxdp.transform(step, grad_sample=True, compiler="eager")
+    x = _batch((3, 5, D), torch.float64)
+    target = torch.randint(0, 3, (3, 5), generator=torch.Generator().manual_seed(3))
+    target[:, 1] = -100
+    ref = reference(step, (x, target), lambda out, i: out)
+    dp_model(x, target).backward()
+    assert_close_all({n: p.grad_sample for n, p in step.named_parameters()}, ref.per_sample, 1e-9, "grad_sample")
+    target[2, 4] = -100
+    with pytest.raises(RuntimeError, match="samples keep different numbers of targets"):
+        dp_model(x, target).backward()
+
+
+class SelfLabelledLoss(torch.autograd.Function):
+    """A mean cross entropy against targets it computes itself."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        ctx.save_for_backward(logits)
+        return torch.nn.functional.cross_entropy(logits, logits.argmax(-1))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (logits,) = ctx.saved_tensors
+        one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+        return grad * (logits.softmax(-1) - one_hot) / logits.shape[0]
+
+
+def test_mean_loss_over_targets_computed_inside_a_function_is_refused():
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, 3)
+
+        def forward(self, x):
+            return SelfLabelledLoss.apply(self.fc(x))
+
+    (problem,) = fxdp.validate(Step().double(), _batch((5, D), torch.float64))
+    assert "its targets are computed inside the Function" in problem.reason, problem.reason
