@@ -105,7 +105,10 @@ def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple
             sources.append(n)
             return
         outside = n not in param_only or n.op != "call_function"
-        if outside or (n is not derived and carries_no_gradient(n, without_grad)):
+        # A random draw (a dropout mask's noise) is the forward's: run again per sample it
+        # would draw anew, so it is an input of the transform.
+        random = not outside and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+        if outside or random or (n is not derived and carries_no_gradient(n, without_grad)):
             # Computed outside the transform: data, buffers, and values no gradient
             # flows through (spectral norm's power iteration, run under no_grad).
             extras.append(n)
@@ -134,6 +137,49 @@ def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple
     module = fx.GraphModule(torch.nn.Module(), graph)
     isometric = len(sources) == 1 and not extras and all(n.target in ISOMETRIC for n in needed)
     return Transform(module=module, num_sources=len(sources), isometric=isometric), sources + extras
+
+
+def _explicit_dropout_masks(gm: fx.GraphModule, analysis: BatchAnalysis) -> None:
+    """Draw the mask of a dropout of a parameter-only value as its own op.
+
+    Such a dropout (timm's relative-position MLPs keep a ``Dropout(0.125)`` on their
+    table) draws one mask for the whole batch. The backward runs the parameter
+    transform again for each sample, which must see the forward's mask: drawn apart,
+    the noise becomes an input of the transform (``_extract_transform``).
+
+    Before::
+
+        dropout = torch.ops.aten.dropout.default(table, 0.5, True)
+
+    After::
+
+        rand_like = torch.ops.aten.rand_like.default(table)
+        ge = torch.ops.aten.ge.Scalar(rand_like, 0.5)
+        mul = torch.ops.aten.mul.Tensor(table, ge)
+        mul_1 = torch.ops.aten.mul.Tensor(mul, 2.0)
+    """
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is torch.ops.aten.dropout.default
+                and node in analysis.param_only):
+            continue
+        x, p, train = (*node.args, *[None] * (3 - len(node.args)))[:3]
+        if not train or not isinstance(p, (int, float)) or p == 0:
+            continue
+        with gm.graph.inserting_before(node):
+            noise = gm.graph.call_function(torch.ops.aten.rand_like.default, (x,))
+            keep = gm.graph.call_function(torch.ops.aten.ge.Scalar, (noise, p))
+            kept = gm.graph.call_function(torch.ops.aten.mul.Tensor, (x, keep))
+            out = gm.graph.call_function(torch.ops.aten.mul.Tensor, (kept, 1.0 / (1.0 - p)) if p < 1 else (kept, 0.0))
+        value = node.meta["val"]
+        with value.fake_mode:
+            mask = value.to(torch.bool)
+        for new in (noise, keep, kept, out):
+            new.meta.update(node.meta)
+            analysis.param_only[new] = analysis.param_only[node]
+            analysis.batch[new] = None
+        keep.meta["val"] = mask
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
 
 
 def _config(rule, node: fx.Node, broadcast) -> dict:
@@ -232,6 +278,7 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
         gm.recompile()
         return gm, dict(counts)
 
+    _explicit_dropout_masks(gm, analysis)
     batch = analysis.batch
     params = set(param_names)
     for node, sites in sites_by_node.items():

@@ -1311,3 +1311,44 @@ def test_position_table_over_many_sequence_lengths(kind: str):
         ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
         assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64),
                          f"grad_sample T={length}")
+
+
+class DroppedTable(nn.Module):
+    """A learned table dropped out on its own, one mask for the whole batch, as timm's
+    relative-position MLPs keep a ``Dropout`` after their table (``mask`` given: that
+    mask instead of a random one, the deterministic twin the loop runs)."""
+
+    def __init__(self, mask: torch.Tensor | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(D, D)
+        self.table = nn.Parameter(torch.randn(T, D))
+        self.mask = mask
+
+    def forward(self, x):
+        table = F.dropout(self.table, 0.5, training=True) if self.mask is None else self.table * self.mask
+        return torch.tanh(self.lin(x) + table)
+
+
+@pytest.mark.parametrize("mode", ["grad_sample", "clip"])
+def test_dropout_of_a_parameter_only_value_keeps_the_forward_mask(mode: str):
+    """The backward re-runs the parameter transform per sample: it must see the mask the
+    forward drew (``_explicit_dropout_masks``), not draw another (vmap refuses a random
+    op). Checked against the loop over a twin with the forward's mask made a constant."""
+    model = DroppedTable().to(torch.float64)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dp = fxdp.transform(model, grad_sample=mode == "grad_sample", max_grad_norm=0.1 if mode == "clip" else None,
+                        compiler="eager")
+    out = dp(x)
+    with torch.no_grad():
+        mask = (torch.atanh(out[0]) - model.lin(x[0])) / model.table  # 0 or 2 where the table is kept
+    assert set(mask.round().unique().tolist()) <= {0.0, 2.0}
+    twin = DroppedTable(mask.round()).to(torch.float64)
+    twin.load_state_dict(model.state_dict())
+    ref = reference(twin, (x,), lambda out, i: out.pow(2).sum())
+    out.pow(2).flatten(1).sum(1).mean().backward()
+    params = dict(model.named_parameters())
+    if mode == "grad_sample":
+        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, 1e-9, "p.grad_sample")
+    else:
+        assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("mean", 0.1), 1e-9, "p.grad")
