@@ -653,7 +653,13 @@ def _elementwise_loss(node, arg_batch):
            aten.avg_pool3d.default, aten.adaptive_avg_pool3d.default, aten.pixel_shuffle.default,
            aten.upsample_nearest2d.vec, aten.upsample_bilinear2d.vec, aten.pad.default,
            aten.constant_pad_nd.default, aten.reflection_pad2d.default, aten.replication_pad2d.default,
-           aten.prelu.default)
+           aten.prelu.default, aten.reflection_pad1d.default, aten.reflection_pad3d.default,
+           aten.replication_pad1d.default, aten.replication_pad3d.default,
+           *[getattr(getattr(aten, name), overload) for name in (
+               "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+               "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+               "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
+             for overload in ("default", "vec")])
 def _batch_first_only(node, arg_batch):
     """Ops over ``[N, C, *spatial]``: samples must be dim 0."""
     result = None
@@ -710,7 +716,11 @@ def _patches(node, arg_batch):
 
 @_register(aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor)
 def _repeat_interleave(node, arg_batch):
-    """``x.repeat_interleave(r, dim)``: each slice along ``dim`` repeated in place."""
+    """``x.repeat_interleave(r, dim)``: each slice along ``dim`` repeated in place.
+
+    Along the batch dim with one int count ``r``, sample ``b``'s rows stay together
+    (rows ``b·inner·r`` to ``(b+1)·inner·r``): a merged batch ``BatchDim(dim,
+    inner=inner·r)``, as a per-sample query repeated once per window (timm's GCViT)."""
     b = arg_batch[0]
     if isinstance(arg_batch[1], BatchDim) and arg_batch[1].dim is not None:
         raise MixesSamples("its repeat counts are per-sample data")
@@ -719,8 +729,24 @@ def _repeat_interleave(node, arg_batch):
     dim = _named_arg(node, "dim", None)
     if dim is None:
         raise MixesSamples("it flattens the batch dim into one dim (no dim given)")
-    if _norm_dim(dim, _meta(node.args[0]).dim()) == b.dim:
-        raise MixesSamples("it repeats along the batch dim")
+    if _norm_dim(dim, _meta(node.args[0]).dim()) != b.dim:
+        return b
+    repeats = node.args[1]
+    if node.target is aten.repeat_interleave.self_int and isinstance(repeats, (int, torch.SymInt)) \
+            and bool(b.outer == 1):
+        return BatchDim(b.dim, b.inner * repeats)
+    raise MixesSamples("it repeats along the batch dim by counts per row (a tensor of counts)")
+
+
+@_register(aten.unfold.default)
+def _sliding_windows(node, arg_batch):
+    """``x.unfold(dim, size, step)``: windows along ``dim`` (a new last dim holds each
+    window's elements); the batch stays where it is, unless the windows slide over it."""
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    if _norm_dim(node.args[1], max(1, _meta(node.args[0]).dim())) == b.dim:
+        raise MixesSamples("its windows slide along the batch dim")
     return b
 
 

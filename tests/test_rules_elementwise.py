@@ -941,7 +941,9 @@ def test_vector_norm_reduces_the_dims_it_names(d: int):
 
 class PatchOps(nn.Module):
     """``nn.Unfold`` into a linear (timm's TNT), unfold then ``nn.Fold`` around a conv
-    (VOLO's outlook attention), ``repeat_interleave`` along a feature dim (GCViT)."""
+    (VOLO's outlook attention), ``repeat_interleave`` along a feature dim and along the
+    batch dim (GCViT's global query, once per window of each sample), ``Tensor.unfold``
+    windows (HaloNet's keys and values), bicubic and antialiased resizing."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -956,18 +958,35 @@ class PatchOps(nn.Module):
             return self.fc(F.unfold(x, 3, padding=1).transpose(1, 2))
         if self.kind == "fold":
             return F.fold(F.unfold(self.conv(x), 3, padding=1), (6, 6), 3, padding=1)
+        if self.kind == "repeat_interleave_batch":
+            n = x.shape[0]
+            query = self.conv(x).mean((2, 3)).repeat_interleave(4, dim=0)  # [B·4, 4]: sample-major
+            windows = x.reshape(n, 4, 3, 2, 6).permute(0, 2, 1, 3, 4).reshape(n * 3, 4, 12)[:, :, :4]
+            keys = windows.reshape(n, 3, 4, 4).reshape(n * 4 * 3 // 3, 3, 4)[:, 0]  # [B·4, 4]
+            return (query * keys).reshape(n, 4, 4)
+        if self.kind == "sliding_windows":
+            return self.conv(x).unfold(2, 4, 2).unfold(3, 4, 2).pow(2).sum((-1, -2))
+        if self.kind == "bicubic":
+            return F.interpolate(self.conv(x), scale_factor=1.5, mode="bicubic", antialias=False)
+        if self.kind == "antialiased":
+            return F.interpolate(self.conv(x), size=(4, 4), mode="bilinear", antialias=True)
         return self.conv(x).flatten(2).repeat_interleave(2, dim=1)
 
 
-@pytest.mark.parametrize("kind", ["unfold", "fold", "repeat_interleave"])
+@pytest.mark.parametrize("kind", ["unfold", "fold", "repeat_interleave", "repeat_interleave_batch",
+                                  "sliding_windows", "bicubic", "antialiased"])
 def test_patch_and_repeat_ops_keep_samples_apart(kind: str):
     torch.manual_seed(0)
     _against_the_loop(PatchOps(kind).double(), torch.randn(B, 4, 6, 6, dtype=torch.float64))
 
 
-def test_repeat_interleave_along_the_batch_dim_is_refused():
-    model = around(lambda m, h: h.repeat_interleave(2, dim=0)[:B] * m.p, p=(D,))()
-    assert "it repeats along the batch dim" in _reasons(model, torch.randn(B, D))
+def test_repeat_interleave_along_the_batch_dim_by_a_tensor_of_counts_is_refused():
+    def body(m, h):
+        counts = torch.arange(h.shape[0]) % 2 + 1  # shared: 1, 2, 1, 2, ...
+        return h.repeat_interleave(counts, dim=0, output_size=h.shape[0] * 3 // 2)[:h.shape[0]] * m.p
+
+    model = around(body, p=(D,))()
+    assert "it repeats along the batch dim by counts per row" in _reasons(model, torch.randn(B, D))
 
 
 class GatedPositions(nn.Module):
