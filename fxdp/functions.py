@@ -278,7 +278,8 @@ def _mean_class_losses(call: FunctionCall, canon: fx.GraphModule, analysis) -> l
                 "kept targets (not ignore_index) of the whole batch, and its targets are computed inside the "
                 "Function, where fxdp cannot check that every sample keeps as many; use reduction='sum' "
                 "(loss_reduction='sum') and divide by a fixed number")
-        losses.append((placeholders.index(target), n.args[4] if len(n.args) > 4 else n.kwargs.get("ignore_index", -100)))
+        ignore_index = n.args[4] if len(n.args) > 4 else n.kwargs.get("ignore_index", -100)
+        losses.append((placeholders.index(target), ignore_index))
     return losses
 
 

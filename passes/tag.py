@@ -169,7 +169,7 @@ def _explicit_dropout_masks(gm: fx.GraphModule, analysis: BatchAnalysis) -> None
             noise = gm.graph.call_function(torch.ops.aten.rand_like.default, (x,))
             keep = gm.graph.call_function(torch.ops.aten.ge.Scalar, (noise, p))
             kept = gm.graph.call_function(torch.ops.aten.mul.Tensor, (x, keep))
-            out = gm.graph.call_function(torch.ops.aten.mul.Tensor, (kept, 1.0 / (1.0 - p)) if p < 1 else (kept, 0.0))
+            out = gm.graph.call_function(torch.ops.aten.mul.Tensor, (kept, 1.0 / (1.0 - p) if p < 1 else 0.0))
         value = node.meta["val"]
         with value.fake_mode:
             mask = value.to(torch.bool)
