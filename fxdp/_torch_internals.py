@@ -118,8 +118,9 @@ def _name_function_call(cls: type, args: list, result: Any) -> None:
             positions = {}
             for k, a in enumerate(args):
                 arg = _node_of(a)
-                if arg is not None and any(arg is o for o in operands):
-                    positions[k] = next(i for i, o in enumerate(operands) if o is arg)
+                position = next((i for i, o in enumerate(operands) if arg is not None and o is arg), None)
+                if position is not None:
+                    positions[k] = position
             call.meta["fxdp_function"] = (cls, positions)
             return
 

@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from fxdp.batching import RAW, BatchDim, retrack, scale_batch
 from fxdp.registry import GRAD, ParamRule, lookup
+from fxdp.rules.generic import _one_sample
 
 __all__ = [
     "FUNCTION_APPLY", "FunctionCall", "FunctionInTransform", "TaggedFunction", "function_batch", "function_param_rule",
@@ -61,6 +62,19 @@ class FunctionCall:
     cls: type | None
     positions: dict[int, int]
     kinds: list[str]
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self._returned()[0])
+
+    @property
+    def saved_examples(self) -> list:
+        """The forward body's saved values as example values (to tell sizes from tensors)."""
+        return [_meta(s) for s in self._returned()[1]]
+
+    def _returned(self) -> tuple:
+        """The forward body's ``((*outputs), (*saved))`` as nodes."""
+        return next(n for n in self.fwd.graph.nodes if n.op == "output").args[0]
 
     @property
     def name(self) -> str:
@@ -187,7 +201,11 @@ def function_call(node: fx.Node) -> FunctionCall:
 
 
 def _meta(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
+    """A node's value under fake tensors: ``val`` after ``make_fx``, ``example_value``
+    in Dynamo's graphs (the bodies)."""
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta["val"] if "val" in node.meta else node.meta.get("example_value")
 
 
 def _body_analysis(body: fx.GraphModule, args: list, batches: list, batch_size: Any):
@@ -412,20 +430,16 @@ class _Bodies(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        call, operands = inputs[0], inputs[1:]
-        with torch.no_grad():
-            _, saved = _run(call.fwd, *operands)
-        num_outputs = len(output) - sum(isinstance(s, torch.Tensor) for s in saved)
-        ctx.call, ctx.num_outputs, ctx.saved_template = call, num_outputs, [
-            None if isinstance(s, torch.Tensor) else s for s in saved]
-        ctx.save_for_backward(*output[num_outputs:])
-        ctx.mark_non_differentiable(*output[num_outputs:])
+        ctx.call = call = inputs[0]
+        ctx.save_for_backward(*output[call.num_outputs:])
+        ctx.mark_non_differentiable(*output[call.num_outputs:])
 
     @staticmethod
     def backward(ctx, *grads):
+        # A size saved on ``ctx`` is a constant of the graph: a parameter's.
         tensors = iter(ctx.saved_tensors)
-        saved = [next(tensors) if s is None else s for s in ctx.saved_template]
-        return (None, *_run(ctx.call.bwd, *grads[:ctx.num_outputs], *saved))
+        saved = [next(tensors) if isinstance(s, torch.Tensor) else s for s in ctx.call.saved_examples]
+        return (None, *_run(ctx.call.bwd, *grads[:ctx.call.num_outputs], *saved))
 
 
 class FunctionInTransform:
@@ -436,15 +450,7 @@ class FunctionInTransform:
         self.__name__ = f"fxdp_function_{call.cls.__name__ if call.cls else 'apply'}"
 
     def __call__(self, *operands):
-        outputs = _Bodies.apply(self.call, *operands)
-        output = next(n for n in self.call.fwd.graph.nodes if n.op == "output")
-        return outputs[:len(output.args[0][0])]
-
-
-def _one_sample(t: torch.Tensor, layout: BatchDim) -> torch.Tensor:
-    from fxdp.rules.generic import _one_sample as one
-
-    return one(t, layout)
+        return _Bodies.apply(self.call, *operands)[:self.call.num_outputs]
 
 
 def backward_rule(node: fx.Node, index: int) -> tuple[ParamRule, list, list]:
@@ -457,7 +463,7 @@ def backward_rule(node: fx.Node, index: int) -> tuple[ParamRule, list, list]:
     """
     call = function_call(node)
     out_batch, saved_batch = node.meta["fxdp_function_batch"]
-    saved_values = _saved_values(call, node)
+    saved_values = call.saved_examples
     specs = [("grad", j) for j in range(len(out_batch))] + [("saved", j) for j in range(len(saved_batch))]
     layouts = [b if isinstance(b, BatchDim) else RAW for b in [*out_batch, *saved_batch]]
     sizes = {k for k, v in enumerate(saved_values) if _is_size(v)}
@@ -489,12 +495,6 @@ def backward_rule(node: fx.Node, index: int) -> tuple[ParamRule, list, list]:
         weighted_sum_grad=lambda weights, *tensors: scale_batch(per_sample_grad(*tensors), weights).sum(0),
     )
     return rule, specs, layouts
-
-
-def _saved_values(call: FunctionCall, node: fx.Node) -> list:
-    """The forward body's saved values as example values (to tell sizes from tensors)."""
-    output = next(n for n in call.fwd.graph.nodes if n.op == "output")
-    return [_meta(s) if isinstance(s, fx.Node) else s for s in output.args[0][1]]
 
 
 def registered_operands(rule: ParamRule, call: FunctionCall) -> list:

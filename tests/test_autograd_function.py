@@ -291,6 +291,31 @@ def test_new_batch_sizes_and_a_batch_of_one():
                reduction="mean")
 
 
+class ScaleBySequence(torch.autograd.Function):
+    """Saves a size on ``ctx`` (the sequence length, symbolic once lengths vary) and
+    reads it in its backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x, scale)
+        ctx.length = x.shape[1]
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, scale = ctx.saved_tensors
+        return grad * scale, (grad * x).reshape(-1, ctx.length, x.shape[-1]).sum((0, 1))
+
+
+def test_size_saved_on_ctx_over_new_sequence_lengths():
+    torch.manual_seed(0)
+    model = Model(lambda m, h: ScaleBySequence.apply(h, m.scale), {"scale": (D,)}).double()
+    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+    for length in (3, 4, 5):
+        _check(model, dp_model, _batch((4, length, D), torch.float64, seed=length), mode="grad_sample",
+               reduction="mean")
+
+
 def test_through_the_torch_compile_backend():
     torch.manual_seed(0)
     model = Model(_scale_with_mask, {"scale": (D,)}).double()
