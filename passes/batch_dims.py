@@ -118,6 +118,7 @@ class BatchAnalysis:
     single: bool = False
     empty: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
+    sized_by_batch: list[fx.Node] = dataclasses.field(default_factory=list)
 
 
 def op_name(target: Any) -> str:
@@ -940,6 +941,32 @@ _CREATION = {
 }
 
 
+# Tensors that hold no data of any sample, only their sizes: built with ``B`` among
+# them (timm's ``PositionalEncodingFourier`` starts from ``torch.zeros(B, H, W)``), row
+# ``b`` is what sample ``b`` would get alone (the same values, or its own random draw).
+_SIZED_BY_ARGUMENT = {
+    aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format,
+    aten.randn.default, aten.rand.default, aten.new_ones.default, aten.new_zeros.default,
+    aten.new_full.default, aten.new_empty.default,
+}
+
+
+def _sized_by_batch(node: fx.Node, batch_size: Any) -> "BatchDim | None":
+    """The batch dim of a ``_SIZED_BY_ARGUMENT`` tensor whose sizes include ``B`` once
+    (a tensor with ``B`` twice, ``[B, B]``, stays shared)."""
+    if node.target not in _SIZED_BY_ARGUMENT:
+        return None
+    dims = [d for d, size in enumerate(_meta(node).shape) if _same_size(size, batch_size)]
+    return BatchDim(dims[0]) if len(dims) == 1 else None
+
+
+def _same_size(size: Any, batch_size: Any) -> bool:
+    if isinstance(size, torch.SymInt) or isinstance(batch_size, torch.SymInt):
+        return (isinstance(size, torch.SymInt) and isinstance(batch_size, torch.SymInt)
+                and size.node.expr == batch_size.node.expr)
+    return size == batch_size
+
+
 def _is_size(node: fx.Node) -> bool:
     """A size, stride or number of elements (``sym_size`` of a tensor computed from
     parameters): it carries no gradient back to them."""
@@ -986,6 +1013,13 @@ def batch_dim_pass(
 ) -> BatchAnalysis:
     """Propagate batch dims through ``gm`` and collect everything that mixes samples.
 
+    A tensor built from sizes alone, with ``B`` among them (``torch.zeros(B, H, W)``),
+    is first taken as shared by all samples; only if that leaves problems is the
+    analysis run again with it batched along its dim of size ``B`` (each row is what
+    its sample would get alone), and that reading is kept if it has none. A model that
+    works either way is read as before; and with a static ``B`` (the first compile) a
+    feature size equal to ``B`` is no batch dim unless the model needs it to be.
+
     Args:
         gm: The canonical ATen graph.
         placeholder_batch: Batch dim of each placeholder (``None`` for shared inputs,
@@ -997,6 +1031,20 @@ def batch_dim_pass(
     Returns:
         The analysis; the graph is not changed (nodes get ``meta["fxdp_batch"]``).
     """
+    analysis = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=False)
+    if analysis.problems and analysis.sized_by_batch:
+        retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=True)
+        if not retried.problems:
+            analysis = retried
+    for node in gm.graph.nodes:
+        node.meta["fxdp_batch"] = analysis.batch.get(node)
+    return analysis
+
+
+def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any, *,
+               sized_batched: bool) -> BatchAnalysis:
+    """``batch_dim_pass`` with the tensors built from ``B`` shared or batched."""
+    sized_by_batch: list[fx.Node] = []
     batch: dict[fx.Node, Any] = {}
     problems: list[Problem] = []
     # Trainable parameters each parameter-only value is computed from (no batched input).
@@ -1051,6 +1099,12 @@ def batch_dim_pass(
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
             continue
 
+        sized = None if single else _sized_by_batch(node, batch_size)
+        if sized is not None:
+            sized_by_batch.append(node)
+            if sized_batched:
+                batch[node] = sized
+                continue
         if not batched or target in _CREATION:
             out = _meta(node)
             batch[node] = [None] * len(out) if isinstance(out, (list, tuple)) else None
@@ -1107,8 +1161,6 @@ def batch_dim_pass(
     uses, broadcasts = ([], {}) if single else _classify_parameter_uses(
         consumed, sources, batch, param_names, problems)
 
-    for node in gm.graph.nodes:
-        node.meta["fxdp_batch"] = batch.get(node)
     loss = None
     if loss_kinds:
         if len(loss_kinds) > 1:
@@ -1116,7 +1168,7 @@ def batch_dim_pass(
         loss = sorted(loss_kinds)[0]
     return BatchAnalysis(batch=batch, problems=problems, uses=uses, loss=loss,
                          broadcasts=broadcasts, param_only=sources, single=single,
-                         empty=single and batch_size == 0)
+                         empty=single and batch_size == 0, sized_by_batch=sized_by_batch)
 
 
 def _names(nodes, param_names) -> str:

@@ -747,6 +747,45 @@ def test_opacus_style_layers_as_written(kind: str):
     assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
 
 
+class SizesOnlyGrid(nn.Module):
+    """timm's EdgeNeXt ``PositionalEncodingFourier``: a grid built from the input's sizes
+    alone, ``torch.ones(B, 2, H, W).cumsum(2)``, through a 1x1 convolution (the
+    parameter), added to the data. Row ``b`` of the grid is what sample ``b`` gets alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.proj = nn.Conv2d(2, 4, 1)
+
+    def forward(self, x):
+        n, _, h, w = x.shape
+        grid = torch.ones(n, 2, h, w, dtype=x.dtype).cumsum(2)
+        return self.conv(x) + self.proj(x.new_zeros(n, 2, h, w) + grid)
+
+
+class FeatureSizeIsB(nn.Module):
+    """``torch.ones(D)`` with ``D == B`` (a literal size on the first, static compile):
+    a shared scale, not a batch dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(B, B)
+
+    def forward(self, x):
+        return self.lin(x) * torch.ones(B, dtype=x.dtype).cumsum(0)
+
+
+def test_a_tensor_built_from_the_batch_size_is_per_sample():
+    torch.manual_seed(0)
+    model = SizesOnlyGrid().double()
+    dp = _against_the_loop(model, torch.randn(B, 3, 6, 5, dtype=torch.float64))
+    # a new batch size: Dynamo's dynamic recompile, where B is a symbol
+    _against_the_loop(model, torch.randn(B + 2, 3, 6, 5, dtype=torch.float64), dp=dp)
+    _against_the_loop(model, torch.randn(B + 3, 3, 6, 5, dtype=torch.float64), dp=dp)
+    dp = _against_the_loop(FeatureSizeIsB().double(), torch.randn(B, T, B, dtype=torch.float64))
+    _against_the_loop(dp.module, torch.randn(B + 1, T, B, dtype=torch.float64), dp=dp)
+
+
 class ExpandedThenBroadcast(nn.Module):
     """A shared table expanded to the batch, then divided by a shared operand that
     broadcasts one of the table's size-1 dims (timm XCiT's Fourier positions, Funnel's
