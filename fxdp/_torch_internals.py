@@ -5,6 +5,7 @@ A torch upgrade touches this module only. Verified on torch 2.13.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "size_hint",
     "new_fake_mode",
     "capture_config",
+    "name_function_calls",
 ]
 
 
@@ -55,13 +57,14 @@ def capture_config():
       ``logger.warning_once`` about a config) is logged once, when the graph is
       captured, instead of breaking it; Dynamo cannot replay logger calls.
     - A ``torch.autograd.Function`` call's higher-order op records its class and where
-      each ``apply`` argument went (``meta["fxdp_function"]``), to find its rule.
+      each ``apply`` argument went (``meta["fxdp_function"]``), to find its rule (see
+      ``name_function_calls``).
     """
     import warnings
     from unittest import mock
 
     from torch._dynamo.variables import ConstantVariable
-    from torch._dynamo.variables.misc import AutogradFunctionVariable, DebuggingVariable, LoggingLoggerVariable
+    from torch._dynamo.variables.misc import DebuggingVariable, LoggingLoggerVariable
 
     config = torch._dynamo.config
     logging_functions = set(config.reorderable_logging_functions) | {warnings.warn}
@@ -84,18 +87,66 @@ def capture_config():
             return ConstantVariable.create(None)
         return logger_call(self, tx, name, args, kwargs)
 
+    _install_naming()
+    capturing = _NAMING.capturing
+    _NAMING.capturing = True
+    try:
+        with config.patch(allow_rnn=True, reorderable_logging_functions=logging_functions), \
+                mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame), \
+                mock.patch.object(LoggingLoggerVariable, "call_method", log_at_capture):
+            yield
+    finally:
+        _NAMING.capturing = capturing
+
+
+class _Naming(threading.local):
+    capturing = False
+
+
+_NAMING = _Naming()
+_NAMED_FOR: list[Callable[[Any], bool]] = []
+
+
+def name_function_calls(is_fxdp_backend: Callable[[Any], bool]) -> None:
+    """Have Dynamo record each ``torch.autograd.Function`` call's class on its
+    higher-order op (``meta["fxdp_function"]``, see ``_name_function_call``) when it
+    captures for fxdp: inside ``capture_config``, or for a backend that
+    ``is_fxdp_backend`` recognises. ``torch.compile(model, backend="fxdp")`` captures
+    without fxdp on the stack, so fxdp's backend module calls this when it is imported,
+    which Dynamo does when it looks the backend up. Other backends' graphs get nothing.
+    """
+    _NAMED_FOR.append(is_fxdp_backend)
+    _install_naming()
+
+
+def _install_naming() -> None:
+    from torch._dynamo.variables.misc import AutogradFunctionVariable
+
     apply = AutogradFunctionVariable.call_apply
+    if getattr(apply, "_fxdp_naming", False):
+        return
 
     def apply_and_name(self, tx, args, kwargs):
         result = apply(self, tx, args, kwargs)
-        _name_function_call(self.fn_cls, args, result)
+        if _NAMING.capturing or _compiles_for(tx, _NAMED_FOR):
+            _name_function_call(self.fn_cls, args, result)
         return result
 
-    with config.patch(allow_rnn=True, reorderable_logging_functions=logging_functions), \
-            mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame), \
-            mock.patch.object(LoggingLoggerVariable, "call_method", log_at_capture), \
-            mock.patch.object(AutogradFunctionVariable, "call_apply", apply_and_name):
-        yield
+    apply_and_name._fxdp_naming = True  # type: ignore[attr-defined]
+    AutogradFunctionVariable.call_apply = apply_and_name
+
+
+def _compiles_for(tx: Any, recognisers: list[Callable[[Any], bool]]) -> bool:
+    """Whether the backend Dynamo captures for (``tx.output.compiler_fn``, through its
+    debug wrappers) is one that a recogniser accepts."""
+    backend = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    for _ in range(8):
+        if backend is None:
+            return False
+        if any(recognise(backend) for recognise in recognisers):
+            return True
+        backend = getattr(backend, "compiler_fn", None) or getattr(backend, "__wrapped__", None)
+    return False
 
 
 def _node_of(variable: Any) -> fx.Node | None:

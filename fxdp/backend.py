@@ -6,6 +6,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from fxdp import _torch_internals as internals
 from fxdp.compiler import CompiledGraph, compile_graph
 from fxdp.options import Options
 
@@ -84,3 +85,7 @@ def entry_point_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], optio
                         **_: Any) -> Callable:
     """``backend="fxdp"``: ``fxdp.backend(grad_sample=True, **options)``."""
     return Backend(Options.from_kwargs({"grad_sample": True, **(options or {})}))(gm, example_inputs)
+
+
+# Dynamo records a torch.autograd.Function's class for these backends (to find its rule).
+internals.name_function_calls(lambda fn: isinstance(fn, Backend) or fn is entry_point_backend)

@@ -391,6 +391,35 @@ def test_registered_rule_for_a_function(linear_fn_rule, mode: str):
     assert fxdp.is_supported(LinearFn)
 
 
+@pytest.mark.parametrize("backend", ["fxdp", "object"])
+def test_registered_rule_through_the_torch_compile_backend(linear_fn_rule, backend: str):
+    """Dynamo captures without fxdp on the stack; the Function's class is still recorded."""
+    torch.manual_seed(0)
+    model = Model(_swish_linear, {"weight": (D, D), "bias": (D,)}).double()
+    torch._dynamo.reset()
+    if backend == "fxdp":
+        compiled = torch.compile(model, backend="fxdp", options={"compiler": "eager"})
+    else:
+        compiled = torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager"))
+    _check(model, compiled, _batch((4, 3, D), torch.float64), mode="grad_sample", reduction="mean")
+    assert CALLED == ["per_sample_grad"]
+
+
+def test_other_backends_graphs_are_not_annotated():
+    seen = []
+
+    def inspecting(gm, example_inputs):
+        seen.extend(n.meta.get("fxdp_function") for n in gm.graph.nodes
+                    if n.target is torch.ops.higher_order.autograd_function_apply)
+        return gm.forward
+
+    import fxdp.backend  # noqa: F401  (installs the recording)
+    torch._dynamo.reset()
+    model = Model(_swish_linear, {"weight": (D, D), "bias": (D,)}).double()
+    torch.compile(model, backend=inspecting)(_batch((4, 3, D), torch.float64))
+    assert seen and all(v is None for v in seen)
+
+
 def test_registered_rule_names_apply_arguments():
     """The rule's indices are ``apply``'s arguments, whatever order the forward reads them in."""
     class ScaleFirst(torch.autograd.Function):
