@@ -413,8 +413,7 @@ def test_other_backends_graphs_are_not_annotated():
                     if n.target is torch.ops.higher_order.autograd_function_apply)
         return gm.forward
 
-    import fxdp.backend  # noqa: F401  (installs the recording)
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # fxdp's backend module, imported with fxdp, hooks Dynamo's capture
     model = Model(_swish_linear, {"weight": (D, D), "bias": (D,)}).double()
     torch.compile(model, backend=inspecting)(_batch((4, 3, D), torch.float64))
     assert seen and all(v is None for v in seen)
