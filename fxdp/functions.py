@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -82,7 +83,9 @@ class FunctionCall:
 
 
 _keys = itertools.count()
-_CALLS: dict[int, FunctionCall] = {}
+# The opaque op's key -> its call, while some graph holds the call: the Dynamo graph
+# (``gm.meta["fxdp_function_calls"]``) and, after canonicalisation, the node's meta.
+_CALLS: "weakref.WeakValueDictionary[int, FunctionCall]" = weakref.WeakValueDictionary()
 
 
 def _run_forward(key: int, tensors: list, sizes: list) -> list[torch.Tensor]:
@@ -151,6 +154,7 @@ def functions_as_ops(gm: fx.GraphModule) -> fx.GraphModule:
                             kinds=[_operand_kind(a) for a in operands])
         key = next(_keys)
         _CALLS[key] = call
+        gm.meta.setdefault("fxdp_function_calls", []).append(call)
         tensors = [a for a, k in zip(operands, call.kinds) if k == "t"]
         sizes = [a for a, k in zip(operands, call.kinds) if k == "s"]
         with gm.graph.inserting_before(node):
@@ -177,7 +181,7 @@ def _finished(gm: fx.GraphModule, changed: bool) -> fx.GraphModule:
 
 def ops_as_functions(gm: fx.GraphModule) -> fx.GraphModule:
     """Undo ``functions_as_ops`` on a canonical graph: the higher-order op again, with
-    its bodies as submodules; ``meta["fxdp_function"]`` holds its ``FunctionCall`` key."""
+    its bodies as submodules; ``meta["fxdp_function"]`` holds its ``FunctionCall``."""
     changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _OPAQUE:
@@ -191,13 +195,13 @@ def ops_as_functions(gm: fx.GraphModule) -> fx.GraphModule:
         with gm.graph.inserting_before(node):
             bodies = [gm.graph.get_attr(n) for n in names]
             new = gm.graph.call_function(FUNCTION_APPLY, (*bodies, *_merge(call, tensors, sizes)), dict(call.kwargs))
-        _replace(gm, node, new).meta["fxdp_function"] = key
+        _replace(gm, node, new).meta["fxdp_function"] = call
         changed = True
     return _finished(gm, changed)
 
 
 def function_call(node: fx.Node) -> FunctionCall:
-    return _CALLS[node.meta["fxdp_function"]]
+    return node.meta["fxdp_function"]
 
 
 def _meta(node: Any) -> Any:

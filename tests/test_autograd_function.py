@@ -325,6 +325,27 @@ def test_through_the_torch_compile_backend():
                reduction="mean")
 
 
+def test_captures_do_not_accumulate():
+    """What fxdp keeps of a Function call lives as long as the graphs that use it."""
+    import gc
+
+    from fxdp.functions import _CALLS
+
+    def run_once():
+        model = Model(_swish_linear, {"weight": (D, D), "bias": (D,)}).double()
+        dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+        _loss(dp_model(_batch((4, 3, D), torch.float64))).sum().backward()
+
+    torch._dynamo.reset()
+    gc.collect()
+    before = len(_CALLS)
+    for _ in range(3):
+        run_once()
+        torch._dynamo.reset()
+    gc.collect()
+    assert len(_CALLS) == before
+
+
 def test_inductor():
     torch.manual_seed(0)
     model = Model(_swish_linear, {"weight": (D, D), "bias": (D,)})
