@@ -306,10 +306,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
         if options.strict:
             raise UnsupportedError("fxdp cannot make this model per-sample:", analysis.problems,
                                    analysis.notes)
-        excluded = {p.parameter for p in analysis.problems if p.parameter}
+        excluded = {name for p in analysis.problems for name in p.parameters}
         warnings.warn(
             "fxdp: these parameters get no gradient (strict=False):\n"
-            + "\n".join(f"  - {p}" for p in analysis.problems),
+            + "\n".join(f"  - {p}" for p in analysis.problems)
+            + "".join(f"\nNote: {note}" for note in analysis.notes),
             stacklevel=2,
         )
         if any(not p.parameter for p in analysis.problems):

@@ -13,7 +13,9 @@ class Problem:
     Attributes:
         op: The canonical ATen op (or other target) at fault, as text.
         module_path: Dotted path of the module that called it ("" at top level).
-        parameter: Name of the trainable parameter it concerns, or "" if none.
+        parameter: Name of the trainable parameter it concerns, or "" if none; the
+            names joined by ", " when it concerns a value computed from several
+            (``linear(h, W_hh, b_hh)`` used where it cannot be made per-sample).
         reason: What goes wrong and what to do about it.
     """
 
@@ -21,6 +23,11 @@ class Problem:
     module_path: str
     parameter: str
     reason: str
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """Every parameter name in ``parameter``."""
+        return tuple(name for name in self.parameter.split(", ") if name)
 
     def __str__(self) -> str:
         where = self.module_path or "<top level>"

@@ -233,6 +233,35 @@ def _first_sq(out, i):
     return (out[0] if isinstance(out, tuple) else out).pow(2).sum()
 
 
+@pytest.mark.parametrize("mode", ["grad_sample", "clip"])
+def test_strict_false_excludes_every_parameter_a_problem_names(mode):
+    """A problem about a value computed from several parameters (``W_hh h + b_hh`` on a
+    state read as shared) names them all; each is excluded (was: none of them, and they
+    got the ordinary, unclipped gradient). The warning carries the error's notes."""
+    torch.manual_seed(0)
+    model = nn.GRU(3, 4, num_layers=2, batch_first=True).to(DTYPE)
+    x, h = randn(5, 6, 3), randn(2, 5, 4, seed=2)
+    options = dict(grad_sample=True) if mode == "grad_sample" else dict(max_grad_norm=1e-2)
+    dp = fxdp.transform(model, strict=False, loss_reduction="sum", compiler="eager", **options)
+    with pytest.warns(UserWarning, match=r"(?s)get no gradient.*'bias_hh_l0, weight_hh_l0'.*"
+                                         r"Note: hx .*pass in_dims=\{'hx': 1\}"):
+        dp(x, h)[0].pow(2).sum().backward()
+    excluded = {"weight_hh_l0", "bias_hh_l0", "weight_hh_l1", "bias_hh_l1"}
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (name in excluded), name
+    # the others: the microbatch loop over the parameters that remain
+    kept = {n for n, _ in model.named_parameters()} - excluded
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in kept)
+    ref = reference(model, [x, h], _first_sq, in_dims=(0, 1))  # the samples' own states
+    if mode == "grad_sample":
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters() if n in kept}, ref.per_sample,
+                         TOL, "p.grad_sample")
+    else:
+        assert_close_all({n: p.grad for n, p in model.named_parameters() if n in kept}, ref.grad("sum", 1e-2),
+                         TOL, "p.grad")
+
+
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])
 @pytest.mark.parametrize("in_dims", [(0, 1), {"hx": 1}, {1: 1}], ids=["tuple", "name", "position"])
 def test_in_dims_reaches_tensors_inside_a_tuple_argument(cell, in_dims):
