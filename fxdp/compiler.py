@@ -20,7 +20,7 @@ from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
 from fxdp.passes.batch_dims import batch_dim_pass
 from fxdp.passes.canonicalize import canonicalize_pass
-from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass
+from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass, unmarked_gradients
 from fxdp.passes.tag import tag_pass
 
 __all__ = ["compile_graph", "CompiledGraph", "RUN_STATE", "latest_record", "analyse_graph", "forward_arg_names"]
@@ -321,6 +321,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             )
     loss_normaliser_pass(canon, analysis)
     tagged, counts = tag_pass(canon, analysis, param_names, excluded)
+    # Each trainable parameter's gradient output is at its forward input's index.
+    guarded = {i: param_names[n] for i, n in enumerate(n for n in tagged.graph.nodes if n.op == "placeholder")
+               if n in param_names and param_names[n] not in excluded}
     record.rule_counts = counts
     record._stage("tagged", tagged)
 
@@ -332,6 +335,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             raise UnsupportedError("fxdp does not support compiled autograd; disable it "
                                    "(torch._dynamo.config.compiled_autograd = False)")
         record._stage("backward", bw_gm)
+        leaking = unmarked_gradients(bw_gm, guarded)
+        if leaking:
+            raise UnsupportedError(
+                "fxdp internal error: part of the gradient of " + ", ".join(leaking) + " would not be "
+                "made per-sample (it reaches the parameter through no rule), so it would leave "
+                "unclipped; please report the model. fxdp.validate lists what it found.")
         decomps = internals.inductor_decompositions() if options.compiler == "inductor" else None
         with no_autocast(devices):
             new_gm, plan = backward_rewrite_pass(bw_gm, options, decompositions=decomps)

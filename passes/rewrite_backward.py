@@ -37,7 +37,7 @@ from fxdp.markers import USES, UseInfo
 from fxdp.options import Options
 from fxdp.registry import GRAD, ghost_inner
 
-__all__ = ["BackwardPlan", "backward_rewrite_pass", "MARKER", "STABILITY_EPS"]
+__all__ = ["BackwardPlan", "backward_rewrite_pass", "unmarked_gradients", "MARKER", "STABILITY_EPS"]
 
 MARKER = torch.ops.fxdp.param_grad.default
 # The clip factor is min(1, C / (‖g‖ + eps)), as in Opacus.
@@ -223,6 +223,39 @@ def _per_sample_shaped(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """A rule's per-sample gradient as ``[B, *shape]``; a parameter without elements
     leaves no size for ``-1`` to infer."""
     return grad.reshape(-1, *shape) if shape.numel() else grad.reshape(grad.shape[0], *shape)
+
+
+def unmarked_gradients(bw_gm: fx.GraphModule, params: dict[int, str]) -> list[str]:
+    """The parameters whose gradient has a part that no marker made per-sample.
+
+    Every part of a trainable parameter's gradient must reach it through a marker (its
+    rule's summed gradient, replaced by the clipped one). A path from an output gradient
+    (``tangents_*``) to the parameter's gradient output that passes no marker would be
+    the ordinary, unclipped gradient: a hole in the analysis or the tagging, caught
+    here so that it raises instead of leaking.
+
+    Args:
+        bw_gm: The partitioned backward graph, before the rewrite.
+        params: Output index of each trainable parameter's gradient (the index of its
+            forward input) and its name.
+    """
+    grads = next(n for n in bw_gm.graph.nodes if n.op == "output").args[0]
+    leaking = []
+    for index, name in params.items():
+        grad = grads[index] if index < len(grads) else None
+        if not isinstance(grad, fx.Node):
+            continue
+        stack, seen = [grad], set()
+        while stack:
+            node = stack.pop()
+            if node in seen or (node.op == "call_function" and node.target is MARKER):
+                continue
+            seen.add(node)
+            if node.op == "placeholder" and node.name.startswith("tangents"):
+                leaking.append(name)
+                break
+            stack.extend(node.all_input_nodes)
+    return leaking
 
 
 def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,

@@ -1219,6 +1219,42 @@ def test_strict_false_warns_and_excludes_the_parameter():
     assert [p.parameter for p in dp.explain().graphs[0].problems] == ["log_temperature"]
 
 
+@pytest.mark.parametrize("hole", ["untagged", "one_use_untagged"])
+def test_a_gradient_no_rule_made_per_sample_raises(monkeypatch, hole):
+    """The last line of defence: should the analysis or the tagging miss a use of a
+    parameter, its gradient would be the ordinary one; the backward compiler finds any
+    part of a parameter's gradient that reaches it through no marker, and raises."""
+    import fxdp.compiler as compiler
+
+    tag_pass = compiler.tag_pass
+
+    def with_a_hole(canon, analysis, param_names, excluded):
+        if hole == "untagged":
+            return canon, {}
+        # the second layer's weight loses one of its two uses
+        weight_uses = [u for u in analysis.uses if {param_names[p] for p in u.sources} == {"1.weight"}]
+        analysis.uses = [u for u in analysis.uses if u is not weight_uses[-1]]
+        return tag_pass(canon, analysis, param_names, excluded)
+
+    class TiedTwice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.add_module("0", nn.Linear(4, 4))
+            self.add_module("1", nn.Linear(4, 4))
+
+        def forward(self, x):
+            h = getattr(self, "0")(x).relu()
+            return getattr(self, "1")(h) + F.linear(h, getattr(self, "1").weight)
+
+    monkeypatch.setattr(compiler, "tag_pass", with_a_hole)
+    model = TiedTwice().to(DTYPE)
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    leaking = r"0\.weight, 0\.bias, 1\.weight, 1\.bias" if hole == "untagged" else r"1\.weight would"
+    with pytest.raises(fxdp.UnsupportedError, match=r"internal error: part of the gradient of " + leaking):
+        mean_sq_loss(dp(randn(5, 4))).backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_create_graph_raises():
     model = mlp()
     dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
