@@ -179,7 +179,9 @@ def lookup(op: Any) -> OpRule | None:
 def is_supported(op_or_module: Any) -> bool:
     """Whether fxdp has a per-sample rule for an op, a module, a module class or a
     ``torch.autograd.Function`` class (without one, a Function's parameters take its
-    backward per sample).
+    backward per sample). A function of ``torch`` (``F.linear``, ``F.conv2d``,
+    ``torch.bmm``) answers for the ATen op of its name, an overload packet for any
+    of its overloads.
 
     A module is supported when every op its parameters feed into has a rule; for a
     module (class) this answers from the canonical ops its kind is known to lower
@@ -199,7 +201,12 @@ def is_supported(op_or_module: Any) -> bool:
                 return all(op in RULES for op in MODULE_OPS[cls])
         return False
     if isinstance(op_or_module, torch._ops.OpOverloadPacket):
-        op_or_module = op_or_module.default
+        return any(getattr(op_or_module, name) in RULES for name in op_or_module.overloads())
+    if not isinstance(op_or_module, torch._ops.OpOverload) and callable(op_or_module) \
+            and getattr(op_or_module, "__module__", "").startswith("torch"):
+        # ``F.linear``, ``F.conv2d``, ``torch.bmm``: the ATen op of the same name
+        packet = getattr(torch.ops.aten, getattr(op_or_module, "__name__", ""), None)
+        return isinstance(packet, torch._ops.OpOverloadPacket) and is_supported(packet)
     return op_or_module in RULES
 
 

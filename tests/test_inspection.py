@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxdp
@@ -114,6 +115,9 @@ def test_is_supported():
     assert fxdp.is_supported(nn.ReLU) and fxdp.is_supported(nn.Sequential)  # no parameters
     assert fxdp.is_supported(nn.LSTMCell) and fxdp.is_supported(nn.Bilinear)  # canonicalised
     assert not fxdp.is_supported(torch.ops.aten.cumsum.default)
+    assert fxdp.is_supported(F.linear) and fxdp.is_supported(F.conv_transpose2d) and fxdp.is_supported(torch.bmm)
+    assert fxdp.is_supported(torch.ops.aten.conv_transpose2d)  # its only overload is .input
+    assert not fxdp.is_supported(F.batch_norm) and not fxdp.is_supported(F.prelu) and not fxdp.is_supported(len)
     assert not fxdp.is_supported(object)
     assert not fxdp.is_supported("linear")
 
