@@ -107,6 +107,8 @@ class BatchAnalysis:
         empty: ``B == 0``.
         notes: Hints for an error message about how the inputs were read (set by the
             compiler, which reads them).
+        sized_by_batch: Tensors built from sizes with ``B`` among them (see
+            ``batch_dim_pass``).
     """
 
     batch: dict[fx.Node, Any]
