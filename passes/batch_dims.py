@@ -446,6 +446,21 @@ def _expand(node, arg_batch):
     return b.at(b.dim + added)
 
 
+@_register(aten.repeat.default)
+def _repeat(node, arg_batch):
+    """``x.repeat(*counts)`` tiles each dim ``count`` times (more counts than dims add
+    leading dims). Tiling the batch dim repeats the whole batch: the samples are then
+    ``count`` times as many ``outer`` blocks of it, as after ``cat([x, x])``."""
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    counts = list(node.args[1])
+    d = b.dim + len(counts) - _meta(node.args[0]).dim()
+    if bool(counts[d] == 1):
+        return b.at(d)
+    return BatchDim(d, b.inner, b.outer * counts[d])
+
+
 @_register(aten.select.int)
 def _select(node, arg_batch):
     b = arg_batch[0]
@@ -650,21 +665,9 @@ def _elementwise_loss(node, arg_batch):
 
 
 # conv, embedding and the normalisations propagate through their rules (fxdp/rules/).
-@_register(aten.max_pool2d.default,
-           aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default, aten.max_pool1d.default,
-           aten.avg_pool1d.default, aten.adaptive_avg_pool1d.default, aten.max_pool3d.default,
-           aten.avg_pool3d.default, aten.adaptive_avg_pool3d.default, aten.pixel_shuffle.default,
-           aten.upsample_nearest2d.vec, aten.upsample_bilinear2d.vec, aten.pad.default,
-           aten.constant_pad_nd.default, aten.reflection_pad2d.default, aten.replication_pad2d.default,
-           aten.prelu.default, aten.reflection_pad1d.default, aten.reflection_pad3d.default,
-           aten.replication_pad1d.default, aten.replication_pad3d.default,
-           *[getattr(getattr(aten, name), overload) for name in (
-               "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
-               "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
-               "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
-             for overload in ("default", "vec")])
+@_register(aten.pixel_shuffle.default, aten.prelu.default)
 def _batch_first_only(node, arg_batch):
-    """Ops over ``[N, C, *spatial]``: samples must be dim 0."""
+    """Ops over ``[N, C, *spatial]`` that mix or weight the channels: samples must be dim 0."""
     result = None
     for b in arg_batch:
         if not isinstance(b, BatchDim):
@@ -676,6 +679,76 @@ def _batch_first_only(node, arg_batch):
         elif not result.same_as(b):
             raise MixesSamples("its operands have their batch at different dims")
     return result
+
+
+_SPATIAL_OPS = [
+    aten.max_pool2d.default, aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default, aten.max_pool1d.default,
+    aten.avg_pool1d.default, aten.adaptive_avg_pool1d.default, aten.max_pool3d.default, aten.avg_pool3d.default,
+    aten.adaptive_avg_pool3d.default, aten.reflection_pad1d.default, aten.reflection_pad2d.default,
+    aten.reflection_pad3d.default, aten.replication_pad1d.default, aten.replication_pad2d.default,
+    aten.replication_pad3d.default,
+    *[getattr(getattr(aten, name), overload) for name in (
+        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+        "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+        "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
+      for overload in ("default", "vec")],
+]
+
+
+def _spatial_dims(target: Any) -> int:
+    """How many trailing dims an ``…1d``/``…2d``/``…3d`` op works over."""
+    return int(re.search(r"([123])d", str(target)).group(1))
+
+
+@_register(*_SPATIAL_OPS)
+def _per_channel(node, arg_batch):
+    """Pools, resizes and edge pads over ``[N, C, *spatial]`` (or ``[C, *spatial]``):
+    each ``(n, c)`` slice on its own, so the samples may be along any dim before the
+    spatial ones (dim 1 in ``stft``'s ``[1, B, L]`` padding)."""
+    return _before_last(node, arg_batch, _spatial_dims(node.target))
+
+
+@_register(aten.pad.default, aten.constant_pad_nd.default)
+def _pad(node, arg_batch):
+    """``F.pad``: the last ``len(pad) // 2`` dims are padded, the others untouched."""
+    return _before_last(node, arg_batch, len(node.args[1]) // 2)
+
+
+def _before_last(node, arg_batch, k: int):
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    if b.dim >= _meta(node.args[0]).dim() - k:
+        raise MixesSamples(f"the batch is one of the {k} last dims it works over")
+    return b
+
+
+@_register(aten.affine_grid_generator.default)
+def _affine_grid(node, arg_batch):
+    """``F.affine_grid(theta [N, 2, 3], size)``: grid ``n`` is made from ``theta[n]``."""
+    b = arg_batch[0]
+    if isinstance(b, BatchDim) and b.dim not in (0, None):
+        raise MixesSamples("it needs the batch of theta at dim 0 ([N, 2, 3])")
+    return b
+
+
+@_register(aten.stft.default, aten.stft.center, aten.istft.default)
+def _short_time_fourier(node, arg_batch):
+    """``torch.stft(x [B, L])`` / ``torch.istft(X [B, F, frames])``: row ``b`` is
+    transformed alone; the window is shared."""
+    b = arg_batch[0]
+    if isinstance(b, BatchDim) and b.dim not in (0, None):
+        raise MixesSamples("it transforms along the batch: the samples must be dim 0 of a batched signal")
+    if any(isinstance(w, BatchDim) and w.dim is not None for w in arg_batch[1:]):
+        raise MixesSamples("a window per sample")
+    return b
+
+
+@_register(aten.grid_sampler.default, aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
+def _grid_sample(node, arg_batch):
+    """``F.grid_sample(input [N, C, …], grid [N, …, k])``: output ``n`` samples
+    ``input[n]`` at ``grid[n]``."""
+    return _batch_first_only(node, arg_batch[:2])
 
 
 @_register(aten.max_pool1d_with_indices.default, aten.max_pool2d_with_indices.default,

@@ -1019,6 +1019,48 @@ def test_patch_and_repeat_ops_keep_samples_apart(kind: str):
     _against_the_loop(PatchOps(kind).double(), torch.randn(B, 4, 6, 6, dtype=torch.float64))
 
 
+class SignalOps(nn.Module):
+    """A spatial transformer (``theta = loc(x)``, ``affine_grid``, ``grid_sample``), a
+    spectrogram (``torch.stft`` pads the signal as ``[1, B, L]``, the batch at dim 1) and
+    pools and pads run with the batch at the channel dim."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv2d(2, 3, 3)
+        if kind != "pools_over_channels":
+            self.loc = nn.Linear(2 * 6 * 6, 6)
+        if kind == "stft":
+            del self.conv
+            self.fc = nn.Linear(9, 3)
+
+    def forward(self, x):  # [B, 2, 6, 6]
+        if self.kind == "spatial_transformer":
+            theta = self.loc(x.flatten(1)).view(-1, 2, 3)
+            return self.conv(F.grid_sample(x, F.affine_grid(theta, list(x.shape), align_corners=False),
+                                           align_corners=False))
+        if self.kind == "stft":
+            tiled = self.loc(x.flatten(1)).repeat(2, 8)  # [2·B, 48]: the whole batch twice
+            signal = tiled.view(2, x.shape[0], 48).sum(0)
+            window = torch.hann_window(16, dtype=x.dtype)
+            spec = torch.stft(signal, 16, hop_length=4, window=window, return_complex=True).abs()
+            return self.fc(spec.transpose(1, 2))
+        channels_first = self.conv(x).flatten(2).transpose(0, 1)  # [3, B, 16]: samples as channels
+        pooled = F.avg_pool1d(F.pad(channels_first, (1, 1), mode="reflect"), 2)
+        return F.max_pool1d(F.pad(pooled, (1, 0), value=0.5), 3, 1).transpose(0, 1)
+
+
+@pytest.mark.parametrize("kind", ["spatial_transformer", "stft", "pools_over_channels"])
+def test_sampling_spectrogram_and_pools_keep_samples_apart(kind: str):
+    torch.manual_seed(0)
+    _against_the_loop(SignalOps(kind).double(), torch.randn(B, 2, 6, 6, dtype=torch.float64))
+
+
+def test_pad_over_the_batch_dim_is_refused():
+    model = around(lambda m, h: F.pad(h.t(), (1, 1), mode="replicate").t() * m.s, s=(D,))()
+    assert "mixes samples: the batch is one of the 1 last dims it works over" in _reasons(model, torch.randn(B, D))
+
+
 def test_repeat_interleave_along_the_batch_dim_by_a_tensor_of_counts_is_refused():
     def body(m, h):
         counts = torch.arange(h.shape[0]) % 2 + 1  # shared: 1, 2, 1, 2, ...
