@@ -757,7 +757,7 @@ def _grid_sample(node, arg_batch):
 def _pool_with_indices(node, arg_batch):
     """A max pool and its argmax positions (``return_indices=True``, the adaptive max
     pools): both batched as the input."""
-    b = _batch_first_only(node, arg_batch[:1])
+    b = _before_last(node, arg_batch[:1], _spatial_dims(node.target))
     return [b, b]
 
 
