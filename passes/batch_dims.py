@@ -598,6 +598,19 @@ def _values_indices(node, arg_batch):
 # fxdp/rules/matmul.py (a parameter may be either operand).
 
 
+@_register(aten.cdist.default, aten._cdist_forward.default)
+def _cdist(node, arg_batch):
+    """``torch.cdist(x1 [*, P, M], x2 [*, R, M])``: distances between rows, batched as
+    ``x1 @ x2.mT`` (prototype networks: ``cdist(encoder(x), prototypes)``)."""
+    from fxdp.rules.matmul import matmul_batch
+
+    a, b = arg_batch[0], arg_batch[1]
+    a_ndim, b_ndim = _meta(node.args[0]).dim(), _meta(node.args[1]).dim()
+    if isinstance(b, BatchDim) and b.dim is not None and b.dim >= b_ndim - 2:
+        b = b.at(2 * b_ndim - 3 - b.dim)  # the last two dims swapped
+    return matmul_batch(a, b, a_ndim, b_ndim)
+
+
 @_register(aten.scaled_dot_product_attention.default)
 def _sdpa(node, arg_batch):
     result = None

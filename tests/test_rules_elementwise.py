@@ -1057,6 +1057,30 @@ def test_sampling_spectrogram_and_pools_keep_samples_apart(kind: str):
     _against_the_loop(SignalOps(kind).double(), torch.randn(B, 2, 6, 6, dtype=torch.float64))
 
 
+class Prototypes(nn.Module):
+    """A prototype network, ``-cdist(encoder(x), prototypes)`` with trainable prototypes
+    (no rule: the per-sample VJP of ``cdist``), and distances within each sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(D, 3)
+        self.protos = nn.Parameter(torch.randn(5, 3))
+
+    def forward(self, x):  # [B, T, D]
+        h = self.enc(x)
+        return -torch.cdist(h.mean(1), self.protos) + torch.cdist(h, h).sum((1, 2))[:, None]
+
+
+def test_distances_to_prototypes_and_within_samples():
+    torch.manual_seed(0)
+    _against_the_loop(Prototypes().double(), torch.randn(B, T, D, dtype=torch.float64))
+
+
+def test_distances_across_the_batch_are_refused():
+    model = around(lambda m, h: torch.cdist(h.t(), h.t() * m.s[:, None])[:, :1].t(), s=(D,))()
+    assert "mixes samples: the batch dim is contracted" in _reasons(model, torch.randn(B, D))
+
+
 def test_pad_over_the_batch_dim_is_refused():
     model = around(lambda m, h: F.pad(h.t(), (1, 1), mode="replicate").t() * m.s, s=(D,))()
     assert "mixes samples: the batch is one of the 1 last dims it works over" in _reasons(model, torch.randn(B, D))
