@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from fxdp.batching import WHOLE, BatchDim
 from fxdp.errors import Problem
@@ -196,6 +197,7 @@ _EXTRA_POINTWISE = [
     aten.detach.default, aten.alias.default, aten._to_copy.default, aten.to.dtype, aten.to.device,
     aten.to.dtype_layout, aten.lift_fresh_copy.default,
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+    aten.rsub.Tensor, aten.rsub.Scalar, aten.zero.default, aten._conj.default, aten.conj_physical.default,
     aten.rand_like.default, aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p,
     aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.feature_dropout.default,
     aten.alpha_dropout.default, aten.gelu.default, aten.silu.default, aten.hardtanh.default,
@@ -299,9 +301,12 @@ for _op, _idx in [
     (aten.softmax.int, 1), (aten._softmax.default, 1), (aten.log_softmax.int, 1),
     (aten._log_softmax.default, 1), (aten.cumsum.default, 1), (aten.cumprod.default, 1),
     (aten.index_select.default, 1), (aten.gather.default, 1), (aten.flip.default, 1),
-    (aten.roll.default, 2), (aten.narrow.default, 1),
+    (aten.roll.default, 2), (aten.narrow.default, 1), (aten._safe_softmax.default, 1),
+    (aten.logcumsumexp.default, 1),
 ]:
     PROPAGATION[_op] = _dim_op(_arg_dim(_idx))
+# ``rot90`` turns the plane of dims (0, 1) unless told otherwise.
+PROPAGATION[aten.rot90.default] = _dim_op(lambda node, ndim: list(node.args[2]) if len(node.args) > 2 else [0, 1])
 
 
 # ``F.glu`` halves its dim (default the last) into a value and a gate.
@@ -446,6 +451,69 @@ def _expand(node, arg_batch):
     return b.at(b.dim + added)
 
 
+@_register(aten._fft_r2c.default, aten._fft_c2r.default, aten._fft_c2c.default)
+def _fourier(node, arg_batch):
+    """``torch.fft``'s kernels transform along their ``dim`` list (``rfft``, ``irfft``,
+    ``fftn``, ...): the batch must be another dim."""
+    return _dim_op(_arg_dim(1))(node, arg_batch)
+
+
+@_register(aten._linalg_check_errors.default)
+def _check_only(node, arg_batch):
+    """A check of a decomposition's ``info`` that returns nothing."""
+    return None
+
+
+@_register(aten.mv.default)
+def _matrix_vector(node, arg_batch):
+    from fxdp.rules.matmul import matmul_batch
+
+    return matmul_batch(arg_batch[0], arg_batch[1], 2, 1)
+
+
+@_register(aten.diag_embed.default)
+def _diag_embed(node, arg_batch):
+    """``torch.diag_embed(x)``: the last dim of ``x`` becomes a diagonal of two new
+    dims (by default the last two); the leading dims stay."""
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    ndim = _meta(node.args[0]).dim()
+    out_ndim = ndim + 1
+    dims = sorted(_norm_dim(d, out_ndim) for d in (_named_arg(node, "dim1", -2), _named_arg(node, "dim2", -1)))
+    if b.dim == ndim - 1:
+        raise MixesSamples("it spreads the batch dim over a diagonal")
+    d = b.dim
+    for new in dims:  # the new dims are inserted in order around the kept ones
+        if new <= d:
+            d += 1
+    return b.at(d)
+
+
+# Matrix functions of the last two dims (``torch.linalg`` decompositions, inverses,
+# determinants, exponentials): every output keeps the leading dims.
+_MATRIX_OPS = [
+    aten.linalg_inv_ex.default, aten._linalg_det.default, aten._linalg_slogdet.default, aten.linalg_qr.default,
+    aten._linalg_svd.default, aten._linalg_eigh.default, aten.linalg_cholesky_ex.default,
+    aten.linalg_lu_factor_ex.default, aten.linalg_lu.default, aten.linalg_matrix_exp.default,
+    aten.linalg_householder_product.default, aten.linalg_eig.default, aten.linalg_pinv.atol_rtol_tensor,
+]
+
+
+@_register(*_MATRIX_OPS)
+def _matrix_function(node, arg_batch):
+    tensors = [(a, b) for a, b in zip(node.args, arg_batch) if isinstance(a, fx.Node)]
+    result = None
+    for a, b in tensors:
+        if not isinstance(b, BatchDim):
+            continue
+        if b.dim is not None and b.dim >= _meta(a).dim() - (2 if a is node.args[0] else 1):
+            raise MixesSamples("the batch is a row or column of the matrices it works on")
+        result = _agreed(result, b)
+    out = _meta(node)
+    return [result] * len(out) if isinstance(out, (list, tuple)) else result
+
+
 @_register(aten.repeat.default)
 def _repeat(node, arg_batch):
     """``x.repeat(*counts)`` tiles each dim ``count`` times (more counts than dims add
@@ -570,23 +638,25 @@ for _op, _kind in [
     (aten.logsumexp.default, "logsumexp"), (aten.linalg_vector_norm.default, "norm"),
     (aten.prod.dim_int, "prod"), (aten.argmax.default, "arg"), (aten.argmin.default, "arg"),
     (aten.any.dim, "any"), (aten.all.dim, "all"), (aten.norm.ScalarOpt_dim, "norm"),
-    (aten.var_mean.correction, "var"),
+    (aten.var_mean.correction, "var"), (aten.std_mean.correction, "std"), (aten.prod.default, "prod"),
+    (aten.aminmax.default, "min"),
 ]:
     PROPAGATION[_op] = (lambda k: lambda node, ab: _reduction(node, ab, k))(_kind)
 
 
-@_register(aten.max.dim, aten.min.dim, aten.sort.default, aten.topk.default)
+@_register(aten.max.dim, aten.min.dim, aten.sort.default, aten.sort.stable, aten.topk.default,
+           aten.kthvalue.default, aten.mode.default, aten.median.dim, aten.nanmedian.dim,
+           aten.cummax.default, aten.cummin.default)
 def _values_indices(node, arg_batch):
+    """Values and their indices along one dim (``dim`` by the op's schema; ``sort``,
+    ``topk`` and the cumulative ones keep it, the others drop it unless ``keepdim``)."""
     b = arg_batch[0]
     if not isinstance(b, BatchDim) or b.dim is None:
         return [b, b]
     x = _meta(node.args[0])
-    if node.target is aten.topk.default:
-        d = node.args[2] if len(node.args) > 2 else -1
-        keep = True
-    else:
-        d = node.args[1] if len(node.args) > 1 else -1
-        keep = node.target is aten.sort.default or (len(node.args) > 2 and node.args[2])
+    d = _named_arg(node, "dim", -1)
+    keep = node.target in (aten.sort.default, aten.sort.stable, aten.topk.default, aten.cummax.default,
+                           aten.cummin.default) or bool(_named_arg(node, "keepdim", False))
     d = _norm_dim(d, x.dim())
     if d == b.dim:
         raise MixesSamples("it works along the batch dim")
@@ -678,7 +748,8 @@ def _elementwise_loss(node, arg_batch):
 
 
 # conv, embedding and the normalisations propagate through their rules (fxdp/rules/).
-@_register(aten.pixel_shuffle.default, aten.prelu.default)
+@_register(aten.pixel_shuffle.default, aten.pixel_unshuffle.default, aten.channel_shuffle.default,
+           aten.native_channel_shuffle.default, aten.prelu.default)
 def _batch_first_only(node, arg_batch):
     """Ops over ``[N, C, *spatial]`` that mix or weight the channels: samples must be dim 0."""
     result = None
@@ -837,6 +908,20 @@ def _sliding_windows(node, arg_batch):
     if _norm_dim(node.args[1], max(1, _meta(node.args[0]).dim())) == b.dim:
         raise MixesSamples("its windows slide along the batch dim")
     return b
+
+
+# The ``*_copy`` twins of view ops (what functionalisation writes) move the batch as
+# their views do.
+for _copy, _view in [
+    (aten.unsqueeze_copy.default, aten.unsqueeze.default), (aten.transpose_copy.int, aten.transpose.int),
+    (aten.squeeze_copy.dim, aten.squeeze.dim), (aten.squeeze_copy.dims, aten.squeeze.dims),
+    (aten.unbind_copy.int, aten.unbind.int), (aten.unfold_copy.default, aten.unfold.default),
+    (aten.narrow_copy.default, aten.narrow.default), (aten.permute_copy.default, aten.permute.default),
+    (aten.expand_copy.default, aten.expand.default), (aten.select_copy.int, aten.select.int),
+    (aten.slice_copy.Tensor, aten.slice.Tensor), (aten.view_copy.default, aten.view.default),
+]:
+    if _view in PROPAGATION:
+        PROPAGATION[_copy] = PROPAGATION[_view]
 
 
 _RUNNING_STATISTICS = {
@@ -1025,7 +1110,7 @@ _CREATION = {
     aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
     aten.scalar_tensor.default, aten.eye.default, aten.ones_like.default,
     # Sizes are shared: every sample has the same ``B`` and ``T``.
-    aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
+    aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default,
 }
 
 
@@ -1230,11 +1315,15 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                 )
             if isinstance(batch[node], Loss):
                 loss_kinds.add(batch[node].reduction)
-        except (MixesSamples, ValueError) as e:
+        except (MixesSamples, ValueError, GuardOnDataDependentSymNode) as e:
             consumed_params = sorted({param_names[p] for a in paramish for p in sources.get(a, ())})
             consumes = (f" (it consumes the trainable parameter(s) {', '.join(consumed_params)})"
                         if consumed_params else "")
-            reason = str(e) if isinstance(e, _NoPropagation) else f"mixes samples: {e}"
+            if isinstance(e, GuardOnDataDependentSymNode):
+                reason = ("its sizes depend on the data (a split by a tensor of indices, a nonzero), so "
+                          "fxdp cannot tell where the batch goes")
+            else:
+                reason = str(e) if isinstance(e, _NoPropagation) else f"mixes samples: {e}"
             name = (f"torch.autograd.Function {function_call(node).name}" if target is FUNCTION_APPLY
                     else op_name(target))
             problems.append(Problem(name, path, "", f"{reason}{consumes}"))

@@ -158,6 +158,33 @@ _COMPOSITE = [
 ]
 
 
+def _unknown_composites(gm: fx.GraphModule, decompositions: dict) -> set:
+    """ATen ops of ``gm`` that the analysis knows nothing about (no rule, no batch
+    propagation, not pointwise) but that PyTorch writes in other ATen ops
+    (``CompositeImplicitAutograd``: ``movedim``, ``tile``, ``kron``, ``fliplr``,
+    ``diff``, ``narrow(Tensor)``, ``torch.fft.irfft``, ``torch.linalg.inv``, ...): the
+    trace keeps them whole, and their decomposition may be known where they are not."""
+    from fxdp.passes.batch_dims import PROPAGATION, _is_pointwise
+    from fxdp.registry import lookup
+
+    found = set()
+    for node in gm.graph.nodes:
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or op in decompositions:
+            continue
+        if op.namespace != "aten" or op in _KEPT_WHOLE or op in PROPAGATION or lookup(op) is not None \
+                or _is_pointwise(op):
+            continue
+        if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+            found.add(op)
+    return found
+
+
+# Composite ops that later passes take whole (``einsum`` is decomposed after the
+# expands have moved onto its operands, ``_einsum_as_products``).
+_KEPT_WHOLE = {torch.ops.aten.einsum.default}
+
+
 def _bilinear_as_einsum(input1, input2, weight, bias=None):
     """``nn.Bilinear``: ``y_o = x1ᵀ W_o x2 + b_o`` as an ``einsum`` (ATen writes it as
     ``_trilinear``, which has no rule; the einsum becomes matrix products that do)."""
@@ -288,9 +315,21 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         torch.ops.aten.select_scatter.default: _select_scatter_as_slice,
         **_chunked_linear_cross_entropy_ops(),
     }
-    with torch.backends.mkldnn.flags(enabled=False):
-        out = make_fx_traced(fx.Interpreter(gm).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
-                             decompositions=decompositions)
+    def trace(table: dict) -> fx.GraphModule:
+        with torch.backends.mkldnn.flags(enabled=False):
+            return make_fx_traced(fx.Interpreter(gm).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
+                                  decompositions=table)
+
+    out = trace(decompositions)
+    for _ in range(4):
+        composites = _unknown_composites(out, decompositions)
+        if not composites:
+            break
+        wider = {**decompositions, **{op: op.decompose for op in composites}}
+        try:
+            out, decompositions = trace(wider), wider
+        except Exception:  # noqa: BLE001 - a decomposition that needs data (tensor_split by a tensor)
+            break  # keep the ops whole: the analysis names them
     ambient = ambient_autocast()
     out = explicit_autocast_pass(out, fake_args, fake_mode=fake_mode, ambient=ambient)
     out = _simplified(out)
@@ -1038,13 +1077,37 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
             changed |= _write_as_scatter(gm, node, twin, order)
             continue
         later = [u for u in written.users if u is not node and order[u] > order[node]]
-        node.target = twin
+        if node.target is torch.ops.aten.copy_.default:
+            node = _copy_as_broadcast(gm, node, written)
+        else:
+            node.target = twin
         for user in later:
             user.replace_input_with(written, node)
         changed = True
     if changed:
         gm.recompile()
     return gm
+
+
+def _copy_as_broadcast(gm: fx.GraphModule, node: fx.Node, written: fx.Node) -> fx.Node:
+    """``dst.copy_(src)`` into a tensor nothing else aliases is ``src`` broadcast to
+    ``dst``'s shape in its dtype (``h = torch.zeros_like(x); h.copy_(y)``, ATen's own
+    ``clone`` in some decompositions). Written as ``zeros_like(dst) + src``: the
+    functional ``aten.copy`` has no derivative, so AOTAutograd could not train it::
+
+        copy_ = torch.ops.aten.copy_.default(zeros_like, linear)       # before
+        zeros_like_1 = torch.ops.aten.zeros_like.default(zeros_like)   # after
+        add = torch.ops.aten.add.Tensor(zeros_like_1, linear)
+    """
+    src = node.args[1]
+    with gm.graph.inserting_before(node):
+        zeros = _call(gm, torch.ops.aten.zeros_like.default, (written,), node)
+        if isinstance(src, fx.Node) and src.meta["val"].dtype != written.meta["val"].dtype:
+            src = _call(gm, torch.ops.aten.to.dtype, (src, written.meta["val"].dtype), node)
+        new = _call(gm, torch.ops.aten.add.Tensor, (zeros, src), node)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return new
 
 
 _SCATTERS = {torch.ops.aten.slice.Tensor, torch.ops.aten.select.int}

@@ -1081,6 +1081,72 @@ def test_distances_across_the_batch_are_refused():
     assert "mixes samples: the batch dim is contracted" in _reasons(model, torch.randn(B, D))
 
 
+def _spd(h):
+    """A symmetric positive definite ``[B, D, D]`` per sample from ``h [B, T, D]``."""
+    return h.mT @ h + D * torch.eye(D, dtype=h.dtype)
+
+
+def _copied(m, h):
+    z = torch.zeros_like(h)
+    z.copy_(h * m.s)  # into a fresh tensor: ATen's functional copy has no derivative
+    return z
+
+
+# Ops found without a batch propagation by running op_db's samples through a parameter
+# (each op where PyTorch writes it in other ATen ops is decomposed by canonicalisation).
+BATCHED_OPS = {
+    "movedim": lambda m, h: h.movedim(1, 2).movedim(2, 1) * m.s,
+    "tile": lambda m, h: h.tile(1, 2, 1)[:, :T] * m.s,
+    "fliplr": lambda m, h: torch.fliplr(h) * m.s,
+    "diff": lambda m, h: torch.diff(h * m.s, dim=1, prepend=h[:, :1]),
+    "rot90": lambda m, h: torch.rot90(h[:, :D] * m.s, 1, (1, 2)),
+    "cummax_cummin": lambda m, h: torch.cummax(h * m.s, 1).values - torch.cummin(h, 1).values,
+    "logcumsumexp": lambda m, h: torch.logcumsumexp(h * m.s, 1),
+    "kthvalue_median": lambda m, h: h * (torch.kthvalue(h * m.s, 2, dim=1, keepdim=True).values
+                                         + torch.median(h, dim=1, keepdim=True).values),
+    "aminmax": lambda m, h: h * torch.aminmax(h * m.s, dim=1, keepdim=True).max,
+    "var_mean": lambda m, h: (h - torch.var_mean(h * m.s, dim=1, keepdim=True)[1]),
+    "rsub": lambda m, h: torch.rsub(h, m.s),
+    "diag_embed": lambda m, h: torch.diag_embed(h[:, 0] * m.s),
+    "mv": lambda m, h: torch.mv(h[:, 0], m.s)[:, None] * h[:, 0],
+    "fft": lambda m, h: torch.fft.irfft(torch.fft.rfft(h * m.s, dim=1), n=T, dim=1),
+    "linalg": lambda m, h: (torch.linalg.inv(_spd(h * m.s)) + torch.linalg.qr(h[:, :D]).Q
+                            + torch.linalg.eigvalsh(_spd(h))[:, None] + torch.linalg.svdvals(h)[:, None]
+                            + torch.linalg.slogdet(_spd(h)).logabsdet[:, None, None]),
+    "safe_softmax": lambda m, h: torch.ops.aten._safe_softmax(h * m.s, -1),
+    "copy_": _copied,
+}
+
+
+@pytest.mark.parametrize("op", BATCHED_OPS)
+def test_ops_decomposed_or_propagated(op: str):
+    torch.manual_seed(0)
+    _against_the_loop(around(BATCHED_OPS[op], s=(D,))().double(), torch.randn(B, T, D, dtype=torch.float64))
+
+
+class SplitByTensor(nn.Module):
+    """``torch.tensor_split`` at positions held in a tensor: sizes the trace cannot know."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+        self.inp = nn.Linear(D, D)
+        self.register_buffer("at", torch.tensor([1, 2]))
+
+    def forward(self, x):
+        return torch.tensor_split(self.inp(x), self.at, dim=self.dim)[1]
+
+
+def test_split_at_positions_held_in_a_tensor():
+    torch.manual_seed(0)
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    _against_the_loop(SplitByTensor(1).double(), x)
+    torch._dynamo.reset()
+    dp = fxdp.transform(SplitByTensor(0).double(), grad_sample=True, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="its sizes depend on the data"):
+        dp(x)
+
+
 def test_pad_over_the_batch_dim_is_refused():
     model = around(lambda m, h: F.pad(h.t(), (1, 1), mode="replicate").t() * m.s, s=(D,))()
     assert "mixes samples: the batch is one of the 1 last dims it works over" in _reasons(model, torch.randn(B, D))
