@@ -464,6 +464,12 @@ def _check_only(node, arg_batch):
     return None
 
 
+@_register(aten.log_sigmoid_forward.default)
+def _log_sigmoid(node, arg_batch):
+    """``F.logsigmoid``'s kernel: the values and a buffer of the same shape (or empty)."""
+    return [arg_batch[0], arg_batch[0]]
+
+
 @_register(aten.mv.default)
 def _matrix_vector(node, arg_batch):
     from fxdp.rules.matmul import matmul_batch

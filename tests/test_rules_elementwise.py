@@ -1114,6 +1114,7 @@ BATCHED_OPS = {
                             + torch.linalg.eigvalsh(_spd(h))[:, None] + torch.linalg.svdvals(h)[:, None]
                             + torch.linalg.slogdet(_spd(h)).logabsdet[:, None, None]),
     "safe_softmax": lambda m, h: torch.ops.aten._safe_softmax(h * m.s, -1),
+    "logsigmoid": lambda m, h: F.logsigmoid(h * m.s),
     "copy_": _copied,
 }
 
