@@ -1092,19 +1092,32 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
 def _copy_as_broadcast(gm: fx.GraphModule, node: fx.Node, written: fx.Node) -> fx.Node:
     """``dst.copy_(src)`` into a tensor nothing else aliases is ``src`` broadcast to
     ``dst``'s shape in its dtype (``h = torch.zeros_like(x); h.copy_(y)``, ATen's own
-    ``clone`` in some decompositions). Written as ``zeros_like(dst) + src``: the
-    functional ``aten.copy`` has no derivative, so AOTAutograd could not train it::
+    ``clone`` in some decompositions). The functional ``aten.copy`` has no derivative,
+    so AOTAutograd could not train it; written as ``dst.masked_fill(True, 0) + src``,
+    which gives ``dst`` the zero gradient ``copy_`` gives it (no value of ``dst`` is
+    read: garbage from ``empty`` stays out) and ``src`` the output gradient::
 
-        copy_ = torch.ops.aten.copy_.default(zeros_like, linear)       # before
-        zeros_like_1 = torch.ops.aten.zeros_like.default(zeros_like)   # after
-        add = torch.ops.aten.add.Tensor(zeros_like_1, linear)
+        copy_ = torch.ops.aten.copy_.default(clone, eye)               # before
+        ones_like = torch.ops.aten.ones_like.default(clone, dtype = torch.bool)   # after
+        masked_fill = torch.ops.aten.masked_fill.Scalar(clone, ones_like, 0)
+        add = torch.ops.aten.add.Tensor(masked_fill, eye)
     """
     src = node.args[1]
+    dst = written.meta["val"]
+
+    def call(target, args, kwargs=None):
+        new = gm.graph.call_function(target, args, kwargs or {})
+        new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        values = fx.node.map_arg((args, kwargs or {}), lambda a: a.meta["val"])
+        new.meta["val"] = target(*values[0], **values[1])
+        return new
+
     with gm.graph.inserting_before(node):
-        zeros = _call(gm, torch.ops.aten.zeros_like.default, (written,), node)
-        if isinstance(src, fx.Node) and src.meta["val"].dtype != written.meta["val"].dtype:
-            src = _call(gm, torch.ops.aten.to.dtype, (src, written.meta["val"].dtype), node)
-        new = _call(gm, torch.ops.aten.add.Tensor, (zeros, src), node)
+        everywhere = call(torch.ops.aten.ones_like.default, (written,), {"dtype": torch.bool})
+        kept = call(torch.ops.aten.masked_fill.Scalar, (written, everywhere, 0))
+        if isinstance(src, fx.Node) and src.meta["val"].dtype != dst.dtype:
+            src = call(torch.ops.aten.to.dtype, (src, dst.dtype))
+        new = call(torch.ops.aten.add.Tensor, (kept, src))
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     return new

@@ -268,3 +268,82 @@ def test_op_db(op, sample):
                      f"{op.name}: p.grad_sample")
     assert_close_all({n: p.grad for n, p in model.named_parameters()},
                      ref.grad("sum", dp.options.max_grad_norm), TOL, f"{op.name}: p.grad")
+
+
+# ---------------------------------------------------------------------------
+# op_db: every op's batch propagation, behind a parameter
+# ---------------------------------------------------------------------------
+
+class _Scaled(nn.Module):
+    """``op(x * p, *args)`` with ``p`` a trainable per-feature scale: the op's batch
+    propagation decides whether ``p`` gets per-sample gradients."""
+
+    def __init__(self, op, x: torch.Tensor, args: tuple, kwargs: dict):
+        super().__init__()
+        self.op, self.args, self.kwargs = op, args, kwargs
+        self.p = nn.Parameter(1 + 0.1 * torch.randn(x.shape[1:], dtype=x.dtype, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        return self.op(x * self.p, *self.args, **self.kwargs)
+
+
+def _per_sample_case(op):
+    """The first sample of ``op`` whose dim 0 is a batch: the loss of the whole batch is
+    the sum of the samples' own (``None`` when no sample is)."""
+    for sample in op.sample_inputs("cpu", DTYPE, requires_grad=False):
+        x = sample.input
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2 or x.shape[0] < 2:
+            continue
+        if any(isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == x.shape[0]
+               for a in tree_flatten((sample.args, sample.kwargs))[0]):
+            continue
+        model = _Scaled(op.op, x, sample.args, sample.kwargs)
+        try:
+            with torch.no_grad():
+                whole = _loss(model(x))
+                parts = sum(_loss(model(x[i:i + 1])) for i in range(x.shape[0]))
+        except Exception:  # noqa: BLE001 - the op rejects a batch of one
+            continue
+        if isinstance(whole, torch.Tensor) and torch.isfinite(whole) and torch.allclose(whole, parts, rtol=1e-9):
+            return model, x
+    return None
+
+
+def test_every_op_db_op_is_exact_or_refused():
+    """Every op of ``op_db`` with a sample whose dim 0 is a batch, run on a parameter's
+    output: fxdp's per-sample gradient of that parameter matches the microbatch loop,
+    or fxdp refuses the model (an op it cannot prove keeps samples apart, or one that
+    works along the batch dim). Never a crash, never a wrong gradient. At the time of
+    writing 247 ops were exact and 64 refused (37 work along the batch dim or flatten
+    it, 15 have no propagation, 11 are random or sparse ops Dynamo does not capture);
+    the count guards the coverage."""
+    exact, refused, wrong = [], [], []
+    for op in op_db:
+        try:
+            case = _per_sample_case(op)
+        except Exception:  # noqa: BLE001 - sample generation itself (missing optional deps)
+            continue
+        if case is None:
+            continue
+        model, x = case
+        try:
+            ref = reference(model, [x], lambda out, i: _loss(out))
+        except RuntimeError:  # not differentiable (floor_divide), or no path to p
+            continue
+        if not torch.isfinite(ref.per_sample["p"]).all():
+            continue
+        torch._dynamo.reset()
+        dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+        try:
+            _loss(dp(x)).backward()
+        except fxdp.UnsupportedError:
+            refused.append(op.name)
+            continue
+        except Exception as e:  # noqa: BLE001 - collected, reported below
+            wrong.append(f"{op.name}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        r = ref.per_sample["p"]
+        err = (model.p.grad_sample - r).abs().max() / r.abs().max().clamp_min(1e-300) if r.numel() else 0.0
+        (exact if err <= TOL else wrong).append(op.name if err <= TOL else f"{op.name}: error {float(err):.1e}")
+    assert not wrong, "\n".join(wrong)
+    assert len(exact) >= 240, (len(exact), sorted(set(refused)))
