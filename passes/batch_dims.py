@@ -918,7 +918,7 @@ def _sliding_windows(node, arg_batch):
 
 # The ``*_copy`` twins of view ops (what functionalisation writes) move the batch as
 # their views do.
-for _copy, _view in [
+for _copy, _viewed in [
     (aten.unsqueeze_copy.default, aten.unsqueeze.default), (aten.transpose_copy.int, aten.transpose.int),
     (aten.squeeze_copy.dim, aten.squeeze.dim), (aten.squeeze_copy.dims, aten.squeeze.dims),
     (aten.unbind_copy.int, aten.unbind.int), (aten.unfold_copy.default, aten.unfold.default),
@@ -926,8 +926,8 @@ for _copy, _view in [
     (aten.expand_copy.default, aten.expand.default), (aten.select_copy.int, aten.select.int),
     (aten.slice_copy.Tensor, aten.slice.Tensor), (aten.view_copy.default, aten.view.default),
 ]:
-    if _view in PROPAGATION:
-        PROPAGATION[_copy] = PROPAGATION[_view]
+    if _viewed in PROPAGATION:
+        PROPAGATION[_copy] = PROPAGATION[_viewed]
 
 
 _RUNNING_STATISTICS = {
