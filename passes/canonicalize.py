@@ -453,11 +453,13 @@ def _expands_dim(expand: fx.Node, dim: int) -> bool:
     return isinstance(source_size, int) and source_size == 1 and not (isinstance(size, int) and size == 1)
 
 
-def _call(gm: fx.GraphModule, target: Any, args: tuple, like: fx.Node) -> fx.Node:
-    """A new node computing ``target(*args)``, its example value from the operands'."""
-    new = gm.graph.call_function(target, args)
+def _call(gm: fx.GraphModule, target: Any, args: tuple, like: fx.Node, kwargs: dict | None = None) -> fx.Node:
+    """A new node computing ``target(*args, **kwargs)``, its example value from the operands'."""
+    kwargs = kwargs or {}
+    new = gm.graph.call_function(target, args, kwargs)
     new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
-    new.meta["val"] = target(*fx.node.map_arg(args, lambda a: a.meta["val"]))
+    values, keywords = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
+    new.meta["val"] = target(*values, **keywords)
     return new
 
 
@@ -1102,22 +1104,14 @@ def _copy_as_broadcast(gm: fx.GraphModule, node: fx.Node, written: fx.Node) -> f
         masked_fill = torch.ops.aten.masked_fill.Scalar(clone, ones_like, 0)
         add = torch.ops.aten.add.Tensor(masked_fill, eye)
     """
-    src = node.args[1]
-    dst = written.meta["val"]
-
-    def call(target, args, kwargs=None):
-        new = gm.graph.call_function(target, args, kwargs or {})
-        new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        values = fx.node.map_arg((args, kwargs or {}), lambda a: a.meta["val"])
-        new.meta["val"] = target(*values[0], **values[1])
-        return new
-
+    src, dtype = node.args[1], written.meta["val"].dtype
+    aten = torch.ops.aten
     with gm.graph.inserting_before(node):
-        everywhere = call(torch.ops.aten.ones_like.default, (written,), {"dtype": torch.bool})
-        kept = call(torch.ops.aten.masked_fill.Scalar, (written, everywhere, 0))
-        if isinstance(src, fx.Node) and src.meta["val"].dtype != dst.dtype:
-            src = call(torch.ops.aten.to.dtype, (src, dst.dtype))
-        new = call(torch.ops.aten.add.Tensor, (kept, src))
+        everywhere = _call(gm, aten.ones_like.default, (written,), node, {"dtype": torch.bool})
+        kept = _call(gm, aten.masked_fill.Scalar, (written, everywhere, 0), node)
+        if isinstance(src, fx.Node) and src.meta["val"].dtype != dtype:
+            src = _call(gm, aten.to.dtype, (src, dtype), node)
+        new = _call(gm, aten.add.Tensor, (kept, src), node)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     return new
