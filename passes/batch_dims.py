@@ -508,14 +508,15 @@ _MATRIX_OPS = [
 
 @_register(*_MATRIX_OPS)
 def _matrix_function(node, arg_batch):
-    tensors = [(a, b) for a, b in zip(node.args, arg_batch) if isinstance(a, fx.Node)]
+    """The matrices are the first argument's last two dims; other tensor arguments
+    (``householder_product``'s ``tau``, ``pinv``'s tolerances) share its leading dims."""
+    first = arg_batch[0]
+    if isinstance(first, BatchDim) and first.dim is not None and first.dim >= _meta(node.args[0]).dim() - 2:
+        raise MixesSamples("the batch is a row or column of the matrices it works on")
     result = None
-    for a, b in tensors:
-        if not isinstance(b, BatchDim):
-            continue
-        if b.dim is not None and b.dim >= _meta(a).dim() - (2 if a is node.args[0] else 1):
-            raise MixesSamples("the batch is a row or column of the matrices it works on")
-        result = _agreed(result, b)
+    for b in arg_batch:
+        if isinstance(b, BatchDim):
+            result = _agreed(result, b)
     out = _meta(node)
     return [result] * len(out) if isinstance(out, (list, tuple)) else result
 
