@@ -303,6 +303,8 @@ for _op, _idx in [
     (aten.index_select.default, 1), (aten.gather.default, 1), (aten.flip.default, 1),
     (aten.roll.default, 2), (aten.narrow.default, 1), (aten._safe_softmax.default, 1),
     (aten.logcumsumexp.default, 1),
+    # ``torch.fft``'s kernels (``rfft``, ``irfft``, ``fftn``, ...) along their ``dim`` list
+    (aten._fft_r2c.default, 1), (aten._fft_c2r.default, 1), (aten._fft_c2c.default, 1),
 ]:
     PROPAGATION[_op] = _dim_op(_arg_dim(_idx))
 # ``rot90`` turns the plane of dims (0, 1) unless told otherwise.
@@ -449,13 +451,6 @@ def _expand(node, arg_batch):
         return b
     added = _meta(node).dim() - _meta(node.args[0]).dim()
     return b.at(b.dim + added)
-
-
-@_register(aten._fft_r2c.default, aten._fft_c2r.default, aten._fft_c2c.default)
-def _fourier(node, arg_batch):
-    """``torch.fft``'s kernels transform along their ``dim`` list (``rfft``, ``irfft``,
-    ``fftn``, ...): the batch must be another dim."""
-    return _dim_op(_arg_dim(1))(node, arg_batch)
 
 
 @_register(aten._linalg_check_errors.default)
