@@ -434,7 +434,7 @@ def _squeeze(node, arg_batch):
     if not isinstance(b, BatchDim) or b.dim is None:
         return b
     shape = _meta(node.args[0]).shape
-    if node.target is aten.squeeze.default:
+    if node.target in (aten.squeeze.default, aten.squeeze_copy.default):
         dims = [i for i, s in enumerate(shape) if bool(s == 1)]
     else:
         ds = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
@@ -491,6 +491,33 @@ def _diag_embed(node, arg_batch):
     return b.at(d)
 
 
+@_register(aten.diagonal.default)
+def _diagonal(node, arg_batch):
+    """``x.diagonal(offset, dim1, dim2)``: the two dims are removed and their diagonal
+    becomes a new last dim; the other dims keep their order."""
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    ndim = _meta(node.args[0]).dim()
+    dims = [_norm_dim(_named_arg(node, "dim1", 0), ndim), _norm_dim(_named_arg(node, "dim2", 1), ndim)]
+    if b.dim in dims:
+        raise MixesSamples("it takes a diagonal across the batch dim")
+    return b.at(b.dim - sum(1 for d in dims if d < b.dim))
+
+
+@_register(aten.native_layer_norm.default)
+def _native_layer_norm(node, arg_batch):
+    """``aten.native_layer_norm(x, normalized_shape, w, b, eps)``: the output and the
+    statistics (``[*leading, 1, ..]``, as many dims as ``x``) normalise the trailing
+    ``normalized_shape`` dims, which must not hold the batch."""
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    if b.dim >= _meta(node.args[0]).dim() - len(node.args[1]):
+        raise MixesSamples("the batch is one of the dims it normalises over")
+    return b
+
+
 # Matrix functions of the last two dims (``torch.linalg`` decompositions, inverses,
 # determinants, exponentials): every output keeps the leading dims.
 _MATRIX_OPS = [
@@ -498,6 +525,7 @@ _MATRIX_OPS = [
     aten._linalg_svd.default, aten._linalg_eigh.default, aten.linalg_cholesky_ex.default,
     aten.linalg_lu_factor_ex.default, aten.linalg_lu.default, aten.linalg_matrix_exp.default,
     aten.linalg_householder_product.default, aten.linalg_eig.default, aten.linalg_pinv.atol_rtol_tensor,
+    aten.cholesky.default, aten.cholesky_inverse.default,
 ]
 
 
@@ -641,7 +669,7 @@ for _op, _kind in [
     (aten.prod.dim_int, "prod"), (aten.argmax.default, "arg"), (aten.argmin.default, "arg"),
     (aten.any.dim, "any"), (aten.all.dim, "all"), (aten.norm.ScalarOpt_dim, "norm"),
     (aten.var_mean.correction, "var"), (aten.std_mean.correction, "std"), (aten.prod.default, "prod"),
-    (aten.aminmax.default, "min"),
+    (aten.aminmax.default, "min"), (aten.nansum.default, "sum"),
 ]:
     PROPAGATION[_op] = (lambda k: lambda node, ab: _reduction(node, ab, k))(_kind)
 
@@ -921,6 +949,8 @@ for _copy, _viewed in [
     (aten.narrow_copy.default, aten.narrow.default), (aten.permute_copy.default, aten.permute.default),
     (aten.expand_copy.default, aten.expand.default), (aten.select_copy.int, aten.select.int),
     (aten.slice_copy.Tensor, aten.slice.Tensor), (aten.view_copy.default, aten.view.default),
+    (aten.squeeze_copy.default, aten.squeeze.default), (aten.diagonal_copy.default, aten.diagonal.default),
+    (aten.split_with_sizes_copy.default, aten.split_with_sizes.default),
 ]:
     if _viewed in PROPAGATION:
         PROPAGATION[_copy] = PROPAGATION[_viewed]
@@ -928,6 +958,7 @@ for _copy, _viewed in [
 
 _RUNNING_STATISTICS = {
     aten.batch_norm.default, aten._native_batch_norm_legit_functional.default,
+    aten._native_batch_norm_legit.default,
     aten.native_batch_norm.default, aten._batch_norm_impl_index.default, aten.instance_norm.default,
 }
 
@@ -946,9 +977,11 @@ def _records_running_statistics(node: fx.Node) -> str | None:
 
 
 @_register(aten.batch_norm.default, aten._native_batch_norm_legit_functional.default,
-           aten.native_batch_norm.default, aten._batch_norm_impl_index.default)
+           aten.native_batch_norm.default, aten._batch_norm_impl_index.default,
+           aten._native_batch_norm_legit.default, aten._native_batch_norm_legit.no_stats,
+           aten._native_batch_norm_legit_no_training.default)
 def _batch_norm(node, arg_batch):
-    training = node.args[5]
+    training = _named_arg(node, "training", False)
     if training and isinstance(arg_batch[0], BatchDim) and arg_batch[0].dim is not None:
         raise _MixesButKeepsLayout(
             "BatchNorm in training mode normalises over the batch (and its running statistics "

@@ -1081,6 +1081,12 @@ def test_distances_across_the_batch_are_refused():
     assert "mixes samples: the batch dim is contracted" in _reasons(model, torch.randn(B, D))
 
 
+def _native_layer_norm(h):
+    """``aten.native_layer_norm`` called directly: the output and its statistics."""
+    out, mean, rstd = torch.ops.aten.native_layer_norm(h, [D], None, None, 1e-5)
+    return out + mean * rstd
+
+
 def _spd(h):
     """A symmetric positive definite ``[B, D, D]`` per sample from ``h [B, T, D]``."""
     return h.mT @ h + D * torch.eye(D, dtype=h.dtype)
@@ -1116,6 +1122,15 @@ BATCHED_OPS = {
     "safe_softmax": lambda m, h: torch.ops.aten._safe_softmax(h * m.s, -1),
     "logsigmoid": lambda m, h: F.logsigmoid(h * m.s),
     "copy_": _copied,
+    "diagonal": lambda m, h: h * torch.diagonal(_spd(h * m.s), dim1=1, dim2=2)[:, None, :],
+    "diagonal_copy": lambda m, h: h * torch.diagonal_copy(h[:, :D] * m.s, 1, 2, 1)[:, None, :1],
+    "nansum": lambda m, h: h * torch.nansum(h * m.s, dim=2, keepdim=True),
+    "cholesky": lambda m, h: torch.cholesky(_spd(h * m.s)) + torch.cholesky_inverse(torch.linalg.cholesky(_spd(h))),
+    "native_layer_norm": lambda m, h: _native_layer_norm(h * m.s),
+    "batch_norm_eval_kernel": lambda m, h: torch.ops.aten._native_batch_norm_legit_no_training(
+        (h.mT * m.s[:, None]).contiguous(), None, None, torch.zeros(D, dtype=h.dtype), torch.ones(D, dtype=h.dtype), 0.1, 1e-5)[0].mT,
+    "squeeze_copy": lambda m, h: torch.squeeze_copy((h * m.s).unsqueeze(1)),
+    "split_with_sizes_copy": lambda m, h: torch.split_with_sizes_copy(h * m.s, [1, T - 1], dim=1)[1],
 }
 
 
@@ -1146,6 +1161,14 @@ def test_split_at_positions_held_in_a_tensor():
     dp = fxdp.transform(SplitByTensor(0).double(), grad_sample=True, compiler="eager")
     with pytest.raises(fxdp.UnsupportedError, match="its sizes depend on the data"):
         dp(x)
+
+
+def test_diagonal_and_layer_norm_across_the_batch_dim_are_refused():
+    x = torch.randn(B, D)
+    model = around(lambda m, h: h + torch.diagonal(h * m.s, 0, 0, 1)[:, None], s=(D,))()
+    assert "mixes samples: it takes a diagonal across the batch dim" in _reasons(model, x)
+    model = around(lambda m, h: torch.ops.aten.native_layer_norm(h * m.s, [B, D], None, None, 1e-5)[0], s=(D,))()
+    assert "mixes samples: the batch is one of the dims it normalises over" in _reasons(model, x)
 
 
 def test_pad_over_the_batch_dim_is_refused():
