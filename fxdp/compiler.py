@@ -43,6 +43,8 @@ class CompiledGraph:
             is compiled.
         problems: What was refused (``strict=False``).
         rule_counts: How often each rule fired in the tag pass.
+        uses: The parameter uses the tag pass made (``fxdp.markers.UseInfo``): held
+            here for the backward rewrite, which may run after the tagged graph is gone.
     """
 
     def __init__(self, options: Options):
@@ -52,6 +54,7 @@ class CompiledGraph:
         self.plan: BackwardPlan | None = None
         self.problems: list[Problem] = []
         self.rule_counts: dict[str, int] = {}
+        self.uses: list = []  # the graph's parameter uses (``UseInfo``), alive while it is
         self.param_names: list[str] = []
 
     def _stage(self, name: str, gm: fx.GraphModule) -> None:
@@ -325,6 +328,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     guarded = {i: param_names[n] for i, n in enumerate(n for n in tagged.graph.nodes if n.op == "placeholder")
                if n in param_names and param_names[n] not in excluded}
     record.rule_counts = counts
+    record.uses = [use for n in tagged.graph.nodes for use in getattr(n.target, "use_infos", ())]
     record._stage("tagged", tagged)
 
     # The graphs hold autocast's casts (passes/autocast.py): they run with autocast off.

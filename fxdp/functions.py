@@ -350,6 +350,9 @@ class TaggedFunction:
                  extra_args: dict[int, int]):
         self.call = call
         self.uses = dict(uses)
+        from fxdp.markers import USES
+
+        self.use_infos = [USES[u] for u in self.uses.values()]  # keeps them in USES
         self.operands = operands
         self.extra_args = dict(extra_args)
         # The operands the backward reads: the parameters and what their markers name.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from fxdp.batching import BatchDim, batch_major_all
 from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args, out_of_place
 
-__all__ = ["UseInfo", "Transform", "TaggedOp", "USES", "new_use_id", "param_grad"]
+__all__ = ["UseInfo", "Transform", "TaggedOp", "USES", "new_use", "param_grad"]
 
 
 @dataclasses.dataclass
@@ -100,13 +101,22 @@ class UseInfo:
 
 _ids = itertools.count()
 _lock = threading.Lock()
-# Every use ever tagged; entries are small and let an unrewritten marker run eagerly.
-USES: dict[int, UseInfo] = {}
+# Use id -> its use, while something holds it: the tagged op that makes the use (its
+# graph is traced for AOTAutograd; an unrewritten marker reads the use when it runs)
+# and the compiled graph's record (the backward is rewritten when it is first
+# compiled, maybe long after the tagged graph is gone). A weak map: what one capture
+# tagged goes with its graphs (every Dynamo recompile and every transform tags anew).
+USES: "weakref.WeakValueDictionary[int, UseInfo]" = weakref.WeakValueDictionary()
 
 
-def new_use_id() -> int:
+def new_use(**fields: Any) -> UseInfo:
+    """A parameter use with a fresh id, entered in ``USES``; the caller holds it until
+    a tagged op does (``TaggedOp``, ``TaggedFunction``)."""
     with _lock:
-        return next(_ids)
+        use_id = next(_ids)
+    use = UseInfo(use_id=use_id, **fields)
+    USES[use_id] = use
+    return use
 
 
 @torch.library.custom_op("fxdp::param_grad", mutates_args=())
@@ -276,6 +286,7 @@ class TaggedOp:
                  extra_args: dict[int, int] | None = None):
         self.rule = rule
         self.uses = dict(uses)
+        self.use_infos = [USES[u] for u in self.uses.values()]  # keeps them in USES
         self.broadcast = broadcast
         self.extra_args = dict(extra_args or {})
         self.__name__ = f"fxdp_{rule.op.__name__.split('.')[0]}"

@@ -23,7 +23,7 @@ import torch.fx as fx
 from fxdp.batching import RAW, SHARED, WHOLE, BatchDim
 from fxdp.functions import (FUNCTION_APPLY, FunctionInTransform, TaggedFunction, backward_rule, function_call,
                             function_param_rule, registered_operands)
-from fxdp.markers import USES, TaggedOp, Transform, UseInfo, new_use_id
+from fxdp.markers import USES, TaggedOp, Transform, new_use
 from fxdp.passes.batch_dims import BatchAnalysis, module_path_of
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad
 from fxdp.registry import GRAD, OpRule, ParamRule, lookup, schema_args
@@ -73,9 +73,9 @@ def _tag_whole_parameters(gm: fx.GraphModule, param_names: dict[fx.Node, str],
     for p, name in param_names.items():
         if name in excluded or not p.users:
             continue
-        use_id = new_use_id()
-        USES[use_id] = UseInfo(use_id=use_id, rule=rule, param=name, module_path="",
-                               operand_batch=[WHOLE], config={}, source_names=[name])
+        use = new_use(rule=rule, param=name, module_path="", operand_batch=[WHOLE], config={},
+                      source_names=[name])
+        use_id = use.use_id
         with gm.graph.inserting_before(first_op):
             new = gm.graph.call_function(TaggedOp(op_rule, {0: use_id}), (p,))
         new.meta.update(p.meta)
@@ -199,6 +199,7 @@ def _tag_function(gm: fx.GraphModule, node: fx.Node, sites: list, analysis: Batc
     operands = list(node.args[2:])
     out_batch = node.meta["fxdp_function_batch"][0]
     use_ids, specs, extra_args = {}, {}, {}
+    held = []  # the uses, until the tagged call holds them
     for site in sites:
         i = site.index - 2
         if site.generic:
@@ -218,12 +219,12 @@ def _tag_function(gm: fx.GraphModule, node: fx.Node, sites: list, analysis: Batc
             source_names = [param_names[n] for n in inputs[: transform.num_sources]]
         else:
             transform, source_names = None, [param_names[node.args[site.index]]]
-        use_id = new_use_id()
-        USES[use_id] = UseInfo(
-            use_id=use_id, rule=param_rule, param=", ".join(source_names), module_path=module_path_of(node),
+        use = new_use(
+            rule=param_rule, param=", ".join(source_names), module_path=module_path_of(node),
             operand_batch=operand_batch, config={}, transform=transform,
             strategy_hint="generic" if site.generic else None, source_names=source_names)
-        use_ids[i] = use_id
+        held.append(use)
+        use_ids[i] = use.use_id
         counts[param_rule.name] += 1
     tagged = TaggedFunction(call, use_ids, specs, {i: len(v) for i, v in extra_args.items()})
     flat_extras = [n for i in sorted(extra_args) for n in extra_args[i]]
@@ -298,7 +299,7 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
                                 layouts, batch.get(node))
         else:
             rule = lookup(node.target)
-        use_ids = {}
+        use_ids, held = {}, []
         extra_args: dict[int, list[fx.Node]] = {}
         for site in sites:
             param_rule = rule.params[site.index]
@@ -319,15 +320,15 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
                 source_names = [param_names[n] for n in inputs[: transform.num_sources]]
             else:
                 source_names = [param_names[node.args[site.index]]]
-            use_id = new_use_id()
-            USES[use_id] = UseInfo(
-                use_id=use_id, rule=param_rule, param=", ".join(source_names),
+            use = new_use(
+                rule=param_rule, param=", ".join(source_names),
                 module_path=module_path_of(node), operand_batch=operand_batch,
                 config=_config(rule, node, broadcast), transform=transform,
                 strategy_hint="generic" if site.generic else None,
                 source_names=source_names,
             )
-            use_ids[site.index] = use_id
+            held.append(use)  # until the tagged op holds it
+            use_ids[site.index] = use.use_id
             counts[param_rule.name] += 1
         tagged = TaggedOp(rule, use_ids, broadcast, extra_args={
             i: len(v) for i, v in extra_args.items()})

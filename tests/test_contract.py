@@ -1287,3 +1287,41 @@ def test_hugging_face_decoder_with_a_per_sample_attention_mask():
     assert_close_all(grads(model), ref.grad("sum", max_grad_norm), TOL, "p.grad")
     assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
     assert_tensor_close(dp.per_sample_norms, ref.norms, "per_sample_norms")
+
+
+def test_parameter_uses_live_as_long_as_their_graphs():
+    """What the tag pass records of each parameter use goes with the compiled graphs:
+    many transforms (or recompiles) in one process do not pile up, and a backward
+    compiled after the tagged graph is gone still finds its uses."""
+    import gc
+
+    from fxdp.markers import USES
+
+    def run_once(weight_shared: bool):
+        model = TiedMLP() if weight_shared else nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+        dp_model = fxdp.transform(model.double(), max_grad_norm=1.0, compiler="eager")
+        out = dp_model(torch.randn(5, 4, dtype=torch.float64))
+        gc.collect()  # the tagged graph is gone; the backward is compiled now
+        out.pow(2).sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+
+    torch._dynamo.reset()
+    gc.collect()
+    before = len(USES)
+    for shared in (False, True, False):
+        run_once(shared)
+        torch._dynamo.reset()
+    gc.collect()
+    assert len(USES) == before
+
+
+class TiedMLP(nn.Module):
+    """One weight used twice (two uses of one parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(torch.tanh(self.inp(x)))))
