@@ -22,7 +22,8 @@ __all__ = [
     "ViTBlock", "ViT", "Attention",
     "LoRALinear", "add_lora",
     "TransposedWeight", "PackedChunk", "PackedSlice", "WeightNormLinear", "Symmetric",
-    "CustomParametrized", "TiedTranspose", "LayerScaleBias", "FirstOutput", "SequenceFirstBias",
+    "CustomParametrized", "SpectralNormDiscriminator", "TiedTranspose", "LayerScaleBias", "FirstOutput",
+    "SequenceFirstBias",
 ]
 
 
@@ -403,6 +404,24 @@ class WeightNormLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.lin(x)))
+
+
+class SpectralNormDiscriminator(nn.Module):
+    """A DP-GAN discriminator: convolutions and a head under
+    ``torch.nn.utils.parametrizations.spectral_norm``, whose forward runs one power
+    iteration and writes it into buffers (from the weights only, no data)."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        sn = nn.utils.parametrizations.spectral_norm
+        self.conv1 = sn(nn.Conv2d(3, c, 3, stride=2, padding=1))
+        self.conv2 = sn(nn.Conv2d(c, 2 * c, 3, stride=2, padding=1))
+        self.head = sn(nn.Linear(2 * c, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.leaky_relu(self.conv1(x), 0.2)
+        h = F.leaky_relu(self.conv2(h), 0.2)
+        return self.head(h.mean((2, 3)))
 
 
 class Symmetric(nn.Module):

@@ -114,6 +114,8 @@ CASES = [
     Case("packed_weight_slices", models.PackedSlice, lambda: (_randn(B, 3, 4),)),
     Case("weight_norm", models.WeightNormLinear, lambda: (_randn(B, 3, 4),), float32=True),
     Case("custom_parametrization", models.CustomParametrized, lambda: (_randn(B, 3, 6),)),
+    Case("spectral_norm_discriminator", models.SpectralNormDiscriminator, lambda: (_randn(B, 3, 8, 8),),
+         float32=True, conv=True),
     Case("tied_with_transpose", models.TiedTranspose, lambda: (_randn(B, 3, 4),), float32=True),
     Case("layer_scale_and_bias", models.LayerScaleBias, lambda: (_randn(B, 3, 4),)),
 ]

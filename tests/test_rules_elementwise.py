@@ -509,7 +509,7 @@ def test_rule_functions_on_layouts():
     and of a merged ``[B·T, d] @ W``, against per-sample autograd."""
     torch.manual_seed(4)
     mul = fxdp.registry.lookup(aten.mul.Tensor).params[1]
-    x, gamma = torch.randn(T, B, D, dtype=torch.float64), torch.randn(1, D, dtype=torch.float64)
+    x = torch.randn(T, B, D, dtype=torch.float64)  # gamma [1, D] is not an operand of its rule
     g = torch.randn(T, B, D, dtype=torch.float64)
     config = {"layouts": (Layout(3, 1, False, None), Layout(2, None, False, (1, D))),
               "out_layout": Layout(3, 1, False, None), "out_ndim": 3, "scalars": {}}
@@ -518,7 +518,7 @@ def test_rule_functions_on_layouts():
     torch.testing.assert_close(got, want)
 
     mm = fxdp.registry.lookup(aten.mm.default).params[1]
-    a, w = torch.randn(B * T, D, dtype=torch.float64), torch.randn(D, 6, dtype=torch.float64)
+    a = torch.randn(B * T, D, dtype=torch.float64)  # W [D, 6] is not an operand of its rule
     g = torch.randn(B * T, 6, dtype=torch.float64)
     config = {"layouts": (Layout(2, 0, True, None), Layout(2, None, False, (D, 6))),
               "out_layout": Layout(2, 0, True, None), "out_ndim": 2, "alpha": 1}
