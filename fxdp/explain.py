@@ -123,6 +123,10 @@ def _as_loss(out: Any) -> torch.Tensor | None:
     return None
 
 
+class _Analysed(Exception):
+    """Stops ``validate``'s compile once its one graph is analysed."""
+
+
 def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Problem]:
     """Every op, module and parameter fxdp cannot make per-sample (empty list: all fine).
 
@@ -141,9 +145,11 @@ def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Probl
             _, _, _, analysis = analyse_graph(gm, example_inputs, opts, names, forward_arg_names(fake_model))
         except UnsupportedError as e:  # found before the analysis could run
             problems.extend(e.problems)
-            return gm.forward
-        problems.extend(analysis.problems)
-        return gm.forward
+        else:
+            problems.extend(analysis.problems)
+        # The graph need not run: its ops with data-dependent output sizes (nonzero,
+        # masked_select) could not, on fake tensors without Dynamo's shape environment.
+        raise _Analysed
 
     def call(*args, **kw):
         return fake_model(*args, **kw)
@@ -154,6 +160,9 @@ def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Probl
         # validate must see the graph transform captures.
         with mode, capture_config():
             torch.compile(call, backend=backend, fullgraph=True)(*args, **kwargs)
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        if not isinstance(e.inner_exception, _Analysed):
+            raise
     except torch._dynamo.exc.Unsupported as e:
         problems.append(Problem("dynamo", "", "", f"Dynamo cannot capture the model in one graph: {e}"))
     return problems

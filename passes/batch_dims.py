@@ -505,6 +505,35 @@ def _diagonal(node, arg_batch):
     return b.at(b.dim - sum(1 for d in dims if d < b.dim))
 
 
+@_register(aten.nonzero.default, aten.nonzero_static.default, aten.argwhere.default,
+           aten.masked_select.default)
+def _flattens_by_value(node, arg_batch):
+    """Positions or elements found by value, in one list for the whole tensor: the
+    samples' entries are flattened together (their count depends on the data)."""
+    if any(isinstance(b, BatchDim) and b.dim is not None for b in arg_batch):
+        raise MixesSamples("it flattens the batch into one list of what it finds, whose length "
+                           "depends on the data (index with a mask per sample instead, e.g. torch.where)")
+    return None
+
+
+@_register(aten.take.default)
+def _take(node, arg_batch):
+    """``torch.take(x, ids)`` reads ``x`` as one flat vector: shared ``x`` looked up
+    by each sample's ``ids`` keeps the ids' batch; a batched ``x`` is read across samples."""
+    x, ids = arg_batch[0], arg_batch[1]
+    if isinstance(x, BatchDim) and x.dim is not None:
+        raise MixesSamples("it indexes the flattened tensor, across the samples' rows")
+    return ids
+
+
+@_register(aten.put.default, aten.put_.default)
+def _put(node, arg_batch):
+    """``x.put(ids, values)`` writes into ``x`` read as one flat vector."""
+    if any(isinstance(b, BatchDim) and b.dim is not None for b in arg_batch):
+        raise MixesSamples("it writes into the flattened tensor, across the samples' rows")
+    return None
+
+
 @_register(aten.native_layer_norm.default)
 def _native_layer_norm(node, arg_batch):
     """``aten.native_layer_norm(x, normalized_shape, w, b, eps)``: the output and the

@@ -1171,6 +1171,34 @@ def test_diagonal_and_layer_norm_across_the_batch_dim_are_refused():
     assert "mixes samples: the batch is one of the dims it normalises over" in _reasons(model, x)
 
 
+class TakeFromTable(nn.Module):
+    """``torch.take`` of a shared parameter table by each sample's own ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(5, 3))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.out(torch.take(self.table, ids))
+
+
+def test_take_of_a_shared_table_by_per_sample_ids():
+    torch.manual_seed(0)
+    _against_the_loop(TakeFromTable().double(), torch.randint(0, 15, (B, 4)))
+
+
+def test_ops_that_flatten_the_batch_are_refused_with_their_reason():
+    x = torch.randn(B, D)
+    flattens = "mixes samples: it flattens the batch into one list of what it finds"
+    model = around(lambda m, h: h + torch.masked_select(h * m.s, h > 0).sum(), s=(D,))()
+    assert flattens in _reasons(model, x)
+    model = around(lambda m, h: h[torch.nonzero(h * m.s > 0, as_tuple=True)].sum() + h, s=(D,))()
+    assert flattens in _reasons(model, x)
+    model = around(lambda m, h: h + torch.take(h * m.s, torch.tensor([0, 5])).sum(), s=(D,))()
+    assert "it indexes the flattened tensor, across the samples' rows" in _reasons(model, x)
+
+
 def test_pad_over_the_batch_dim_is_refused():
     model = around(lambda m, h: F.pad(h.t(), (1, 1), mode="replicate").t() * m.s, s=(D,))()
     assert "mixes samples: the batch is one of the 1 last dims it works over" in _reasons(model, torch.randn(B, D))
