@@ -315,10 +315,9 @@ def test_every_op_db_op_is_exact_or_refused():
     output: fxdp's per-sample gradient of that parameter matches the microbatch loop,
     or fxdp refuses the model (an op it cannot prove keeps samples apart, or one that
     works along the batch dim). Never a crash, never a wrong gradient. At the time of
-    writing 258 ops were exact and 53 refused (38 work along the batch dim or flatten
-    it, 4 have no propagation — ``masked_select``, ``take`` and ``put`` flatten the
-    batch, ``max_pool2d_with_indices_backward`` —, 11 are random or sparse ops Dynamo
-    does not capture); the count guards the coverage."""
+    writing 258 ops were exact and 53 refused (41 work along the batch dim or flatten
+    it, 1 has no propagation, ``max_pool2d_with_indices_backward``, 11 are random or
+    sparse ops Dynamo does not capture); the count guards the coverage."""
     exact, refused, wrong = [], [], []
     for op in op_db:
         try:
