@@ -52,6 +52,9 @@ class Loss:
     """A reduction over the batch to a scalar: the loss inside the graph."""
 
     reduction: str  # "mean" | "sum"
+    # A sum divided by the batch size afterwards (``kl_div(reduction="batchmean")``,
+    # ``loss.sum() / x.shape[0]``): still a sum of the samples' shares ``l_i / B``.
+    divided_by_batch_size: bool = False
 
 
 @dataclasses.dataclass
@@ -102,6 +105,7 @@ class BatchAnalysis:
         problems: Everything that cannot be made per-sample.
         uses: Every place a parameter's gradient is made per-sample.
         loss: The reduction of the in-graph loss, or ``None`` if the loss is outside.
+        loss_divided_by_batch_size: The in-graph sum is divided by the batch size after.
         single: ``B`` is 1 or 0: the batch is one sample, whose gradient is the
             ordinary gradient, or none; no use needs a rule (``uses`` is empty, see
             ``tag_pass``).
@@ -122,6 +126,7 @@ class BatchAnalysis:
     empty: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
     sized_by_batch: list[fx.Node] = dataclasses.field(default_factory=list)
+    loss_divided_by_batch_size: bool = False
 
 
 def op_name(target: Any) -> str:
@@ -1197,6 +1202,16 @@ def _sized_by_batch(node: fx.Node, batch_size: Any) -> "BatchDim | None":
     return BatchDim(dims[0]) if len(dims) == 1 else None
 
 
+def _divides_by(node: fx.Node, batch_size: Any) -> bool:
+    """``node`` is ``x / B`` with ``B`` the batch size (a literal on a static compile)."""
+    if node.target not in (aten.div.Tensor, aten.div.Scalar) or len(node.args) < 2:
+        return False
+    divisor = node.args[1]
+    if isinstance(divisor, fx.Node):
+        divisor = _meta(divisor)
+    return isinstance(divisor, (int, torch.SymInt)) and _same_size(divisor, batch_size)
+
+
 def _same_size(size: Any, batch_size: Any) -> bool:
     if isinstance(size, torch.SymInt) or isinstance(batch_size, torch.SymInt):
         return (isinstance(size, torch.SymInt) and isinstance(batch_size, torch.SymInt)
@@ -1289,6 +1304,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
     # (consumer, argument index or None, consumed parameter-only value)
     consumed: list[tuple[fx.Node, int | None, fx.Node]] = []
     loss_kinds: set[str] = set()
+    divided_by_batch_size = False
     single = isinstance(batch_size, int) and batch_size in (0, 1)
 
     previous = None
@@ -1349,7 +1365,11 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
         if any(isinstance(b, Loss) for b in arg_batch):
             # Only scalings of the loss by shared values may follow it.
             if _is_pointwise(target) and not any(isinstance(b, BatchDim) for b in arg_batch):
-                batch[node] = next(b for b in arg_batch if isinstance(b, Loss))
+                loss = next(b for b in arg_batch if isinstance(b, Loss))
+                if _divides_by(node, batch_size) and loss.reduction == "sum":
+                    loss = Loss("sum", divided_by_batch_size=True)
+                    divided_by_batch_size = True
+                batch[node] = loss
                 continue
             problems.append(Problem(op_name(target), path, "",
                                     "the loss (a reduction over the batch) is used by an op other than a scaling"))
@@ -1408,6 +1428,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
             problems.append(Problem("loss", "", "", f"the graph adds losses of different reductions {sorted(loss_kinds)}"))
         loss = sorted(loss_kinds)[0]
     return BatchAnalysis(batch=batch, problems=problems, uses=uses, loss=loss,
+                         loss_divided_by_batch_size=divided_by_batch_size,
                          broadcasts=broadcasts, param_only=sources, single=single,
                          empty=single and batch_size == 0, sized_by_batch=sized_by_batch)
 

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxdp
@@ -277,6 +278,48 @@ def test_loss_inside_the_graph_must_match_loss_reduction():
     dp_model = fxdp.transform(model, max_grad_norm=1.0, loss_reduction="mean", compiler="eager")
     with pytest.raises(fxdp.UnsupportedError, match="loss_reduction='sum'"):
         dp_model(_tokens(B, 6), _tokens(B, 6, seed=3))
+
+
+class Distill(torch.nn.Module):
+    """A distillation loss inside the graph, written three ways."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.student = torch.nn.Linear(4, 5)
+        self.how = how
+
+    def forward(self, x, teacher_logits):
+        log_p, q = self.student(x).log_softmax(-1), teacher_logits.softmax(-1)
+        if self.how == "batchmean":
+            return F.kl_div(log_p, q, reduction="batchmean")
+        if self.how == "sum_over_rows":
+            return F.kl_div(log_p, q, reduction="sum") / x.shape[0]
+        return F.kl_div(log_p, q, reduction="none").sum(-1).mean()
+
+
+def test_a_sum_divided_by_the_batch_size_is_not_taken_for_a_mean():
+    """``kl_div(reduction="batchmean")`` is a sum over the batch divided by ``B``: read
+    as a sum of the samples' shares ``l_i / B`` (on a static compile ``B`` is a literal,
+    which could be any constant). Under ``loss_reduction="mean"`` the error says how to
+    write the mean; written so, it is exact, and ``"sum"`` clips the shares."""
+    torch.manual_seed(0)
+    x, teacher = _randn(B, 4), _randn(B, 5, seed=3)
+    for how in ("batchmean", "sum_over_rows"):
+        torch._dynamo.reset()
+        dp_model = fxdp.transform(Distill(how).double(), max_grad_norm=1.0, loss_reduction="mean",
+                                  compiler="eager")
+        with pytest.raises(fxdp.UnsupportedError, match=r"divided by the batch size.*reduction='none'"):
+            dp_model(x, teacher)
+    for how, reduction, own_loss in (("mean", "mean", lambda loss, i: loss),
+                                     ("batchmean", "sum", lambda loss, i: loss / B)):
+        torch._dynamo.reset()
+        model = Distill(how).double()
+        ref = reference(model, (x, teacher), own_loss)
+        clip = float(ref.norms.median())
+        dp_model = fxdp.transform(model, max_grad_norm=clip, loss_reduction=reduction, compiler="eager")
+        dp_model(x, teacher).backward()
+        check_step(model, dp_model, ref, grad_sample=False, clip=clip, tol=tolerance(torch.float64),
+                   reduction=reduction)
 
 
 # -- packed sequences ----------------------------------------------------------------------------
