@@ -322,6 +322,43 @@ def test_a_sum_divided_by_the_batch_size_is_not_taken_for_a_mean():
                    reduction=reduction)
 
 
+class SpeechCTC(torch.nn.Module):
+    """Conv1d front end, a GRU, per-frame log-probabilities for a CTC loss."""
+
+    def __init__(self, classes: int = 5):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(4, 6, 3, padding=1)
+        self.rnn = torch.nn.GRU(6, 6, batch_first=True)
+        self.out = torch.nn.Linear(6, classes)
+
+    def forward(self, x):
+        h = F.gelu(self.conv(x.transpose(1, 2))).transpose(1, 2)
+        h, _ = self.rnn(h)
+        return self.out(h).log_softmax(-1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_ctc_loss_outside_the_graph(reduction: str):
+    """Speech recognition: Dynamo cannot capture ``F.ctc_loss`` (no meta kernel for its
+    data-dependent output in torch 2.13), so the model returns log-probabilities and the
+    loss is taken outside. Its "mean" divides each sample's loss by its own target length,
+    then averages over the samples: each sample's share is its own."""
+    torch.manual_seed(0)
+    model = SpeechCTC().double()
+    x = _randn(B, 12, 4)
+    targets, frames, lengths = torch.randint(1, 5, (B, 4)), torch.full((B,), 12), torch.tensor([4, 3, 2, 4, 1])[:B]
+
+    def ctc(log_probs, rows):
+        return F.ctc_loss(log_probs.transpose(0, 1), targets[rows], frames[rows], lengths[rows], reduction=reduction)
+
+    ref = reference(model, (x,), lambda out, i: ctc(out, slice(i, i + 1)))
+    clip = float(ref.norms.median())
+    dp_model = fxdp.transform(model, max_grad_norm=clip, loss_reduction=reduction, compiler="eager")
+    ctc(dp_model(x), slice(None)).backward()
+    check_step(model, dp_model, ref, grad_sample=False, clip=clip, tol=tolerance(torch.float64),
+               reduction=reduction)
+
+
 # -- packed sequences ----------------------------------------------------------------------------
 
 def _packed_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
