@@ -811,6 +811,23 @@ def _elementwise_loss(node, arg_batch):
     return Loss(_LOSS_REDUCTION[reduction])
 
 
+# Not ``F.multilabel_margin_loss``: torch.compile's gradient of it is wrong in torch 2.13
+# (``aot_eager`` against eager autograd), so it stays without propagation (refused);
+# outside the model it works.
+@_register(aten.multi_margin_loss.default)
+def _margin_loss(node, arg_batch):
+    """``F.multi_margin_loss``: input ``[N, C]`` (classes along dim 1), target ``[N]``,
+    one loss per row; the mean divides by ``N`` (class weights scale each row's own
+    terms)."""
+    batched = [b for b in arg_batch[:2] if isinstance(b, BatchDim) and b.dim is not None]
+    if not batched:
+        return None
+    if any(b.dim != 0 for b in batched) or _meta(node.args[0]).dim() < 2:
+        raise MixesSamples("the batch dim is the class dim")
+    reduction = _LOSS_REDUCTION[_named_arg(node, "reduction", 1)]
+    return batched[0].at(0) if reduction is None else Loss(reduction)
+
+
 # conv, embedding and the normalisations propagate through their rules (fxdp/rules/).
 @_register(aten.pixel_shuffle.default, aten.pixel_unshuffle.default, aten.channel_shuffle.default,
            aten.native_channel_shuffle.default, aten.prelu.default)

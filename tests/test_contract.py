@@ -539,11 +539,14 @@ class TrainStep(nn.Module):
         out = self.model(x)
         if self.loss == "cross_entropy":
             return F.cross_entropy(out, target, reduction=self.reduction)
+        if self.loss == "multi_margin":
+            weight = torch.tensor([0.5, 1.0, 2.0], dtype=out.dtype)
+            return F.multi_margin_loss(out, target, p=2, margin=0.7, weight=weight, reduction=self.reduction)
         return F.mse_loss(out, target, reduction=self.reduction)
 
 
 def _target(loss: str, batch: int) -> torch.Tensor:
-    if loss == "cross_entropy":
+    if loss in ("cross_entropy", "multi_margin"):
         return torch.arange(batch) % 3
     return randn(batch, 3, seed=3)
 
@@ -553,6 +556,8 @@ def _target(loss: str, batch: int) -> torch.Tensor:
     ("cross_entropy", "sum"),
     ("mse_loss", "mean"),
     ("mse_loss", "sum"),
+    ("multi_margin", "mean"),
+    ("multi_margin", "sum"),
 ])
 def test_loss_inside_graph(loss, reduction):
     step = TrainStep(mlp(), loss, reduction)
