@@ -926,6 +926,21 @@ def _pool_with_indices(node, arg_batch):
     return [b, b]
 
 
+@_register(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default)
+def _fractional_max_pool(node, arg_batch):
+    """A fractional max pool over ``[N, C, *spatial]`` with its random offsets
+    ``[N, C, k]``: each ``(n, c)`` slice with its own offsets. Offsets shared by the
+    batch (drawn in the forward, ``nn.FractionalMaxPool2d``) give each sample its row,
+    values that hold no other sample's data; batched offsets must sit where the input's
+    batch is."""
+    b = _before_last(node, arg_batch[:1], _spatial_dims(node.target))
+    offsets = arg_batch[3] if len(arg_batch) > 3 else None
+    if isinstance(offsets, BatchDim) and offsets.dim is not None:
+        if not (isinstance(b, BatchDim) and b.dim == 0 and offsets.dim == 0):
+            raise MixesSamples("its random offsets are batched elsewhere than the input's batch dim 0")
+    return [b, b]
+
+
 @_register(aten.slice_scatter.default, aten.select_scatter.default)
 def _view_scatter(node, arg_batch):
     """``base`` with ``src`` written into a slice or select of it (the functional form of

@@ -1171,6 +1171,27 @@ def test_diagonal_and_layer_norm_across_the_batch_dim_are_refused():
     assert "mixes samples: the batch is one of the dims it normalises over" in _reasons(model, x)
 
 
+class FractionalPool(nn.Module):
+    """A conv, then a fractional max pool with its random offsets given per sample."""
+
+    def __init__(self, spatial: int):
+        super().__init__()
+        self.spatial = spatial
+        self.conv = (nn.Conv2d if spatial == 2 else nn.Conv3d)(2, 3, 3, padding=1)
+
+    def forward(self, x, offsets):
+        pool = F.fractional_max_pool2d if self.spatial == 2 else F.fractional_max_pool3d
+        return pool(self.conv(x), 2, output_size=3, _random_samples=offsets)
+
+
+@pytest.mark.parametrize("spatial", [2, 3])
+def test_fractional_max_pool(spatial: int):
+    torch.manual_seed(0)
+    x = torch.randn(B, 2, *([6] * spatial), dtype=torch.float64)
+    offsets = torch.rand(B, 3, spatial, dtype=torch.float64)
+    _against_the_loop(FractionalPool(spatial).double(), x, offsets)
+
+
 class TakeFromTable(nn.Module):
     """``torch.take`` of a shared parameter table by each sample's own ids."""
 
