@@ -106,10 +106,19 @@ def _models(name: str):
     return model, x, y
 
 
+def _cudnn_flags_settable():
+    """Opacus's embedding per-sample gradient sets ``torch.backends.cudnn.deterministic``,
+    which ``torch.testing._internal`` (imported by ``test_torch_suites.py`` in the same
+    run) forbids outside PyTorch's own bracket for it (``flags()`` sets its values only
+    on entry)."""
+    return getattr(torch.backends, "__allow_nonbracketed_mutation")()
+
+
 def _opacus_norms(model: nn.Module, x, y, loss_reduction: str) -> torch.Tensor:
     """Per-sample norms over all parameters from Opacus's hooks."""
     gsm = GradSampleModule(copy.deepcopy(model), loss_reduction=loss_reduction)
-    nn.functional.cross_entropy(gsm(x), y, reduction=loss_reduction).backward()
+    with _cudnn_flags_settable():
+        nn.functional.cross_entropy(gsm(x), y, reduction=loss_reduction).backward()
     flat = torch.cat([p.grad_sample.reshape(B, -1) for p in gsm.parameters() if p.requires_grad], 1)
     return flat.norm(dim=1)
 
@@ -119,7 +128,8 @@ def _opacus_step(model: nn.Module, x, y, loss_reduction: str, max_grad_norm: flo
     optimizer = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), noise_multiplier=0.0,
                             max_grad_norm=max_grad_norm, expected_batch_size=B, loss_reduction=loss_reduction)
     optimizer.zero_grad()
-    nn.functional.cross_entropy(gsm(x), y, reduction=loss_reduction).backward()
+    with _cudnn_flags_settable():
+        nn.functional.cross_entropy(gsm(x), y, reduction=loss_reduction).backward()
     optimizer.pre_step()  # clip, sum, add (zero) noise, scale by the batch size for "mean"
     return {n.removeprefix("_module."): p.grad for n, p in gsm.named_parameters()}
 
@@ -133,7 +143,8 @@ def _opacus_ghost_step(model: nn.Module, x, y, loss_reduction: str, max_grad_nor
     criterion = DPLossFastGradientClipping(gsm, optimizer, nn.CrossEntropyLoss(reduction=loss_reduction),
                                            loss_reduction=loss_reduction)
     optimizer.zero_grad()
-    criterion(gsm(x), y).backward()  # the norms' backward, then the clipped one
+    with _cudnn_flags_settable():
+        criterion(gsm(x), y).backward()  # the norms' backward, then the clipped one
     norms = torch.stack([p._norm_sample for p in gsm.parameters() if p.requires_grad]).norm(dim=0)
     optimizer.pre_step()
     return {n.removeprefix("_module."): p.grad for n, p in gsm.named_parameters()}, norms
