@@ -539,6 +539,19 @@ def _put(node, arg_batch):
     return None
 
 
+@_register(aten.view_as_real.default, aten.view_as_complex.default)
+def _complex_view(node, arg_batch):
+    """``view_as_real`` appends a dim of 2 (real, imaginary), ``view_as_complex`` reads
+    the last dim of 2 as one complex number (what ``.real``/``.imag`` and complex rotary
+    embeddings become)."""
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    if node.target is aten.view_as_complex.default and b.dim == _meta(node.args[0]).dim() - 1:
+        raise MixesSamples("it pairs the batch dim's entries into complex numbers")
+    return b
+
+
 @_register(aten.native_layer_norm.default)
 def _native_layer_norm(node, arg_batch):
     """``aten.native_layer_norm(x, normalized_shape, w, b, eps)``: the output and the
@@ -875,8 +888,16 @@ def _per_channel(node, arg_batch):
 
 @_register(aten.pad.default, aten.constant_pad_nd.default)
 def _pad(node, arg_batch):
-    """``F.pad``: the last ``len(pad) // 2`` dims are padded, the others untouched."""
-    return _before_last(node, arg_batch, len(node.args[1]) // 2)
+    """``F.pad``: the last ``len(pad) // 2`` dims are padded, the others untouched; a
+    dim listed with ``(0, 0)`` is untouched too (MobileBERT's ``F.pad(h, (0, 0, 0, 1,
+    0, 0))`` lists the batch)."""
+    pad = list(node.args[1])
+    b = arg_batch[0]
+    if isinstance(b, BatchDim) and b.dim is not None:
+        at = _meta(node.args[0]).dim() - 1 - b.dim  # F.pad's order: the last dim first
+        if 2 * at + 1 < len(pad) and bool(pad[2 * at] == 0) and bool(pad[2 * at + 1] == 0):
+            return b
+    return _before_last(node, arg_batch, len(pad) // 2)
 
 
 def _before_last(node, arg_batch, k: int):

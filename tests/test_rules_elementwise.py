@@ -1131,6 +1131,15 @@ BATCHED_OPS = {
         (h.mT * m.s[:, None]).contiguous(), None, None, torch.zeros(D, dtype=h.dtype), torch.ones(D, dtype=h.dtype), 0.1, 1e-5)[0].mT,
     "squeeze_copy": lambda m, h: torch.squeeze_copy((h * m.s).unsqueeze(1)),
     "split_with_sizes_copy": lambda m, h: torch.split_with_sizes_copy(h * m.s, [1, T - 1], dim=1)[1],
+    # MobileBERT, Funnel: the pad list names the batch dim, with (0, 0)
+    "pad_listing_the_batch": lambda m, h: F.pad(h * m.s, (0, 0, 0, 1, 0, 0))[:, 1:],
+    "constant_pad_nd_listing_the_batch": lambda m, h: torch.constant_pad_nd(h * m.s, (0, 0, 1, 0, 0, 0), 0.5)[:, 1:],
+    # FNet's Fourier mixing (``.real`` is ``view_as_real``), complex rotary embeddings
+    "fft_real": lambda m, h: torch.fft.fftn(h * m.s, dim=(1, 2)).real,
+    "fft_imag": lambda m, h: torch.fft.fft(h * m.s, dim=1).imag,
+    "view_as_complex": lambda m, h: torch.view_as_real(
+        torch.view_as_complex((h * m.s).unflatten(-1, (-1, 2)).contiguous())
+        * torch.polar(torch.ones(D // 2, dtype=h.dtype), torch.arange(D // 2, dtype=h.dtype))).flatten(-2),
 }
 
 
@@ -1218,6 +1227,16 @@ def test_ops_that_flatten_the_batch_are_refused_with_their_reason():
     assert flattens in _reasons(model, x)
     model = around(lambda m, h: h + torch.take(h * m.s, torch.tensor([0, 5])).sum(), s=(D,))()
     assert "it indexes the flattened tensor, across the samples' rows" in _reasons(model, x)
+
+
+def test_pad_and_complex_pairs_of_the_batch_dim_are_refused():
+    x = torch.randn(B, D)
+    model = around(lambda m, h: F.pad(h * m.s, (0, 0, 1, 0))[1:], s=(D,))()
+    assert "mixes samples: the batch is one of the 2 last dims it works over" in _reasons(model, x)
+    # two samples: [D, 2] with the batch last read as D complex numbers
+    model = around(lambda m, h: torch.view_as_real(torch.view_as_complex((h * m.s).t().contiguous())).t(),
+                   s=(D,))()
+    assert "it pairs the batch dim's entries into complex numbers" in _reasons(model, torch.randn(2, D))
 
 
 def test_pad_over_the_batch_dim_is_refused():
