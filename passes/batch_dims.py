@@ -552,6 +552,32 @@ def _complex_view(node, arg_batch):
     return b
 
 
+@_register(aten.bucketize.Tensor, aten.searchsorted.Tensor)
+def _bucketize(node, arg_batch):
+    """``bucketize(x, boundaries)`` and ``searchsorted(sorted, x)``: each value of ``x``
+    looked up in a sorted sequence, shared (1-D) or one per leading index of ``x``."""
+    sequence, values = ((arg_batch[1], arg_batch[0]) if node.target is aten.bucketize.Tensor
+                        else (arg_batch[0], arg_batch[1]))
+    sequence_node = node.args[1] if node.target is aten.bucketize.Tensor else node.args[0]
+    if isinstance(sequence, BatchDim) and sequence.dim is not None:
+        if sequence.dim == _meta(sequence_node).dim() - 1:
+            raise MixesSamples("the batch is the dim of the sorted sequence it searches")
+        return _agreed(values if isinstance(values, BatchDim) else None, sequence)
+    return values
+
+
+@_register(aten.renorm.default)
+def _renorm(node, arg_batch):
+    """``torch.renorm(x, p, dim, maxnorm)`` rescales each slice ``x.select(dim, i)`` by
+    its norm over every other dim: per sample only when ``dim`` is the batch dim."""
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    if _norm_dim(node.args[2], _meta(node.args[0]).dim()) != b.dim:
+        raise MixesSamples("its norms run over the batch dim (every dim but the one it renormalises)")
+    return b
+
+
 @_register(aten.native_layer_norm.default)
 def _native_layer_norm(node, arg_batch):
     """``aten.native_layer_norm(x, normalized_shape, w, b, eps)``: the output and the

@@ -1134,6 +1134,11 @@ BATCHED_OPS = {
     # MobileBERT, Funnel: the pad list names the batch dim, with (0, 0)
     "pad_listing_the_batch": lambda m, h: F.pad(h * m.s, (0, 0, 0, 1, 0, 0))[:, 1:],
     "constant_pad_nd_listing_the_batch": lambda m, h: torch.constant_pad_nd(h * m.s, (0, 0, 1, 0, 0, 0), 0.5)[:, 1:],
+    # binning by value (distance bins), a max-norm per sample
+    "bucketize": lambda m, h: h * m.s * torch.bucketize(h.detach(), torch.linspace(-1, 1, 5, dtype=h.dtype)),
+    "searchsorted": lambda m, h: h * m.s * torch.searchsorted(torch.sort(h.detach(), dim=-1).values,
+                                                              h.detach().flip(-1).contiguous()),
+    "renorm": lambda m, h: torch.renorm(h * m.s, 2, 0, 1.0),
     # FNet's Fourier mixing (``.real`` is ``view_as_real``), complex rotary embeddings
     "fft_real": lambda m, h: torch.fft.fftn(h * m.s, dim=(1, 2)).real,
     "fft_imag": lambda m, h: torch.fft.fft(h * m.s, dim=1).imag,
@@ -1237,6 +1242,16 @@ def test_pad_and_complex_pairs_of_the_batch_dim_are_refused():
     model = around(lambda m, h: torch.view_as_real(torch.view_as_complex((h * m.s).t().contiguous())).t(),
                    s=(D,))()
     assert "it pairs the batch dim's entries into complex numbers" in _reasons(model, torch.randn(2, D))
+
+
+def test_renorm_and_searchsorted_across_the_batch_are_refused():
+    x = torch.randn(B, D)
+    model = around(lambda m, h: torch.renorm(h * m.s, 2, 1, 1.0), s=(D,))()
+    assert "its norms run over the batch dim" in _reasons(model, x)
+    # validate traces on fake tensors: the sequence's order does not matter here
+    model = around(lambda m, h: h * torch.searchsorted(h.t().detach().contiguous(),
+                                                       torch.zeros(D, 1, dtype=h.dtype)).t() * m.s, s=(D,))()
+    assert "the batch is the dim of the sorted sequence it searches" in _reasons(model, x)
 
 
 def test_pad_over_the_batch_dim_is_refused():
