@@ -22,8 +22,8 @@ __all__ = [
     "ViTBlock", "ViT", "Attention",
     "LoRALinear", "add_lora",
     "TransposedWeight", "PackedChunk", "PackedSlice", "WeightNormLinear", "Symmetric",
-    "CustomParametrized", "SpectralNormDiscriminator", "TiedTranspose", "LayerScaleBias", "FirstOutput",
-    "SequenceFirstBias",
+    "CustomParametrized", "SpectralNormDiscriminator", "DiffusionUNet", "TiedTranspose", "LayerScaleBias",
+    "FirstOutput", "SequenceFirstBias",
 ]
 
 
@@ -422,6 +422,49 @@ class SpectralNormDiscriminator(nn.Module):
         h = F.leaky_relu(self.conv1(x), 0.2)
         h = F.leaky_relu(self.conv2(h), 0.2)
         return self.head(h.mean((2, 3)))
+
+
+class _DiffusionResBlock(nn.Module):
+    def __init__(self, c: int, t_dim: int):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(2, c), nn.Conv2d(c, c, 3, padding=1)
+        self.time = nn.Linear(t_dim, c)
+        self.norm2, self.conv2 = nn.GroupNorm(2, c), nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x))) + self.time(F.silu(t_emb))[:, :, None, None]
+        return x + self.conv2(F.silu(self.norm2(h)))
+
+
+class DiffusionUNet(nn.Module):
+    """A denoiser as DP diffusion models write it: sinusoidal embedding of each sample's
+    timestep and an MLP on it, added into GroupNorm residual blocks, a strided down
+    convolution, self-attention over the positions, a transposed-convolution up path and
+    a skip connection."""
+
+    def __init__(self, c: int = 4, t_dim: int = 8):
+        super().__init__()
+        self.t_dim = t_dim
+        self.inp = nn.Conv2d(1, c, 3, padding=1)
+        self.time = nn.Sequential(nn.Linear(t_dim, t_dim), nn.SiLU(), nn.Linear(t_dim, t_dim))
+        self.down, self.mid = _DiffusionResBlock(c, t_dim), _DiffusionResBlock(c, t_dim)
+        self.downsample = nn.Conv2d(c, c, 3, stride=2, padding=1)
+        self.attn = nn.MultiheadAttention(c, 2, batch_first=True)
+        self.up = nn.ConvTranspose2d(c, c, 4, stride=2, padding=1)
+        self.out = nn.Conv2d(2 * c, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        half = self.t_dim // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=x.dtype) / half)
+        angles = t[:, None].to(x.dtype) * freqs
+        t_emb = self.time(torch.cat([torch.cos(angles), torch.sin(angles)], -1))
+        skip = self.down(self.inp(x), t_emb)
+        h = self.mid(self.downsample(skip), t_emb)
+        n, c, height, width = h.shape
+        seq = h.flatten(2).transpose(1, 2)
+        seq = seq + self.attn(seq, seq, seq, need_weights=False)[0]
+        h = seq.transpose(1, 2).reshape(n, c, height, width)
+        return self.out(torch.cat([self.up(h), skip], 1))
 
 
 class Symmetric(nn.Module):
