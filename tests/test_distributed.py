@@ -4,13 +4,15 @@ Each rank clips its own samples' gradients in its fxdp backward; DDP then averag
 ranks' ``p.grad`` (its reducer hooks fire on the accumulated, already clipped
 gradient). With ``loss_reduction="mean"`` and equal shards the average is the mean of
 every sample's clipped gradient, which the microbatch loop over the whole batch gives.
-Two processes on the CPU (gloo).
+Two processes on the CPU (gloo), for both ways of combining them: DDP around
+``fxdp.transform(model)``, and ``torch.compile(DDP(model), backend=fxdp.backend(...))``.
 """
 from __future__ import annotations
 
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -22,12 +24,33 @@ from reference import assert_close_all, reference
 
 WORLD = 2
 B, D = 8, 6
+WIDE = {"width": 256, "depth": 5}  # float64 Linear(256, 256)s of 0.5 MB: several 1 MB buckets
 
 
-def _model() -> nn.Module:
+class _Net(nn.Module):
+    """A model class of the user's own: Dynamo compiles its forward under DDP's, which it
+    skips (an ``nn.Sequential`` there would run uncompiled; see the user guide)."""
+
+    def __init__(self, width: int = 16, depth: int = 1):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D, width), nn.Tanh(),
+                                  *[nn.Linear(width, width) for _ in range(depth)], nn.LayerNorm(width))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _model(**sizes: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, 16), nn.LayerNorm(16),
-                         nn.Linear(16, 3)).double()
+    return _Net(**sizes).double()
+
+
+def _wrap(model: nn.Module, clip: float, how: str) -> nn.Module:
+    if how == "transform":
+        return DistributedDataParallel(fxdp.transform(model, max_grad_norm=clip, compiler="eager"))
+    return torch.compile(DistributedDataParallel(model),
+                         backend=fxdp.backend(max_grad_norm=clip, compiler="eager"))
 
 
 def _data():
@@ -39,30 +62,76 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out, y, reduction="none")
 
 
-def _rank(rank: int, init_file: str, clip: float, out_dir: str) -> None:
+def _step(rank: int, ddp: nn.Module) -> None:
+    x, y = _data()
+    shard = slice(rank * B // WORLD, (rank + 1) * B // WORLD)
+    _loss(ddp(x[shard]), y[shard]).mean().backward()
+
+
+def _save(model: nn.Module, path: str, **extra) -> None:
+    torch.save({"grads": {n: p.grad for n, p in model.named_parameters()},
+                "norms": fxdp.per_sample_norms(model), **extra}, path)
+
+
+def _rank(rank: int, init_file: str, clip: float, out_dir: str, how: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
         model = _model()
-        ddp = DistributedDataParallel(fxdp.transform(model, max_grad_norm=clip, compiler="eager"))
-        x, y = _data()
-        shard = slice(rank * B // WORLD, (rank + 1) * B // WORLD)
-        _loss(ddp(x[shard]), y[shard]).mean().backward()
-        torch.save({"grads": {n: p.grad for n, p in model.named_parameters()},
-                    "norms": fxdp.per_sample_norms(model)}, os.path.join(out_dir, f"{rank}.pt"))
+        _step(rank, _wrap(model, clip, how))
+        _save(model, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_ddp_averages_the_ranks_clipped_gradients():
+def _rank_buckets(rank: int, init_file: str, clip: float, out_dir: str) -> None:
+    """DDP buckets smaller than the model: Dynamo's DDPOptimizer splits the graph at
+    bucket boundaries, which fxdp refuses under clipping; without it, one graph."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        model = _model(**WIDE)
+        backend = fxdp.backend(max_grad_norm=clip, compiler="eager")
+        try:
+            _step(rank, torch.compile(DistributedDataParallel(model, bucket_cap_mb=1), backend=backend))
+            error = None
+        except Exception as e:  # noqa: BLE001 (the message is what the test checks)
+            error = f"{type(e).__name__}: {e}"
+        untouched = all(p.grad is None for p in model.parameters())
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            _step(rank, torch.compile(DistributedDataParallel(model, bucket_cap_mb=1), backend=backend))
+        _save(model, os.path.join(out_dir, f"{rank}.pt"), error=error, untouched=untouched)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("how", ["transform", "backend"])
+def test_ddp_averages_the_ranks_clipped_gradients(how):
     model = _model()
     x, y = _data()
     ref = reference(model, (x,), lambda out, i: _loss(out, y[i:i + 1]).sum())
     clip = float(ref.norms.median())
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(os.path.join(tmp, "init"), clip, tmp), nprocs=WORLD, join=True)
+        mp.spawn(_rank, args=(os.path.join(tmp, "init"), clip, tmp, how), nprocs=WORLD, join=True)
         results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(WORLD)]
     for r in results:
         assert_close_all(r["grads"], ref.grad("mean", clip), 1e-9, "averaged clipped p.grad")
     norms = torch.cat([r["norms"] for r in results])
     torch.testing.assert_close(norms, ref.norms, rtol=1e-9, atol=0)
+
+
+def test_ddp_optimizer_graph_split_raises_and_one_graph_clips():
+    model = _model(**WIDE)
+    x, y = _data()
+    ref = reference(model, (x,), lambda out, i: _loss(out, y[i:i + 1]).sum())
+    clip = float(ref.norms.median())
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_buckets, args=(os.path.join(tmp, "init"), clip, tmp), nprocs=WORLD, join=True)
+        results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(WORLD)]
+    for r in results:
+        assert r["error"] is not None and "cannot clip globally across a graph break" in r["error"]
+        assert "DDPOptimizer" in r["error"], r["error"]
+        assert r["untouched"], "no unclipped gradient left behind"
+        assert_close_all(r["grads"], ref.grad("mean", clip), 1e-9, "averaged clipped p.grad")
+    torch.testing.assert_close(torch.cat([r["norms"] for r in results]), ref.norms, rtol=1e-9, atol=0)
