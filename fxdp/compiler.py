@@ -454,8 +454,9 @@ def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices:
 class StepRecord:
     """The per-sample results of one backward, shared by the parameters it covered."""
 
-    def __init__(self, step: int, norms: torch.Tensor, clip_factors: torch.Tensor | None):
+    def __init__(self, step: int, task: int, norms: torch.Tensor, clip_factors: torch.Tensor | None):
         self.step = step
+        self.task = task
         self.norms = norms
         self.clip_factors = clip_factors
 
@@ -473,6 +474,8 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
         if internals.in_compiled_autograd():
             raise UnsupportedError("fxdp does not support compiled autograd")
         params = [args[i] for i in param_positions]
+        task = internals.current_graph_task_id()
+        _refuse_second_run_in_one_backward(params, plan, task)
         grad_sample_params = [args[i] for i in plan.grad_sample_params]
         for p in grad_sample_params:
             # replaced by this backward: free the old one before the new one is built
@@ -482,7 +485,7 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
         extras = list(outs[n:])
         norms = extras.pop(0)
         factors = extras.pop(0) if plan.has_clip_factors else None
-        step = StepRecord(next(_step_counter), norms, factors)
+        step = StepRecord(next(_step_counter), task, norms, factors)
         for p in params:
             p._fxdp_step = step
         for p, gs in zip(grad_sample_params, extras):
@@ -491,6 +494,31 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def _refuse_second_run_in_one_backward(params: list, plan: BackwardPlan, task: int) -> None:
+    """Raise if an fxdp backward already covered one of ``params`` in this ``backward()``.
+
+    That happens when the model ran twice before one backward (two views of a batch, two
+    halves of it) or a parameter sits in two graphs of a graph break. Each run would clip
+    its samples on their own, so a sample that went through both would have a gradient of
+    norm up to twice the bound, and the second run would replace the first's grad samples
+    and norms. Raising here, before any gradient leaves this graph, leaves the ``p.grad``
+    of every parameter covered twice untouched: autograd accumulates a parameter's
+    gradient once all its uses are done.
+    """
+    for p, param_plan in zip(params, plan.params):
+        previous = getattr(p, "_fxdp_step", None)
+        if previous is not None and previous.task == task:
+            raise UnsupportedError(
+                f"fxdp's backward ran twice for parameter {param_plan.name!r} within one "
+                "backward(): the model was called more than once before it (or a graph break "
+                "put the parameter in two graphs). Each call would be clipped on its own, so a "
+                "sample that went through both calls would not be bounded by max_grad_norm, and "
+                "the later call would replace the earlier one's grad_sample and norms. Call the "
+                "model once per backward: concatenate the batches (torch.cat), or, where one "
+                "sample goes through the model twice (two views, a siamese pair), do both inside "
+                "one forward of a wrapper module. Separate backward() calls accumulate as usual.")
 
 
 def latest_record(params) -> StepRecord | None:

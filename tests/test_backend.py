@@ -204,6 +204,31 @@ def test_graph_break_without_clipping_gives_per_sample_results():
     assert_close_all(grads(model), ref.grad("mean"), TOL, "grad")
 
 
+
+class SharedAcrossGraphBreak(nn.Module):
+    """``lin1`` is used on both sides of the break: its parameters are in two graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1 = nn.Linear(4, 4)
+        self.lin2 = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin1(x))
+        torch._dynamo.graph_break()
+        return self.lin2(torch.tanh(self.lin1(h)))
+
+
+def test_parameter_in_two_graphs_of_a_break_raises():
+    """Each graph would give lin1 only its own part of the per-sample gradient (the later
+    replacing the earlier); fxdp raises instead, before lin1's gradient is written."""
+    model = SharedAcrossGraphBreak().to(DTYPE)
+    compiled = torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager"))
+    with pytest.raises(fxdp.UnsupportedError, match="ran twice for parameter 'lin1.weight'"):
+        mean_sq_loss(compiled(randn(5, 4))).backward()
+    assert model.lin1.weight.grad is None and model.lin1.bias.grad is None
+
+
 @pytest.fixture
 def recompile_limit_one():
     # config.patch restores both settings afterwards

@@ -859,6 +859,35 @@ def test_several_backwards_add_up_and_grad_sample_is_replaced():
     assert_tensor_close(dp.clip_factors, ref2.clip_factors(0.5), "clip_factors after step 2")
 
 
+
+@pytest.mark.parametrize("options", [{"max_grad_norm": 0.5}, {"grad_sample": True}, {}])
+def test_two_calls_before_one_backward_raise_and_leave_no_gradient(options):
+    """Each call would clip on its own: a sample in both would escape the bound (Opacus
+    sums a module's calls per sample instead), and the later call would replace the
+    earlier one's grad samples. fxdp raises before any gradient is written."""
+    model = mlp()
+    dp = fxdp.transform(model, compiler="eager", **options)
+    x = randn(5, 4, seed=1)
+    view = x + 0.1 * randn(5, 4, seed=2)
+    with pytest.raises(fxdp.UnsupportedError, match="ran twice for parameter .* within one backward"):
+        (mean_sq_loss(dp(x)) + mean_sq_loss(dp(view))).backward()
+    assert all(p.grad is None for p in model.parameters())
+    # The way it says: both views inside one forward, each sample clipped once.
+    class TwoViews(nn.Module):
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, a, b):
+            return self.inner(a) + self.inner(b)
+
+    pair = TwoViews(model)
+    ref = reference(pair, [x, view], per_sample_sq_loss)
+    dp_pair = fxdp.transform(pair, max_grad_norm=0.5, compiler="eager")
+    mean_sq_loss(dp_pair(x, view)).backward()
+    assert_close_all(grads(pair), ref.grad("mean", 0.5), TOL, "p.grad of both views in one call")
+
+
 # ---------------------------------------------------------------------------
 # one backward pass; the forward is the non-private one
 # ---------------------------------------------------------------------------
