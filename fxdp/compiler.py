@@ -7,6 +7,7 @@ import itertools
 import os
 import re
 import threading
+import types
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -29,6 +30,9 @@ __all__ = ["compile_graph", "CompiledGraph", "RUN_STATE", "latest_record", "anal
 # eager fallback of Dynamo.
 RUN_STATE = threading.local()
 _step_counter = itertools.count(1)
+# .record: the StepRecord of the latest fxdp backward. Not thread-local: autograd runs a
+# backward's nodes on one thread per device, and a backward's graphs may span devices.
+_LATEST = types.SimpleNamespace(record=None)
 
 
 class CompiledGraph:
@@ -476,6 +480,16 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
         params = [args[i] for i in param_positions]
         task = internals.current_graph_task_id()
         _refuse_second_run_in_one_backward(params, plan, task)
+        earlier = _earlier_run_in_this_backward(task)
+        if earlier is not None and (plan.has_clip_factors or earlier.clip_factors is not None):
+            raise UnsupportedError(
+                "fxdp clips globally, but a second fxdp graph ran in this backward() with "
+                "max_grad_norm (submodules compiled one by one, or two transformed models in "
+                "one loss): each graph would clip with the norms of its own parameters only, so "
+                "no sample's whole gradient would be bounded by max_grad_norm. The gradients "
+                "this backward has written so far are clipped per graph: zero them. Transform "
+                "or torch.compile the whole model once; leave parts out by freezing them "
+                "(requires_grad=False).")
         grad_sample_params = [args[i] for i in plan.grad_sample_params]
         for p in grad_sample_params:
             # replaced by this backward: free the old one before the new one is built
@@ -485,7 +499,13 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
         extras = list(outs[n:])
         norms = extras.pop(0)
         factors = extras.pop(0) if plan.has_clip_factors else None
-        step = StepRecord(next(_step_counter), task, norms, factors)
+        if earlier is not None and earlier.norms.shape == norms.shape:
+            # another graph of this backward (a graph break): one total norm per sample
+            earlier.norms = torch.sqrt(earlier.norms.square() + norms.square())
+            step = earlier
+        else:
+            step = StepRecord(next(_step_counter), task, norms, factors)
+        _LATEST.record = step
         for p in params:
             p._fxdp_step = step
         for p, gs in zip(grad_sample_params, extras):
@@ -494,6 +514,12 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def _earlier_run_in_this_backward(task: int) -> StepRecord | None:
+    """The record of an fxdp backward that already ran in this ``backward()``, if any."""
+    record = _LATEST.record
+    return record if record is not None and task != -1 and record.task == task else None
 
 
 def _refuse_second_run_in_one_backward(params: list, plan: BackwardPlan, task: int) -> None:

@@ -202,7 +202,29 @@ def test_graph_break_without_clipping_gives_per_sample_results():
     mean_sq_loss(compiled(x)).backward()
     assert_close_all(grad_samples(model), ref.per_sample, TOL, "grad_sample")
     assert_close_all(grads(model), ref.grad("mean"), TOL, "grad")
+    assert_norms(fxdp.per_sample_norms(model), ref.norms)  # both graphs' parts, combined
 
+
+@pytest.mark.parametrize("how", ["backend", "transform"])
+def test_graphs_compiled_one_by_one_under_clipping_raise(how):
+    """Two fxdp graphs in one backward, each with max_grad_norm, would each clip with only
+    their own parameters' norms: no sample's whole gradient would be bounded."""
+    model = MLP().to(DTYPE)
+    if how == "backend":
+        backend = fxdp.backend(max_grad_norm=1.0, compiler="eager")
+        first, second = torch.compile(model.lin1, backend=backend), torch.compile(model.lin2, backend=backend)
+    else:
+        first = fxdp.transform(model.lin1, max_grad_norm=1.0, compiler="eager")
+        second = fxdp.transform(model.lin2, max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="second fxdp graph ran in this backward"):
+        mean_sq_loss(second(torch.relu(first(randn(5, 4))))).backward()
+    assert model.lin1.weight.grad is None, "the graph that would clip second writes nothing"
+    # The whole model once is the way.
+    model.zero_grad()
+    x = randn(5, 4)
+    ref = reference(model, [x], per_sample_sq_loss)
+    mean_sq_loss(fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(x)).backward()
+    assert_close_all(grads(model), ref.grad("mean", 1.0), TOL, "p.grad")
 
 
 class SharedAcrossGraphBreak(nn.Module):
