@@ -535,16 +535,18 @@ def _refuse_second_run_in_one_backward(params: list, plan: BackwardPlan, task: i
     """
     for p, param_plan in zip(params, plan.params):
         previous = getattr(p, "_fxdp_step", None)
-        if previous is not None and previous.task == task:
+        if previous is not None and task != -1 and previous.task == task:
             raise UnsupportedError(
                 f"fxdp's backward ran twice for parameter {param_plan.name!r} within one "
                 "backward(): the model was called more than once before it (or a graph break "
                 "put the parameter in two graphs). Each call would be clipped on its own, so a "
                 "sample that went through both calls would not be bounded by max_grad_norm, and "
                 "the later call would replace the earlier one's grad_sample and norms. Call the "
-                "model once per backward: concatenate the batches (torch.cat), or, where one "
-                "sample goes through the model twice (two views, a siamese pair), do both inside "
-                "one forward of a wrapper module. Separate backward() calls accumulate as usual.")
+                "model once per backward: where the calls hold different samples (a "
+                "discriminator on a real and a fake batch), concatenate them (torch.cat) or call "
+                "backward() on each call's loss (gradients accumulate); where one sample goes "
+                "through the model twice (two views, a siamese pair), do both inside one "
+                "forward of a wrapper module.")
 
 
 def latest_record(params) -> StepRecord | None:
