@@ -59,6 +59,11 @@ def capture_config():
     - A ``torch.autograd.Function`` call's higher-order op records its class and where
       each ``apply`` argument went (``meta["fxdp_function"]``), to find its rule (see
       ``name_function_calls``).
+    - ``optimize_ddp`` is off: under ``DistributedDataParallel`` Dynamo's DDPOptimizer
+      would split the graph at DDP's gradient buckets (the first holds 1 MB, so nearly
+      every model), and clipping needs the whole model in one graph. The split would
+      overlap communication with the backward, but the clipped gradients exist only at
+      its end.
     """
     import warnings
     from unittest import mock
@@ -91,7 +96,8 @@ def capture_config():
     capturing = _NAMING.capturing
     _NAMING.capturing = True
     try:
-        with config.patch(allow_rnn=True, reorderable_logging_functions=logging_functions), \
+        with config.patch(allow_rnn=True, reorderable_logging_functions=logging_functions,
+                          optimize_ddp=False), \
                 mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame), \
                 mock.patch.object(LoggingLoggerVariable, "call_method", log_at_capture):
             yield

@@ -859,7 +859,6 @@ def test_several_backwards_add_up_and_grad_sample_is_replaced():
     assert_tensor_close(dp.clip_factors, ref2.clip_factors(0.5), "clip_factors after step 2")
 
 
-
 @pytest.mark.parametrize("options", [{"max_grad_norm": 0.5}, {"grad_sample": True}, {}])
 def test_two_calls_before_one_backward_raise_and_leave_no_gradient(options):
     """Each call would clip on its own: a sample in both would escape the bound (Opacus
