@@ -179,3 +179,29 @@ def test_gram_norms_of_half_precision_operands(positions):
     got = gram_inner(g.bfloat16(), a.bfloat16())
     assert got.dtype == torch.bfloat16
     assert ((got.double() - expected).abs() / expected).max() < 2e-2
+
+
+def test_loss_scaling_clips_the_scaled_gradients_and_a_fixed_scale_recipe_undoes_it():
+    """The user guide's account of GradScaler: fxdp clips what backward sees (S·g_i), so
+    under a scaler the bound is C/S; a fixed scale with max_grad_norm=C·S undoes it. Both
+    up to the 1e-6 in the factor (C/(S·‖g‖ + 1e-6) against (C/S)/(‖g‖ + 1e-6)): 1e-5."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x = _randn(B, D).double()
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    clip, scale = float(ref.norms.median()), 1024.0
+    grads = lambda: {n: p.grad.clone() for n, p in model.named_parameters()}  # noqa: E731
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    dp = fxdp.transform(model, max_grad_norm=clip, compiler="eager")
+    scaler.scale(dp(x).pow(2).sum(1).mean()).backward()
+    scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.0))
+    assert_close_all(grads(), ref.grad("mean", clip / scale), 1e-5, "clipped at C/S")
+    torch.testing.assert_close(dp.per_sample_norms, scale * ref.norms)
+
+    model.zero_grad()
+    dp = fxdp.transform(model, max_grad_norm=clip * scale, compiler="eager")
+    (scale * dp(x).pow(2).sum(1).mean()).backward()
+    for p in model.parameters():
+        p.grad /= scale
+    assert_close_all(grads(), ref.grad("mean", clip), 1e-5, "fixed-scale recipe")
