@@ -487,6 +487,9 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
         if internals.in_compiled_autograd():
             raise UnsupportedError("fxdp does not support compiled autograd")
         params = [args[i] for i in param_positions]
+        if not params:  # no trainable parameter (a compiled loss): nothing to clip or record
+            with no_autocast(autocast_devices):
+                return list(compiled(args)[:n])
         task = internals.current_graph_task_id()
         _refuse_second_run_in_one_backward(params, plan, task)
         earlier = _earlier_run_in_this_backward(task)

@@ -227,6 +227,20 @@ def test_graphs_compiled_one_by_one_under_clipping_raise(how):
     assert_close_all(grads(model), ref.grad("mean", 1.0), TOL, "p.grad")
 
 
+
+def test_a_parameter_free_graph_beside_a_clipping_one_is_no_second_clip():
+    """A loss compiled with the fxdp backend has nothing to clip: no refusal, and the
+    model's clipped gradient and norms are the loop's."""
+    model = MLP().to(DTYPE)
+    x = randn(5, 4)
+    ref = reference(model, [x], lambda out, i: out.tanh().pow(2).sum())
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    loss = torch.compile(lambda out: out.tanh().pow(2).sum(1).mean(),
+                         backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    loss(dp(x)).backward()
+    assert_close_all(grads(model), ref.grad("mean", 1.0), TOL, "p.grad")
+    assert_norms(dp.per_sample_norms, ref.norms)
+
 class SharedAcrossGraphBreak(nn.Module):
     """``lin1`` is used on both sides of the break: its parameters are in two graphs."""
 
