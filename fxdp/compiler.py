@@ -305,16 +305,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     record = record or CompiledGraph(options)
     record._stage("captured", gm)
     reason = internals.graph_break_reason(gm)
-    if reason is not None and options.max_grad_norm is not None and "DDPOptimizer" in reason:
-        raise UnsupportedError(
-            "fxdp cannot clip globally across the graphs Dynamo's DDPOptimizer splits a "
-            "DistributedDataParallel model into (one per gradient bucket; DDP's first bucket "
-            "holds 1 MB, so most models are split): each graph would clip its parameters "
-            "separately. Set torch._dynamo.config.optimize_ddp = False before compiling (the "
-            "clipped gradient exists only at the end of the backward, so the split has "
-            "nothing to overlap), or use DistributedDataParallel(fxdp.transform(model, ...)). "
-            f"Dynamo's reason: {reason}.")
     if reason is not None and options.max_grad_norm is not None:
+        if "DDPOptimizer" in reason:
+            raise UnsupportedError(
+                "fxdp cannot clip globally across the graphs Dynamo's DDPOptimizer splits a "
+                "DistributedDataParallel model into (one per gradient bucket; DDP's first bucket "
+                "holds 1 MB, so most models are split): each graph would clip its parameters "
+                "separately. Set torch._dynamo.config.optimize_ddp = False before compiling (the "
+                "clipped gradient exists only at the end of the backward, so the split has "
+                "nothing to overlap), or use DistributedDataParallel(fxdp.transform(model, ...)). "
+                f"Dynamo's reason: {reason}.")
         raise UnsupportedError(
             "fxdp cannot clip globally across a graph break: each graph would clip its "
             f"parameters separately. Dynamo broke the graph because: {reason}. Remove the "
