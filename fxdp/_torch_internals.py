@@ -33,10 +33,14 @@ __all__ = [
 def new_fake_mode():
     """A fresh fake-tensor mode for tracing without compute (``fxdp.explain``). Real
     tensors the model keeps outside its parameters and buffers (a plain tensor
-    attribute) become fake constants instead of an error."""
+    attribute) become fake constants instead of an error. Its shape environment gives
+    an op whose output size depends on data (``nonzero``, ``masked_select`` of shared
+    data) a symbolic size where a bare mode raises; callers fake tensors with
+    ``static_shapes=True``, so the sizes Dynamo guards on stay numbers."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
 
 
 # Logger methods a forward may call (Hugging Face adds ``warning_once`` and ``warning_advice``).

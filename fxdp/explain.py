@@ -70,16 +70,16 @@ def _fake_copy(model: nn.Module, mode: Any) -> nn.Module:
     """
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(mode.from_tensor(p.detach(), static_shapes=True), requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = mode.from_tensor(b)
+        memo[id(b)] = mode.from_tensor(b, static_shapes=True)
     return copy.deepcopy(model, memo)
 
 
 def _fake_args(args: Any, mode: Any) -> Any:
     def to_fake(a: Any) -> Any:
         if isinstance(a, torch.Tensor):
-            t = mode.from_tensor(a.detach())
+            t = mode.from_tensor(a.detach(), static_shapes=True)
             return t.requires_grad_(a.requires_grad) if a.is_leaf else t
         if isinstance(a, (list, tuple)):
             return type(a)(to_fake(x) for x in a)

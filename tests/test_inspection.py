@@ -202,3 +202,29 @@ def test_validate_traces_rnns_as_transform_does():
     """transform turns on Dynamo's ``allow_rnn``; validate must not report it as a problem."""
     model = nn.Sequential(nn.LSTM(4, 5, batch_first=True))
     assert fxdp.validate(model, torch.randn(3, 5, 4)) == []
+
+
+class _SharedDataDependentShapes(nn.Module):
+    """``nonzero`` and ``masked_select`` of shared data: output sizes known only at run time."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("keep", torch.tensor([1.0, 0.0, 1.0, 1.0]))
+
+    def forward(self, x):
+        columns = self.keep.nonzero().squeeze(1)
+        kept = self.fc.weight.masked_select(self.keep.bool().expand(4, 4))
+        return self.fc(x)[:, columns].sum(1) + kept.sum()
+
+
+def test_explain_and_validate_with_data_dependent_shapes_of_shared_data():
+    """Fake tensors have no data: ``explain`` gives sizes that depend on data a symbol."""
+    model = _SharedDataDependentShapes()
+    x = torch.randn(3, 4)
+    assert fxdp.validate(model, x) == []
+    text = str(fxdp.explain(model, x, max_grad_norm=1.0))
+    assert "torch.ops.aten.nonzero.default" in text and "torch.ops.aten.masked_select.default" in text
+    assert "# fxdp: rule=linear.weight, param=fc.weight" in text
+    for p in model.parameters():
+        assert p.grad is None
