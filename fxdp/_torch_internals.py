@@ -57,6 +57,9 @@ def capture_config():
       after the graph runs instead of breaking it. Dynamo replays such reordered calls
       only from the frame it compiles and drops those made in the functions it inlines
       (every module's forward, under ``transform``), so each is recorded on that frame.
+      Dynamo replays only tensors and constants; a call with a category
+      (``warnings.warn(msg, FutureWarning)``) and constant arguments warns once, when the
+      graph is captured.
     - A ``logging.Logger`` call with constant arguments (Hugging Face's
       ``logger.warning_once`` about a config) is logged once, when the graph is
       captured, instead of breaking it; Dynamo cannot replay logger calls.
@@ -81,6 +84,16 @@ def capture_config():
     logger_call = LoggingLoggerVariable.call_method
 
     def record_on_compiled_frame(self, tx, args, kwargs):
+        if self.value is warnings.warn and not DebuggingVariable.can_reorder_logs(self.value, args, kwargs):
+            # A category (``warnings.warn(msg, FutureWarning)``, as Hugging Face's
+            # deprecation notices pass) cannot be replayed after the graph: warn now.
+            try:
+                values = [a.as_python_constant() for a in args]
+                keywords = {k: v.as_python_constant() for k, v in kwargs.items() if k != "stacklevel"}
+            except NotImplementedError:  # a traced value: Dynamo's own answer
+                return record(self, tx, args, kwargs)
+            warnings.warn(*values, **keywords)
+            return ConstantVariable.create(None)
         while getattr(tx, "parent", None) is not None:
             tx = tx.parent
         return record(self, tx, args, kwargs)

@@ -365,6 +365,31 @@ def test_warnings_in_the_forward_are_issued_after_the_graph():
     _check_sum_sq(model, dp, ref)
 
 
+def test_a_warning_with_a_category_in_the_forward_is_issued_when_captured():
+    """Dynamo replays only tensors and constants after the graph, not a category class
+    (Hugging Face's and diffusers' ``warnings.warn(msg, FutureWarning, stacklevel=2)``
+    deprecation notices): such a call warns once, when the graph is captured."""
+
+    class Deprecated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            warnings.warn("`old` is deprecated", FutureWarning, stacklevel=2)
+            return self.lin(x)
+
+    model = Deprecated().to(DTYPE)
+    x = randn(5, 4)
+    ref = reference(model, [x], per_sample_sq_loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dp = _sum_sq_step(model, x)
+    assert [(w.category, str(w.message)) for w in caught if "old" in str(w.message)] == [
+        (FutureWarning, "`old` is deprecated")]
+    _check_sum_sq(model, dp, ref)
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__()
