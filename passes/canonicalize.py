@@ -53,6 +53,23 @@ def _cell_state(state: Any, x: fx.Node) -> tuple[int, int] | None:
     return state.args
 
 
+def data_attr_as_detach_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """``p.data`` in a forward (peft's HRA reads its frozen base weight so) as ``p.detach()``.
+
+    Dynamo records it as ``torch._C._autograd._get_data_attr(p)``, which ``make_fx``
+    does not trace: the retrace would keep its fake value as a constant of the graph.
+    Within one graph both are the same alias of ``p`` without a gradient.
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._autograd._get_data_attr:
+            node.target = torch.ops.aten.detach.default
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
 def rnn_initial_state_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Give an RNN's (or a recurrent cell's) default zero initial state the input's batch dim.
 
@@ -307,7 +324,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     Placeholders keep their order, node meta (``nn_module_stack``) is preserved.
     """
     gm = functions_as_ops(inline_checkpoints(gm))
-    gm = rnn_initial_state_pass(gm)
+    gm = rnn_initial_state_pass(data_attr_as_detach_pass(gm))
     # The LSTM decomposition would pick the opaque aten.mkldnn_rnn_layer on CPU float32.
     decompositions = {
         **get_decompositions(_DECOMPOSED), **{op: op.decompose for op in _COMPOSITE},
@@ -348,6 +365,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
 
 def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     """The canonical graph's rewrites, in order."""
+    gm = legacy_empty_cat_pass(gm)
     gm = repeat_as_expand_pass(gm)
     gm = in_place_as_out_of_place_pass(gm)
     # Expands move down to the ops that consume them (the lookups and linears, then
@@ -361,6 +379,38 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
         gm = broadcast_expanded_operands_pass(gm)
     gm = broadcast_batched_product_pass(gm)
     return tiled_batched_product_pass(gm)
+
+
+def legacy_empty_cat_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop the operands ``cat`` skips: 1-D tensors of size 0 beside tensors of more dims;
+    a ``cat`` of one tensor is its copy.
+
+    Hugging Face's cache starts prefix-tuning's keys as ``torch.tensor([])`` and
+    concatenates the learned prefix to it; the rules would meet an operand that has
+    none of the dims they split along::
+
+        cat = torch.ops.aten.cat.default([empty, prefix_keys], -2)   # before
+        cat = torch.ops.aten.clone.default(prefix_keys)              # after (one operand left)
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
+            continue
+        operands = list(node.args[0])
+        shapes = [tuple(t.meta["val"].shape) if isinstance(t, fx.Node) and "val" in t.meta else None
+                  for t in operands]
+        legacy = [shape is not None and len(shape) == 1 and bool(shape[0] == 0) for shape in shapes]
+        if all(legacy) or (not any(legacy) and len(operands) > 1):
+            continue
+        kept = [t for t, skip in zip(operands, legacy) if not skip]
+        if len(kept) == 1:  # a copy of the one operand left
+            node.target, node.args, node.kwargs = torch.ops.aten.clone.default, (kept[0],), {}
+        else:
+            node.args = (kept, *node.args[1:])
+        changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:

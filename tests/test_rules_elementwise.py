@@ -1654,3 +1654,50 @@ def test_dropout_of_a_parameter_only_value_keeps_the_forward_mask(mode: str):
         assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, 1e-9, "p.grad_sample")
     else:
         assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("mean", 0.1), 1e-9, "p.grad")
+
+
+class ReadsData(nn.Module):
+    """``p.data`` in a forward: peft's HRA multiplies its frozen base weight's ``.data``
+    by a trainable matrix; a trainable weight's ``.data`` passes no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(4, 4).requires_grad_(False)
+        self.u = nn.Parameter(torch.randn(4, 4))
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = F.linear(x, torch.mm(self.base.weight.data, self.u), self.base.bias)
+        return self.fc(h) * self.fc.weight.data.sum()
+
+
+def test_data_of_a_parameter_in_the_forward():
+    torch.manual_seed(0)
+    _against_the_loop(ReadsData().double(), torch.randn(B, 4, dtype=torch.float64))
+
+
+class PrefixKeys(nn.Module):
+    """Prefix tuning as Hugging Face's cache writes it: the learned prefix, expanded to
+    the batch, concatenated to ``torch.tensor([])`` (which ``cat`` skips), or alone in a
+    ``cat`` of one tensor, then concatenated to the keys."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.prefix = nn.Parameter(torch.randn(2, 4))
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):  # [B, T, 4]
+        prefix = self.prefix.expand(x.shape[0], -1, -1)
+        if self.kind == "legacy_empty":
+            prefix = torch.cat([torch.tensor([], dtype=x.dtype), prefix], dim=-2)
+        else:
+            prefix = torch.cat([prefix], dim=1)
+        keys = torch.cat([prefix, self.proj(x)], dim=1)
+        return (x @ keys.transpose(1, 2)).softmax(-1) @ keys
+
+
+@pytest.mark.parametrize("kind", ["legacy_empty", "one_operand"])
+def test_cat_of_a_prefix_with_an_empty_tensor_or_alone(kind: str):
+    torch.manual_seed(0)
+    _against_the_loop(PrefixKeys(kind).double(), torch.randn(B, 3, 4, dtype=torch.float64))
