@@ -66,6 +66,9 @@ def capture_config():
     - A ``torch.autograd.Function`` call's higher-order op records its class and where
       each ``apply`` argument went (``meta["fxdp_function"]``), to find its rule (see
       ``name_function_calls``).
+    - A string method of a class's name (``type(w).__module__.startswith("torchao.")``,
+      which peft's DoRA asks of every weight) is answered from the name itself; Dynamo
+      cannot call methods on the attribute as it keeps it.
     - ``optimize_ddp`` is off: under ``DistributedDataParallel`` Dynamo's DDPOptimizer
       would split the graph at DDP's gradient buckets (the first holds 1 MB, so nearly
       every model), and clipping needs the whole model in one graph. The split would
@@ -76,7 +79,7 @@ def capture_config():
     from unittest import mock
 
     from torch._dynamo.variables import ConstantVariable
-    from torch._dynamo.variables.misc import DebuggingVariable, LoggingLoggerVariable
+    from torch._dynamo.variables.misc import DebuggingVariable, GetAttrVariable, LoggingLoggerVariable
 
     config = torch._dynamo.config
     logging_functions = set(config.reorderable_logging_functions) | {warnings.warn}
@@ -109,6 +112,18 @@ def capture_config():
             return ConstantVariable.create(None)
         return logger_call(self, tx, name, args, kwargs)
 
+    attribute_call = GetAttrVariable.call_method
+
+    def call_on_a_name(self, tx, name, args, kwargs):
+        if self.name in ("__module__", "__name__", "__qualname__"):
+            try:
+                value = getattr(self.obj.as_python_constant(), self.name)
+            except NotImplementedError:
+                value = None
+            if isinstance(value, str):
+                return ConstantVariable.create(value).call_method(tx, name, args, kwargs)
+        return attribute_call(self, tx, name, args, kwargs)
+
     _install_naming()
     capturing = _NAMING.capturing
     _NAMING.capturing = True
@@ -116,7 +131,8 @@ def capture_config():
         with config.patch(allow_rnn=True, reorderable_logging_functions=logging_functions,
                           optimize_ddp=False), \
                 mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame), \
-                mock.patch.object(LoggingLoggerVariable, "call_method", log_at_capture):
+                mock.patch.object(LoggingLoggerVariable, "call_method", log_at_capture), \
+                mock.patch.object(GetAttrVariable, "call_method", call_on_a_name):
             yield
     finally:
         _NAMING.capturing = capturing
