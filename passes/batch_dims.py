@@ -25,7 +25,7 @@ from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, functi
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad, follow_write
 from fxdp.registry import lookup, out_of_place
 
-__all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name"]
+__all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name", "arange_dim"]
 
 aten = torch.ops.aten
 
@@ -1104,7 +1104,7 @@ def _batch_norm(node, arg_batch):
     return _batch_first_only(node, arg_batch[:1])
 
 
-def _arange_dim(node: Any) -> int | None:
+def arange_dim(node: Any) -> int | None:
     """The dim along which ``node`` is ``arange(n)`` (n its size there), constant along
     every other dim; ``None`` if the graph does not show that structurally.
 
@@ -1124,8 +1124,8 @@ def _arange_dim(node: Any) -> int | None:
     if target in (aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
                   aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
                   aten.lift_fresh_copy.default):
-        return _arange_dim(args[0])
-    dim = _arange_dim(args[0]) if args else None
+        return arange_dim(args[0])
+    dim = arange_dim(args[0]) if args else None
     if dim is None:
         return None
     src, out = _meta(args[0]), _meta(node)
@@ -1230,17 +1230,19 @@ def _index(node, arg_batch):
 
 
 def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> BatchDim:
-    data, out = _meta(node.args[0]), _meta(node)
+    """The batch dim of ``x[indices]`` (``node``'s first two arguments) where ``indices``
+    index ``x``'s batch dim ``b``."""
+    data = _meta(node.args[0])
     indices = node.args[1]
     by_batch = indices[b.dim]
-    dim = _arange_dim(by_batch)
+    dim = arange_dim(by_batch)
     # ``arange`` over the whole dim: the identity on its rows, a merged batch dim
     # (``[B·C, …]``, BertForMultipleChoice) included.
     if dim is None or not bool(_meta(by_batch).shape[dim] == data.shape[b.dim]):
         raise MixesSamples("it indexes the batch dim with a tensor other than torch.arange(B)")
     indexed = [i for i, ix in enumerate(indices) if ix is not None]
     # The index tensors broadcast together, right-aligned, into ``broadcast`` dims.
-    broadcast = out.dim() - data.dim() + len(indexed)
+    broadcast = max(_meta(indices[i]).dim() for i in indexed)
     at = dim + broadcast - _meta(by_batch).dim()
     for ix, ib in zip(indices, index_batches):
         if ix is None or ix is by_batch or not isinstance(ib, BatchDim) or ib.dim is None:
@@ -1250,6 +1252,57 @@ def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> B
     # Adjacent index tensors put the broadcast dims in their place; separated ones in front.
     adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
     return b.at((indexed[0] if adjacent else 0) + at)
+
+
+@_register(aten.index_put.default, aten._unsafe_index_put.default)
+def _index_put(node, arg_batch):
+    """``x[i0, i1, ...] = v`` (``+=`` with ``accumulate``): each sample may write only into
+    its own rows of ``x``. So ``x`` is batched, and its batch dim is indexed by
+    ``arange(B)`` (MAE's unshuffle ``out[arange(B)[:, None], ids] = v``), or by a boolean
+    mask batched as ``x`` with shared values (``scores[padding] = -inf``), or left whole
+    in front of the indexed dims; ``v`` is batched where ``x[i0, i1, ...]`` has the
+    batch (right-aligned, as ``v`` broadcasts there) or shared."""
+    b, indices, index_batches = arg_batch[0], node.args[1], arg_batch[1]
+    values, vb = node.args[2], arg_batch[2]
+    batched_indices = [ib for ib in index_batches if isinstance(ib, BatchDim)]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        if isinstance(vb, BatchDim) or batched_indices:
+            raise MixesSamples("it writes batched values, or at batched positions, into a tensor "
+                               "shared by all samples")
+        return b
+    data = _meta(node.args[0])
+    indexed = [i for i, ix in enumerate(indices) if ix is not None]
+    masks = [i for i in indexed if _meta(indices[i]).dtype in (torch.bool, torch.uint8)]
+    # A mask of k dims stands for k index vectors over the dims it covers.
+    covered = {i: _meta(indices[i]).dim() if i in masks else 1 for i in indexed}
+    broadcast = max((1 if i in masks else _meta(indices[i]).dim() for i in indexed), default=0)
+    region_dims = data.dim() - sum(covered.values()) + broadcast
+    if masks and len(indexed) > 1:
+        raise MixesSamples("it indexes with a boolean mask beside other index tensors")
+    if masks and masks[0] <= b.dim < masks[0] + covered[masks[0]]:
+        mask_batch = index_batches[masks[0]]
+        if not (isinstance(mask_batch, BatchDim) and mask_batch.dim == b.dim - masks[0]
+                and mask_batch.at(b.dim).same_as(b)):
+            raise MixesSamples("a boolean mask over the batch dim that is not batched as the tensor")
+        if isinstance(vb, BatchDim):
+            raise MixesSamples("it writes batched values at the positions of a mask over the batch "
+                               "dim (the values are one list for the whole batch)")
+        return b
+    if not indexed:
+        region = b
+    elif b.dim < len(indices) and indices[b.dim] is not None:
+        region = _index_batch_by_arange(node, b, index_batches)
+    elif b.dim < indexed[0] and not batched_indices:
+        region = b
+    else:
+        raise MixesSamples("it writes at positions given by tensors along the batch dim, or at "
+                           "batched positions in front of it")
+    if isinstance(vb, BatchDim):
+        at = region.dim + _meta(values).dim() - region_dims
+        if vb.dim is None or vb.dim != at or not vb.at(region.dim).same_as(region):
+            raise MixesSamples("its batched values do not line up with the batch dim of the rows "
+                               "they are written into")
+    return b
 
 
 _CREATION = {

@@ -370,13 +370,17 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     gm = in_place_as_out_of_place_pass(gm)
     # Expands move down to the ops that consume them (the lookups and linears, then
     # what consumes those), where broadcasting replaces them; a pointwise op that an
-    # expand moves past can bring it to a lookup, hence two rounds.
+    # expand moves past can bring it to a lookup, hence rounds until nothing moves
+    # (peft's prefix: lookup, dtype cast, view, permute, split, select, cat).
     gm = constant_ids_as_expand_pass(gm)
-    for _ in range(2):
+    for _ in range(6):
+        before = gm.code
         gm = sink_expands_pass(gm)
         gm = expand_after_lookup_pass(gm)
         gm = sink_expands_pass(gm)
         gm = broadcast_expanded_operands_pass(gm)
+        if gm.code == before:
+            break
     gm = broadcast_batched_product_pass(gm)
     return tiled_batched_product_pass(gm)
 
@@ -532,9 +536,9 @@ _SPLITS = {
 
 def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Move an ``expand`` below the views and copies that read it, so that it meets
-    the op that consumes it: ``contiguous(expand(h0))`` is ``expand(h0)`` where nothing
-    writes the copy; ``select``, ``unbind``, ``chunk``/``split``, ``slice``,
-    ``unsqueeze``, ``permute``/``transpose`` (keeping added leading dims in front) and a
+    the op that consumes it: ``contiguous(expand(h0))`` (or ``clone``, ``alias``) is
+    ``expand(h0)`` where nothing writes the copy; ``select``, ``unbind``, ``chunk``/``split``, ``slice``,
+    ``unsqueeze``, ``squeeze``, ``permute``/``transpose`` (keeping added leading dims in front) and a
     reshape of the dims after the broadcast ones, of an expand, are the expand of that
     view of its source; so is a ``layer_norm`` over dims the expand does not broadcast
     (Perceiver's latents).
@@ -563,7 +567,7 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
         sizes = list(expand.args[1])
         new = None
         with gm.graph.inserting_before(node):
-            if (node.target in (aten.contiguous.default, aten.clone.default)
+            if (node.target in (aten.contiguous.default, aten.clone.default, aten.alias.default)
                     and node.kwargs.get("memory_format") in (None, torch.contiguous_format, torch.preserve_format)
                     and not _written_through(node) and not any(u.op == "output" for u in node.users)):
                 new = expand
@@ -637,6 +641,16 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 if not any(_expands_dim(expand, d) for d in range(ndim - normalized, ndim)):
                     inner = _call(gm, aten.layer_norm.default, (expand.args[0], *node.args[1:]), node)
                     new = _call(gm, aten.expand.default, (inner, sizes), node)
+            elif node.target in (aten.squeeze.dim, aten.squeeze.dims):
+                # Only size-1 dims go, which the expand keeps (or added at size 1).
+                named = node.args[1] if node.target is aten.squeeze.dims else [node.args[1]]
+                shape = expand.meta["val"].shape
+                dims = sorted({d % ndim for d in named if bool(shape[d % ndim] == 1)})
+                lead = _leading(expand)
+                source = expand.args[0]
+                if any(d >= lead for d in dims):
+                    source = _call(gm, aten.squeeze.dims, (source, [d - lead for d in dims if d >= lead]), node)
+                new = _call(gm, aten.expand.default, (source, [s for d, s in enumerate(sizes) if d not in dims]), node)
             elif node.target is aten.unsqueeze.default:
                 dim = node.args[1] % (ndim + 1)
                 lead = _leading(expand)
@@ -732,6 +746,15 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if node.target is torch.ops.aten.gather.default:
             changed |= _gather_as_take_along_dim(node)
+            continue
+        if node.target in (torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default):
+            # The values broadcast to the rows they are written into, as an expand would
+            # (MAE's mask token ``repeat``ed over the batch, written at masked positions).
+            values = node.args[2]
+            if isinstance(values, fx.Node) and values.op == "call_function" and values.target in _EXPANDS \
+                    and values.target is not torch.ops.aten.expand_as.default:
+                node.replace_input_with(values, values.args[0])
+                changed = True
             continue
         if (torch.Tag.pointwise not in node.target.tags and node.target not in _CONVERSIONS) \
                 or writes_in_place(node.target):

@@ -1701,3 +1701,106 @@ class PrefixKeys(nn.Module):
 def test_cat_of_a_prefix_with_an_empty_tensor_or_alone(kind: str):
     torch.manual_seed(0)
     _against_the_loop(PrefixKeys(kind).double(), torch.randn(B, 3, 4, dtype=torch.float64))
+
+
+class Writes(nn.Module):
+    """Indexed writes (``aten.index_put``) that keep each sample in its own rows."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(4, 4)
+        if kind in ("unshuffle", "accumulate"):
+            self.mask_token = nn.Parameter(torch.randn(4))
+
+    def forward(self, x, ids):  # x [B, T, 4], ids [B, T] a permutation per sample
+        h = self.fc(x)
+        batch = torch.arange(x.shape[0])
+        if self.kind == "unshuffle":  # MAE: kept tokens back in place, the mask token elsewhere
+            out = torch.zeros_like(h)
+            out[batch[:, None], ids[:, :3]] = h[:, :3]
+            out[batch[:, None], ids[:, 3:]] = self.mask_token.expand(x.shape[0], 2, 4)
+            return out
+        if self.kind == "mask":  # a per-sample boolean mask and a shared value
+            h[ids < 2] = 0.5
+            return h
+        if self.kind == "columns":  # shared positions, batched values
+            h[:, [0, 2]] = self.fc(h[:, [1, 3]]).tanh()
+            return h
+        if self.kind == "accumulate":  # h[arange(B), ids[:, 0]] += mask_token
+            return h.index_put((batch, ids[:, 0]), self.mask_token.expand(x.shape[0], 4), accumulate=True)
+        raise AssertionError(self.kind)
+
+
+def _permutations(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(5, generator=g) for _ in range(B)])
+
+
+@pytest.mark.parametrize("kind", ["unshuffle", "mask", "columns", "accumulate"])
+def test_indexed_writes_that_keep_samples_apart(kind: str):
+    torch.manual_seed(0)
+    _against_the_loop(Writes(kind).double(), torch.randn(B, 5, 4, dtype=torch.float64), _permutations())
+
+
+class WritesAcross(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("memory", torch.zeros(8, 4))
+
+    def forward(self, x, ids):  # x [B, T, 4], ids [B, T]
+        h = self.fc(x)
+        if self.kind == "into_shared":  # each sample writes into one table
+            memory = self.memory.clone()
+            memory[ids[:, 0]] = h[:, 0]
+            return h + memory.sum()
+        if self.kind == "mask_list":  # the kept values of the whole batch, as one list
+            h[ids < 2] = h[ids >= 3].flip(0)[: int((ids < 2).sum())]
+            return h
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind,reason", [
+    ("into_shared", "writes batched values, or at batched positions, into a tensor shared by all samples"),
+    ("mask_list", "indexes the batch dim with a tensor other than torch.arange(B)"),
+])
+def test_indexed_writes_across_samples_are_refused(kind: str, reason: str):
+    model = WritesAcross(kind).double()
+    problems = fxdp.validate(model, torch.randn(B, 5, 4, dtype=torch.float64), _permutations())
+    assert any(reason in p.reason for p in problems), problems
+
+
+class PeftPrefix(nn.Module):
+    """peft's prefix tuning as it reaches a Hugging Face attention: a table looked up by
+    shared ids expanded to the batch, cast, viewed as ``[B, P, 2·layers, heads, d]``,
+    permuted to ``[2·layers, B, heads, P, d]`` and split per layer; the cache starts each
+    layer's keys and values from ``torch.tensor([])``."""
+
+    def __init__(self, layers: int = 2, heads: int = 2, d: int = 4, prefix: int = 3):
+        super().__init__()
+        self.layers, self.heads, self.d = layers, heads, d
+        self.embedding = nn.Embedding(prefix, 2 * layers * heads * d)
+        self.register_buffer("prefix_ids", torch.arange(prefix))
+        self.qkv = nn.ModuleList(nn.Linear(heads * d, 3 * heads * d) for _ in range(layers))
+
+    def forward(self, x):  # [B, T, heads·d]
+        b, t, _ = x.shape
+        ids = self.prefix_ids.unsqueeze(0).expand(b, -1).to(x.device)  # an alias of the expand
+        past = self.embedding(ids).to(x.dtype)
+        past = past.view(b, -1, 2 * self.layers, self.heads, self.d).permute(2, 0, 3, 1, 4).split(2)
+        empty = torch.tensor([], dtype=x.dtype)
+        for layer, (keys_values, qkv) in enumerate(zip(past, self.qkv)):
+            q, k, v = qkv(x).view(b, t, 3, self.heads, self.d).permute(2, 0, 3, 1, 4)
+            k = torch.cat([torch.cat([empty, keys_values[0]], dim=-2), k], dim=-2)
+            v = torch.cat([torch.cat([empty, keys_values[1]], dim=-2), v], dim=-2)
+            x = x + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)
+        return x
+
+
+def test_peft_prefix_tuning_through_the_cache():
+    torch.manual_seed(0)
+    model = PeftPrefix().double()
+    model.qkv.requires_grad_(False)  # prefix tuning trains the prefix table only
+    _against_the_loop(model, torch.randn(B, 5, 8, dtype=torch.float64))

@@ -35,6 +35,24 @@ def _listed_layout(node: Any) -> BatchDim:
     return batch if isinstance(batch, BatchDim) and isinstance(batch.dim, int) else RAW
 
 
+_INDEXING = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default,
+             torch.ops.aten.index_put_.default, torch.ops.aten._unsafe_index_put.default)
+
+
+def _batch_ranges(op: Any, args: tuple, layouts: dict[int, BatchDim]) -> dict[tuple[int, int], int]:
+    """``{(1, d): dim}`` where ``op`` indexes its data's batch dim ``d`` with ``arange(B)``
+    along ``dim`` (``out[arange(B)[:, None], ids] = v``): each sample reads or writes its
+    own row, row 0 of its batch of one."""
+    from fxdp.passes.batch_dims import arange_dim
+
+    layout = layouts.get(0)
+    if op not in _INDEXING or layout is None or not isinstance(layout.dim, int) or not bool(layout.inner == 1):
+        return {}
+    indices, d = args[1], layout.dim
+    dim = arange_dim(indices[d]) if d < len(indices) else None
+    return {} if dim is None else {(1, d): dim}
+
+
 def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[int, BatchDim],
                  out_layout: BatchDim) -> OpRule:
     """An ``OpRule`` for one call of ``op`` (built per node, never registered).
@@ -58,6 +76,7 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
     listed = [(i, j) for i, a in enumerate(args) if isinstance(a, (list, tuple))
               for j, x in enumerate(a) if isinstance(x, fx.Node)]
     listed_layouts = [_listed_layout(args[i][j]) for i, j in listed]
+    ranges = _batch_ranges(op, args, layouts)
     template = [None if i in tensor_indices else (list(a) if isinstance(a, (list, tuple)) else a)
                 for i, a in enumerate(args)]
 
@@ -86,6 +105,8 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
 
             def one(g_one, *ts):
                 full = rebuild([_one_sample(t, b) for t, b in zip(ts, layouts_now)])
+                for (i, j), dim in ranges.items():  # the sample's own row: row 0 of its batch of one
+                    full[i][j] = torch.zeros_like(full[i][j].narrow(dim, 0, 1))
 
                 def f(p):
                     a = list(full)
