@@ -1557,7 +1557,13 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
     loss = None
     if loss_kinds:
         if len(loss_kinds) > 1:
-            problems.append(Problem("loss", "", "", f"the graph adds losses of different reductions {sorted(loss_kinds)}"))
+            reason = f"the graph adds losses of different reductions {sorted(loss_kinds)}"
+            if divided_by_batch_size:
+                reason += (
+                    "; a sum divided by the batch size (kl_div's reduction='batchmean', "
+                    "loss.sum() / x.shape[0]) is read as a sum: write it as a mean over the samples "
+                    "(kl_div(..., reduction='none').sum(-1).mean())")
+            problems.append(Problem("loss", "", "", reason))
         loss = sorted(loss_kinds)[0]
     return BatchAnalysis(batch=batch, problems=problems, uses=uses, loss=loss,
                          loss_divided_by_batch_size=divided_by_batch_size,

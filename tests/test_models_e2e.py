@@ -297,6 +297,8 @@ class Distill(torch.nn.Module):
             return F.kl_div(log_p, q, reduction="batchmean")
         if self.how == "sum_over_rows":
             return F.kl_div(log_p, q, reduction="sum") / x.shape[0]
+        if self.how == "with_cross_entropy":  # vit-pytorch's DistillWrapper
+            return F.cross_entropy(log_p, q.argmax(-1)) + F.kl_div(log_p, q, reduction="batchmean")
         return F.kl_div(log_p, q, reduction="none").sum(-1).mean()
 
 
@@ -307,7 +309,7 @@ def test_a_sum_divided_by_the_batch_size_is_not_taken_for_a_mean():
     write the mean; written so, it is exact, and ``"sum"`` clips the shares."""
     torch.manual_seed(0)
     x, teacher = _randn(B, 4), _randn(B, 5, seed=3)
-    for how in ("batchmean", "sum_over_rows"):
+    for how in ("batchmean", "sum_over_rows", "with_cross_entropy"):
         torch._dynamo.reset()
         dp_model = fxdp.transform(Distill(how).double(), max_grad_norm=1.0, loss_reduction="mean",
                                   compiler="eager")
