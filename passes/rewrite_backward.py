@@ -34,6 +34,7 @@ import torch.fx as fx
 from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_hint
 from fxdp.batching import batch_major_all, retrack, scale_batch
 from fxdp.markers import USES, UseInfo
+from fxdp.opaque import run_opaque, symbolic_batch
 from fxdp.options import Options
 from fxdp.registry import GRAD, ghost_inner
 
@@ -201,22 +202,43 @@ def _choose(use: UseInfo, operands: list[torch.Tensor], keep: bool) -> tuple[str
     return min(costs, key=costs.get), costs
 
 
-def _per_sample_vjp(transform: Callable, sources: list[torch.Tensor], cotangents: torch.Tensor) -> tuple:
-    """``vjp(transform, sources)`` at each sample's cotangent (``cotangents`` ``[B, ...]``).
+def _per_sample_vjp(transform: Callable, sources: list[torch.Tensor], others: list,
+                    cotangents: torch.Tensor) -> tuple:
+    """``vjp(lambda *s: transform(*s, *others), sources)`` at each sample's cotangent
+    (``cotangents`` ``[B, ...]``).
 
     The transform runs once per sample under ``vmap`` on copies of its sources, and one
     ordinary backward maps every cotangent. ``vmap`` over the VJP function instead would
     run the backward formulas under ``vmap``, where ``slice_backward`` reads its input's
     sizes as ints: a symbolic sequence length would be specialised, and every new length
-    would recompile.
+    would recompile. Some forward batching rules read the batch size so (``embedding`` of
+    a batched table): with a symbolic batch size the work is an opaque op
+    (``fxdp/opaque.py``) that runs on the real tensors.
     """
     batch_size = cotangents.shape[0]
-    # Expanded views of the sources: one per sample, nothing copied.
-    copies = [s.detach().expand(batch_size, *s.shape).requires_grad_(True) for s in sources]
-    with torch.enable_grad():
-        out = torch.func.vmap(transform)(*copies)
-        grads = torch.autograd.grad(out, copies, cotangents, allow_unused=True)
-    return tuple(torch.zeros_like(c) if g is None else g for c, g in zip(copies, grads))
+    if not symbolic_batch(batch_size):
+        # Expanded views of the sources: one per sample, nothing copied.
+        copies = [s.detach().expand(batch_size, *s.shape).requires_grad_(True) for s in sources]
+        with torch.enable_grad():
+            out = torch.func.vmap(lambda *c: transform(*c, *others))(*copies)
+            grads = torch.autograd.grad(out, copies, cotangents, allow_unused=True)
+        return tuple(torch.zeros_like(c) if g is None else g for c, g in zip(copies, grads))
+
+    tensors = [t for t in others if isinstance(t, torch.Tensor)]
+
+    def vjps(cotangents, *inputs):
+        # Run below autograd, where only torch.func's own autograd records.
+        sources_now, tensors_now = inputs[:len(sources)], iter(inputs[len(sources):])
+        others_now = [next(tensors_now) if isinstance(t, torch.Tensor) else t for t in others]
+        copies = [s.detach().expand(cotangents.shape[0], *s.shape) for s in sources_now]
+        _, vjp_fn = torch.func.vjp(
+            lambda *cs: torch.func.vmap(lambda *c: transform(*c, *others_now))(*cs), *copies)
+        return vjp_fn(cotangents)
+
+    def shapes(cotangents, *inputs):
+        return [cotangents.new_empty((cotangents.shape[0], *s.shape), dtype=s.dtype) for s in inputs[:len(sources)]]
+
+    return tuple(run_opaque(lambda *ts: list(vjps(*ts)), shapes, (cotangents, *sources, *tensors)))
 
 
 def _per_sample_shaped(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -338,10 +360,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
             inputs = [env[o] for o in m.args[0][k:]]
             sources, others = inputs[:n], inputs[n:]
 
-            def transform(*srcs):
-                return use.transform.module(*srcs, *others)
-
-            mapped = _per_sample_vjp(transform, sources, psg)
+            mapped = _per_sample_vjp(use.transform.module, sources, others, psg)
             return dict(zip(m.args[0][k: k + n], mapped))
 
         batch_size = None

@@ -890,6 +890,66 @@ def test_varying_batch_sizes_compile_at_most_two_graphs():
     assert 1 <= len(dp.explain().graphs) <= 2
 
 
+class _PerSampleVJPs(nn.Module):
+    """Parameters whose per-sample gradients are per-sample VJPs under ``vmap``:
+    BatchNorm in eval (the generic rule) and a weight-normed linear (a parameter
+    transform) beside a position table looked up by shared ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(3, 4, 3)
+        self.norm = nn.BatchNorm1d(4).eval()
+        self.positions = nn.Embedding(8, 4)
+        self.fc = nn.utils.parametrizations.weight_norm(nn.Linear(4, 2))
+
+    def forward(self, x):  # [B, 3, 6]
+        h = self.norm(self.conv(x)).transpose(1, 2)  # [B, 4, 4]
+        h = h + self.positions(torch.arange(h.shape[1])).to(h.device)
+        return self.fc(torch.tanh(h)).flatten(1)
+
+
+@pytest.mark.parametrize("path", ["transform", "backend"])
+def test_per_sample_vjps_keep_the_batch_size_symbolic(path: str):
+    """``vmap`` reads the batch size as an int in some batching rules; traced on the
+    dynamic recompile, it would specialise the graph, and every new batch size would
+    compile again until Dynamo's recompile limit. The per-sample VJPs run as an opaque
+    op there: two graphs for any number of batch sizes, each step against the loop."""
+    torch.manual_seed(0)
+    model = _PerSampleVJPs().to(DTYPE)
+    options = dict(max_grad_norm=0.5, grad_sample=True, compiler="eager")
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    dp = fxdp.transform(model, **options) if path == "transform" else torch.compile(
+        model, backend=fxdp.backend(**options))
+    for i, batch in enumerate((3, 4, 5, 6, 7, 9, 10, 11, 12, 13)):
+        x = randn(batch, 3, 6, seed=10 + i)
+        model.zero_grad()
+        mean_sq_loss(dp(x)).backward()
+        if batch in (3, 4, 13):
+            ref = reference(model, [x], per_sample_sq_loss)
+            assert_close_all(grads(model), ref.grad("mean", 0.5), TOL, f"p.grad (B={batch})")
+            assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample (B={batch})")
+    assert counters["stats"]["unique_graphs"] <= 2
+
+
+def test_per_sample_vjps_on_a_symbolic_batch_under_inductor():
+    """The opaque per-sample VJP op (``fxdp::per_sample``) inside an Inductor backward:
+    BatchNorm in eval and a weight-normed linear, float32, three batch sizes, two graphs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4).eval(), nn.Flatten(),
+                          nn.utils.parametrizations.weight_norm(nn.Linear(16, 2)))
+    dp = fxdp.transform(model, max_grad_norm=0.5, grad_sample=True, compiler="inductor")
+    for i, batch in enumerate((3, 4, 5)):
+        x = torch.randn(batch, 3, 6, generator=torch.Generator().manual_seed(i))
+        model.zero_grad()
+        mean_sq_loss(dp(x)).backward()
+        ref = reference(model, [x], per_sample_sq_loss)
+        assert_close_all(grads(model), ref.grad("mean", 0.5), 1e-4, f"p.grad (B={batch})")
+        assert_close_all(grad_samples(model), ref.per_sample, 1e-4, f"p.grad_sample (B={batch})")
+    assert len(dp.explain().graphs) == 2 and "fxdp.per_sample" in str(dp.explain())
+
+
 def test_several_backwards_add_up_and_grad_sample_is_replaced():
     model = mlp()
     dp = fxdp.transform(model, max_grad_norm=0.5, grad_sample=True, compiler="eager")

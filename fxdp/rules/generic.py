@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fxdp.batching import RAW, BatchDim, batch_major, retrack
+from fxdp.opaque import run_opaque, symbolic_batch
 from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args, out_of_place
 
 __all__ = ["generic_rule"]
@@ -93,7 +94,18 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
     def make_param_rule(index: int) -> ParamRule:
         in_dims = (0, *[None if b.dim in ("raw", "shared", None) else 0 for b in layouts_all])
 
+        position = tensor_indices.index(index)
+
         def per_sample_grad(g, *tensors, **config):
+            if not symbolic_batch(g.shape[0]) or layouts_all[position].dim not in ("raw", "shared", None):
+                return vjps(g, *tensors)
+
+            def shapes(g, *tensors):
+                return [g.new_empty((g.shape[0], *tensors[position].shape), dtype=tensors[position].dtype)]
+
+            return run_opaque(lambda *ts: [vjps(*ts)], shapes, (g, *tensors))[0]
+
+        def vjps(g, *tensors):
             size = g.shape[0]
             # The layouts' sizes come from the forward's trace: rebuilt from this one's.
             known = (g, *tensors)
