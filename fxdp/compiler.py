@@ -210,6 +210,12 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
             placeholder_batch[node] = None
             continue
         if batch_size is None:
+            if fake.dim() <= dim and position is None and not explicit:
+                # A keyword argument without the dim (Hugging Face's 0-d
+                # num_items_in_batch, which the forward may read before the data) is
+                # shared; keyword arguments come in the order the forward reads them.
+                placeholder_batch[node] = None
+                continue
             if fake.dim() <= dim:
                 raise ValueError(
                     f"the first tensor argument ({source_name(node)}, shape {tuple(fake.shape)}) has no "

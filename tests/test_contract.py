@@ -950,6 +950,29 @@ def test_per_sample_vjps_on_a_symbolic_batch_under_inductor():
     assert len(dp.explain().graphs) == 2 and "fxdp.per_sample" in str(dp.explain())
 
 
+def test_a_scalar_keyword_argument_read_first_is_not_the_batch():
+    """Keyword arguments reach the graph in the order the forward reads them: Hugging
+    Face's 0-d ``num_items_in_batch`` may come before the data. A keyword argument
+    without a batch dim is shared; the batch size comes from the first one that has it."""
+
+    class Normalised(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, **inputs):  # as Hugging Face passes num_items_in_batch on
+            scale = 1.0 / inputs["num_items"]
+            return self.lin(inputs["x"]).pow(2).sum() * scale
+
+    model = Normalised().to(DTYPE)
+    x, num_items = randn(5, 4), torch.tensor(7.0, dtype=DTYPE)
+    ref = reference(model, [], lambda out, i: out, kwargs={"x": x, "num_items": num_items})
+    dp = fxdp.transform(model, max_grad_norm=0.5, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x=x, num_items=num_items).backward()
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+    assert_close_all(grads(model), ref.grad("sum", 0.5), TOL, "p.grad")
+
+
 def test_several_backwards_add_up_and_grad_sample_is_replaced():
     model = mlp()
     dp = fxdp.transform(model, max_grad_norm=0.5, grad_sample=True, compiler="eager")
