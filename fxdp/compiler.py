@@ -457,7 +457,8 @@ def fxdp_same_kept_targets(target: torch.Tensor, ignore_index: int, dim: int,
         f"fxdp: samples keep different numbers of targets that are not ignore_index={ignore_index} "
         "under reduction='mean': the loss is then divided by the number of kept targets of the whole "
         "batch, so no sample has a loss of its own. Use reduction='sum' (loss_reduction='sum') and "
-        "divide by a fixed number yourself (Hugging Face models: pass num_items_in_batch)."))
+        "divide by a fixed number yourself (Hugging Face causal-LM models: pass num_items_in_batch; heads that "
+        "ignore it: compute the loss outside the model)."))
 
 
 def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices: list[str]) -> Callable:
