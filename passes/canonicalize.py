@@ -365,6 +365,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
 
 def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     """The canonical graph's rewrites, in order."""
+    gm = no_op_conversion_pass(gm)
     gm = legacy_empty_cat_pass(gm)
     gm = repeat_as_expand_pass(gm)
     gm = in_place_as_out_of_place_pass(gm)
@@ -383,6 +384,43 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
             break
     gm = broadcast_batched_product_pass(gm)
     return tiled_batched_product_pass(gm)
+
+
+def no_op_conversion_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop a ``.to(...)`` that changes nothing (it returns its input itself).
+
+    Hugging Face's GPT-2 writes ``wpe(position_ids).to(inputs_embeds.device)``; with the
+    ``to`` in between, the lookup's table would be a transformed parameter (a per-sample
+    VJP) instead of meeting the embedding rule and its ghost norm::
+
+        to = torch.ops.aten.to.dtype_layout(embedding, dtype=torch.float32, device=cpu)  # before
+        add = torch.ops.aten.add.Tensor(h, to)
+        add = torch.ops.aten.add.Tensor(h, embedding)                                     # after
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        # ``_to_copy`` always copies (an in-place op may write the copy); ``to`` aliases.
+        if node.op != "call_function" or node.target not in _TO or not node.args:
+            continue
+        source, out = node.args[0], node.meta.get("val")
+        if not isinstance(source, fx.Node) or not isinstance(out, torch.Tensor):
+            continue
+        before = source.meta.get("val")
+        if not isinstance(before, torch.Tensor) or _argument(node, "copy") \
+                or _argument(node, "memory_format") not in (None, torch.preserve_format):
+            continue
+        if (out.dtype, out.device, out.layout) == (before.dtype, before.device, before.layout):
+            node.replace_all_uses_with(source)
+            changed = True
+    return _finished(gm, changed)
+
+
+def _argument(node: fx.Node, name: str) -> Any:
+    """The value of an op's argument ``name``, given or its default."""
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name, argument.default_value)
+    return None
 
 
 def legacy_empty_cat_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -715,6 +753,7 @@ def _gather_as_take_along_dim(node: fx.Node) -> bool:
 
 
 # Dtype and device conversions: elementwise like the pointwise ops, untagged.
+_TO = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.other}
 _CONVERSIONS = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout,
                 torch.ops.aten._to_copy.default}
 

@@ -665,11 +665,13 @@ def _check_over_sizes(model: nn.Module, sizes: list[tuple[int, int]]) -> None:
                          tolerance(torch.float64), f"grad_sample {batch}x{length}")
 
 
-def test_gpt2_position_rows_over_many_sequence_lengths():
+@pytest.mark.parametrize("to_device", [False, True])
+def test_gpt2_position_rows_over_many_sequence_lengths(to_device: bool):
     """Hugging Face GPT-2 looks positions up as ``wpe(arange(T)[None])``: a ``[1, T, d]``
     lookup, expanded to the batch as a broadcast. Twelve lengths stay within Dynamo's
     recompile limit (a per-sample VJP through the lookup specialised every length) and
-    stay exact."""
+    stay exact. Its ``.to(inputs_embeds.device)`` after the lookup changes nothing and
+    is dropped: the table keeps the embedding rule and its ghost norm."""
 
     class GPT2Positions(nn.Module):
         def __init__(self):
@@ -679,8 +681,14 @@ def test_gpt2_position_rows_over_many_sequence_lengths():
             self.head = nn.Linear(4, CLASSES)
 
         def forward(self, x):
-            pos = torch.arange(x.shape[1], device=x.device)[None]
-            return self.head(torch.tanh(self.wte(x) + self.wpe(pos)).mean(1))
+            h = self.wte(x)
+            positions = self.wpe(torch.arange(x.shape[1], device=x.device)[None])
+            if to_device:
+                positions = positions.to(h.device)
+            return self.head(torch.tanh(h + positions).mean(1))
 
     torch.manual_seed(0)
-    _check_over_sizes(GPT2Positions().double(), [(B, length) for length in range(3, 15)])
+    model = GPT2Positions().double()
+    plans = {plan.name: plan for plan in fxdp.explain(model, _ids((B, 5), 30, seed=0), max_grad_norm=1.0).plans}
+    assert plans["wpe.weight"].rule == "embedding.weight"
+    _check_over_sizes(model, [(B, length) for length in range(3, 15)])
