@@ -47,6 +47,18 @@ def new_fake_mode():
 _LOG_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "log"}
 
 
+def _call_now(fn: Callable, args: Sequence[Any], kwargs: dict) -> bool:
+    """Call ``fn`` at capture time with the Python values of Dynamo's ``args`` and
+    ``kwargs``; ``False`` (and no call) where one of them is a traced value."""
+    try:
+        values = [a.as_python_constant() for a in args]
+        keywords = {k: v.as_python_constant() for k, v in kwargs.items()}
+    except NotImplementedError:
+        return False
+    fn(*values, **keywords)
+    return True
+
+
 @contextlib.contextmanager
 def capture_config():
     """Dynamo's settings for capturing a model whole (``fullgraph=True``), read at trace time.
@@ -90,27 +102,19 @@ def capture_config():
         if self.value is warnings.warn and not DebuggingVariable.can_reorder_logs(self.value, args, kwargs):
             # A category (``warnings.warn(msg, FutureWarning)``, as Hugging Face's
             # deprecation notices pass) cannot be replayed after the graph: warn now.
-            try:
-                values = [a.as_python_constant() for a in args]
-                keywords = {k: v.as_python_constant() for k, v in kwargs.items() if k != "stacklevel"}
-            except NotImplementedError:  # a traced value: Dynamo's own answer
-                return record(self, tx, args, kwargs)
-            warnings.warn(*values, **keywords)
-            return ConstantVariable.create(None)
+            keywords = {k: v for k, v in kwargs.items() if k != "stacklevel"}
+            if _call_now(warnings.warn, args, keywords):
+                return ConstantVariable.create(None)
+            return record(self, tx, args, kwargs)  # a traced value: Dynamo's own answer
         while getattr(tx, "parent", None) is not None:
             tx = tx.parent
         return record(self, tx, args, kwargs)
 
     def log_at_capture(self, tx, name, args, kwargs):
-        if name in _LOG_METHODS or name.endswith(("_once", "_advice")):
-            try:
-                values = [a.as_python_constant() for a in args]
-                keywords = {k: v.as_python_constant() for k, v in kwargs.items()}
-            except NotImplementedError:  # a tensor or other traced value: Dynamo's own answer
-                return logger_call(self, tx, name, args, kwargs)
-            getattr(self.value, name)(*values, **keywords)
+        if (name in _LOG_METHODS or name.endswith(("_once", "_advice"))) \
+                and _call_now(getattr(self.value, name), args, kwargs):
             return ConstantVariable.create(None)
-        return logger_call(self, tx, name, args, kwargs)
+        return logger_call(self, tx, name, args, kwargs)  # a tensor or other traced value: Dynamo's answer
 
     attribute_call = GetAttrVariable.call_method
 

@@ -21,6 +21,7 @@ __all__ = [
     "ghost_inner",
     "GHOST_INNER",
     "lookup",
+    "named_arg",
     "is_supported",
     "GRAD",
     "schema_args",
@@ -208,6 +209,17 @@ def is_supported(op_or_module: Any) -> bool:
         packet = getattr(torch.ops.aten, getattr(op_or_module, "__name__", ""), None)
         return isinstance(packet, torch._ops.OpOverloadPacket) and is_supported(packet)
     return op_or_module in RULES
+
+
+def named_arg(node: Any, name: str, default: Any) -> Any:
+    """The argument ``name`` of ``node``'s op by its schema (``linalg_vector_norm`` takes
+    ``(self, ord, dim, keepdim)``, ``sum`` takes ``(self, dim, keepdim)``)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            return node.args[i] if i < len(node.args) and not argument.kwarg_only else default
+    return default
 
 
 def schema_args(op: Any, args: Sequence[Any], kwargs: dict) -> tuple:

@@ -23,7 +23,7 @@ from fxdp.batching import WHOLE, BatchDim
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad, follow_write
-from fxdp.registry import lookup, out_of_place
+from fxdp.registry import lookup, named_arg, out_of_place
 
 __all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name", "arange_dim"]
 
@@ -486,7 +486,7 @@ def _diag_embed(node, arg_batch):
         return b
     ndim = _meta(node.args[0]).dim()
     out_ndim = ndim + 1
-    dims = sorted(_norm_dim(d, out_ndim) for d in (_named_arg(node, "dim1", -2), _named_arg(node, "dim2", -1)))
+    dims = sorted(_norm_dim(d, out_ndim) for d in (named_arg(node, "dim1", -2), named_arg(node, "dim2", -1)))
     if b.dim == ndim - 1:
         raise MixesSamples("it spreads the batch dim over a diagonal")
     d = b.dim
@@ -504,7 +504,7 @@ def _diagonal(node, arg_batch):
     if not isinstance(b, BatchDim) or b.dim is None:
         return b
     ndim = _meta(node.args[0]).dim()
-    dims = [_norm_dim(_named_arg(node, "dim1", 0), ndim), _norm_dim(_named_arg(node, "dim2", 1), ndim)]
+    dims = [_norm_dim(named_arg(node, "dim1", 0), ndim), _norm_dim(named_arg(node, "dim2", 1), ndim)]
     if b.dim in dims:
         raise MixesSamples("it takes a diagonal across the batch dim")
     return b.at(b.dim - sum(1 for d in dims if d < b.dim))
@@ -703,23 +703,12 @@ def _cat(node, arg_batch):
     return result
 
 
-def _named_arg(node: fx.Node, name: str, default: Any) -> Any:
-    """The argument ``name`` of ``node``'s op by its schema (``linalg_vector_norm`` takes
-    ``(self, ord, dim, keepdim)``, ``sum`` takes ``(self, dim, keepdim)``)."""
-    if name in node.kwargs:
-        return node.kwargs[name]
-    for i, argument in enumerate(node.target._schema.arguments):
-        if argument.name == name:
-            return node.args[i] if i < len(node.args) and not argument.kwarg_only else default
-    return default
-
-
 def _reduction(node: fx.Node, arg_batch: list, kind: str) -> Any:
     b = arg_batch[0]
     x = _meta(node.args[0])
     if not isinstance(b, BatchDim) or b.dim is None:
         return b
-    dims, keepdim = _named_arg(node, "dim", None), _named_arg(node, "keepdim", False)
+    dims, keepdim = named_arg(node, "dim", None), named_arg(node, "keepdim", False)
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         dims = list(range(x.dim()))
     if isinstance(dims, int):
@@ -757,9 +746,9 @@ def _values_indices(node, arg_batch):
     if not isinstance(b, BatchDim) or b.dim is None:
         return [b, b]
     x = _meta(node.args[0])
-    d = _named_arg(node, "dim", -1)
+    d = named_arg(node, "dim", -1)
     keep = node.target in (aten.sort.default, aten.sort.stable, aten.topk.default, aten.cummax.default,
-                           aten.cummin.default) or bool(_named_arg(node, "keepdim", False))
+                           aten.cummin.default) or bool(named_arg(node, "keepdim", False))
     d = _norm_dim(d, x.dim())
     if d == b.dim:
         raise MixesSamples("it works along the batch dim")
@@ -863,7 +852,7 @@ def _margin_loss(node, arg_batch):
         return None
     if any(b.dim != 0 for b in batched) or _meta(node.args[0]).dim() < 2:
         raise MixesSamples("the batch dim is the class dim")
-    reduction = _LOSS_REDUCTION[_named_arg(node, "reduction", 1)]
+    reduction = _LOSS_REDUCTION[named_arg(node, "reduction", 1)]
     return batched[0].at(0) if reduction is None else Loss(reduction)
 
 
@@ -1029,7 +1018,7 @@ def _repeat_interleave(node, arg_batch):
         raise MixesSamples("its repeat counts are per-sample data")
     if not isinstance(b, BatchDim) or b.dim is None:
         return b
-    dim = _named_arg(node, "dim", None)
+    dim = named_arg(node, "dim", None)
     if dim is None:
         raise MixesSamples("it flattens the batch dim into one dim (no dim given)")
     if _norm_dim(dim, _meta(node.args[0]).dim()) != b.dim:
@@ -1094,7 +1083,7 @@ def _records_running_statistics(node: fx.Node) -> str | None:
            aten._native_batch_norm_legit.default, aten._native_batch_norm_legit.no_stats,
            aten._native_batch_norm_legit_no_training.default)
 def _batch_norm(node, arg_batch):
-    training = _named_arg(node, "training", False)
+    training = named_arg(node, "training", False)
     if training and isinstance(arg_batch[0], BatchDim) and arg_batch[0].dim is not None:
         raise _MixesButKeepsLayout(
             "BatchNorm in training mode normalises over the batch (and its running statistics "

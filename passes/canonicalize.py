@@ -14,7 +14,7 @@ from fxdp._torch_internals import inline_checkpoints, make_fx_traced
 from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
 from fxdp.passes.writes import is_view, writes_in_place
-from fxdp.registry import out_of_place
+from fxdp.registry import named_arg, out_of_place
 
 __all__ = [
     "canonicalize_pass", "expand_after_lookup_pass", "in_place_as_out_of_place_pass", "repeat_as_expand_pass",
@@ -406,21 +406,13 @@ def no_op_conversion_pass(gm: fx.GraphModule) -> fx.GraphModule:
         if not isinstance(source, fx.Node) or not isinstance(out, torch.Tensor):
             continue
         before = source.meta.get("val")
-        if not isinstance(before, torch.Tensor) or _argument(node, "copy") \
-                or _argument(node, "memory_format") not in (None, torch.preserve_format):
+        if not isinstance(before, torch.Tensor) or named_arg(node, "copy", False) \
+                or named_arg(node, "memory_format", None) not in (None, torch.preserve_format):
             continue
         if (out.dtype, out.device, out.layout) == (before.dtype, before.device, before.layout):
             node.replace_all_uses_with(source)
             changed = True
     return _finished(gm, changed)
-
-
-def _argument(node: fx.Node, name: str) -> Any:
-    """The value of an op's argument ``name``, given or its default."""
-    for i, argument in enumerate(node.target._schema.arguments):
-        if argument.name == name:
-            return node.args[i] if i < len(node.args) else node.kwargs.get(name, argument.default_value)
-    return None
 
 
 def legacy_empty_cat_pass(gm: fx.GraphModule) -> fx.GraphModule:
