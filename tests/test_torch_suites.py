@@ -2,7 +2,9 @@
 
 ``torch.testing._internal.common_modules.module_db`` holds, for every ``torch.nn``
 module, the constructor arguments and forward inputs PyTorch tests it with;
-``common_methods_invocations.op_db`` does the same for functional ops. Here every
+``common_methods_invocations.op_db`` does the same for functional ops, and
+``common_nn``'s older ``module_tests``/``new_module_tests`` list more layer
+configurations (padding modes, depthwise and dilated convolutions, bags). Here every
 batched sample of a module or op that takes trainable tensors goes through
 ``fxdp.transform(..., grad_sample=True, max_grad_norm=...)`` and is compared with the
 microbatch loop (``tests/reference.py``) in float64: inputs written by someone else,
@@ -44,6 +46,7 @@ REFUSED = {
     "LinearCrossEntropyLoss": "class weights make the mean's normaliser|ignore_index=.* under reduction='mean'|"
                               "loss inside the graph is a mean",
     "nn.functional.instance_norm": "track_running_stats=True in training",
+    "EmbeddingBag": "mode='max' routes each feature's gradient to the row of its maximum",
 }
 # What Dynamo cannot capture in one graph (plain ``torch.compile(fullgraph=True)``
 # fails the same way), by module: the error must say so.
@@ -55,6 +58,12 @@ DYNAMO = {
     # a causal mask passed without is_causal: PyTorch tests the mask's values
     "Transformer": "data-dependent", "TransformerEncoder": "data-dependent",
 }
+
+
+def _expected(name: str, error: Exception) -> bool:
+    """Whether ``error`` is the refusal or the Dynamo limit the tables name for ``name``."""
+    expected = "|".join(f"(?:{table[name]})" for table in (REFUSED, DYNAMO) if name in table)
+    return bool(expected) and re.search(expected, str(error)) is not None
 
 
 _SHARE = {"LinearCrossEntropyLoss": 16, "Transformer": 2, "TransformerDecoderLayer": 8}
@@ -172,9 +181,7 @@ def test_module_db(info, sample):
     try:
         _loss(dp(*args, **kwargs)).backward()
     except Exception as e:  # noqa: BLE001 - checked against the tables
-        message = str(e)
-        expected = "|".join(f"(?:{table[name]})" for table in (REFUSED, DYNAMO) if name in table)
-        if expected and re.search(expected, message):
+        if _expected(name, e):
             return
         raise
     grads = {n: p.grad_sample for n, p in model.named_parameters() if p.requires_grad}
@@ -351,3 +358,73 @@ def test_every_op_db_op_is_exact_or_refused():
             wrong.append(f"{op.name}: relative error {err:.1e}")
     assert not wrong, "\n".join(wrong)
     assert len(exact) >= 252, (len(exact), sorted(set(refused)))
+
+
+# ---------------------------------------------------------------------------
+# common_nn: the older module tests (``module_tests`` and ``new_module_tests``)
+# ---------------------------------------------------------------------------
+
+def _legacy_entries():
+    from torch.testing._internal import common_nn
+    entries = []
+    for entry in [*common_nn.module_tests, *common_nn.get_new_module_tests()]:
+        name = entry.get("fullname") or "_".join(filter(None, (entry.get("module_name"), entry.get("desc"))))
+        if "no_batch_dim" in name:
+            continue
+        module = _legacy_module(entry)
+        if isinstance(module, nn.Module) and any(p.requires_grad for p in module.parameters()):
+            entries.append(pytest.param(entry, id=name))
+    return entries
+
+
+def _legacy_module(entry: dict) -> nn.Module:
+    constructor = entry.get("constructor") or getattr(nn, entry["module_name"])
+    return constructor(*entry.get("constructor_args", ()))
+
+
+def _legacy_input(entry: dict, batch_dim: int, batch: int = 3) -> Any:
+    """The entry's input with ``batch`` samples: its own rows, cycled, perturbed
+    where they are floating point (a batch of one or two says little per sample)."""
+    torch.manual_seed(1)
+    given = entry["input_fn"]() if "input_fn" in entry else torch.randn(entry["input_size"])
+
+    def grow(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(DTYPE) if t.is_floating_point() else t
+        size = t.shape[batch_dim]
+        if size == 0 or size >= batch:
+            return t
+        rows = [t.select(batch_dim, i % size) for i in range(batch)]
+        if t.is_floating_point():
+            rows = [r if i < size else r + 0.3 * torch.randn_like(r) for i, r in enumerate(rows)]
+        return torch.stack(rows, batch_dim)
+
+    return tree_map(lambda t: grow(t) if isinstance(t, torch.Tensor) else t, given)
+
+
+@pytest.mark.parametrize("entry", _legacy_entries())
+def test_common_nn_module_tests(entry):
+    """PyTorch's older module tests (``common_nn``): every configuration of a layer with
+    parameters, batched to three samples, against the microbatch loop."""
+    torch.manual_seed(0)
+    model = _legacy_module(entry).to(DTYPE).train()
+    batch_first = next((m.batch_first for m in model.modules() if hasattr(m, "batch_first")),
+                       type(model).__name__ not in SEQUENCE_FIRST)
+    batch_dim = 0 if batch_first else 1
+    given = _legacy_input(entry, batch_dim)
+    args = list(given) if isinstance(given, (tuple, list)) else [given]
+    # A sequence-first layer's 2-D tensors are attention masks, shared by the samples.
+    in_dims = {k: None for k, a in enumerate(args) if not batch_first and a.dim() == 2} or None
+    ref = reference(model, args, lambda out, i: _loss(out), batch_dim=batch_dim, in_dims=in_dims)
+    torch._dynamo.reset()
+    dp = fxdp.transform(model, max_grad_norm=_clip_between(ref.norms), grad_sample=True,
+                        loss_reduction="sum", batch_first=batch_first, compiler="eager", in_dims=in_dims)
+    try:
+        _loss(dp(*args)).backward()
+    except Exception as e:  # noqa: BLE001 - checked against the tables
+        if _expected(type(model).__name__, e):
+            return
+        raise
+    grads = {n: p.grad_sample for n, p in model.named_parameters() if p.requires_grad}
+    assert_close_all(grads, ref.per_sample, TOL, "p.grad_sample")
+    clipped = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert_close_all(clipped, ref.grad("sum", dp.options.max_grad_norm), TOL, "p.grad")
