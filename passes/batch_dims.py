@@ -335,11 +335,22 @@ def _indexing_along(node, arg_batch):
         dim = _norm_dim(node.args[1], _meta(node.args[0]).dim())
         if node.target is aten.index_select.default:
             return index.at(dim)
-        if node.target is aten.gather.default and index.dim == dim:
+        if node.target is aten.gather.default and (index.dim == dim or _broadcast_along(node.args[0], index.dim)):
+            # Along the indices' batch dim every sample reads the same broadcast row.
             return index
         raise MixesSamples("it gathers shared data along another dim than the batch of its indices "
                            "(each sample would read the row at its own position in the batch)")
     return _dim_op(_arg_dim(1))(node, arg_batch)
+
+
+def _broadcast_along(data: Any, dim: int) -> bool:
+    """Whether ``data`` is an expand that broadcasts its dim ``dim`` (added, or from
+    size 1): the same row for every index along it."""
+    if not (isinstance(data, fx.Node) and data.op == "call_function" and data.target in (
+            aten.expand.default, aten.broadcast_to.default, aten.expand_as.default)):
+        return False
+    lead = _meta(data).dim() - _meta(data.args[0]).dim()
+    return dim < lead or bool(_meta(data.args[0]).shape[dim - lead] == 1)
 
 
 @_register(aten.embedding_renorm_.default)
@@ -349,30 +360,6 @@ def _embedding_renorm(node, arg_batch):
     alone, so samples stay independent and the table stays shared. (The in-place write
     into the parameter is refused by ``follow_write``, with what to do instead.)"""
     return arg_batch[0]
-
-
-@_register(aten.take_along_dim.default)
-def _take_along_dim(node, arg_batch):
-    """``take_along_dim(input, indices, dim)``: a gather whose operands broadcast."""
-    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
-    data, index = arg_batch[0], arg_batch[1]
-    if dim is None:  # both flattened first
-        if isinstance(data, BatchDim) and data.dim is not None:
-            raise MixesSamples("it flattens the batch dim into the positions it takes from")
-        return index if isinstance(index, BatchDim) and index.dim is not None and _meta(node.args[1]).dim() == 1 else data
-    out_ndim = _meta(node).dim()
-    dim = _norm_dim(dim, out_ndim)
-    out = _pointwise(node, arg_batch)
-    if not isinstance(out, BatchDim) or out.dim is None:
-        return out
-    data_meta = _meta(node.args[0])
-    along_data = out.dim - (out_ndim - data_meta.dim())
-    if out.dim == dim and isinstance(data, BatchDim) and data.dim is not None:
-        raise MixesSamples("it takes along the batch dim")
-    if data is None and out.dim != dim and along_data >= 0 and not bool(data_meta.shape[along_data] == 1):
-        raise MixesSamples("it takes from shared data along another dim than the batch of its indices "
-                           "(each sample would read the row at its own position in the batch)")
-    return out
 
 
 @_register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,

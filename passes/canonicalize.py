@@ -292,6 +292,26 @@ def _select_scatter_as_slice(base, src, dim, index):
     return torch.ops.aten.slice_scatter.default(base, src.unsqueeze(dim), dim, index, index + 1)
 
 
+def _take_along_dim_as_gather(input, indices, dim=None):
+    """``take_along_dim`` as ``gather`` of its operands broadcast, as ATen writes it, but
+    with the operands' own sizes: its kernel reads them as ints, which on a graph with a
+    symbolic batch size would fix it (every new batch size compiled again). The
+    analysis then sees a ``gather`` of an expanded table (RoBERTa's
+    ``gather(token_type_ids.expand(B, -1), 1, position_ids)``)."""
+    if dim is None:
+        return torch.ops.aten.gather.default(input.reshape(-1), 0, indices.reshape(-1))
+    dim %= input.dim()
+    sizes = list(input.shape)
+    sizes[dim] = indices.shape[dim]
+    sizes = list(torch.broadcast_shapes(tuple(sizes), tuple(indices.shape)))
+    if sizes != list(indices.shape):
+        indices = indices.expand(sizes)
+    sizes[dim] = input.shape[dim]
+    if sizes != list(input.shape):
+        input = input.expand(sizes)
+    return torch.ops.aten.gather.default(input, dim, indices)
+
+
 def _einsum_as_products(equation, operands, **kwargs):
     """``aten.einsum`` as ATen's own implementation runs it: permutes, views and
     ``bmm``/``mul``/``sum``. Its tensors come as one list argument, which the tag pass
@@ -330,6 +350,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         **get_decompositions(_DECOMPOSED), **{op: op.decompose for op in _COMPOSITE},
         torch.ops.aten.bilinear.default: _bilinear_as_einsum, torch.ops.aten.dropout.default: _inactive_dropout,
         torch.ops.aten.select_scatter.default: _select_scatter_as_slice,
+        torch.ops.aten.take_along_dim.default: _take_along_dim_as_gather,
         **_chunked_linear_cross_entropy_ops(),
     }
     def trace(table: dict) -> fx.GraphModule:
@@ -722,28 +743,6 @@ def _reads_unexpanded(node: fx.Node, count: int) -> bool:
     return changed
 
 
-def _gather_as_take_along_dim(node: fx.Node) -> bool:
-    """``gather(src.expand(…), dim, ids)`` is ``take_along_dim(src, ids, dim)``, which
-    broadcasts ``src`` itself, where the expand does not broadcast ``dim`` (RoBERTa's
-    ``gather(token_type_ids.expand(B, -1), 1, position_ids)``)."""
-    data, dim, index = node.args[:3]
-    if node.kwargs.get("sparse_grad") or not (
-            isinstance(data, fx.Node) and data.op == "call_function" and data.target in _EXPANDS):
-        return False
-    source = data.args[0]
-    ndim = data.meta["val"].dim()
-    dim %= ndim
-    shape, ids = source.meta["val"].shape, index.meta["val"].shape
-    if source.meta["val"].dim() != ndim or _expands_dim(data, dim):
-        return False
-    if not all(bool(shape[d] == 1) or bool(shape[d] == ids[d]) for d in range(ndim) if d != dim):
-        return False
-    node.target = torch.ops.aten.take_along_dim.default
-    node.args = (source, index, dim)
-    node.kwargs = {}
-    return True
-
-
 # Dtype and device conversions: elementwise like the pointwise ops, untagged.
 _TO = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.other}
 _CONVERSIONS = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout,
@@ -774,9 +773,6 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if node.target is torch.ops.aten.matmul.default:
             changed |= _reads_unexpanded(node, 2)
-            continue
-        if node.target is torch.ops.aten.gather.default:
-            changed |= _gather_as_take_along_dim(node)
             continue
         if node.target in (torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default):
             # The values broadcast to the rows they are written into, as an expand would

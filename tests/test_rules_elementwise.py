@@ -854,23 +854,40 @@ def test_old_spectral_norm_hook_is_refused_with_the_replacement():
 
 class _TokenTypesByPosition(nn.Module):
     """RoBERTa without ``token_type_ids``: per-sample position ids (a cumsum over the
-    non-padding tokens) gather a ``[1, P]`` buffer expanded to the batch."""
+    non-padding tokens) gather a ``[1, P]`` buffer expanded to the batch; or the same
+    with ``torch.take_along_dim``, which broadcasts the buffer itself."""
 
-    def __init__(self):
+    def __init__(self, kind: str = "gather"):
         super().__init__()
+        self.kind = kind
         self.tokens = nn.Embedding(10, D)
         self.token_types = nn.Embedding(2, D)
-        self.register_buffer("token_type_ids", torch.zeros(1, 12, dtype=torch.long))
+        self.register_buffer("token_type_ids", torch.randint(0, 2, (1, 12)))
 
     def forward(self, ids):
         positions = (ids != 1).long().cumsum(1)
-        types = torch.gather(self.token_type_ids.expand(ids.shape[0], -1), 1, positions)
+        if self.kind == "take_along_dim":
+            types = torch.take_along_dim(self.token_type_ids, positions, 1)
+        else:
+            types = torch.gather(self.token_type_ids.expand(ids.shape[0], -1), 1, positions)
         return self.tokens(ids) + self.token_types(types)
 
 
-def test_gather_of_an_expanded_buffer_by_per_sample_positions():
+@pytest.mark.parametrize("kind", ["gather", "take_along_dim"])
+def test_gather_of_an_expanded_buffer_by_per_sample_positions(kind: str):
+    """Exact at every batch size. The ``gather`` takes two graphs: it used to become a
+    ``take_along_dim``, whose kernel reads sizes as ints and fixed the dynamic
+    recompile's batch size (a new graph for every batch size, as for HF RoBERTa).
+    ``take_along_dim`` written in the forward still compiles once per batch size:
+    Dynamo's own trace of it adds the guard (plain ``torch.compile`` does the same)."""
     torch.manual_seed(0)
-    _against_the_loop(_TokenTypesByPosition().double(), torch.randint(0, 10, (B, T)))
+    model = _TokenTypesByPosition(kind).double()
+    torch._dynamo.utils.counters.clear()
+    dp = _against_the_loop(model, torch.randint(0, 10, (B, T)))
+    for batch in (B + 2, B - 1, B + 1):
+        _against_the_loop(model, torch.randint(0, 10, (batch, T)), dp=dp)
+    if kind == "gather":
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 class _BatchSizedShared(nn.Module):
