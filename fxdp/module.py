@@ -35,6 +35,10 @@ class DPModule(nn.Module):
         def call(*args, **kwargs):
             return model(*args, **kwargs)
 
+        # A code object of its own: Dynamo keeps its compiled graphs, and counts
+        # recompiles against its limit, per code object, and with one shared by every
+        # transform the ninth model of a process would stop at the limit on its first call.
+        call.__code__ = call.__code__.replace()
         object.__setattr__(self, "_compiled", torch.compile(call, backend=backend, fullgraph=True))
         self.training = model.training
 

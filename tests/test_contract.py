@@ -872,6 +872,23 @@ def test_varying_batch_sizes_compile_at_most_two_graphs():
     assert 1 <= len(dp.explain().graphs) <= 2
 
 
+def test_many_transforms_in_one_process_each_compile_their_own():
+    """A hyper-parameter sweep or a re-run notebook cell transforms model after model in
+    one process. Each transform compiles its own graphs: the ninth used to stop at
+    Dynamo's recompile limit on its first call, as every transform shared one code
+    object. Twelve models, two batch sizes each, no ``torch._dynamo.reset()``."""
+    torch._dynamo.reset()
+    for k in range(12):
+        model = mlp(seed=k)
+        dp = fxdp.transform(model, max_grad_norm=0.5, compiler="eager")
+        for batch in (3, 5):
+            x = randn(batch, 4, seed=k)
+            model.zero_grad()
+            mean_sq_loss(dp(x)).backward()
+        ref = reference(model, [x], per_sample_sq_loss)
+        assert_close_all(grads(model), ref.grad("mean", 0.5), TOL, f"p.grad (model {k})")
+
+
 class _PerSampleVJPs(nn.Module):
     """Parameters whose per-sample gradients are per-sample VJPs under ``vmap``:
     BatchNorm in eval (the generic rule) and a weight-normed linear (a parameter
