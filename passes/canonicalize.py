@@ -585,6 +585,18 @@ _SPLITS = {
 }
 
 
+# Ops along one dim ``args[1]``, each row of it on its own.
+_ALONG_ONE_DIM = {
+    torch.ops.aten.softmax.int, torch.ops.aten._softmax.default, torch.ops.aten.log_softmax.int,
+    torch.ops.aten._log_softmax.default, torch.ops.aten._safe_softmax.default, torch.ops.aten.cumsum.default,
+    torch.ops.aten.cumprod.default, torch.ops.aten.logcumsumexp.default,
+}
+
+# Reductions over a dim list ``args[1]`` (``keepdim`` at ``args[2]``).
+_REDUCTIONS = {torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim, torch.ops.aten.amax.default,
+               torch.ops.aten.amin.default}
+
+
 def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Move an ``expand`` below the views and copies that read it, so that it meets
     the op that consumes it: ``contiguous(expand(h0))`` (or ``clone``, ``alias``) is
@@ -592,7 +604,8 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     ``unsqueeze``, ``squeeze``, ``permute``/``transpose`` (keeping added leading dims in front) and a
     reshape of the dims after the broadcast ones, of an expand, are the expand of that
     view of its source; so is a ``layer_norm`` over dims the expand does not broadcast
-    (Perceiver's latents).
+    (Perceiver's latents), a softmax or cumulative op along such a dim, and a reduction
+    over such dims.
 
     A recurrent layer started from a learned state ``h0.expand(-1, B, -1).contiguous()``
     reads layer ``l``'s state as ``unbind(state)[l]``; once the expand reaches the
@@ -692,6 +705,25 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 if not any(_expands_dim(expand, d) for d in range(ndim - normalized, ndim)):
                     inner = _call(gm, aten.layer_norm.default, (expand.args[0], *node.args[1:]), node)
                     new = _call(gm, aten.expand.default, (inner, sizes), node)
+            elif node.target in _ALONG_ONE_DIM:
+                # Works along one dim: where the expand does not broadcast it, the copies
+                # stay copies (ConViT's ``pos_proj(rel.expand(B, ...)).softmax(-1)``).
+                dim = node.args[1] % ndim
+                if not _expands_dim(expand, dim):
+                    inner = _call(gm, node.target, (expand.args[0], dim - _leading(expand), *node.args[2:]),
+                                  node, node.kwargs)
+                    new = _call(gm, aten.expand.default, (inner, sizes), node)
+            elif node.target in _REDUCTIONS and node.args[1:2] and node.args[1]:
+                # Reduces dims the expand does not broadcast: each copy reduced alike.
+                dims = sorted(d % ndim for d in node.args[1])
+                keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim"))
+                lead = _leading(expand)
+                if all(d >= lead and not _expands_dim(expand, d) for d in dims):
+                    inner = _call(gm, node.target, (expand.args[0], [d - lead for d in dims], *node.args[2:]),
+                                  node, node.kwargs)
+                    kept = [1 if d in dims else size for d, size in enumerate(sizes)] if keepdim \
+                        else [size for d, size in enumerate(sizes) if d not in dims]
+                    new = _call(gm, aten.expand.default, (inner, kept), node)
             elif node.target in (aten.squeeze.dim, aten.squeeze.dims):
                 # Only size-1 dims go, which the expand keeps (or added at size 1).
                 named = node.args[1] if node.target is aten.squeeze.dims else [node.args[1]]

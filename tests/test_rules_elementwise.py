@@ -895,17 +895,20 @@ class _BatchSizedShared(nn.Module):
     ``zeros(input_ids.shape)`` token types (LayoutLM, MobileBERT, SqueezeBERT),
     ``arange(T).expand(B, -1) + offset`` positions (BART), a table indexed by positions
     repeated to the batch (Whisper), latents expanded to the batch, normalised and
-    projected into queries (Perceiver), and a gated parameter ``p.expand_as(h)``."""
+    projected into queries (Perceiver), a gated parameter ``p.expand_as(h)``, and a
+    parameter expanded to the batch, projected and softmaxed (ConViT's positional scores
+    ``pos_proj(rel_indices.expand(B, ...)).softmax(-1)``)."""
 
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
-        if kind in ("latents", "expand_as"):
+        if kind in ("latents", "expand_as", "softmax"):
             self.latents = nn.Parameter(torch.randn(2, D))
             self.k = nn.Linear(D, D)
+            if kind in ("latents", "softmax"):
+                self.q = nn.Linear(D, D)
             if kind == "latents":
                 self.norm = nn.LayerNorm(D)
-                self.q = nn.Linear(D, D)
         else:
             self.tokens = nn.Embedding(10, D)
             self.table = nn.Embedding(T + 2, D)
@@ -917,6 +920,9 @@ class _BatchSizedShared(nn.Module):
         if self.kind == "expand_as":  # a gated parameter expanded to the batched value
             h = self.k(x)
             return h + torch.sigmoid(self.latents[0]) * self.latents[1:].expand_as(h)
+        if self.kind == "softmax":  # ConViT: a projected buffer expanded to the batch, softmaxed
+            scores = self.k(self.latents.expand(x.shape[0], -1, -1)).permute(0, 2, 1).softmax(-1)
+            return self.q(x) + scores.cumsum(1).transpose(1, 2).sum(1, keepdim=True)
         n, t = x.shape  # token ids
         if self.kind == "zeros":
             ids = torch.zeros(x.shape, dtype=torch.long, device=x.device)
@@ -927,11 +933,12 @@ class _BatchSizedShared(nn.Module):
         return self.tokens(x) + self.table(ids)
 
 
-@pytest.mark.parametrize("kind", ["zeros", "positions", "indexed", "latents", "expand_as"])
+@pytest.mark.parametrize("kind", ["zeros", "positions", "indexed", "latents", "expand_as", "softmax"])
 def test_shared_values_the_size_of_the_batch(kind: str):
     torch.manual_seed(0)
     model = _BatchSizedShared(kind).double()
-    x = torch.randn(B, T, D, dtype=torch.float64) if kind in ("latents", "expand_as") else torch.randint(0, 10, (B, T))
+    x = torch.randn(B, T, D, dtype=torch.float64) if kind in ("latents", "expand_as", "softmax") \
+        else torch.randint(0, 10, (B, T))
     _against_the_loop(model, x)
 
 
