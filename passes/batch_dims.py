@@ -219,6 +219,9 @@ _EXTRA_POINTWISE = [
     aten.__and__.Tensor, aten.__and__.Scalar, aten.__or__.Tensor, aten.__or__.Scalar,
     aten.__xor__.Tensor, aten.__xor__.Scalar, aten.__iand__.Tensor, aten.__iand__.Scalar,
     aten.__ior__.Tensor, aten.__ior__.Scalar, aten.__ixor__.Tensor, aten.__ixor__.Scalar,
+    # ``lengths // 2`` (Speech2Text's output lengths from the attention mask), untagged.
+    aten.floor_divide.default, aten.floor_divide.Scalar, aten.floor_divide_.Tensor, aten.floor_divide_.Scalar,
+    aten.true_divide.Scalar,
 ]
 
 

@@ -942,6 +942,27 @@ def test_shared_values_the_size_of_the_batch(kind: str):
     _against_the_loop(model, x)
 
 
+class _SubsampledLengths(nn.Module):
+    """Speech2Text: each sample's length after a stride-2 subsampling, ``(len - 1) // 2 + 1``
+    (``aten.floor_divide``), masks its frames."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, mask):  # x [B, T, D], mask [B, T]
+        lengths = (mask.sum(-1) - 1) // 2 + 1
+        kept = torch.arange((x.shape[1] + 1) // 2)[None] < lengths[:, None]
+        return self.fc(x[:, ::2]) * kept[..., None]
+
+
+def test_lengths_floor_divided_per_sample():
+    torch.manual_seed(0)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 3:] = 0
+    _against_the_loop(_SubsampledLengths().double(), torch.randn(B, T, D, dtype=torch.float64), mask)
+
+
 def test_gather_of_shared_rows_by_position_in_the_batch_is_refused():
     """``gather(table, 1, ids)`` with ``table [B, V]`` shared: sample ``i`` would read row
     ``i``, its position in the batch, which it does not have alone."""
