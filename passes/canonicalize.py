@@ -401,6 +401,7 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
         gm = expand_after_lookup_pass(gm)
         gm = sink_expands_pass(gm)
         gm = broadcast_expanded_operands_pass(gm)
+        gm = tiled_pointwise_pass(gm)
         if gm.code == before:
             break
     gm = broadcast_batched_product_pass(gm)
@@ -1167,6 +1168,112 @@ def tiled_batched_product_pass(gm: fx.GraphModule) -> fx.GraphModule:
         _replace(gm, node, new)
         changed = True
     return _finished(gm, changed)
+
+
+def _row_tile(node: Any) -> tuple[fx.Node, Any, int] | None:
+    """``(s, R, P)`` when ``node`` is ``s`` expanded along a dim 0 of size 1 (or added) to
+    ``R`` copies of ``[P, …]`` and read with those two dims merged, ``[R·P, …]``: row
+    ``r·P + p`` is ``s``'s row ``p``. (Swin's shift mask ``mask[None].expand(B, …)
+    .reshape(-1, 1, N, N)``, added to scores whose batch is merged with the windows.)"""
+    aten = torch.ops.aten
+    if not (isinstance(node, fx.Node) and node.op == "call_function"
+            and node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)):
+        return None
+    expand = node.args[0]
+    if not (isinstance(expand, fx.Node) and expand.op == "call_function" and expand.target is aten.expand.default):
+        return None
+    shape, merged = list(expand.meta["val"].shape), list(node.meta["val"].shape)
+    if len(shape) < 2 or len(merged) != len(shape) - 1 or not _expands_dim(expand, 0) \
+            or _leading(expand) > 1 or not isinstance(shape[1], int) or _expands_dim(expand, 1):
+        return None
+    if not (statically_known_true(merged[0] == shape[0] * shape[1])
+            and all(statically_known_true(a == b) for a, b in zip(merged[1:], shape[2:]))):
+        return None
+    if not all(isinstance(n, int) for n in merged[1:]):
+        return None
+    return expand.args[0], expand.args[1][0], shape[1]
+
+
+_TILED_POINTWISE = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
+                    torch.ops.aten.div.Tensor}
+
+
+def tiled_pointwise_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """An elementwise op with a row tile (``_row_tile``) as an operand runs on the tile's
+    source, the other operand's merged rows split: with ``m [nW, …]`` tiled to
+    ``[B·nW, …]``, ``x + tile(m)`` is ``(x.unflatten(0, (-1, nW)) + m).flatten(0, 1)``.
+    A sample then reads one copy of the tile, an ordinary shared operand; an operand
+    with one row broadcasts, and the result is a tile again (Swin's relative position
+    bias plus its shift mask, then added to the scores)::
+
+        expand = torch.ops.aten.expand.default(mask, [2, -1, -1, -1, -1])          # before
+        tile = torch.ops.aten.reshape.default(expand, [-1, 1, 4, 4])
+        add = torch.ops.aten.add.Tensor(scores, tile)
+        unflatten = torch.ops.aten.unflatten.int(scores, 0, [-1, 3])               # after
+        add = torch.ops.aten.add.Tensor(unflatten, mask)
+        flatten = torch.ops.aten.flatten.using_ints(add, 0, 1)
+    """
+    aten = torch.ops.aten
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.scaled_dot_product_attention.default:
+            changed |= _attention_of_tiled_mask(gm, node)
+            continue
+        if node.op != "call_function" or node.target not in _TILED_POINTWISE or len(node.args) != 2:
+            continue
+        tiles = [_row_tile(a) for a in node.args]
+        if (tiles[0] is None) == (tiles[1] is None):
+            continue
+        side = 0 if tiles[0] is not None else 1
+        source, copies, period = tiles[side]
+        other = node.args[1 - side]
+        out = node.meta["val"]
+        rank = node.args[side].meta["val"].dim()
+        if not isinstance(other, fx.Node):
+            continue
+        value = other.meta["val"]
+        if value.dim() == rank and not statically_known_true(value.shape[0] == 1) \
+                and not statically_known_true(value.shape[0] == out.shape[0]):
+            continue
+        with gm.graph.inserting_before(node):
+            first = source if source.meta["val"].dim() == rank + 1 else _call(gm, aten.unsqueeze.default, (source, 0), node)
+            if value.dim() == rank:
+                split = (aten.unsqueeze.default, (other, 0)) if statically_known_true(value.shape[0] == 1) \
+                    else (aten.unflatten.int, (other, 0, [-1, period]))
+                other = _call(gm, split[0], split[1], node)
+            result = _call(gm, node.target, (first, other) if side == 0 else (other, first), node)
+            if statically_known_true(result.meta["val"].shape[0] == 1):
+                result = _call(gm, aten.expand.default, (result, [copies] + [-1] * rank), node)
+                new = _call(gm, aten.reshape.default, (result, [-1, *out.shape[1:]]), node)
+            else:
+                new = _call(gm, aten.flatten.using_ints, (result, 0, 1), node)
+        _replace(gm, node, new)
+        changed = True
+    return _finished(gm, changed)
+
+
+def _attention_of_tiled_mask(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """``scaled_dot_product_attention(q, k, v, tile(m))`` with ``q, k, v`` ``[R·P, …]``:
+    the attention of ``q, k, v`` split to ``[R, P, …]`` with the mask ``m``, merged
+    again (Swin's windows under ``attn_implementation="sdpa"``)."""
+    aten = torch.ops.aten
+    tile = _row_tile(node.args[3]) if len(node.args) > 3 else _row_tile(node.kwargs.get("attn_mask"))
+    if tile is None:
+        return False
+    source, _, period = tile
+    rows = node.meta["val"].shape[0]
+    qkv = node.args[:3]
+    if not all(statically_known_true(t.meta["val"].shape[0] == rows) for t in qkv):
+        return False
+    rank = node.meta["val"].dim()
+    with gm.graph.inserting_before(node):
+        split = [_call(gm, aten.unflatten.int, (t, 0, [-1, period]), node) for t in qkv]
+        mask = source if source.meta["val"].dim() == rank + 1 else _call(gm, aten.unsqueeze.default, (source, 0), node)
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "attn_mask"}
+        out = _call(gm, node.target, (*split, mask, *node.args[4:]), node, kwargs)
+        new = _call(gm, aten.flatten.using_ints, (out, 0, 1), node)
+    _replace(gm, node, new)
+    return True
 
 
 def _sole_view(view: fx.Node) -> bool:

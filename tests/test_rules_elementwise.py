@@ -942,6 +942,43 @@ def test_shared_values_the_size_of_the_batch(kind: str):
     _against_the_loop(model, x)
 
 
+class _ShiftedWindows(nn.Module):
+    """Swin's shifted-window attention: a relative position bias parameter ``[1, H, N, N]``
+    plus the shift mask ``[nW, N, N]`` tiled over the batch merged with the windows
+    (``mask[None].expand(B, …).reshape(-1, 1, N, N)``), added to the scores or passed
+    to ``scaled_dot_product_attention`` as its mask."""
+
+    windows, tokens, heads, width = 3, 4, 2, 4
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.bias = nn.Parameter(torch.randn(1, self.heads, self.tokens, self.tokens))
+        self.register_buffer("mask", torch.randn(self.windows, self.tokens, self.tokens))
+        self.qkv = nn.Linear(self.width, 3 * self.heads * self.width)
+
+    def forward(self, x):  # [B, nW, N, C]
+        n, w, t, c, h = x.shape[0], self.windows, self.tokens, self.width, self.heads
+        q, k, v = self.qkv(x.reshape(n * w, t, c)).view(n * w, t, 3, h, c).permute(2, 0, 3, 1, 4)
+        tiled = self.mask.unsqueeze(1).unsqueeze(0).expand(n, -1, -1, -1, -1).reshape(-1, 1, t, t)
+        if self.kind == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias + tiled)
+        else:
+            out = (q @ k.transpose(-1, -2) + (self.bias + tiled)).softmax(-1) @ v
+        return out.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", ["scores", "sdpa"])
+def test_a_mask_tiled_over_windows_merged_with_the_batch(kind: str):
+    """Each sample reads one copy of the tile: the scores' version used to be refused
+    (the bias's sum with the tile has the merged batch's rows) and the ``sdpa`` one
+    crashed in the backward; HF Swin does both."""
+    torch.manual_seed(0)
+    model = _ShiftedWindows(kind).double()
+    dp = _against_the_loop(model, torch.randn(B, 3, 4, 4, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, 3, 4, 4, dtype=torch.float64), dp=dp)
+
+
 class _SubsampledLengths(nn.Module):
     """Speech2Text: each sample's length after a stride-2 subsampling, ``(len - 1) // 2 + 1``
     (``aten.floor_divide``), masks its frames."""
