@@ -1229,7 +1229,7 @@ def tiled_pointwise_pass(gm: fx.GraphModule) -> fx.GraphModule:
         other = node.args[1 - side]
         out = node.meta["val"]
         rank = node.args[side].meta["val"].dim()
-        if not isinstance(other, fx.Node):
+        if not isinstance(other, fx.Node) or not all(isinstance(n, int) for n in out.shape[1:]):
             continue
         value = other.meta["val"]
         if value.dim() == rank and not statically_known_true(value.shape[0] == 1) \
