@@ -282,6 +282,33 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
 
 
+def views_as_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its ``view`` calls made ``reshape`` where nothing writes through them
+    and they are not outputs, for running on real tensors.
+
+    The rules' code is traced on fake tensors, and ``reshape`` becomes ``view`` where
+    the fake strides allow one. Some fake kernels promise other strides than the real
+    ones (torch 2.13: ``native_layer_norm_backward`` of a transposed input keeps the
+    gradient's strides on fake tensors and returns it contiguous on the CPU; wav2vec2's
+    layer-normed feature encoder), and the ``view`` then fails at run time. A
+    ``reshape`` is that view where the real strides allow it and a copy where not.
+    Inductor needs none of this: it lays out every buffer itself."""
+    from fxdp.passes.writes import is_view, writes_in_place
+
+    def free(node: fx.Node) -> bool:
+        return all(u.op == "call_function" and not writes_in_place(u.target) and (not is_view(u) or free(u))
+                   for u in node.users)
+
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default and free(node):
+            node.target = torch.ops.aten.reshape.default
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
 def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
                   backward_compiler: Callable, forward_observer: Callable = lambda g: None) -> Callable:
     """AOTAutograd without Inductor: both graphs run as plain FX graphs."""
@@ -294,7 +321,7 @@ def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
         return make_boxed_func(g.forward)
 
     def bw(g, inputs):
-        return backward_compiler(g, inputs, lambda g2, i2: make_boxed_func(g2.forward))
+        return backward_compiler(g, inputs, lambda g2, i2: make_boxed_func(views_as_reshapes(g2).forward))
 
     with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False):
         return aot_module_simplified(gm, list(example_inputs), fw_compiler=fw, bw_compiler=bw)

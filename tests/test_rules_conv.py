@@ -110,6 +110,23 @@ class SharedImage(nn.Module):
         return torch.tanh(x * self.conv(self.image))
 
 
+class LayerNormedFeatures(nn.Module):
+    """wav2vec2's layer-normed feature encoder: conv, a ``LayerNorm`` over the channels
+    of the transposed output, transposed back, the next conv. The fake kernel of
+    ``native_layer_norm_backward`` promises the gradient's strides and the CPU kernel
+    returns it contiguous, so the conv rule's traced ``view`` failed at run time."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv0 = nn.Conv1d(1, 8, 4, stride=2, bias=False)  # the raw waveform: one channel
+        self.norm = nn.LayerNorm(8)
+        self.conv1 = nn.Conv1d(8, 4, 3, stride=2)
+
+    def forward(self, x):
+        h = self.norm(self.conv0(x).transpose(-2, -1)).transpose(-2, -1)
+        return self.conv1(nn.functional.gelu(h))
+
+
 def _frozen_weight() -> nn.Module:
     model = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.Tanh(), nn.Conv1d(4, 2, 3, stride=2))
     model[0].weight.requires_grad_(False)
@@ -182,6 +199,7 @@ CASES = [
     Case("stack-conv1d-frozen-weight", _frozen_weight, (3, 3, 8)),
     Case("frames-merged-batch", Frames, (2, 3, 3, 4, 4)),
     Case("conv2d-applied-twice", AppliedTwice, (3, 3, 5, 5)),
+    Case("conv1d-layer-normed-features", LayerNormedFeatures, (3, 1, 20)),
     Case("conv2d-weight-standardized", lambda: WeightStandardized(3, 4, 3, padding=1), (3, 3, 5, 5)),
     Case("conv2d-on-shared-buffer", lambda: SharedImage(unbatched=False), (3, 2, 4, 4)),
     Case("conv2d-unbatched-shared-broadcast", lambda: SharedImage(unbatched=True), (3, 2, 4, 4)),
