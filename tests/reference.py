@@ -87,17 +87,18 @@ def reference(model: nn.Module, args: Sequence[Any], loss_fn: Callable[..., torc
     batch_size = first.shape[batch_dim]
     m = copy.deepcopy(model)
     # Every sample starts from the model's state: a forward that updates buffers (spectral
-    # norm's power iteration) must not carry one sample's update into the next.
-    state = {n: b.clone() for n, b in m.named_buffers()}
+    # norm's power iteration) must not carry one sample's update into the next. Each
+    # buffer is put back as it was, not copied into: a forward may replace a buffer by
+    # one of another shape (ConViT computes its ``rel_indices`` on the first call).
+    state = [(mod, name, b.clone()) for mod in m.modules() for name, b in mod._buffers.items() if b is not None]
     names = [n for n, p in m.named_parameters() if p.requires_grad]
     params = dict(m.named_parameters())
     grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     given = dict(enumerate(in_dims)) if isinstance(in_dims, Sequence) else dict(in_dims or {})
     for i in range(batch_size):
         m.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for n, b in m.named_buffers():
-                b.copy_(state[n])
+        for mod, name, b in state:
+            mod._buffers[name] = b.clone()
         one = [_narrow(a, i, given[k]) if k in given else _slice_batch(a, i, batch_size, batch_dim)
                for k, a in enumerate(args)]
         kw = {k: _narrow(v, i, given[k]) if k in given else _slice_batch(v, i, batch_size, batch_dim)

@@ -979,6 +979,47 @@ def test_a_mask_tiled_over_windows_merged_with_the_batch(kind: str):
     _against_the_loop(model, torch.randn(B + 2, 3, 4, 4, dtype=torch.float64), dp=dp)
 
 
+class _LazyRelativePositions(nn.Module):
+    """ConViT's GPSA: a buffer of relative positions computed on the first call (it
+    replaces a placeholder of another shape, written in place into zeros), expanded to
+    the batch, projected, softmaxed and mixed with the scores by a gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rel", torch.zeros(1, 1, 1, 3), persistent=False)
+        self.pos = nn.Linear(3, H)
+        self.gate = nn.Parameter(torch.randn(H))
+        self.qk = nn.Linear(D, 2 * D)
+
+    def positions(self, side: int) -> torch.Tensor:
+        rel = torch.zeros(1, side * side, side * side, 3)
+        ind = torch.arange(side).view(1, -1) - torch.arange(side).view(-1, 1)
+        rel[:, :, :, 0] = ind.repeat(side, side)
+        rel[:, :, :, 1] = ind.repeat_interleave(side, 0).repeat_interleave(side, 1)
+        rel[:, :, :, 2] = rel[:, :, :, 0] ** 2 + rel[:, :, :, 1] ** 2
+        return rel.to(self.gate.dtype)
+
+    def forward(self, x):  # [B, 4, D]: a 2 x 2 grid
+        n, t, _ = x.shape
+        if self.rel.shape[1] != t:
+            self.rel = self.positions(2)
+        q, k = self.qk(x).view(n, t, 2, H, D // H).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2)).softmax(-1)
+        positional = self.pos(self.rel.expand(n, -1, -1, -1)).permute(0, 3, 1, 2).softmax(-1)
+        gate = torch.sigmoid(self.gate.view(1, -1, 1, 1))
+        attn = (1 - gate) * scores + gate * positional
+        attn /= attn.sum(-1).unsqueeze(-1)
+        return (attn @ q).flatten(1)
+
+
+def test_a_buffer_computed_on_the_first_call():
+    """The buffer is computed inside the first graph, then read. (The microbatch loop
+    used to put each sample's buffers back by copying into them, which broadcast the
+    zero placeholder into the computed buffer from the second sample on.)"""
+    torch.manual_seed(0)
+    _against_the_loop(_LazyRelativePositions().double(), torch.randn(B, 4, D, dtype=torch.float64))
+
+
 class _SubsampledLengths(nn.Module):
     """Speech2Text: each sample's length after a stride-2 subsampling, ``(len - 1) // 2 + 1``
     (``aten.floor_divide``), masks its frames."""
