@@ -1229,7 +1229,9 @@ def tiled_pointwise_pass(gm: fx.GraphModule) -> fx.GraphModule:
         other = node.args[1 - side]
         out = node.meta["val"]
         rank = node.args[side].meta["val"].dim()
-        if not isinstance(other, fx.Node) or not all(isinstance(n, int) for n in out.shape[1:]):
+        # The tile's rows must be the result's (a tile of lower rank would broadcast
+        # along a later dim), and the result's trailing sizes numbers.
+        if not isinstance(other, fx.Node) or out.dim() != rank or not all(isinstance(n, int) for n in out.shape[1:]):
             continue
         value = other.meta["val"]
         if value.dim() == rank and not statically_known_true(value.shape[0] == 1) \
@@ -1242,11 +1244,13 @@ def tiled_pointwise_pass(gm: fx.GraphModule) -> fx.GraphModule:
                     else (aten.unflatten.int, (other, 0, [-1, period]))
                 other = _call(gm, split[0], split[1], node)
             result = _call(gm, node.target, (first, other) if side == 0 else (other, first), node)
-            if statically_known_true(result.meta["val"].shape[0] == 1):
-                result = _call(gm, aten.expand.default, (result, [copies] + [-1] * rank), node)
-                new = _call(gm, aten.reshape.default, (result, [-1, *out.shape[1:]]), node)
-            else:
-                new = _call(gm, aten.flatten.using_ints, (result, 0, 1), node)
+            # Broadcast to the whole result: the tile's copies where no operand had them,
+            # and any dim the tile's expand broadcast that the other operand does not fill.
+            one = statically_known_true(result.meta["val"].shape[0] == 1)
+            full = [period, *out.shape[1:]]
+            if one or list(result.meta["val"].shape[1:]) != full:
+                result = _call(gm, aten.expand.default, (result, [copies if one else -1, *full]), node)
+            new = _call(gm, aten.reshape.default, (result, [-1, *out.shape[1:]]), node)
         _replace(gm, node, new)
         changed = True
     return _finished(gm, changed)
@@ -1261,11 +1265,13 @@ def _attention_of_tiled_mask(gm: fx.GraphModule, node: fx.Node) -> bool:
     if tile is None:
         return False
     source, _, period = tile
-    rows = node.meta["val"].shape[0]
+    rows, rank = node.meta["val"].shape[0], node.meta["val"].dim()
     qkv = node.args[:3]
-    if not all(statically_known_true(t.meta["val"].shape[0] == rows) for t in qkv):
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs["attn_mask"]
+    # The mask's rows must be the queries' (a mask of lower rank broadcasts along later dims).
+    if mask.meta["val"].dim() != rank or not all(
+            t.meta["val"].dim() == rank and statically_known_true(t.meta["val"].shape[0] == rows) for t in qkv):
         return False
-    rank = node.meta["val"].dim()
     with gm.graph.inserting_before(node):
         split = [_call(gm, aten.unflatten.int, (t, 0, [-1, period]), node) for t in qkv]
         mask = source if source.meta["val"].dim() == rank + 1 else _call(gm, aten.unsqueeze.default, (source, 0), node)
