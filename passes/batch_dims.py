@@ -722,6 +722,9 @@ for _op, _kind in [
     (aten.any.dim, "any"), (aten.all.dim, "all"), (aten.norm.ScalarOpt_dim, "norm"),
     (aten.var_mean.correction, "var"), (aten.std_mean.correction, "std"), (aten.prod.default, "prod"),
     (aten.aminmax.default, "min"), (aten.nansum.default, "sum"),
+    # over every dim: ``x.max()`` (Nystromformer's initialisation scale over the batch)
+    (aten.max.default, "max"), (aten.min.default, "min"), (aten.median.default, "median"),
+    (aten.nanmedian.default, "median"), (aten.any.default, "any"), (aten.all.default, "all"),
 ]:
     PROPAGATION[_op] = (lambda k: lambda node, ab: _reduction(node, ab, k))(_kind)
 

@@ -1246,22 +1246,25 @@ def test_affine_batch_norm_in_eval_mode_works():
 
 
 class Centred(nn.Module):
-    """Subtracts the batch mean: sample i's output depends on every other sample."""
+    """Subtracts the batch mean, or scales by the batch's largest value
+    (``x.max()``, every dim): sample i's output depends on every other sample."""
 
-    def __init__(self):
+    def __init__(self, kind: str = "mean"):
         super().__init__()
+        self.kind = kind
         self.lin = nn.Linear(4, 3)
 
     def forward(self, x):
-        return self.lin(x - x.mean(0))
+        return self.lin(x - x.mean(0) if self.kind == "mean" else x / x.abs().max())
 
 
-def test_reduction_over_the_batch_inside_the_model_is_refused():
-    model = Centred().to(DTYPE)
+@pytest.mark.parametrize("kind,op", [("mean", "aten.mean.dim"), ("max", "aten.max.default")])
+def test_reduction_over_the_batch_inside_the_model_is_refused(kind: str, op: str):
+    model = Centred(kind).to(DTYPE)
     dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
     with refused("reduces over the batch dim") as info:
         mean_sq_loss(dp(randn(6, 4))).backward()
-    assert [p.op for p in info.unsupported.problems] == ["aten.mean.dim"]
+    assert [p.op for p in info.unsupported.problems] == [op]
     assert all(p.grad is None for p in model.parameters())
 
 
