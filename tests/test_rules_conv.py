@@ -556,3 +556,31 @@ def test_inductor_grad_sample_lands_on_conv_weight():
     dp = _step(model, x, target, "sum", grad_sample=True, compiler="inductor")
     assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-3, "inductor: grad_sample")
     assert_close_all({"norms": dp.per_sample_norms}, {"norms": ref.norms}, 1e-3, "inductor: norms")
+
+
+@pytest.mark.parametrize("layer", [
+    nn.Conv2d(1, 4, 3),  # one input channel: a grayscale image's first layer
+    nn.Conv2d(4, 4, 3, padding=1, groups=4),  # depthwise (ConvNeXt, MobileNet)
+    nn.ConvTranspose1d(4, 4, 3, groups=4),
+], ids=["one-input-channel", "depthwise", "transposed-depthwise"])
+def test_inductor_depthwise_per_sample_grads_keep_the_batch_size_symbolic(layer: nn.Module):
+    """A weight with one input channel per group gets its per-sample gradients by a
+    convolution with the samples as groups. Inductor's lowering of that convolution
+    reads ``n·groups`` as an int, which pinned the batch size: every new size compiled
+    again until Dynamo's recompile limit stopped training. Four sizes, two graphs."""
+    torch.manual_seed(5)
+    spatial = (6,) if isinstance(layer, nn.ConvTranspose1d) else (6, 6)
+    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.LazyLinear(3))
+    model(torch.randn(1, layer.in_channels, *spatial))  # materialise the lazy layer
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    dp = fxdp.transform(model, max_grad_norm=0.1, grad_sample=True, compiler="inductor")
+    for batch in (4, 6, 5, 7):
+        x = torch.randn(batch, layer.in_channels, *spatial)
+        model.zero_grad()
+        dp(x).pow(2).sum(1).mean().backward()
+        ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+        assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-3, f"grad_sample (B={batch})")
+        assert_close_all(_params(model, "grad"), ref.grad("mean", 0.1), 1e-3, f"clipped grad (B={batch})")
+    assert counters["stats"]["unique_graphs"] == 2

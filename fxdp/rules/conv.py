@@ -349,6 +349,14 @@ def conv_weight_per_sample_grad(g: torch.Tensor, x: torch.Tensor, kernel: list[i
                                 output_padding: list[int]) -> torch.Tensor:
     """``[n, g·o, c, *kernel]``-ordered per-sample weight gradients, flattened per group."""
     config = _config_of(kernel, stride, padding, dilation, groups, transposed, output_padding)
+    weight_shape = _weight_shape(g, x, config)
+    if weight_shape[1] == 1:
+        # One input channel per group (depthwise): the contraction would be a batch of
+        # 1-row matmuls; the grouped convolution is one fast kernel. It runs in here, not
+        # in the graph: Inductor's convolution_backward lowering reads the n·groups
+        # groups as an int, which would pin the batch size (a recompile per size).
+        per_sample = _weight_grad_by_convolution(g, x, config, per_sample=True)
+        return per_sample.reshape(g.shape[0], groups, weight_shape[0] // groups, math.prod(weight_shape[1:]))
     return _by_chunks(_per_sample_grad_chunk, g, x, config).contiguous()
 
 
@@ -377,10 +385,6 @@ def _(g, x, kernel, stride, padding, dilation, groups, transposed, output_paddin
 
 def _weight_per_sample_grad(g: torch.Tensor, x: torch.Tensor, **config) -> torch.Tensor:
     weight_shape = _weight_shape(g, x, config)
-    if weight_shape[1] == 1:
-        # One input channel per group (depthwise): the contraction below would be a
-        # batch of 1-row matmuls; the grouped convolution is one fast kernel.
-        return _weight_grad_by_convolution(g, x, config, per_sample=True)
     per_sample = torch.ops.fxdp.conv_weight_per_sample_grad(g, x, *_op_args(config))
     return per_sample.reshape(per_sample.shape[0], *weight_shape)
 
