@@ -266,9 +266,10 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     def inner_compile(g, inputs, **kwargs):
         if kwargs.get("is_backward"):
-            return backward_compiler(g, inputs, lambda g2, i2: compile_fx_inner(g2, i2, **kwargs))
+            return backward_compiler(
+                g, inputs, lambda g2, i2: compile_fx_inner(clone_overlapping_write_targets(g2), i2, **kwargs))
         forward_observer(g)
-        return compile_fx_inner(g, inputs, **kwargs)
+        return compile_fx_inner(clone_overlapping_write_targets(g), inputs, **kwargs)
 
     from torch._inductor import config as inductor_config
 
@@ -280,6 +281,43 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
     with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False), \
             inductor_config.patch(layout_optimization=False):
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
+
+
+def clone_overlapping_write_targets(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with a ``clone`` before every ``index_put`` into a tensor whose elements
+    overlap (a broadcast: an ``expand``'s stride 0), for Inductor.
+
+    Works around a PyTorch bug (torch 2.13, ``torch/_inductor/fx_passes/reinplace.py``):
+    Inductor turns ``index_put(t, ...)`` into an in-place write into ``t``'s buffer when
+    nothing reads that buffer later, without checking that ``t`` overlaps itself. On
+    ``g.unsqueeze(1).expand(B, T, d)`` the write of one position lands in the ``g``
+    row every position shares, so a masked position zeroes its whole row. A padding
+    mask applied before a sum over time (``h[~mask] = 0; h.sum(1)``, Hugging Face's
+    audio classification heads) has exactly that backward, and samples with padding
+    got zero gradients. A clone gives the write a buffer of its own."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    aten = torch.ops.aten
+
+    def overlaps_itself(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and any(
+            statically_known_true(stride == 0) and not statically_known_true(size == 1)
+            for size, stride in zip(t.shape, t.stride()))
+
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.index_put.default, aten._unsafe_index_put.default):
+            continue
+        target = node.args[0]
+        if isinstance(target, fx.Node) and overlaps_itself(target.meta.get("val")):
+            with gm.graph.inserting_before(node):
+                clone = gm.graph.call_function(aten.clone.default, (target,))
+            clone.meta = {**target.meta, "val": target.meta["val"].clone()}
+            node.replace_input_with(target, clone)
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def views_as_reshapes(gm: fx.GraphModule) -> fx.GraphModule:

@@ -1866,6 +1866,35 @@ def test_indexed_writes_that_keep_samples_apart(kind: str):
     _against_the_loop(Writes(kind).double(), torch.randn(B, 5, 4, dtype=torch.float64), _permutations())
 
 
+class MaskedMeanPool(nn.Module):
+    """Hugging Face's audio classification pooling (wav2vec2, HuBERT, WavLM, …): the
+    padded frames set to zero in place, then a mean over each sample's frames."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.classifier = nn.Linear(8, 4), nn.Linear(4, 3)
+
+    def forward(self, x, keep):  # x [B, T, 8], keep [B, T] bool
+        h = self.proj(x)
+        h[~keep.unsqueeze(-1).repeat(1, 1, h.shape[2])] = 0.0
+        return self.classifier(h.sum(1) / keep.sum(1).view(-1, 1))
+
+
+def test_a_padding_mask_written_before_a_sum_under_inductor():
+    """The backward writes zeros into the sum's broadcast gradient (``index_put`` of an
+    ``expand``). Inductor (torch 2.13) made that write in place into the shared rows,
+    and every sample with padding got a zero gradient; fxdp clones such targets."""
+    torch.manual_seed(0)
+    model = MaskedMeanPool()
+    x, keep = torch.randn(4, 6, 8), torch.arange(6)[None] < torch.tensor([6, 3, 5, 2])[:, None]
+    ref = reference(model, (x, keep), lambda out, i: out.pow(2).sum())
+    max_grad_norm = _clip_between(ref.norms)
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=max_grad_norm, loss_reduction="sum")
+    dp(x, keep).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-4, "grad_sample")
+    assert_close_all(_params(model, "grad"), ref.grad("sum", max_grad_norm), 1e-4, "clipped grad")
+
+
 class WritesAcross(nn.Module):
     def __init__(self, kind: str):
         super().__init__()
