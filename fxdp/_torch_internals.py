@@ -425,7 +425,10 @@ def backend_error(error: BaseException) -> BaseException | None:
         return UnsupportedError(
             "Dynamo hit its recompile limit (torch._dynamo.config.recompile_limit) and would run "
             "the model eagerly, without the fxdp backward: its gradients would not be private. "
-            "Raise the limit or keep input shapes/types stable.")
+            "Dynamo's warning above names the last recompile's reason (TORCH_LOGS=\"recompiles\" "
+            "logs them all). A size mismatch at the batch dim means something read the batch "
+            "size as an int, so each new size compiled anew (see \"Limits\" in the user guide); "
+            "otherwise raise the limit or keep input shapes/types stable.")
     inner = getattr(error, "inner_exception", None) if isinstance(
         error, torch._dynamo.exc.BackendCompilerFailed) else None
     return inner if isinstance(inner, (UnsupportedError, ValueError, TypeError)) else None
