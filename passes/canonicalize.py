@@ -312,6 +312,27 @@ def _take_along_dim_as_gather(input, indices, dim=None):
     return torch.ops.aten.gather.default(input, dim, indices)
 
 
+def _batch_norm_eval_as_affine(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                               cudnn_enabled):
+    """BatchNorm with running statistics (eval mode) as the per-channel affine map it
+    is, written as PyTorch's own decomposition writes it (Inductor lowers both the
+    same). Its weight and bias then meet the elementwise rules (a sample's gradient
+    is a sum over its positions) instead of the generic per-sample VJP, whose ``vmap``
+    takes long to trace and, on a graph with a symbolic batch size, runs eagerly at
+    every step. Training mode, which mixes samples, stays whole to be refused."""
+    if training or running_mean is None or running_var is None or (weight is None and bias is None):
+        return NotImplemented
+    shape = [-1] + [1] * (input.dim() - 2)
+    compute = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
+    mean, var = running_mean.to(compute).reshape(shape), running_var.to(compute).reshape(shape)
+    out = (input - mean) * (1 / torch.sqrt(var + eps))
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out.to(input.dtype)
+
+
 def _einsum_as_products(equation, operands, **kwargs):
     """``aten.einsum`` as ATen's own implementation runs it: permutes, views and
     ``bmm``/``mul``/``sum``. Its tensors come as one list argument, which the tag pass
@@ -351,6 +372,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         torch.ops.aten.bilinear.default: _bilinear_as_einsum, torch.ops.aten.dropout.default: _inactive_dropout,
         torch.ops.aten.select_scatter.default: _select_scatter_as_slice,
         torch.ops.aten.take_along_dim.default: _take_along_dim_as_gather,
+        torch.ops.aten.batch_norm.default: _batch_norm_eval_as_affine,
         **_chunked_linear_cross_entropy_ops(),
     }
     def trace(table: dict) -> fx.GraphModule:

@@ -95,6 +95,16 @@ def _eval_instance_norm() -> nn.Module:
     return model
 
 
+def _eval_batch_norm(spatial: int, **options) -> nn.Module:
+    norm = (nn.BatchNorm2d if spatial == 2 else nn.BatchNorm1d)(C, **options)
+    model = ChannelSandwich(norm, spatial)
+    with torch.no_grad():
+        norm.running_mean.uniform_(-1, 1)
+        norm.running_var.uniform_(0.5, 2)
+    norm.eval()
+    return model
+
+
 @dataclasses.dataclass
 class Case:
     id: str
@@ -127,6 +137,12 @@ CASES = [
     Case("instancenorm1d", lambda: ChannelSandwich(nn.InstanceNorm1d(C, affine=True), 1), (B, 2, 6),
          rules=("instance_norm.weight",)),
     Case("instancenorm1d-eval-running-stats", _eval_instance_norm, (B, 2, 6), rules=("instance_norm.bias",)),
+    # BatchNorm with running statistics is the per-channel affine map it is: the
+    # elementwise rules, not the generic per-sample VJP.
+    Case("batchnorm2d-eval", lambda: _eval_batch_norm(2), (B, 2, 3, 3), rules=("mul.other", "add.other")),
+    Case("batchnorm1d-eval-sequence", lambda: _eval_batch_norm(1, eps=1e-3), (B, 2, 5), rules=("mul.other",)),
+    Case("batchnorm1d-eval-flat", lambda: _eval_batch_norm(0), (B, 2), rules=("mul.other", "add.other")),
+    Case("batchnorm2d-eval-no-affine", lambda: _eval_batch_norm(2, affine=False), (B, 2, 3, 3)),
     Case("layernorm-of-shared-table", SharedTable, (B, T, D), rules=("layer_norm.weight",)),
     Case("layernorm-batch-of-one", lambda: Sandwich(nn.LayerNorm(D)), (1, T, D), rules=("batch-of-one",)),
 ]
