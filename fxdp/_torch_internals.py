@@ -312,7 +312,8 @@ def clone_overlapping_write_targets(gm: fx.GraphModule) -> fx.GraphModule:
         if isinstance(target, fx.Node) and overlaps_itself(target.meta.get("val")):
             with gm.graph.inserting_before(node):
                 clone = gm.graph.call_function(aten.clone.default, (target,))
-            clone.meta = {**target.meta, "val": target.meta["val"].clone()}
+            # Only the value: the target's tensor_meta would give the clone its stride 0.
+            clone.meta["val"] = target.meta["val"].clone()
             node.replace_input_with(target, clone)
             changed = True
     if changed:
