@@ -4,7 +4,8 @@ One table of cases: ``nn.LayerNorm`` (trailing, multi-dim, no bias, merged batch
 batch second), ``F.layer_norm`` with an eps, ``nn.RMSNorm`` (default and explicit
 eps), ``nn.GroupNorm`` over ``[B, C]``, ``[B, C, L]`` and ``[B, C, H, W]`` (one
 group, several, one per channel), ``nn.InstanceNorm1d/2d(affine=True)``, in eval mode
-with running statistics, and a batch of one. Every norm sits after a trainable
+with running statistics, ``nn.BatchNorm1d/2d`` in eval mode (the elementwise rules of
+its affine map), and a batch of one. Every norm sits after a trainable
 layer, so its input gradient is exercised too. Each case runs once in float64 with
 a sum loss and once in float32 with a mean loss, with grad samples and clipping;
 then the refusals.
