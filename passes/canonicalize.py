@@ -1216,6 +1216,14 @@ def _row_tile(node: Any) -> tuple[fx.Node, Any, int] | None:
     return expand.args[0], expand.args[1][0], shape[1]
 
 
+def _copies_dim(gm: fx.GraphModule, source: fx.Node, rank: int, like: fx.Node) -> fx.Node:
+    """A row tile's source with its dim of copies (size 1) in front, to stand for the
+    tile's ``[R, P, …]`` split: rank ``rank + 1``."""
+    if source.meta["val"].dim() == rank + 1:
+        return source
+    return _call(gm, torch.ops.aten.unsqueeze.default, (source, 0), like)
+
+
 _TILED_POINTWISE = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
                     torch.ops.aten.div.Tensor}
 
@@ -1260,7 +1268,7 @@ def tiled_pointwise_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 and not statically_known_true(value.shape[0] == out.shape[0]):
             continue
         with gm.graph.inserting_before(node):
-            first = source if source.meta["val"].dim() == rank + 1 else _call(gm, aten.unsqueeze.default, (source, 0), node)
+            first = _copies_dim(gm, source, rank, node)
             if value.dim() == rank:
                 split = (aten.unsqueeze.default, (other, 0)) if statically_known_true(value.shape[0] == 1) \
                     else (aten.unflatten.int, (other, 0, [-1, period]))
@@ -1296,7 +1304,7 @@ def _attention_of_tiled_mask(gm: fx.GraphModule, node: fx.Node) -> bool:
         return False
     with gm.graph.inserting_before(node):
         split = [_call(gm, aten.unflatten.int, (t, 0, [-1, period]), node) for t in qkv]
-        mask = source if source.meta["val"].dim() == rank + 1 else _call(gm, aten.unsqueeze.default, (source, 0), node)
+        mask = _copies_dim(gm, source, rank, node)
         kwargs = {k: v for k, v in node.kwargs.items() if k != "attn_mask"}
         out = _call(gm, node.target, (*split, mask, *node.args[4:]), node, kwargs)
         new = _call(gm, aten.flatten.using_ints, (out, 0, 1), node)
