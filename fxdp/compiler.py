@@ -361,6 +361,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
 
     # The graphs hold autocast's casts (passes/autocast.py): they run with autocast off.
     devices = list(ambient_autocast())
+    # An empty batch (B == 0, a graph of its own: Dynamo specialises size 0) runs without
+    # Inductor. Its joint-graph passes fold every tensor without elements into a constant,
+    # and the min-cut partitioner then moves the gradients that no longer depend on the
+    # output gradient, markers included, into the forward: their parameters would get no
+    # grad_sample. There is nothing to compute fast there anyway.
+    inductor = options.compiler == "inductor" and not analysis.empty
 
     def backward_compiler(bw_gm: fx.GraphModule, bw_inputs: Sequence[Any], inner: Callable) -> Callable:
         if internals.in_compiled_autograd():
@@ -373,7 +379,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                 "fxdp internal error: part of the gradient of " + ", ".join(leaking) + " would not be "
                 "made per-sample (it reaches the parameter through no rule), so it would leave "
                 "unclipped; please report the model. fxdp.validate lists what it found.")
-        decomps = internals.inductor_decompositions() if options.compiler == "inductor" else None
+        decomps = internals.inductor_decompositions() if inductor else None
         with no_autocast(devices):
             new_gm, plan = backward_rewrite_pass(bw_gm, options, decompositions=decomps)
             record.plan = plan
@@ -383,7 +389,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
         return _backward_runner(compiled, plan, options, devices)
 
     with no_autocast(devices):
-        if options.compiler == "inductor":
+        if inductor:
             compiled = internals.inductor_compile(tagged, example_inputs, backward_compiler,
                                                   lambda g: record._stage("forward", g))
         else:

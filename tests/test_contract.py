@@ -534,6 +534,28 @@ def test_empty_batch_of_any_layer(name):
     assert dp.per_sample_norms.shape == (0,) and dp.clip_factors.shape == (0,)
 
 
+def test_empty_batch_between_others_under_inductor():
+    """Poisson sampling draws an empty batch now and then. Under Inductor every
+    parameter before a LayerNorm kept the grad sample of the batch before it: Inductor
+    folds the empty backward of the norm into a constant, and the partitioner moved
+    those parameters' gradients into the forward, out of fxdp's backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    dp = fxdp.transform(model, max_grad_norm=1.0, grad_sample=True, loss_reduction="sum")
+    for batch_size in (4, 0, 3):
+        model.zero_grad()
+        x = randn(batch_size, 6).float()
+        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+        dp(x).pow(2).sum().backward()
+        for name, p in model.named_parameters():
+            assert p.grad_sample.shape == (batch_size, *p.shape), (batch_size, name)
+        assert dp.per_sample_norms.shape == (batch_size,)
+        if batch_size:
+            assert_close_all(grads(model), ref.grad("sum", 1.0), 1e-4, "p.grad")
+        else:
+            assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+
+
 @pytest.mark.parametrize("batch_size", [0, 1, 3])
 def test_sparse_embedding_gives_dense_per_sample_gradients(batch_size):
     """``Embedding(sparse=True)``: autograd's gradient of the weight is sparse; fxdp's
