@@ -1420,6 +1420,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
     loss_kinds: set[str] = set()
     divided_by_batch_size = False
     single = isinstance(batch_size, int) and batch_size in (0, 1)
+    checks_only = _checks_only(gm)
 
     previous = None
     for node in gm.graph.nodes:
@@ -1514,6 +1515,10 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
             if isinstance(batch[node], Loss):
                 loss_kinds.add(batch[node].reduction)
         except (MixesSamples, ValueError, GuardOnDataDependentSymNode) as e:
+            if node in checks_only:
+                out = _meta(node)
+                batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
+                continue
             consumed_params = sorted({param_names[p] for a in paramish for p in sources.get(a, ())})
             consumes = (f" (it consumes the trainable parameter(s) {', '.join(consumed_params)})"
                         if consumed_params else "")
@@ -1551,6 +1556,33 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                          loss_divided_by_batch_size=divided_by_batch_size,
                          broadcasts=broadcasts, param_only=sources, single=single,
                          empty=single and batch_size == 0, sized_by_batch=sized_by_batch)
+
+
+_ASSERTIONS = {aten._assert_scalar.default, aten._assert_async.default, aten._assert_async.msg,
+               aten.sym_constrain_range.default, aten.sym_constrain_range_for_size.default}
+
+
+def _checks_only(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose values reach nothing but run-time assertions (or nothing).
+
+    Dynamo turns a size read from the data into such checks where it can prove the size
+    (torchaudio's ``max_length = int(lengths.max().item())`` of a padding mask, which
+    the input's own length pins: ``_assert_scalar(Eq(u0, 6))``; on a graph with symbolic
+    sizes the size becomes the input's and the max is left without users). The max
+    mixes the samples' lengths, but into an assertion only, never into a value: no
+    sample's gradient depends on it. A write is never one of them."""
+    found: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if node.op != "call_function" or node.target in _ASSERTIONS or _mutates(node):
+            continue
+        if all(u.target in _ASSERTIONS or u in found for u in node.users):
+            found.add(node)
+    return found
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
 
 
 def _names(nodes, param_names) -> str:

@@ -1041,6 +1041,53 @@ def test_lengths_floor_divided_per_sample():
     _against_the_loop(_SubsampledLengths().double(), torch.randn(B, T, D, dtype=torch.float64), mask)
 
 
+class _LengthsMask(nn.Module):
+    """A padding mask from per-sample lengths whose max over the batch only reaches a
+    run-time check. ``"longest"``: torchaudio's ``_lengths_to_padding_mask`` (Conformer,
+    Emformer) takes the mask's width from ``int(lengths.max())``, which broadcasting
+    against ``x`` pins to ``T`` (Dynamo asserts ``Eq(u0, T)``); ``"checked"``: the model
+    asserts ``torch._check(max <= T)``; ``"width"``: the mask as wide as ``x``."""
+
+    def __init__(self, width: str):
+        super().__init__()
+        self.width = width
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, lengths):  # x [B, T, D], lengths [B]
+        if self.width == "longest":
+            width = int(lengths.max().item())
+        else:
+            width = x.shape[1]
+            if self.width == "checked":
+                torch._check(int(lengths.max().item()) <= width)
+        padded = torch.arange(width)[None, :] >= lengths[:, None]
+        return self.fc(x).masked_fill(padded[..., None], 0.0)
+
+
+@pytest.mark.parametrize("width", ["longest", "checked"])
+def test_a_max_over_the_batch_that_reaches_only_a_check(width):
+    """Not refused: no value depends on the max, so no sample's gradient depends on the
+    others' lengths. Checked on a static and a symbolic batch size against the loop on
+    the model whose mask is as wide as ``x`` (alone, a shorter sample's ``"longest"``
+    mask would be narrower than its input)."""
+    torch.manual_seed(0)
+    model = _LengthsMask(width).double()
+    same = _LengthsMask("width").double()
+    same.load_state_dict(model.state_dict())
+    torch._dynamo.reset()
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.05, loss_reduction="sum", compiler="eager")
+    for batch_size in (B, B + 2):
+        x = torch.randn(batch_size, T, D, dtype=torch.float64)
+        lengths = torch.randint(1, T + 1, (batch_size,))
+        lengths[0] = T
+        ref = reference(same, [x, lengths], lambda out, i: out.pow(2).sum())
+        model.zero_grad()
+        dp(x, lengths).pow(2).sum().backward()
+        tol = tolerance(torch.float64)
+        assert_close_all(_params(model, "grad_sample"), ref.per_sample, tol, "grad_sample")
+        assert_close_all(_params(model, "grad"), ref.grad("sum", 0.05), tol, "clipped grad")
+
+
 def test_gather_of_shared_rows_by_position_in_the_batch_is_refused():
     """``gather(table, 1, ids)`` with ``table [B, V]`` shared: sample ``i`` would read row
     ``i``, its position in the batch, which it does not have alone."""
