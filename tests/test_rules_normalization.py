@@ -3,7 +3,8 @@
 One table of cases: ``nn.LayerNorm`` (trailing, multi-dim, no bias, merged batch,
 batch second), ``F.layer_norm`` with an eps, ``nn.RMSNorm`` (default and explicit
 eps), ``nn.GroupNorm`` over ``[B, C]``, ``[B, C, L]`` and ``[B, C, H, W]`` (one
-group, several, one per channel), ``nn.InstanceNorm1d/2d(affine=True)``, in eval mode
+group, several, one per channel), ``nn.InstanceNorm1d/2d(affine=True)``, both over a
+batch merged with other rows of dim 0 (``[B·F, C, …]``, ``[F·B, C, …]``), in eval mode
 with running statistics, ``nn.BatchNorm1d/2d`` in eval mode (the elementwise rules of
 its affine map), and a batch of one. Every norm sits after a trainable
 layer, so its input gradient is exercised too. Each case runs once in float64 with
@@ -60,6 +61,25 @@ class MergedLayerNorm(nn.Module):
     def forward(self, x):
         h = self.norm(self.inp(x).reshape(-1, D))
         return self.out(torch.tanh(h)).view(x.shape[0], x.shape[1], 3)
+
+
+class MergedRowsSandwich(nn.Module):
+    """``[B, F, 2, *spatial]`` with frames folded into the batch before a channel norm:
+    ``[B·F, C, *spatial]`` (video UNets), or ``[F·B, C, *spatial]`` with ``outer``
+    (HDemucs's frequency branch folds the batch inside another dim)."""
+
+    def __init__(self, norm: nn.Module, outer: bool = False):
+        super().__init__()
+        self.outer = outer
+        self.inp, self.norm, self.out = nn.Linear(2, C), norm, nn.Linear(C, 3)
+
+    def forward(self, x):
+        rows = x.transpose(0, 1) if self.outer else x
+        h = self.inp(rows.flatten(0, 1).movedim(1, -1)).movedim(-1, 1)  # [rows, C, *spatial]
+        y = self.out(torch.tanh(self.norm(h)).movedim(1, -1))
+        y = y.view(x.shape[1], x.shape[0], *y.shape[1:]).transpose(0, 1) if self.outer else y.view(
+            *x.shape[:2], *y.shape[1:])
+        return y
 
 
 class FunctionalLayerNorm(nn.Module):
@@ -137,6 +157,12 @@ CASES = [
          rules=("instance_norm.weight", "instance_norm.bias")),
     Case("instancenorm1d", lambda: ChannelSandwich(nn.InstanceNorm1d(C, affine=True), 1), (B, 2, 6),
          rules=("instance_norm.weight",)),
+    Case("groupnorm-frames-merged-into-batch", lambda: MergedRowsSandwich(nn.GroupNorm(2, C)), (B, 2, 2, 3, 3),
+         rules=("group_norm.weight", "group_norm.bias")),
+    Case("groupnorm-positions-merged-into-batch", lambda: MergedRowsSandwich(nn.GroupNorm(2, C)), (B, T, 2),
+         rules=("group_norm.weight",)),
+    Case("instancenorm-batch-merged-inside", lambda: MergedRowsSandwich(nn.InstanceNorm1d(C, affine=True), outer=True),
+         (B, 3, 2, 5), rules=("instance_norm.weight", "instance_norm.bias")),
     Case("instancenorm1d-eval-running-stats", _eval_instance_norm, (B, 2, 6), rules=("instance_norm.bias",)),
     # BatchNorm with running statistics is the per-channel affine map it is: the
     # elementwise rules, not the generic per-sample VJP.
@@ -288,7 +314,7 @@ def test_group_norm_float32_far_from_zero(layout):
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     x, g = (t.float().contiguous(memory_format=memory_format) for t in (x64, g64))
     got_input = norms._group_norm_input_gradient(x, g, w64.float(), 3, 1e-5)
-    got_w = norms._group_weight_per_sample_grad(g, x, groups=3, eps=1e-5)
+    got_w = norms._group_weight_per_sample_grad(g, x, groups=3, eps=1e-5, rank=4)
     torch.testing.assert_close(got_input.double(), leaves[0].grad, rtol=0, atol=1.5e-4 * leaves[0].grad.abs().max().item())
     torch.testing.assert_close(got_w.double(), per_sample_w, rtol=0, atol=1.5e-4 * per_sample_w.abs().max().item())
 
@@ -330,15 +356,3 @@ def test_layer_norm_over_the_batch_is_refused():
     """``[T, B, d]`` read batch-second, normalised over ``[B, d]``: samples share statistics."""
     model = Sandwich(nn.LayerNorm([B, D]))
     assert "normalises over the batch dim" in _reasons(model, torch.randn(T, B, D), batch_first=False)
-
-
-def test_group_norm_over_a_merged_batch_is_refused():
-    class Merged(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp, self.norm = nn.Linear(D, C), nn.GroupNorm(2, C)
-
-        def forward(self, x):
-            return self.norm(self.inp(x).reshape(-1, C))
-
-    assert "merged batch" in _reasons(Merged(), torch.randn(B, T, D))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -262,35 +262,57 @@ RMS_NORM = register_rule(OpRule(
 # ---------------------------------------------------------------------------
 
 
+def _rank(value: Any) -> int:
+    """The number of dims of an op argument (an fx node, or a tensor)."""
+    return (value.meta["val"] if hasattr(value, "meta") else value).dim()
+
+
 def _group_norm_config(args: Sequence[Any]) -> dict:
-    return {"groups": int(args[1]), "eps": float(_arg(args, 4, _DEFAULT_EPS))}
+    return {"groups": int(args[1]), "eps": float(_arg(args, 4, _DEFAULT_EPS)), "rank": _rank(args[0])}
 
 
 def _instance_norm_config(args: Sequence[Any]) -> dict:
     # groups=None: one group per channel.
-    return {"groups": None, "eps": float(_arg(args, 7, _DEFAULT_EPS))}
+    return {"groups": None, "eps": float(_arg(args, 7, _DEFAULT_EPS)), "rank": _rank(args[0])}
 
 
 def _groups_of(x: torch.Tensor, groups: int | None) -> int:
     return x.shape[1] if groups is None else groups
 
 
+def _summed_over_rows(per_row_grad: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A group norm's per-sample gradient where the batch is merged with other rows of
+    dim 0 (``[B·F, C, T]``: frames or frequencies folded into the batch, as video
+    diffusion UNets and HDemucs do). Each row is normalised on its own, so a sample's
+    gradient is the sum of its rows': batch-major operands are ``[n, r, C, …]``, one
+    dim more than the op's input (``rank``)."""
+    def per_sample_grad(*operands, rank, **config):
+        if operands[0].dim() == rank:
+            return per_row_grad(*operands, **config)
+        rows = operands[0].shape[1]
+        out = per_row_grad(*(t.flatten(0, 1) for t in operands), **config)
+        return out.reshape(-1, rows, *out.shape[1:]).sum(1)
+    return per_sample_grad
+
+
+@_summed_over_rows
 def _group_weight_per_sample_grad(g, x, *, groups, eps):
     """``Σ_spatial g ⊙ x̂`` per channel, from per-channel sums (two passes over ``x``)."""
     _, sum_g_normalized = _GroupMoments.of(x, _groups_of(x, groups), eps).gradient_sums(g, x)
     return sum_g_normalized.to(g.dtype)
 
 
-def _group_weight_sum_grad(g, x, *, groups, eps):
-    return _group_weight_per_sample_grad(g, x, groups=groups, eps=eps).sum(0)
+def _group_weight_sum_grad(g, x, **config):
+    return _group_weight_per_sample_grad(g, x, **config).sum(0)
 
 
+@_summed_over_rows
 def _group_bias_per_sample_grad(g, *, groups, eps):
     return _channel_sums(g)
 
 
-def _group_bias_sum_grad(g, *, groups, eps):
-    return _channel_sums(g).sum(0)
+def _group_bias_sum_grad(g, **config):
+    return _group_bias_per_sample_grad(g, **config).sum(0)
 
 
 group_norm_weight = ParamRule(
@@ -381,7 +403,8 @@ def _instance_norm_input_grad(args, grad_out, index):
 
 
 def _batch_first_rule(args_batch, args_meta, out_meta, config):
-    """``[N, C, *spatial]``: the samples must be dim 0, not merged with anything."""
+    """``[N, C, *spatial]``: the samples must be dim 0, possibly merged with other rows
+    (each row of dim 0 has statistics of its own)."""
     b = args_batch[0]
     for other in args_batch[1:]:
         if isinstance(other, BatchDim):
@@ -390,8 +413,6 @@ def _batch_first_rule(args_batch, args_meta, out_meta, config):
         return b
     if b.dim != 0:
         raise ValueError("it needs the batch at dim 0 ([N, C, ...])")
-    if not bool(b.inner == 1):
-        raise ValueError("it normalises groups over a merged batch dim (samples share statistics)")
     return b
 
 
