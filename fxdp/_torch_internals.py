@@ -23,6 +23,7 @@ __all__ = [
     "in_compiled_autograd",
     "current_graph_task_id",
     "refuse_silent_eager_fallback",
+    "eager_fallback_at_recompile_limit",
     "size_hint",
     "new_fake_mode",
     "capture_config",
@@ -464,11 +465,18 @@ def current_graph_task_id() -> int:
 
 
 def refuse_silent_eager_fallback() -> None:
-    """Make Dynamo raise at its recompile limit instead of running the frame eagerly.
+    """Make Dynamo raise at its recompile limit instead of running the frame eagerly,
+    for the whole process (the ``torch.compile`` backend sees no call of its own).
 
     An eager run would bypass the fxdp backward and leave unclipped gradients.
     """
     torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def eager_fallback_at_recompile_limit(allowed: bool):
+    """A context in which Dynamo runs a frame eagerly at its recompile limit
+    (``allowed``) or raises."""
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=not allowed)
 
 
 def size_hint(size: Any) -> int:

@@ -22,23 +22,30 @@ class Backend:
     Attributes:
         options: The validated options.
         records: One ``CompiledGraph`` per graph compiled, for ``explain()``.
+        guards_eager_fallback: Make Dynamo raise at its recompile limit, process-wide,
+            instead of running a frame eagerly without the fxdp backward. ``transform``
+            does without: it sets that for its own calls only, and checks that its graph
+            ran.
     """
 
     def __init__(self, options: Options, names: dict[int, str] | None = None,
-                 arg_names: Sequence[str] = ()):
+                 arg_names: Sequence[str] = (), guards_eager_fallback: bool = True):
         self.options = options
         self.names = names
         self.arg_names = tuple(arg_names)
+        self.guards_eager_fallback = guards_eager_fallback
         self.records: list[CompiledGraph] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
         if kwargs.get("options"):
             return Backend(Options.from_kwargs({**vars_of(self.options), **kwargs["options"]}),
-                           self.names, self.arg_names)(gm, example_inputs)
+                           self.names, self.arg_names, self.guards_eager_fallback)(gm, example_inputs)
         if not torch.is_grad_enabled() or not any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
         ):
             return _plain(gm, example_inputs, self.options)
+        if self.guards_eager_fallback:
+            internals.refuse_silent_eager_fallback()
         record = CompiledGraph(self.options)
         self.records.append(record)
         return compile_graph(gm, example_inputs, self.options, self.names, record, self.arg_names)

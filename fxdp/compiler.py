@@ -327,7 +327,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             "break (torch._dynamo.explain shows it) or use fxdp.transform, which compiles "
             "with fullgraph=True."
         )
-    internals.refuse_silent_eager_fallback()
     canon, fake_mode, param_names, analysis = analyse_graph(gm, example_inputs, options, names, arg_names)
     record._stage("canonical", canon)
     record.param_names = list(param_names.values())

@@ -29,17 +29,25 @@ class DPModule(nn.Module):
         object.__setattr__(self, "_module", model)
         object.__setattr__(self, "options", options)
         names = {id(p): n for n, p in model.named_parameters()}
-        backend = Backend(options, names, forward_arg_names(model))
+        backend = Backend(options, names, forward_arg_names(model), guards_eager_fallback=False)
         object.__setattr__(self, "_backend", backend)
 
         def call(*args, **kwargs):
             return model(*args, **kwargs)
 
-        # A code object of its own: Dynamo keeps its compiled graphs, and counts
+        def call_without_grad(*args, **kwargs):
+            return model(*args, **kwargs)
+
+        # Code objects of their own: Dynamo keeps its compiled graphs, and counts
         # recompiles against its limit, per code object, and with one shared by every
-        # transform the ninth model of a process would stop at the limit on its first call.
+        # transform the ninth model of a process would stop at the limit on its first
+        # call. Forwards without gradients (evaluation under no_grad or inference_mode)
+        # get another: their graphs (a static and a symbolic batch size, sizes 0 and 1,
+        # each grad mode) would otherwise use up the training step's recompile limit.
         call.__code__ = call.__code__.replace()
+        call_without_grad.__code__ = call_without_grad.__code__.replace()
         object.__setattr__(self, "_compiled", torch.compile(call, backend=backend, fullgraph=True))
+        object.__setattr__(self, "_compiled_without_grad", torch.compile(call_without_grad, backend=backend))
         self.training = model.training
 
     @property
@@ -54,9 +62,13 @@ class DPModule(nn.Module):
                 "with the lengths or a mask), run the RNN on it and read each sample's last "
                 "real step with the mask, e.g. (out * mask[..., None]).sum(1)")
         RUN_STATE.ran = False
-        with internals.capture_config():
+        with_grad = torch.is_grad_enabled()
+        # Dynamo raises at its recompile limit for this model's training calls, instead of
+        # running them eagerly without the fxdp backward; an evaluation run eagerly is
+        # harmless. (A process-wide setting would reach the user's other compiled code.)
+        with internals.capture_config(), internals.eager_fallback_at_recompile_limit(not with_grad):
             try:
-                out = self._compiled(*args, **kwargs)
+                out = (self._compiled if with_grad else self._compiled_without_grad)(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - only unwraps, always re-raises
                 inner = internals.backend_error(e)
                 if inner is None:

@@ -876,6 +876,39 @@ def test_no_grad_forward_runs_and_stores_nothing():
     assert_close_all(grads(model), ref.grad("mean", 1.0), TOL, "p.grad")
 
 
+def test_evaluation_between_steps_leaves_the_recompile_limit_to_training():
+    """Poisson-sampled training steps (a new size, then 1 and 0, which Dynamo always
+    specialises) with an evaluation under ``no_grad`` and ``inference_mode`` after each:
+    more graphs in all than Dynamo's limit of 8 for one code object. Evaluation compiles
+    on a code object of its own, so training never meets the limit."""
+    model = mlp()
+    dp = fxdp.transform(model, max_grad_norm=1.0, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for batch_size in (4, 6, 1, 0, 5, 3):
+        x = randn(batch_size, 4, seed=batch_size)
+        ref = reference(model, [x], per_sample_sq_loss)
+        model.zero_grad()
+        dp(x).pow(2).sum().backward()
+        assert_close_all(grads(model), ref.grad("sum", 1.0), TOL, f"p.grad, B={batch_size}")
+        dp.eval()
+        with torch.no_grad():
+            assert torch.allclose(dp(x), model(x), rtol=0, atol=1e-12)
+        with torch.inference_mode():
+            assert torch.allclose(dp(x), model(x), rtol=0, atol=1e-12)
+        dp.train()
+
+
+def test_transform_leaves_dynamo_settings_of_other_code_alone():
+    """``transform`` makes Dynamo raise at the recompile limit for its own training calls
+    only: an unrelated compiled function still falls back to eager there."""
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=False):
+        model = mlp()
+        mean_sq_loss(fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(randn(5, 4))).backward()
+        assert torch._dynamo.config.fail_on_recompile_limit_hit is False
+        unrelated = torch.compile(lambda x: x.sum(), backend="eager")
+        for rank in range(1, 11):  # a new rank each call: one graph each, past the limit
+            unrelated(torch.ones([2] * rank))
+
+
 # ---------------------------------------------------------------------------
 # batch sizes, accumulation, replacement
 # ---------------------------------------------------------------------------
