@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 
 from fxdp import _torch_internals as internals
+from fxdp.clip_norm import ClipNorm
 from fxdp.compiler import CompiledGraph, compile_graph
 from fxdp.options import Options
 
@@ -26,6 +27,8 @@ class Backend:
             instead of running a frame eagerly without the fxdp backward. ``transform``
             does without: it sets that for its own calls only, and checks that its graph
             ran.
+        clip_norm: With ``max_grad_norm``, the ``C`` every graph of this backend reads
+            at run time (``max_grad_norm`` below changes it between steps).
     """
 
     def __init__(self, options: Options, names: dict[int, str] | None = None,
@@ -34,7 +37,23 @@ class Backend:
         self.names = names
         self.arg_names = tuple(arg_names)
         self.guards_eager_fallback = guards_eager_fallback
+        self.clip_norm = None if options.max_grad_norm is None else ClipNorm(options.max_grad_norm)
         self.records: list[CompiledGraph] = []
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The clipping norm ``C`` the next backward uses.
+
+        It may change between steps (adaptive clipping) without a new compile; clipping
+        cannot be switched on or off, which changes the graphs."""
+        return None if self.clip_norm is None else self.clip_norm.value
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, c: float) -> None:
+        if self.clip_norm is None or c is None:
+            raise ValueError("max_grad_norm can change between steps, but clipping cannot be switched on or "
+                             "off (the compiled graphs differ): transform or compile the model anew")
+        self.clip_norm.value = c
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
         if kwargs.get("options"):
@@ -48,7 +67,7 @@ class Backend:
             internals.refuse_silent_eager_fallback()
         record = CompiledGraph(self.options)
         self.records.append(record)
-        return compile_graph(gm, example_inputs, self.options, self.names, record, self.arg_names)
+        return compile_graph(gm, example_inputs, self.options, self.names, record, self.arg_names, self.clip_norm)
 
     def __repr__(self) -> str:
         return f"fxdp.backend({self.options})"

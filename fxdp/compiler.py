@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from fxdp import _torch_internals as internals
 from fxdp.batching import BatchDim
+from fxdp.clip_norm import ClipNorm
 from fxdp.errors import Problem, UnsupportedError
 from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
@@ -306,8 +307,11 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
                   names: dict[int, str] | None = None,
-                  record: CompiledGraph | None = None, arg_names: Sequence[str] = ()) -> Callable:
-    """Capture → canonicalise → analyse → tag → AOTAutograd → rewrite backward → lower."""
+                  record: CompiledGraph | None = None, arg_names: Sequence[str] = (),
+                  clip_norm: ClipNorm | None = None) -> Callable:
+    """Capture → canonicalise → analyse → tag → AOTAutograd → rewrite backward → lower.
+
+    With ``clip_norm``, the backward reads ``C`` from it at every run."""
     record = record or CompiledGraph(options)
     record._stage("captured", gm)
     reason = internals.graph_break_reason(gm)
@@ -380,7 +384,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                 "unclipped; please report the model. fxdp.validate lists what it found.")
         decomps = internals.inductor_decompositions() if inductor else None
         with no_autocast(devices):
-            new_gm, plan = backward_rewrite_pass(bw_gm, options, decompositions=decomps)
+            new_gm, plan = backward_rewrite_pass(bw_gm, options, decompositions=decomps,
+                                                 clip_norm_key=None if clip_norm is None else clip_norm.key)
             record.plan = plan
             record.annotated_backward = annotated_code(new_gm)
             record._stage("backward_rewritten", new_gm)

@@ -21,6 +21,7 @@ class DPModule(nn.Module):
     Attributes:
         per_sample_norms: ``[B]`` total L2 norm of each sample's gradient, last backward.
         clip_factors: ``[B]`` clip factors of the last backward (with ``max_grad_norm``).
+        max_grad_norm: The clipping norm of the next backward, adjustable between steps.
     """
 
     def __init__(self, model: nn.Module, options: Options):
@@ -97,6 +98,16 @@ class DPModule(nn.Module):
     def clip_factors(self) -> torch.Tensor | None:
         rec = latest_record(self._trainable())
         return None if rec is None else rec.clip_factors
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The clipping norm ``C`` of the next backward. Set it between steps (adaptive
+        clipping) without a new compile; ``options.max_grad_norm`` keeps the first."""
+        return self._backend.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, c: float) -> None:
+        self._backend.max_grad_norm = c
 
     # -- inspection -------------------------------------------------------------------
     def explain(self) -> "Any":

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
+
+from fxdp.clip_norm import check_max_grad_norm
 
 __all__ = ["Options"]
 
@@ -45,9 +46,10 @@ class Options:
     def __post_init__(self) -> None:
         c = self.max_grad_norm
         if c is not None:
-            if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
-                raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {c!r}")
-            object.__setattr__(self, "max_grad_norm", float(c))
+            try:
+                object.__setattr__(self, "max_grad_norm", check_max_grad_norm(c))
+            except ValueError:
+                raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {c!r}") from None
         if self.loss_reduction not in _LOSS_REDUCTIONS:
             raise ValueError(
                 f"loss_reduction must be one of {_LOSS_REDUCTIONS}, got {self.loss_reduction!r}"

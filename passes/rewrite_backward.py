@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_hint
 from fxdp.batching import batch_major_all, retrack, scale_batch
+from fxdp.clip_norm import max_grad_norm
 from fxdp.markers import USES, UseInfo
 from fxdp.opaque import run_opaque, symbolic_batch
 from fxdp.options import Options
@@ -281,13 +282,16 @@ def unmarked_gradients(bw_gm: fx.GraphModule, params: dict[int, str]) -> list[st
 
 
 def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
-                          decompositions: dict | None = None) -> tuple[fx.GraphModule, BackwardPlan]:
+                          decompositions: dict | None = None,
+                          clip_norm_key: int | None = None) -> tuple[fx.GraphModule, BackwardPlan]:
     """Rewrite ``bw_gm`` so it emits clipped gradients, norms and grad samples.
 
     Args:
         bw_gm: The backward graph from AOTAutograd's partitioner, with markers.
         options: The transform's options.
         decompositions: Decomposition table for the re-trace (Inductor's).
+        clip_norm_key: The ``ClipNorm`` the clip factors read ``C`` from at run time;
+            ``None``: ``options.max_grad_norm`` as a constant.
 
     Returns:
         The new backward graph and the plan of its extra outputs.
@@ -467,7 +471,9 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
             norms = total.sqrt() * scale
             extras.append(norms)
             if clip:
-                factors = (options.max_grad_norm / (norms + STABILITY_EPS)).clamp(max=1.0)
+                # C read at run time (fxdp/clip_norm.py) where the backend holds one
+                c = options.max_grad_norm if clip_norm_key is None else max_grad_norm(clip_norm_key, norms)
+                factors = (c / (norms + STABILITY_EPS)).clamp(max=1.0)
                 extras.append(factors)
 
         for p, psg in kept.items():

@@ -1191,6 +1191,59 @@ def test_bad_options_raise_at_transform(options, error):
         fxdp.transform(mlp(), **options)
 
 
+# ---------------------------------------------------------------------------
+# max_grad_norm changed between steps (adaptive clipping)
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_max_grad_norm_changes_between_steps_without_a_new_compile(compiler):
+    """Adaptive clipping moves ``C`` every step (Andrew et al. 2021 follow a quantile of
+    the norms). The compiled backward reads ``C`` at run time: each step clips with the
+    ``C`` set before it, and two graphs serve every batch size and ``C``."""
+    model = mlp().float() if compiler == "inductor" else mlp()
+    dp = fxdp.transform(model, max_grad_norm=1.0, loss_reduction="sum", compiler=compiler)
+    tol = TOL if compiler == "eager" else 1e-4
+    torch._dynamo.utils.counters.clear()
+    for batch_size, max_grad_norm in [(5, 1.0), (6, 0.2), (4, 0.03), (7, 5.0)]:
+        dp.max_grad_norm = max_grad_norm
+        x = randn(batch_size, 4, seed=batch_size).to(next(model.parameters()).dtype)
+        ref = reference(model, [x], per_sample_sq_loss)
+        model.zero_grad()
+        dp(x).pow(2).sum().backward()
+        assert dp.max_grad_norm == max_grad_norm and dp.options.max_grad_norm == 1.0
+        assert_close_all(grads(model), ref.grad("sum", max_grad_norm), tol, f"p.grad, C={max_grad_norm}")
+        assert_close_all({"c": dp.clip_factors}, {"c": ref.clip_factors(max_grad_norm)}, tol, "clip_factors")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_max_grad_norm_of_a_backend_changes_between_steps():
+    model = mlp()
+    backend = fxdp.backend(max_grad_norm=1.0, loss_reduction="sum", compiler="eager")
+    compiled = torch.compile(model, backend=backend)
+    for max_grad_norm in (0.1, 2.0):
+        backend.max_grad_norm = max_grad_norm
+        x = randn(5, 4)
+        ref = reference(model, [x], per_sample_sq_loss)
+        model.zero_grad()
+        compiled(x).pow(2).sum().backward()
+        assert_close_all(grads(model), ref.grad("sum", max_grad_norm), TOL, f"p.grad, C={max_grad_norm}")
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, "1.0", None])
+def test_max_grad_norm_set_to_a_bad_value_raises(value):
+    dp = fxdp.transform(mlp(), max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(ValueError):
+        dp.max_grad_norm = value
+    assert dp.max_grad_norm == 1.0
+
+
+def test_clipping_cannot_be_switched_on_after_transform():
+    dp = fxdp.transform(mlp(), compiler="eager")
+    assert dp.max_grad_norm is None
+    with pytest.raises(ValueError, match="cannot be switched on or off"):
+        dp.max_grad_norm = 1.0
+
+
 def test_transform_needs_a_module():
     with pytest.raises(TypeError, match="nn.Module"):
         fxdp.transform(lambda x: x)
