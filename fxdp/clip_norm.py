@@ -5,11 +5,11 @@
 ``fxdp::max_grad_norm(key, norms)``, so ``C`` may change between steps without a new
 compile (adaptive clipping that follows a quantile of the norms, Andrew et al. 2021)::
 
-    max_grad_norm = torch.ops.fxdp.max_grad_norm.default(3, mul)
-    add = torch.ops.aten.add.Tensor(mul, 1e-06)
-    reciprocal = torch.ops.aten.reciprocal.default(add);  add = None
-    mul_1 = torch.ops.aten.mul.Tensor(reciprocal, max_grad_norm)
-    clamp_max = torch.ops.aten.clamp_max.default(mul_1, 1.0)
+    mul_1 = torch.ops.aten.mul.Tensor(sqrt, 5);  sqrt = None
+    max_grad_norm = torch.ops.fxdp.max_grad_norm.default(3, mul_1)
+    add = torch.ops.aten.add.Tensor(mul_1, 1e-06)
+    div = torch.ops.aten.div.Tensor(max_grad_norm, add);  max_grad_norm = add = None
+    clamp = torch.ops.aten.clamp.default(div, None, 1.0);  div = None
 """
 from __future__ import annotations
 

@@ -390,7 +390,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             record.annotated_backward = annotated_code(new_gm)
             record._stage("backward_rewritten", new_gm)
             compiled = inner(new_gm, bw_inputs)
-        return _backward_runner(compiled, plan, options, devices)
+        runner = _backward_runner(compiled, plan, options, devices)
+        runner.clip_norm = clip_norm  # type: ignore[attr-defined]  # what it reads C from lives as long
+        return runner
 
     with no_autocast(devices):
         if inductor:
