@@ -1570,19 +1570,26 @@ def _checks_only(gm: fx.GraphModule) -> set[fx.Node]:
     the input's own length pins: ``_assert_scalar(Eq(u0, 6))``; on a graph with symbolic
     sizes the size becomes the input's and the max is left without users). The max
     mixes the samples' lengths, but into an assertion only, never into a value: no
-    sample's gradient depends on it. A write is never one of them."""
+    sample's gradient depends on it. Only ATen ops that write nothing and symbolic
+    arithmetic qualify: not a write, nor a BatchNorm that records the batch's statistics
+    in its buffers (its output may go unused), nor a call of unknown effects."""
     found: set[fx.Node] = set()
     for node in reversed(gm.graph.nodes):
-        if node.op != "call_function" or node.target in _ASSERTIONS or _mutates(node):
+        if node.op != "call_function" or node.target in _ASSERTIONS or not _pure(node):
             continue
         if all(u.target in _ASSERTIONS or u in found for u in node.users):
             found.add(node)
     return found
 
 
-def _mutates(node: fx.Node) -> bool:
+def _pure(node: fx.Node) -> bool:
+    if node.target in _SYMBOLIC_ARITHMETIC or getattr(node.target, "__module__", None) == "_operator":
+        return True
     schema = getattr(node.target, "_schema", None)
-    return schema is not None and schema.is_mutable
+    return schema is not None and not schema.is_mutable and not _records_running_statistics(node)
+
+
+_SYMBOLIC_ARITHMETIC = {torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not}
 
 
 def _names(nodes, param_names) -> str:

@@ -1088,6 +1088,22 @@ def test_a_max_over_the_batch_that_reaches_only_a_check(width):
         assert_close_all(_params(model, "grad"), ref.grad("sum", 0.05), tol, "clipped grad")
 
 
+def test_an_unused_batch_norm_in_training_is_still_refused():
+    """Its output reaches nothing, but it writes the batch's statistics into its running
+    buffers: not a value that only reaches a check."""
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.norm = nn.Linear(D, D), nn.BatchNorm1d(D, affine=False)
+
+        def forward(self, x):
+            h = self.fc(x)
+            self.norm(h)
+            return h
+
+    assert "BatchNorm in training mode" in _reasons(Unused(), torch.randn(B, D))
+
+
 def test_gather_of_shared_rows_by_position_in_the_batch_is_refused():
     """``gather(table, 1, ids)`` with ``table [B, V]`` shared: sample ``i`` would read row
     ``i``, its position in the batch, which it does not have alone."""
