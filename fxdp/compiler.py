@@ -22,7 +22,7 @@ from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
 from fxdp.passes.batch_dims import batch_dim_pass
 from fxdp.passes.canonicalize import canonicalize_pass
-from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass, unmarked_gradients
+from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass, constant_gradients, unmarked_gradients
 from fxdp.passes.tag import tag_pass
 
 __all__ = ["compile_graph", "CompiledGraph", "RUN_STATE", "latest_record", "analyse_graph", "forward_arg_names"]
@@ -370,6 +370,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     # output gradient, markers included, into the forward: their parameters would get no
     # grad_sample. There is nothing to compute fast there anyway.
     inductor = options.compiler == "inductor" and not analysis.empty
+    handover = _Handover(list(guarded))
 
     def backward_compiler(bw_gm: fx.GraphModule, bw_inputs: Sequence[Any], inner: Callable) -> Callable:
         if internals.in_compiled_autograd():
@@ -382,6 +383,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                 "fxdp internal error: part of the gradient of " + ", ".join(leaking) + " would not be "
                 "made per-sample (it reaches the parameter through no rule), so it would leave "
                 "unclipped; please report the model. fxdp.validate lists what it found.")
+        handover.positions = constant_gradients(bw_gm, guarded)
         decomps = internals.inductor_decompositions() if inductor else None
         with no_autocast(devices):
             new_gm, plan = backward_rewrite_pass(bw_gm, options, decompositions=decomps,
@@ -390,7 +392,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             record.annotated_backward = annotated_code(new_gm)
             record._stage("backward_rewritten", new_gm)
             compiled = inner(new_gm, bw_inputs)
-        runner = _backward_runner(compiled, plan, options, devices)
+        runner = _backward_runner(compiled, plan, options, devices, handover)
         runner.clip_norm = clip_norm  # type: ignore[attr-defined]  # what it reads C from lives as long
         return runner
 
@@ -401,7 +403,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
         else:
             compiled = internals.eager_compile(tagged, example_inputs, backward_compiler,
                                                lambda g: record._stage("forward", g))
-    return _forward_runner(compiled, record, devices)
+    return _forward_runner(compiled, record, devices, handover)
 
 
 CLASS_LOSSES = {
@@ -473,9 +475,28 @@ def fxdp_same_kept_targets(target: torch.Tensor, ignore_index: int, dim: int,
         "ignore it: compute the loss outside the model)."))
 
 
-def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices: list[str]) -> Callable:
+class _Handover:
+    """What the forward hands the backward: the parameters whose gradient is a constant
+    zero (``constant_gradients``), which the backward graph does not receive but must
+    give zero grad samples. Until the backward is compiled (lazily, after the first
+    forward) which ones is unknown, and every trainable one is handed over.
+
+    Attributes:
+        positions: Their positions among the graph's inputs.
+        params: Those inputs of the last forward.
+    """
+
+    def __init__(self, positions: list[int]):
+        self.positions = positions
+        self.params: dict[int, torch.Tensor] = {}
+
+
+def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices: list[str],
+                    handover: _Handover) -> Callable:
     def run(*args):
         RUN_STATE.ran = True
+        if handover.positions:
+            handover.params = {i: args[i] for i in handover.positions}
         with no_autocast(autocast_devices):
             return compiled(*args)
 
@@ -494,9 +515,10 @@ class StepRecord:
 
 
 def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
-                     autocast_devices: list[str]) -> Callable:
+                     autocast_devices: list[str], handover: _Handover) -> Callable:
     n = plan.num_grads
     param_positions = [p.placeholder_index for p in plan.params]
+    constant_positions = list(handover.positions)
 
     def run(args: list):
         if torch.is_grad_enabled() or internals.in_double_backward():
@@ -541,6 +563,10 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
             p._fxdp_step = step
         for p, gs in zip(grad_sample_params, extras):
             p.grad_sample = gs
+        for p in (handover.params[i] for i in constant_positions if i in handover.params):
+            if options.grad_sample:
+                p.grad_sample = p.new_zeros(norms.shape[0], *p.shape)
+            p._fxdp_step = step
         return list(outs[:n])
 
     run._boxed_call = True  # type: ignore[attr-defined]

@@ -39,7 +39,8 @@ from fxdp.opaque import run_opaque, symbolic_batch
 from fxdp.options import Options
 from fxdp.registry import GRAD, ghost_inner
 
-__all__ = ["BackwardPlan", "backward_rewrite_pass", "unmarked_gradients", "MARKER", "STABILITY_EPS"]
+__all__ = ["BackwardPlan", "backward_rewrite_pass", "unmarked_gradients", "constant_gradients", "MARKER",
+           "STABILITY_EPS"]
 
 MARKER = torch.ops.fxdp.param_grad.default
 # The clip factor is min(1, C / (‖g‖ + eps)), as in Opacus.
@@ -279,6 +280,41 @@ def unmarked_gradients(bw_gm: fx.GraphModule, params: dict[int, str]) -> list[st
                 break
             stack.extend(node.all_input_nodes)
     return leaking
+
+
+def constant_gradients(bw_gm: fx.GraphModule, params: dict[int, str]) -> list[int]:
+    """The parameters whose gradient reaches them through no marker: a constant.
+
+    With ``unmarked_gradients`` empty, such a gradient does not depend on the output
+    gradients, and being linear in them it is zero: an op of zero derivative
+    (``torch.round``) whose backward Inductor folded into a constant, taking the marker
+    with it, or a marker the partitioner moved into the forward. These parameters
+    still need their (zero) grad samples.
+
+    Args:
+        bw_gm: The partitioned backward graph, before the rewrite.
+        params: Output index of each trainable parameter's gradient and its name.
+
+    Returns:
+        Their output indices.
+    """
+    grads = next(n for n in bw_gm.graph.nodes if n.op == "output").args[0]
+    constant = []
+    for index in params:
+        grad = grads[index] if index < len(grads) else None
+        if not isinstance(grad, fx.Node):
+            continue
+        stack, seen = [grad], set()
+        while stack:
+            node = stack.pop()
+            if node.op == "call_function" and node.target is MARKER:
+                break
+            if node not in seen:
+                seen.add(node)
+                stack.extend(node.all_input_nodes)
+        else:
+            constant.append(index)
+    return constant
 
 
 def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,

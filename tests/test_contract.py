@@ -556,6 +556,34 @@ def test_empty_batch_between_others_under_inductor():
             assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
 
 
+class RoundedGain(nn.Module):
+    """A gain used only through ``torch.round``: its gradient is zero by construction."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.gain = nn.Parameter(torch.full((3,), 1.3))
+
+    def forward(self, x):
+        return self.lin(x) * torch.round(self.gain)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_parameter_of_zero_derivative_gets_zero_grad_samples(compiler):
+    """Under Inductor the backward of ``round`` folds into a constant zero, and the
+    parameter's marker goes with it: the forward hands the parameter to the backward,
+    which gives it zero grad samples as for any other batch."""
+    model = RoundedGain()
+    dp = fxdp.transform(model, max_grad_norm=1.0, grad_sample=True, loss_reduction="sum", compiler=compiler)
+    for batch_size in (4, 6):
+        x = randn(batch_size, 4).float()
+        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+        model.zero_grad()
+        dp(x).pow(2).sum().backward()
+        assert_close_all(grad_samples(model), ref.per_sample, 1e-5, f"p.grad_sample, B={batch_size}")
+        assert_close_all(grads(model), ref.grad("sum", 1.0), 1e-5, f"p.grad, B={batch_size}")
+
+
 @pytest.mark.parametrize("batch_size", [0, 1, 3])
 def test_sparse_embedding_gives_dense_per_sample_gradients(batch_size):
     """``Embedding(sparse=True)``: autograd's gradient of the weight is sparse; fxdp's
