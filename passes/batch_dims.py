@@ -1307,13 +1307,28 @@ _SIZED_BY_ARGUMENT = {
 }
 
 
-def _sized_by_batch(node: fx.Node, batch_size: Any) -> "BatchDim | None":
-    """The batch dim of a ``_SIZED_BY_ARGUMENT`` tensor whose sizes include ``B`` once
-    (a tensor with ``B`` twice, ``[B, B]``, stays shared)."""
-    if node.target not in _SIZED_BY_ARGUMENT:
+def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool) -> "BatchDim | None":
+    """The batch dim of a tensor built from sizes with ``B`` among them: a
+    ``_SIZED_BY_ARGUMENT`` tensor's dim of size ``B``, or a dim of size ``B`` that an
+    ``expand`` of shared data no parameter computed broadcasts (diffusers' frame
+    positions ``arange(F).repeat(B, 1)``, which canonicalisation writes as an expand).
+
+    Its values are the same all along such a dim, so whichever of them is read as the
+    batch, each sample's slice holds the same values: with several (``zeros(B, F)``
+    when ``F == B`` on a static compile), the first is taken, and the analysis that
+    follows checks that its layout agrees with the batched data it meets.
+    """
+    if node.target not in _SIZED_BY_ARGUMENT and (node.target is not aten.expand.default or batched):
         return None
-    dims = [d for d, size in enumerate(_meta(node).shape) if _same_size(size, batch_size)]
-    return BatchDim(dims[0]) if len(dims) == 1 else None
+    shape = _meta(node).shape
+    if node.target is aten.expand.default:
+        source = _meta(node.args[0]).shape
+        new = len(shape) - len(source)
+        dims = [d for d, size in enumerate(shape)
+                if _same_size(size, batch_size) and (d < new or not _same_size(source[d - new], batch_size))]
+    else:
+        dims = [d for d, size in enumerate(shape) if _same_size(size, batch_size)]
+    return BatchDim(dims[0]) if dims else None
 
 
 def _divides_by(node: fx.Node, batch_size: Any) -> bool:
@@ -1467,7 +1482,8 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
             continue
 
-        sized = None if single else _sized_by_batch(node, batch_size)
+        sized = None if single or (target is aten.expand.default and node.args[0] in sources) \
+            else _sized_by_batch(node, batch_size, batched)
         if sized is not None:
             sized_by_batch.append(node)
             if sized_batched:

@@ -786,6 +786,40 @@ def test_a_tensor_built_from_the_batch_size_is_per_sample():
     _against_the_loop(dp.module, torch.randn(B + 1, T, B, dtype=torch.float64), dp=dp)
 
 
+class FramesTiledOverTheBatch(nn.Module):
+    """diffusers' video UNet (``UNetSpatioTemporalConditionModel``) with the frames folded
+    into the batch, ``[B·F, T, d]``: frame positions ``arange(F).repeat(B, 1)`` (an
+    expand after canonicalisation) through a Linear, and ``AlphaBlender``'s mix of a
+    learned factor by an indicator ``zeros(B, F)``, both reshaped to ``[B·F]``."""
+
+    frames = 2
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.pos = nn.Linear(D, D), nn.Linear(2, D)
+        self.mix = nn.Parameter(torch.tensor([0.3]))
+
+    def forward(self, x):  # [B, F, T, D]
+        n = x.shape[0]
+        h = self.proj(x.flatten(0, 1))
+        frame = torch.arange(self.frames).repeat(n, 1).reshape(-1).to(x.dtype)
+        h = h + self.pos(torch.stack([frame.sin(), frame], -1))[:, None, :]
+        image_only = torch.zeros(n, self.frames)
+        alpha = torch.where(image_only.bool(), torch.ones(1, 1, dtype=x.dtype), torch.sigmoid(self.mix)[..., None])
+        return (alpha.reshape(-1)[:, None, None] * h).view(n, -1)
+
+
+@pytest.mark.parametrize("batch_size", [FramesTiledOverTheBatch.frames, B], ids=["B-equals-frames", "B"])
+def test_values_tiled_over_the_batch_by_an_expand(batch_size):
+    """Each sample's rows hold the same values, so either dim of ``zeros(B, F)`` may be
+    read as the batch when ``B == F`` (a static compile cannot tell them apart)."""
+    torch.manual_seed(0)
+    model = FramesTiledOverTheBatch().double()
+    frames = FramesTiledOverTheBatch.frames
+    dp = _against_the_loop(model, torch.randn(batch_size, frames, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(batch_size + 2, frames, T, D, dtype=torch.float64), dp=dp)
+
+
 class ExpandedThenBroadcast(nn.Module):
     """A shared table expanded to the batch, then divided by a shared operand that
     broadcasts one of the table's size-1 dims (timm XCiT's Fourier positions, Funnel's
