@@ -1598,14 +1598,14 @@ def _checks_only(gm: fx.GraphModule) -> set[fx.Node]:
     return found
 
 
+_SYMBOLIC_ARITHMETIC = {torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not}
+
+
 def _pure(node: fx.Node) -> bool:
     if node.target in _SYMBOLIC_ARITHMETIC or getattr(node.target, "__module__", None) == "_operator":
         return True
     schema = getattr(node.target, "_schema", None)
     return schema is not None and not schema.is_mutable and not _records_running_statistics(node)
-
-
-_SYMBOLIC_ARITHMETIC = {torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not}
 
 
 def _names(nodes, param_names) -> str:
