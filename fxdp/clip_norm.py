@@ -27,7 +27,10 @@ _ids = itertools.count()
 
 
 def check_max_grad_norm(c: object) -> float:
-    """``c`` as a float, if it is a finite number > 0."""
+    """``c`` as a float, if it is a finite number > 0 (a one-element real tensor too, as
+    an adaptive clipping rule computes it)."""
+    if isinstance(c, torch.Tensor) and c.numel() == 1 and not (c.is_complex() or c.dtype == torch.bool):
+        c = c.item()
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
         raise ValueError(f"max_grad_norm must be a finite number > 0, got {c!r}")
     return float(c)

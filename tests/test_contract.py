@@ -1248,8 +1248,9 @@ def test_max_grad_norm_of_a_backend_changes_between_steps():
     model = mlp()
     backend = fxdp.backend(max_grad_norm=1.0, loss_reduction="sum", compiler="eager")
     compiled = torch.compile(model, backend=backend)
-    for max_grad_norm in (0.1, 2.0):
+    for max_grad_norm in (torch.tensor(0.1), 2.0):  # a 0-d tensor, as an adaptive rule computes it
         backend.max_grad_norm = max_grad_norm
+        max_grad_norm = float(max_grad_norm)
         x = randn(5, 4)
         ref = reference(model, [x], per_sample_sq_loss)
         model.zero_grad()
@@ -1257,7 +1258,7 @@ def test_max_grad_norm_of_a_backend_changes_between_steps():
         assert_close_all(grads(model), ref.grad("sum", max_grad_norm), TOL, f"p.grad, C={max_grad_norm}")
 
 
-@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, "1.0", None])
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, "1.0", None, torch.tensor([0.5, 1.0]), torch.tensor(-1.0)])
 def test_max_grad_norm_set_to_a_bad_value_raises(value):
     dp = fxdp.transform(mlp(), max_grad_norm=1.0, compiler="eager")
     with pytest.raises(ValueError):
