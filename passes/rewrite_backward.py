@@ -263,23 +263,8 @@ def unmarked_gradients(bw_gm: fx.GraphModule, params: dict[int, str]) -> list[st
         params: Output index of each trainable parameter's gradient (the index of its
             forward input) and its name.
     """
-    grads = next(n for n in bw_gm.graph.nodes if n.op == "output").args[0]
-    leaking = []
-    for index, name in params.items():
-        grad = grads[index] if index < len(grads) else None
-        if not isinstance(grad, fx.Node):
-            continue
-        stack, seen = [grad], set()
-        while stack:
-            node = stack.pop()
-            if node in seen or (node.op == "call_function" and node.target is MARKER):
-                continue
-            seen.add(node)
-            if node.op == "placeholder" and node.name.startswith("tangents"):
-                leaking.append(name)
-                break
-            stack.extend(node.all_input_nodes)
-    return leaking
+    return [name for _, name, grad in _parameter_gradients(bw_gm, params)
+            if any(n.op == "placeholder" and n.name.startswith("tangents") for n in _upstream(grad))]
 
 
 def constant_gradients(bw_gm: fx.GraphModule, params: dict[int, str]) -> list[int]:
@@ -298,23 +283,31 @@ def constant_gradients(bw_gm: fx.GraphModule, params: dict[int, str]) -> list[in
     Returns:
         Their output indices.
     """
+    return [index for index, _, grad in _parameter_gradients(bw_gm, params)
+            if not any(n.op == "call_function" and n.target is MARKER for n in _upstream(grad))]
+
+
+def _parameter_gradients(bw_gm: fx.GraphModule, params: dict[int, str]):
+    """``(output index, name, node)`` of each parameter gradient the backward computes."""
     grads = next(n for n in bw_gm.graph.nodes if n.op == "output").args[0]
-    constant = []
-    for index in params:
+    for index, name in params.items():
         grad = grads[index] if index < len(grads) else None
-        if not isinstance(grad, fx.Node):
+        if isinstance(grad, fx.Node):
+            yield index, name, grad
+
+
+def _upstream(grad: fx.Node):
+    """The nodes ``grad`` is computed from, itself included; a marker is one of them,
+    but what it reads is not (the rewrite replaces it)."""
+    stack, seen = [grad], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
             continue
-        stack, seen = [grad], set()
-        while stack:
-            node = stack.pop()
-            if node.op == "call_function" and node.target is MARKER:
-                break
-            if node not in seen:
-                seen.add(node)
-                stack.extend(node.all_input_nodes)
-        else:
-            constant.append(index)
-    return constant
+        seen.add(node)
+        yield node
+        if not (node.op == "call_function" and node.target is MARKER):
+            stack.extend(node.all_input_nodes)
 
 
 def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
