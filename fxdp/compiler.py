@@ -367,8 +367,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     # An empty batch (B == 0, a graph of its own: Dynamo specialises size 0) runs without
     # Inductor. Its joint-graph passes fold every tensor without elements into a constant,
     # and the min-cut partitioner then moves the gradients that no longer depend on the
-    # output gradient, markers included, into the forward: their parameters would get no
-    # grad_sample. There is nothing to compute fast there anyway.
+    # output gradient, markers included, into the forward. The handover below gives such
+    # parameters their grad samples, but where it takes them all (a model that ends in a
+    # LayerNorm) nothing left in the backward holds B. There is nothing to compute fast
+    # there anyway.
     inductor = options.compiler == "inductor" and not analysis.empty
     handover = _Handover(list(guarded))
 

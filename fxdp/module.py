@@ -33,22 +33,12 @@ class DPModule(nn.Module):
         backend = Backend(options, names, forward_arg_names(model), guards_eager_fallback=False)
         object.__setattr__(self, "_backend", backend)
 
-        def call(*args, **kwargs):
-            return model(*args, **kwargs)
-
-        def call_without_grad(*args, **kwargs):
-            return model(*args, **kwargs)
-
-        # Code objects of their own: Dynamo keeps its compiled graphs, and counts
-        # recompiles against its limit, per code object, and with one shared by every
-        # transform the ninth model of a process would stop at the limit on its first
-        # call. Forwards without gradients (evaluation under no_grad or inference_mode)
-        # get another: their graphs (a static and a symbolic batch size, sizes 0 and 1,
-        # each grad mode) would otherwise use up the training step's recompile limit.
-        call.__code__ = call.__code__.replace()
-        call_without_grad.__code__ = call_without_grad.__code__.replace()
-        object.__setattr__(self, "_compiled", torch.compile(call, backend=backend, fullgraph=True))
-        object.__setattr__(self, "_compiled_without_grad", torch.compile(call_without_grad, backend=backend))
+        # Training calls and forwards without gradients (evaluation under no_grad or
+        # inference_mode) compile apart: the latter's graphs (a static and a symbolic
+        # batch size, sizes 0 and 1, each grad mode) would otherwise use up the training
+        # step's recompile limit.
+        object.__setattr__(self, "_compiled", torch.compile(_calling(model), backend=backend, fullgraph=True))
+        object.__setattr__(self, "_compiled_without_grad", torch.compile(_calling(model), backend=backend))
         self.training = model.training
 
     @property
@@ -170,6 +160,18 @@ class DPModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"options={self.options}\n(module): {self._module!r}"
+
+
+def _calling(model: nn.Module):
+    """``model(*args, **kwargs)`` as a function with a code object of its own: Dynamo
+    keeps its compiled graphs, and counts recompiles against its limit, per code object,
+    and with one shared by every transform the ninth model of a process would stop at
+    the limit on its first call."""
+    def call(*args, **kwargs):
+        return model(*args, **kwargs)
+
+    call.__code__ = call.__code__.replace()
+    return call
 
 
 def transform(model: nn.Module, max_grad_norm: float | None = None, grad_sample: bool = False,
