@@ -6,7 +6,9 @@ linear, Opacus's ``DPLSTM``/``DPGRU``/``DPRNN``, ``DPMultiheadAttention`` and
 ``SequenceBias`` — on hypothesis-drawn shapes (empty batches included), comparing
 Opacus's per-sample gradients with its microbatch loop for both loss reductions. Here
 the same tests compare that microbatch loop with ``fxdp.transform(..., grad_sample=True)``
-instead: a reference and a suite written by someone else.
+instead: a reference and a suite written by someone else. Its embedding ghost-norm test
+(``embedding_norm_sample_test``, per-sample norms worked out by hand from given ids and
+output gradients) runs against ``fxdp.transform(...).per_sample_norms``.
 
 One case differs by design: a ``PackedSequence`` input, which fxdp refuses (it has no
 batch dim); there the test checks the refusal and compares nothing (``dp_rnn_test``
@@ -25,6 +27,7 @@ import fxdp
 
 pytest.importorskip("opacus", reason="Opacus's per-sample test suite ships in the opacus wheel (the test extra)")
 
+from opacus.grad_sample import embedding_norm_sample  # noqa: E402
 from opacus.tests.grad_samples import common  # noqa: E402
 from opacus.utils.module_utils import trainable_parameters  # noqa: E402
 from opacus.utils.per_sample_gradients_utils import (  # noqa: E402
@@ -87,6 +90,9 @@ try:
     from opacus.tests.grad_samples.dp_multihead_attention_test import MultiHeadAttention_test  # noqa: E402,F401
     from opacus.tests.grad_samples.dp_rnn_test import RNN_test  # noqa: E402,F401
     from opacus.tests.grad_samples.embedding_bag_test import Embedding_bag_test  # noqa: E402,F401
+    from opacus.tests.grad_samples.embedding_norm_sample_test import (  # noqa: E402
+        TestComputeEmbeddingNormSample as _EmbeddingNormSample_test,
+    )
     from opacus.tests.grad_samples.embedding_test import Embedding_test  # noqa: E402,F401
     from opacus.tests.grad_samples.group_norm_test import GroupNorm_test  # noqa: E402,F401
     from opacus.tests.grad_samples.instance_norm1d_test import InstanceNorm1d_test  # noqa: E402,F401
@@ -100,10 +106,41 @@ finally:
     settings.load_profile(_previous)
 
 
+class _EmbeddingOutputTimes(torch.nn.Module):
+    """``embedding(ids) * backprops``: summed, its gradient at the embedding's output is
+    ``backprops``, as Opacus's norm sampler is handed."""
+
+    def __init__(self, embedding: torch.nn.Embedding):
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, ids, backprops):
+        return self.embedding(ids) * backprops
+
+
+def fxdp_embedding_norm_sample(layer, activations, backprops):
+    """Opacus's ``compute_embedding_norm_sample`` (the weight's per-sample gradient norms,
+    given the ids and the gradient at the layer's output) by ``fxdp.transform``."""
+    torch._dynamo.reset()
+    (ids,) = activations
+    dp = fxdp.transform(_EmbeddingOutputTimes(layer), loss_reduction="sum", compiler="eager")
+    dp(ids, backprops.to(layer.weight.dtype)).sum().backward()
+    return {layer.weight: dp.per_sample_norms}
+
+
+class EmbeddingNormSample_test(_EmbeddingNormSample_test):
+    def setUp(self):
+        self._opacus = embedding_norm_sample.compute_embedding_norm_sample
+        embedding_norm_sample.compute_embedding_norm_sample = fxdp_embedding_norm_sample
+
+    def tearDown(self):
+        embedding_norm_sample.compute_embedding_norm_sample = self._opacus
+
+
 class Conv2d_test(_Conv2d_test):
     # Opacus's own unfold and its hooks on one shape: nothing of fxdp's.
     test_unfold2d = unittest.skip("tests Opacus's unfold2d")(lambda self: None)
     test_asymetric_dilation_and_kernel_size = unittest.skip("tests GradSampleModule")(lambda self: None)
 
 
-del _Conv2d_test
+del _Conv2d_test, _EmbeddingNormSample_test
