@@ -1,4 +1,5 @@
-"""Mixed precision: ``torch.autocast`` around the call or inside the forward.
+"""Mixed precision: ``torch.autocast`` around the call or inside the forward; and
+models whose parameters are in half precision.
 
 fxdp writes autocast's casts into the graph (``passes/autocast.py``) and runs it with
 autocast off, so it computes what eager autocast computes. Ground truth is the
@@ -205,3 +206,36 @@ def test_loss_scaling_clips_the_scaled_gradients_and_a_fixed_scale_recipe_undoes
     for p in model.parameters():
         p.grad /= scale
     assert_close_all(grads(), ref.grad("mean", clip), 1e-5, "fixed-scale recipe")
+
+
+@pytest.mark.parametrize("mode", ["grad_sample-sum", "clip-mean"])
+@pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
+def test_parameters_in_low_precision(name, dtype, mode):
+    """A model converted to half precision (``model.to(torch.bfloat16)``, as LLM fine-tuning
+    does with its frozen base): gradients, grad samples and their arithmetic stay in
+    that precision, as they do under eager autograd and in Opacus; the norms are
+    float32. Ground truth is the microbatch loop of the same half-precision model."""
+    make, make_args = MODELS[name]
+    torch.manual_seed(0)
+    model = make().to(dtype)
+    args = [a.to(dtype) if a.is_floating_point() else a for a in make_args()]
+    ref = reference(model, args, lambda out, i: _sq_loss(out))
+    clip = float(ref.norms.median()) if mode.startswith("clip") else None
+    reduction = mode.split("-")[1]
+    m = copy.deepcopy(model)
+    dp = fxdp.transform(m, max_grad_norm=clip, grad_sample=clip is None, loss_reduction=reduction,
+                        compiler="eager")
+    out = dp(*args)
+    assert out.dtype == dtype
+    loss = _sq_loss(out)
+    (loss / B if reduction == "mean" else loss).backward()
+    tol = TOL[dtype]
+    params = dict(m.named_parameters())
+    assert_close_all({n: p.grad.float() for n, p in params.items()},
+                     {n: g.float() for n, g in ref.grad(reduction, clip).items()}, tol, "p.grad")
+    if clip is None:
+        assert_close_all({n: p.grad_sample.float() for n, p in params.items()},
+                         {n: g.float() for n, g in ref.per_sample.items()}, tol, "p.grad_sample")
+        assert all(p.grad_sample.dtype == dtype for p in params.values())
+    assert (dp.per_sample_norms.float() - ref.norms.float()).abs().max() <= tol * ref.norms.float().max()
+    assert all(p.grad.dtype == dtype for p in params.values())
