@@ -35,7 +35,7 @@ from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_h
 from fxdp.batching import batch_major_all, retrack, scale_batch
 from fxdp.clip_norm import max_grad_norm
 from fxdp.markers import USES, UseInfo
-from fxdp.opaque import run_opaque, symbolic_batch
+from fxdp.opaque import holding, run_opaque, symbolic_batch
 from fxdp.options import Options
 from fxdp.registry import GRAD, ghost_inner
 
@@ -70,6 +70,8 @@ class BackwardPlan:
         grad_sample_params: Placeholder indices (saved parameters) whose grad samples
             follow, in order.
         rule_counts: How often each rule fired in this graph.
+        opaque_calls: The run-time VJPs the graph calls (``fxdp/opaque.py``): whoever
+            runs the graph keeps the plan.
     """
 
     num_grads: int
@@ -77,6 +79,7 @@ class BackwardPlan:
     has_clip_factors: bool
     grad_sample_params: list[int]
     rule_counts: dict[str, int]
+    opaque_calls: list = dataclasses.field(default_factory=list)
 
 
 def _descendants(gm: fx.GraphModule, roots: Sequence[fx.Node]) -> set[fx.Node]:
@@ -545,7 +548,8 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
     fake_args = [p.meta["val"] for p in placeholders]
     # AOTAutograd's backward placeholders may live in a fake mode of their own.
     fake_mode = fake_mode_of([a for a in fake_args if isinstance(a, torch.Tensor)])
-    new_gm = make_fx_traced(rewritten, fake_args, fake_mode=fake_mode, decompositions=decompositions)
+    with holding() as opaque_calls:
+        new_gm = make_fx_traced(rewritten, fake_args, fake_mode=fake_mode, decompositions=decompositions)
     new_gm.graph.eliminate_dead_code()
     out = next(n for n in reversed(new_gm.graph.nodes) if n.op == "output")
     num_grads = len(output_node.args[0])
@@ -563,5 +567,6 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
         has_clip_factors=clip,
         grad_sample_params=[placeholders.index(p) for p in by_param] if keep else [],
         rule_counts=dict(rule_counts),
+        opaque_calls=opaque_calls,
     )
     return new_gm, plan

@@ -247,3 +247,29 @@ def test_parameter_indexed_by_batched_ids(kind: str, dtype: torch.dtype, mode: s
         assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tol, "p.grad_sample")
     assert_close_all({"norms": dp_model.per_sample_norms}, {"norms": ref.norms}, tol, "per_sample_norms")
     assert {p.name: p.rule for p in dp_model.explain().plans}["table"] == LOOKUP_RULES[kind]
+
+
+def test_run_time_vjps_live_as_long_as_their_graph():
+    """On a graph compiled for any batch size the fallback's VJP runs at run time, as an
+    opaque op that finds it in a registry (``fxdp/opaque.py``). The registry holds it only
+    while the graph can run: after ``torch._dynamo.reset()`` nothing of it is left."""
+    import gc
+
+    from fxdp import opaque
+
+    before = len(opaque._CALLS)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.PReLU())
+    m = copy.deepcopy(model)
+    dp = fxdp.transform(m, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for size in (3, 4, 6):  # the second compiles for any size, the third reuses it
+        x = torch.randn(size, D)
+        dp(x).pow(2).sum().backward()
+        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+        assert_close_all({n: p.grad_sample for n, p in m.named_parameters()}, ref.per_sample, tolerance(torch.float32),
+                         "p.grad_sample")
+    assert len(opaque._CALLS) > before
+    del dp, m
+    torch._dynamo.reset()
+    gc.collect()
+    assert len(opaque._CALLS) == before
