@@ -161,6 +161,14 @@ class DPModule(nn.Module):
     def extra_repr(self) -> str:
         return f"options={self.options}\n(module): {self._module!r}"
 
+    # -- copies: a transform of the copied model -----------------------------------------
+    def __reduce__(self):
+        """``copy.deepcopy``, ``pickle`` and ``torch.save`` copy the model and transform
+        the copy with the same options (and the current ``max_grad_norm``); its graphs
+        compile on its first call. Copying the compiled callables would keep them
+        calling the original model, whose parameters would then get the gradients."""
+        return _transformed, (self._module, self.options, self.max_grad_norm)
+
 
 def _calling(model: nn.Module):
     """``model(*args, **kwargs)`` as a function with a code object of its own: Dynamo
@@ -172,6 +180,13 @@ def _calling(model: nn.Module):
 
     call.__code__ = call.__code__.replace()
     return call
+
+
+def _transformed(model: nn.Module, options: Options, max_grad_norm: float | None) -> DPModule:
+    dp = DPModule(model, options)
+    if max_grad_norm is not None:
+        dp.max_grad_norm = max_grad_norm
+    return dp
 
 
 def transform(model: nn.Module, max_grad_norm: float | None = None, grad_sample: bool = False,

@@ -825,6 +825,38 @@ def test_state_dict_has_the_model_keys():
     assert [n for n, _ in dp.named_parameters()] == [n for n, _ in model.named_parameters()]
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_is_a_transform_of_the_copied_model(how):
+    """``copy.deepcopy(dp_model)`` (an EMA or evaluation copy) and a saved and loaded
+    ``dp_model`` train their own parameters, with the same options and the current
+    ``max_grad_norm``; the original model gets nothing from their backward."""
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    dp = fxdp.transform(model, max_grad_norm=1.0, grad_sample=True, compiler="eager")
+    x = torch.randn(5, 4)
+    dp(x).sum(1).mean().backward()
+    dp.max_grad_norm = 0.5
+    model.zero_grad()
+    if how == "deepcopy":
+        copied = copy.deepcopy(dp)
+    else:
+        buffer = io.BytesIO()
+        torch.save(dp, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert copied.options == dp.options and copied.max_grad_norm == 0.5
+    params = dict(copied.named_parameters())
+    assert not any(p is q for p, q in zip(params.values(), model.parameters()))
+    ref = reference(copied.module, [x], lambda out, i: out.sum())
+    copied(x).sum(1).mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("mean", 0.5), tolerance(torch.float32), "p.grad")
+    assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tolerance(torch.float32),
+                     "p.grad_sample")
+
+
 def test_train_and_eval_pass_through():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3)).to(DTYPE)
