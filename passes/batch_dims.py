@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from fxdp.batching import WHOLE, BatchDim
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
-from fxdp.passes.writes import carries_no_gradient, computed_without_grad, follow_write
+from fxdp.passes.writes import carries_no_gradient, computed_without_grad, follow_write, parameter_write
 from fxdp.registry import lookup, named_arg, out_of_place
 
 __all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name", "arange_dim"]
@@ -361,7 +361,7 @@ def _embedding_renorm(node, arg_batch):
     """``nn.Embedding(max_norm=...)`` rescales, under ``no_grad``, every row the batch
     looks up whose norm exceeds ``max_norm``: a row's new value depends on that row
     alone, so samples stay independent and the table stays shared. (The in-place write
-    into the parameter is refused by ``follow_write``, with what to do instead.)"""
+    into the parameter is refused by ``parameter_write``, with what to do instead.)"""
     return arg_batch[0]
 
 
@@ -1440,7 +1440,10 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
     previous = None
     for node in gm.graph.nodes:
         # An in-place write by the op before changes what later reads of its base hold.
-        reason = follow_write(previous, batch, sources) if previous is not None and not single else None
+        # (With one sample nothing per-sample is written, but a write into a parameter is
+        # refused all the same.)
+        reason = None if previous is None else (
+            parameter_write(previous, sources) if single else follow_write(previous, batch, sources))
         if reason:
             problems.append(Problem(op_name(previous.target), module_path_of(previous),
                                     _names(sources.get(previous.args[0], ()), param_names), reason))

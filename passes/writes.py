@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from fxdp.batching import BatchDim
 
-__all__ = ["carries_no_gradient", "computed_without_grad", "follow_write", "is_detach", "is_view",
+__all__ = ["carries_no_gradient", "computed_without_grad", "follow_write", "is_detach", "is_view", "parameter_write",
            "writes_in_place"]
 
 aten = torch.ops.aten
@@ -104,6 +104,43 @@ def carries_no_gradient(node: fx.Node, without_grad: set[fx.Node], _memo: dict |
     return memo[node]
 
 
+def _written_chain(node: fx.Node) -> list | None:
+    """The view an in-place op writes, its base, ... up to a tensor no view of another
+    (``None`` if ``node`` writes nothing in place)."""
+    if node.op != "call_function" or not writes_in_place(node.target):
+        return None
+    chain = [node.args[0]]
+    while isinstance(chain[-1], fx.Node) and is_view(chain[-1]):
+        chain.append(chain[-1].args[0])
+    return chain
+
+
+def parameter_write(node: fx.Node, sources: dict) -> str | None:
+    """Why an in-place write into a trainable parameter, or a value computed from
+    parameters alone, is refused; at any batch size, one sample included.
+
+    Args:
+        node: An op of the graph.
+        sources: Parameter-only values (computed from trainable parameters alone).
+    """
+    chain = _written_chain(node)
+    base = chain[-1] if chain else None
+    if not isinstance(base, fx.Node) or base not in sources:
+        return None
+    if base.op == "placeholder":
+        # The backward would receive the parameter's new value, a copy, not the
+        # parameter its per-sample results belong on.
+        return ("it writes in place into a trainable parameter during the forward (nn.Embedding("
+                "max_norm=...) renormalises the rows it looks up); fxdp cannot attach per-sample "
+                "results to a parameter the forward rewrites: drop max_norm, or renormalise the "
+                "weight yourself between steps (with torch.no_grad(): weight.copy_(torch.renorm("
+                "weight, 2, 0, max_norm)))")
+    return ("it writes in place into a value computed from parameters alone; fxdp maps "
+            "per-sample gradients back through the ops that compute a parameter's value, "
+            "and an in-place write is not one: compute it out of place "
+            "(w = w * mask, torch.where(mask, 0.0, w), torch.cat)")
+
+
 def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
     """Carry an in-place write's batch dim to the tensor it writes.
 
@@ -116,27 +153,13 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
     Returns:
         Why the write cannot be followed, or ``None``.
     """
-    if node.op != "call_function" or not writes_in_place(node.target):
+    chain = _written_chain(node)
+    if chain is None or not isinstance(chain[-1], fx.Node):
         return None
-    chain = [node.args[0]]  # the written view, its base, ... up to a tensor no view of another
-    while isinstance(chain[-1], fx.Node) and is_view(chain[-1]):
-        chain.append(chain[-1].args[0])
     base = chain[-1]
-    if not isinstance(base, fx.Node):
-        return None
-    if base in sources and base.op == "placeholder":
-        # The backward would receive the parameter's new value, a copy, not the
-        # parameter its per-sample results belong on.
-        return ("it writes in place into a trainable parameter during the forward (nn.Embedding("
-                "max_norm=...) renormalises the rows it looks up); fxdp cannot attach per-sample "
-                "results to a parameter the forward rewrites: drop max_norm, or renormalise the "
-                "weight yourself between steps (with torch.no_grad(): weight.copy_(torch.renorm("
-                "weight, 2, 0, max_norm)))")
-    if base in sources:
-        return ("it writes in place into a value computed from parameters alone; fxdp maps "
-                "per-sample gradients back through the ops that compute a parameter's value, "
-                "and an in-place write is not one: compute it out of place "
-                "(w = w * mask, torch.where(mask, 0.0, w), torch.cat)")
+    reason = parameter_write(node, sources)
+    if reason:
+        return reason
     written = batch.get(node)
     if not (isinstance(written, BatchDim) and written.dim is not None):
         return None  # nothing per-sample is written

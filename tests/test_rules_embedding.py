@@ -548,14 +548,16 @@ def _problems(model, *args, **options):
     return [str(p) for p in fxdp.validate(model, *args, compiler="eager", **options)]
 
 
-def test_refuses_max_norm_with_what_to_do_instead():
+@pytest.mark.parametrize("batch_size", [B, 1, 0])
+def test_refuses_max_norm_with_what_to_do_instead(batch_size):
     """``max_norm`` rewrites the weight in place in the forward (under ``no_grad``):
-    refused, never a step whose per-sample results miss the parameter."""
+    refused at any batch size, one sample included, never a step whose per-sample
+    results miss the parameter."""
     model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(1), nn.Linear(12, 2))
-    problems = _problems(model, _ids((B, 3), 10, 40))
+    problems = _problems(model, _ids((batch_size, 3), 10, 40))
     assert any("max_norm" in p and "0.weight" in p and "torch.renorm" in p for p in problems), problems
     with pytest.raises(fxdp.UnsupportedError, match="max_norm"):
-        fxdp.transform(model, grad_sample=True, compiler="eager")(_ids((B, 3), 10, 40)).sum().backward()
+        fxdp.transform(model, grad_sample=True, compiler="eager")(_ids((batch_size, 3), 10, 40)).sum().backward()
 
 
 def test_refuses_scale_grad_by_freq():
