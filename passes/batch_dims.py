@@ -1440,8 +1440,8 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
     previous = None
     for node in gm.graph.nodes:
         # An in-place write by the op before changes what later reads of its base hold.
-        # (With one sample nothing per-sample is written, but a write into a parameter is
-        # refused all the same.)
+        # (With one sample nothing per-sample is written, but a write into a parameter
+        # is refused all the same.)
         reason = None if previous is None else (
             parameter_write(previous, sources) if single else follow_write(previous, batch, sources))
         if reason:

@@ -116,8 +116,10 @@ def _written_chain(node: fx.Node) -> list | None:
 
 
 def parameter_write(node: fx.Node, sources: dict) -> str | None:
-    """Why an in-place write into a trainable parameter, or a value computed from
-    parameters alone, is refused; at any batch size, one sample included.
+    """Why an in-place write into a trainable parameter is refused; at any batch size,
+    one sample included: besides leaving the parameter's per-sample results nowhere to
+    go, the forward changes the parameter (``nn.Embedding(max_norm=...)`` renormalises
+    the rows the batch looks up) outside the private gradient.
 
     Args:
         node: An op of the graph.
@@ -125,20 +127,15 @@ def parameter_write(node: fx.Node, sources: dict) -> str | None:
     """
     chain = _written_chain(node)
     base = chain[-1] if chain else None
-    if not isinstance(base, fx.Node) or base not in sources:
+    if not (isinstance(base, fx.Node) and base in sources and base.op == "placeholder"):
         return None
-    if base.op == "placeholder":
-        # The backward would receive the parameter's new value, a copy, not the
-        # parameter its per-sample results belong on.
-        return ("it writes in place into a trainable parameter during the forward (nn.Embedding("
-                "max_norm=...) renormalises the rows it looks up); fxdp cannot attach per-sample "
-                "results to a parameter the forward rewrites: drop max_norm, or renormalise the "
-                "weight yourself between steps (with torch.no_grad(): weight.copy_(torch.renorm("
-                "weight, 2, 0, max_norm)))")
-    return ("it writes in place into a value computed from parameters alone; fxdp maps "
-            "per-sample gradients back through the ops that compute a parameter's value, "
-            "and an in-place write is not one: compute it out of place "
-            "(w = w * mask, torch.where(mask, 0.0, w), torch.cat)")
+    # The backward would receive the parameter's new value, a copy, not the
+    # parameter its per-sample results belong on.
+    return ("it writes in place into a trainable parameter during the forward (nn.Embedding("
+            "max_norm=...) renormalises the rows it looks up); fxdp cannot attach per-sample "
+            "results to a parameter the forward rewrites: drop max_norm, or renormalise the "
+            "weight yourself between steps (with torch.no_grad(): weight.copy_(torch.renorm("
+            "weight, 2, 0, max_norm)))")
 
 
 def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
@@ -157,9 +154,12 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
     if chain is None or not isinstance(chain[-1], fx.Node):
         return None
     base = chain[-1]
-    reason = parameter_write(node, sources)
-    if reason:
-        return reason
+    if base in sources:
+        return parameter_write(node, sources) or (
+            "it writes in place into a value computed from parameters alone; fxdp maps "
+            "per-sample gradients back through the ops that compute a parameter's value, "
+            "and an in-place write is not one: compute it out of place "
+            "(w = w * mask, torch.where(mask, 0.0, w), torch.cat)")
     written = batch.get(node)
     if not (isinstance(written, BatchDim) and written.dim is not None):
         return None  # nothing per-sample is written

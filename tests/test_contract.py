@@ -857,6 +857,27 @@ def test_a_copy_is_a_transform_of_the_copied_model(how):
                      "p.grad_sample")
 
 
+def test_autograd_grad_returns_the_clipped_gradient():
+    """``torch.autograd.grad(loss, params)`` (functional training loops) gets what
+    ``backward()`` would write to ``p.grad``: the clipped gradient, the norms over every
+    trainable parameter even when it asks for some of them; ``p.grad`` stays unset."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    dp = fxdp.transform(model, max_grad_norm=0.3, grad_sample=True, compiler="eager")
+    x = torch.randn(5, 4)
+    ref = reference(model, [x], lambda out, i: out.sum())
+    names = [n for n, _ in model.named_parameters()]
+    grads = torch.autograd.grad(dp(x).sum(1).mean(), list(model.parameters()))
+    assert_close_all(dict(zip(names, grads)), ref.grad("mean", 0.3), tolerance(torch.float32), "autograd.grad")
+    assert all(p.grad is None for p in model.parameters())
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float32), "p.grad_sample")
+    (head,) = torch.autograd.grad(dp(x).sum(1).mean(), [model[2].weight])
+    assert_close_all({"2.weight": head}, {"2.weight": ref.grad("mean", 0.3)["2.weight"]}, tolerance(torch.float32),
+                     "one parameter")
+    torch.testing.assert_close(dp.per_sample_norms, ref.norms, rtol=1e-4, atol=0)
+
+
 def test_train_and_eval_pass_through():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3)).to(DTYPE)
