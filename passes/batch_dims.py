@@ -1652,12 +1652,11 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems):
             if plan is None:
                 continue
             # Expanded to the batch, the op sees its other inputs batched: the rule's
-            # check judges its settings (``scale_grad_by_freq``) as it would there. (An
-            # expand of the parameter alone is the broadcast itself.)
-            as_batched = [None if (isinstance(a, fx.Node) and a in sources) else
-                          (BatchDim(0) if isinstance(a, fx.Node) else None) for a in node.args]
+            # check judges its settings (``scale_grad_by_freq``) and layouts as it would
+            # there. (An expand of the parameter alone is the broadcast itself.)
+            as_batched, metas = _batched_as_broadcast(node, plan, sources)
             for i in param_positions if others else ():
-                reason = rule.check(as_batched, [_meta(a) for a in node.args], i) if rule.check else None
+                reason = rule.check(as_batched, metas, i) if rule.check else None
                 if reason:
                     problems.append(Problem(op_name(node.target), module_path_of(node),
                                             _names(sources[node.args[i]], param_names), reason))
@@ -1732,6 +1731,29 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems):
             + ("" if index is None else f" (argument {index})")
             + "; register one with fxdp.register_rule"))
     return uses, broadcasts
+
+
+def _batched_as_broadcast(node: fx.Node, plan: "Broadcast", sources: dict) -> tuple[list, list]:
+    """The batch dims and example values of a shared op's arguments as its broadcast
+    ``plan`` makes them: each input that is no parameter-only value batched, along a new
+    leading dim where the expand adds one (``buffer * p`` ``[d]`` broadcast to
+    ``[B, d]`` reads as ``[1, d]`` batched at 0: the parameter ``[d]`` does not span
+    the batch), else along its dim 0 (``wpe(arange(T)[None])``'s ``[1, T]`` positions).
+    """
+    added = plan.ndim - _meta(node).dim()
+    as_batched, metas = [], []
+    for a in node.args:
+        meta = _meta(a)
+        if isinstance(a, fx.Node) and a not in sources:
+            if added > 0 and isinstance(meta, torch.Tensor):
+                meta = meta.reshape((1,) * added + tuple(meta.shape))
+                as_batched.append(BatchDim(plan.batch_dim))
+            else:
+                as_batched.append(BatchDim(0))
+        else:
+            as_batched.append(None)
+        metas.append(meta)
+    return as_batched, metas
 
 
 def _own_expands(node: fx.Node, batch: dict) -> set[fx.Node]:

@@ -1538,6 +1538,38 @@ def test_projection_of_a_buffer_expanded_to_the_batch():
     _against_the_loop(GatedPositions().double(), torch.randn(B, T, D, dtype=torch.float64))
 
 
+class ScaledByShared(nn.Module):
+    """A parameter combined with a shared tensor of its own shape (a buffer, a shared
+    input, ``torch.ones``), then broadcast against the batch: ``x + buf * q``."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.q = nn.Parameter(torch.randn(D))
+        self.register_buffer("buf", torch.rand(D) + 0.5)
+        self.lin = nn.Linear(D, 3)
+
+    def forward(self, x, shared):  # [B, T, D], [D]
+        if self.kind == "buffer":
+            h = x + self.buf * self.q
+        elif self.kind == "shared-input":
+            h = x * (shared * self.q)
+        else:
+            h = torch.ones(D, dtype=x.dtype) * self.q + x
+        return self.lin(h)
+
+
+@pytest.mark.parametrize("kind", ["buffer", "shared-input", "ones"])
+def test_parameter_times_a_shared_tensor_broadcast_to_the_batch(kind):
+    """Shared, the product is computed once and its output expanded to the batch: the
+    parameter ``[D]`` does not span the batch dim, which the expand adds in front."""
+    torch.manual_seed(0)
+    model = ScaledByShared(kind).double()
+    shared = torch.rand(D, dtype=torch.float64) + 0.5
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64), shared)
+    _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), shared, dp=dp)
+
+
 @pytest.mark.parametrize("alias", [torch.multiply, torch.subtract, torch.divide, torch.true_divide])
 def test_numpy_style_aliases_are_their_ops(alias):
     """``torch.multiply`` and friends (ConvBERT) reach ``mul``'s rule and propagation."""
