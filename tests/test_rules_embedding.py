@@ -667,6 +667,29 @@ def _check_over_sizes(model: nn.Module, sizes: list[tuple[int, int]]) -> None:
                          tolerance(torch.float64), f"grad_sample {batch}x{length}")
 
 
+class WeightedBags(nn.Module):
+    """EmbeddingBag over ``[B, K]`` ids, whose offsets ``arange(0, B·K, K)`` are symbolic
+    on a graph compiled for any batch size; ``weighted``: per_sample_weights from a
+    buffer expanded to the batch (each row the same weights)."""
+
+    def __init__(self, weighted: bool, k: int = 6):
+        super().__init__()
+        self.weighted = weighted
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum")
+        self.register_buffer("w", torch.linspace(0.5, 1.5, k))
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, ids):
+        w = self.w.expand(ids.shape[0], -1) if self.weighted else None
+        return self.head(torch.tanh(self.bag(ids, per_sample_weights=w)))
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weights-expanded"])
+def test_bags_of_2d_ids_over_batch_sizes(weighted: bool):
+    torch.manual_seed(0)
+    _check_over_sizes(WeightedBags(weighted).double(), [(B, 6), (B + 1, 6), (B + 3, 6)])
+
+
 @pytest.mark.parametrize("to_device", [False, True])
 def test_gpt2_position_rows_over_many_sequence_lengths(to_device: bool):
     """Hugging Face GPT-2 looks positions up as ``wpe(arange(T)[None])``: a ``[1, T, d]``

@@ -391,9 +391,10 @@ def _regular_offsets(indices: Any, offsets: Any) -> bool:
     indices' count: bags of ``K`` ids each, as F.embedding_bag lowers a 2-D input."""
     if not isinstance(offsets, fx.Node) or offsets.target is not aten.arange.start_step:
         return False
-    start, end, step = offsets.args[:3]
+    # On a graph compiled for any batch size, ``end`` is a symbolic size (a node).
+    start, end, step = (_meta(a) for a in offsets.args[:3])
     num_ids = _meta(indices).shape[0]
-    return start == 0 and bool(end == num_ids) and bool(end % step == 0)
+    return bool(start == 0) and bool(end == num_ids) and bool(end % step == 0)
 
 
 def _bag_config(args) -> dict:
