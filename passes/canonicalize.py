@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -409,6 +410,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
 def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     """The canonical graph's rewrites, in order."""
     gm = no_op_conversion_pass(gm)
+    gm = whole_slice_pass(gm)
     gm = legacy_empty_cat_pass(gm)
     gm = repeat_as_expand_pass(gm)
     gm = in_place_as_out_of_place_pass(gm)
@@ -454,6 +456,37 @@ def no_op_conversion_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 or named_arg(node, "memory_format", None) not in (None, torch.preserve_format):
             continue
         if (out.dtype, out.device, out.layout) == (before.dtype, before.device, before.layout):
+            node.replace_all_uses_with(source)
+            changed = True
+    return _finished(gm, changed)
+
+
+def whole_slice_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop a ``slice`` that keeps all of its dim (it is its input, aliased).
+
+    Dynamo writes ``y[:, mask] = v`` on a batch of symbolic size as an ``index_put_``
+    into ``y[0:]``; on its input itself, the write is an out-of-place ``index_put``
+    (``in_place_as_out_of_place_pass``) as it is on a batch of static size::
+
+        slice_1 = torch.ops.aten.slice.Tensor(mul, 0, 0, 9223372036854775807)   # before
+        index_put_ = torch.ops.aten.index_put_.default(slice_1, [None, mask], v)
+        index_put_ = torch.ops.aten.index_put_.default(mul, [None, mask], v)     # after
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor:
+            continue
+        source = node.args[0]
+        before = source.meta.get("val") if isinstance(source, fx.Node) else None
+        if not isinstance(before, torch.Tensor):
+            continue
+        dim = named_arg(node, "dim", 0)
+        start, end, step = (named_arg(node, name, default) for name, default in
+                            (("start", None), ("end", None), ("step", 1)))
+        if start not in (None, 0) or step != 1 or isinstance(end, fx.Node):
+            continue
+        size = before.shape[dim]
+        if end is None or end >= sys.maxsize or (isinstance(size, int) and end >= size):
             node.replace_all_uses_with(source)
             changed = True
     return _finished(gm, changed)

@@ -233,3 +233,37 @@ def test_out_of_place_weight_surgery_is_exact():
 
     torch.manual_seed(0)
     _check(Masked().double(), torch.randn(B, 2, 4, dtype=torch.float64), grad_sample=True)
+
+
+class MaskedColumns(nn.Module):
+    """``y[:, mask] = value``: a boolean mask over features, the value a number or the
+    parameter's masked entries. On a batch of symbolic size (and, with the parameter's
+    masked entries, of any size) Dynamo writes it into the whole slice ``y[0:]``."""
+
+    def __init__(self, from_parameter: bool):
+        super().__init__()
+        self.from_parameter = from_parameter
+        self.p = nn.Parameter(torch.randn(4), requires_grad=from_parameter)
+        self.register_buffer("mask", torch.tensor([True, False, True, False]))
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.fc(x)
+        y[:, self.mask] = self.p[self.mask] if self.from_parameter else 0.0
+        return self.head(torch.tanh(y))
+
+
+@pytest.mark.parametrize("from_parameter", [False, True], ids=["number", "parameter"])
+def test_masked_columns_written_over_batch_sizes(from_parameter):
+    torch.manual_seed(0)
+    model = MaskedColumns(from_parameter).double()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for size in (B, B + 1, B + 3):
+        x = torch.randn(size, 4, dtype=torch.float64)
+        ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+        for p in model.parameters():
+            p.grad = None
+        dp(x).pow(2).sum().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters() if p.requires_grad},
+                         ref.per_sample, tolerance(torch.float64), f"grad_sample at {size}")
