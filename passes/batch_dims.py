@@ -1647,7 +1647,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems):
             continue  # an expand of a broadcast op's output
         others = [a for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a not in sources]
         if param_positions and all(i in rule.params for i in param_positions) and (
-                others or node.target is aten.expand.default):
+                others or node.target is aten.expand.default) and not _complex_valued(node):
             plan = _broadcast_plan(node, batch)
             if plan is None:
                 continue
@@ -1696,6 +1696,9 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems):
                 _any_unknown(batch.get(node)) or _any_unknown([batch.get(a) for a in node.all_input_nodes])):
             continue  # downstream of a refused op
         target, path = node.target, module_path_of(node)
+        if _complex_valued(node):
+            problems.append(Problem(op_name(target), path, _names(sources[value], param_names), _COMPLEX))
+            continue
         rule = lookup(target)
         kind = "direct" if value in param_names else "transform"
         if target is FUNCTION_APPLY and index is not None:
@@ -1731,6 +1734,18 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems):
             + ("" if index is None else f" (argument {index})")
             + "; register one with fxdp.register_rule"))
     return uses, broadcasts
+
+
+_COMPLEX = ("it computes with complex values; fxdp's per-sample rules are written for real ones (a "
+            "complex gradient needs conjugates they do not take): keep the parameter's path real, or "
+            "freeze the parameter")
+
+
+def _complex_valued(node: fx.Node) -> bool:
+    """Whether an op reads or gives a complex tensor."""
+    values = [_meta(a) for a in node.all_input_nodes] + [_meta(node)]
+    flat = [v for value in values for v in (value if isinstance(value, (list, tuple)) else [value])]
+    return any(isinstance(v, torch.Tensor) and v.is_complex() for v in flat)
 
 
 def _batched_as_broadcast(node: fx.Node, plan: "Broadcast", sources: dict) -> tuple[list, list]:

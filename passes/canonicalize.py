@@ -283,6 +283,14 @@ def _inactive_dropout(x, p, train):
     return NotImplemented
 
 
+def _stack_as_cat(tensors, dim=0):
+    """``stack`` as the ``cat`` of its inputs unsqueezed: a parameter stacked with
+    batched data (``stack([x, p.expand_as(x)], 1)``) meets ``cat``'s rule, and expands
+    of stacked parameter values move past the ``cat`` to where they broadcast."""
+    dim = dim + tensors[0].dim() + 1 if dim < 0 else dim
+    return torch.ops.aten.cat.default([t.unsqueeze(dim) for t in tensors], dim)
+
+
 def _select_scatter_as_slice(base, src, dim, index):
     """``select_scatter`` as the ``slice_scatter`` of one row: the per-sample VJP of a
     parameter transform runs under ``vmap``, where ``select_scatter``'s backward left
@@ -372,6 +380,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         **get_decompositions(_DECOMPOSED), **{op: op.decompose for op in _COMPOSITE},
         torch.ops.aten.bilinear.default: _bilinear_as_einsum, torch.ops.aten.dropout.default: _inactive_dropout,
         torch.ops.aten.select_scatter.default: _select_scatter_as_slice,
+        torch.ops.aten.stack.default: _stack_as_cat,
         torch.ops.aten.take_along_dim.default: _take_along_dim_as_gather,
         torch.ops.aten.batch_norm.default: _batch_norm_eval_as_affine,
         **_chunked_linear_cross_entropy_ops(),
@@ -678,6 +687,12 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     aten = torch.ops.aten
     changed = False
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.cat.default:
+            new = _cat_of_expands(gm, node)
+            if new is not None:
+                _replace(gm, node, new)
+                changed = True
+            continue
         if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         expand = node.args[0]
@@ -801,6 +816,37 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
             _replace(gm, node, new)
             changed = True
     return _finished(gm, changed)
+
+
+def _cat_of_expands(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """A ``cat`` of expands that broadcast the same dims, none of them the cat's, to the
+    same sizes, as the expand of the ``cat`` of their sources (a parameter stacked with a
+    function of itself, each expanded to the batch: ``stack([p.expand_as(x), (p ** 2)
+    .expand_as(x)], 1)``); ``None`` where it is not one."""
+    aten = torch.ops.aten
+    tensors = node.args[0]
+    if len(tensors) < 2 or not all(isinstance(t, fx.Node) and t.op == "call_function"
+                                   and t.target is aten.expand.default for t in tensors):
+        return None
+    ndim = node.meta["val"].dim()
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % ndim
+    if any(t.meta["val"].dim() != ndim for t in tensors):
+        return None
+    broadcast = [{d for d in range(ndim) if _expands_dim(t, d)} for t in tensors]
+    shapes = [t.meta["val"].shape for t in tensors]
+    if any(b != broadcast[0] for b in broadcast) or dim in broadcast[0] or not broadcast[0] or not all(
+            bool(shape[d] == shapes[0][d]) for shape in shapes for d in broadcast[0]):
+        return None
+    with gm.graph.inserting_before(node):
+        sources = []
+        for t in tensors:
+            source = t.args[0]
+            for _ in range(_leading(t)):
+                source = _call(gm, aten.unsqueeze.default, (source, 0), node)
+            sources.append(source)
+        joined = _call(gm, aten.cat.default, (sources, dim), node)
+        sizes = [tensors[0].args[1][d] if d in broadcast[0] else -1 for d in range(ndim)]
+        return _call(gm, aten.expand.default, (joined, sizes), node)
 
 
 def _reads_unexpanded(node: fx.Node, count: int) -> bool:

@@ -246,6 +246,15 @@ def _per_sample_vjp(transform: Callable, sources: list[torch.Tensor], others: li
     return tuple(run_opaque(lambda *ts: list(vjps(*ts)), shapes, (cotangents, *sources, *tensors)))
 
 
+def _sq_norms(per_sample: torch.Tensor, numel: int) -> torch.Tensor:
+    """``[B]`` squared norms of per-sample gradients ``[B, ...]`` of ``numel`` entries
+    each: ``Σ |g|²``, complex values included (a batch of one; larger batches refuse
+    them, see batch_dims.py)."""
+    if per_sample.is_complex():
+        per_sample, numel = torch.view_as_real(per_sample), 2 * numel
+    return per_sample.reshape(per_sample.shape[0], numel).pow(2).sum(1)
+
+
 def _per_sample_shaped(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """A rule's per-sample gradient as ``[B, *shape]``; a parameter without elements
     leaves no size for ``-1`` to infer."""
@@ -451,7 +460,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                         for use, o in zip(uses, ops):
                             g = _per_sample_shaped(use.rule.per_sample_grad(*o, **use.config), param.shape)
                             psg = g if psg is None else psg + g
-                        sq = psg.reshape(psg.shape[0], param.numel()).pow(2).sum(1)
+                        sq = _sq_norms(psg, param.numel())
                         if keep:
                             grad_samples[p] = psg
                         if fits:
@@ -471,7 +480,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                         psg = g if psg is None else psg + g
                     if batch_size is None:
                         batch_size = psg.shape[0]
-                    sq = psg.reshape(psg.shape[0], param.numel()).pow(2).sum(1)
+                    sq = _sq_norms(psg, param.numel())
                     if keep:
                         grad_samples[p] = psg
             sq_norms.append(sq)

@@ -1570,6 +1570,65 @@ def test_parameter_times_a_shared_tensor_broadcast_to_the_batch(kind):
     _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), shared, dp=dp)
 
 
+class StackedWithParameter(nn.Module):
+    """A parameter expanded to the batch and stacked: with batched data
+    (``stack([x, p.expand_as(x)], 1)``), or with a function of itself before meeting
+    the data (``stack([p.expand_as(x), (p ** 2).expand_as(x)], 1) * x[:, None]``)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.p = nn.Parameter(torch.randn(D))
+        self.lin = nn.Linear(2 * D, 3)
+
+    def forward(self, x):  # [B, D]
+        if self.kind == "with-data":
+            h = torch.stack([x, self.p.expand_as(x)], 1)
+        else:
+            h = torch.stack([self.p.expand_as(x), (self.p ** 2).expand_as(x)], -2) * x[:, None]
+        return self.lin(torch.tanh(h).flatten(1))
+
+
+@pytest.mark.parametrize("kind", ["with-data", "with-itself"])
+def test_parameter_expanded_and_stacked(kind):
+    """``stack`` is the ``cat`` of its inputs unsqueezed; a ``cat`` of expands of the
+    parameter is the expand of the ``cat`` of their sources."""
+    torch.manual_seed(0)
+    model = StackedWithParameter(kind).double()
+    dp = _against_the_loop(model, torch.randn(B, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, D, dtype=torch.float64), dp=dp)
+
+
+class ComplexValues(nn.Module):
+    """Complex values on a parameter's path: a complex parameter (a Fourier layer's
+    spectral weights), or a real one scaling the complex spectrum of the input; the
+    magnitude then goes into a real head."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.w = nn.Parameter(torch.randn(3, D, dtype=torch.complex128) * 0.5, requires_grad=kind == "parameter")
+        self.r = nn.Parameter(torch.randn(D, dtype=torch.float64), requires_grad=kind == "activation")
+        self.head = nn.Linear(3, 2).double()
+
+    def forward(self, x):  # [B, T, D], real
+        spectrum = torch.fft.fft(x, dim=-1) * self.r
+        return self.head((spectrum @ self.w.T).abs().mean(1))
+
+
+@pytest.mark.parametrize("kind", ["parameter", "activation"])
+def test_complex_values_on_a_parameters_path_are_refused(kind):
+    """PyTorch's gradient of a complex product takes conjugates that the per-sample rules
+    (written for real values) do not: refused, never a wrong per-sample gradient. With
+    one sample the gradient is the ordinary one, and the norm is ``sqrt(Σ |g|²)``."""
+    torch.manual_seed(0)
+    model = ComplexValues(kind)
+    problems = fxdp.validate(model, torch.randn(B, T, D, dtype=torch.float64), compiler="eager")
+    assert any("complex values" in p.reason and p.parameter == ("w" if kind == "parameter" else "r")
+               for p in problems), problems
+    _against_the_loop(model, torch.randn(1, T, D, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("alias", [torch.multiply, torch.subtract, torch.divide, torch.true_divide])
 def test_numpy_style_aliases_are_their_ops(alias):
     """``torch.multiply`` and friends (ConvBERT) reach ``mul``'s rule and propagation."""
