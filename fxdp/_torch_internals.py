@@ -418,6 +418,15 @@ def backend_error(error: BaseException) -> BaseException | None:
             "fxdp cannot trace packed sequences (torch.nn.utils.rnn.pack_padded_sequence). Pad "
             "the batch instead, run the RNN on the padded tensor and read each sample's last "
             "real step with a mask, e.g. (out * mask[..., None]).sum(1)")
+    if isinstance(error, torch._dynamo.exc.Unsupported) and "requires_grad_()" in str(error):
+        return UnsupportedError(
+            "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "
+            "Dynamo cannot capture a requires_grad_() on a tensor computed inside it that the "
+            "output depends on. Hugging Face's gradient checkpointing (and peft on a checkpointed "
+            "model) registers such a hook on the input embeddings (enable_input_require_grads), "
+            "which only reentrant checkpointing needs: call model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False}) after get_peft_model, then "
+            "model.disable_input_require_grads(). Dynamo's reason: " + str(error))
     if isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
         return UnsupportedError(
             "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "

@@ -342,6 +342,18 @@ def test_module_tensor_attributes_are_shared(path):
     assert_close_all(grads(model), ref.grad("sum", 1.0), TOL, "p.grad")
 
 
+def test_requires_grad_on_an_intermediate_names_the_hugging_face_hook():
+    """Hugging Face's gradient checkpointing hooks the input embeddings to call
+    ``requires_grad_(True)`` on their output (``enable_input_require_grads``); Dynamo
+    refuses it in one graph, and the error says how to checkpoint without it."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    model[0].register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="disable_input_require_grads"):
+        dp(torch.randint(0, 10, (3, 5))).sum().backward()
+
+
 @pytest.mark.parametrize("category", [None, FutureWarning])
 def test_warnings_in_the_forward_do_not_break_the_graph(category):
     """``warnings.warn`` in a forward (PyTorch's own mask-dtype deprecation notice, say)
