@@ -131,11 +131,15 @@ def parameter_write(node: fx.Node, sources: dict) -> str | None:
         return None
     # The backward would receive the parameter's new value, a copy, not the
     # parameter its per-sample results belong on.
-    return ("it writes in place into a trainable parameter during the forward (nn.Embedding("
-            "max_norm=...) renormalises the rows it looks up); fxdp cannot attach per-sample "
-            "results to a parameter the forward rewrites: drop max_norm, or renormalise the "
-            "weight yourself between steps (with torch.no_grad(): weight.copy_(torch.renorm("
-            "weight, 2, 0, max_norm)))")
+    if node.target is torch.ops.aten.embedding_renorm_.default:
+        return ("it writes in place into a trainable parameter during the forward (nn.Embedding("
+                "max_norm=...) renormalises the rows it looks up); fxdp cannot attach per-sample "
+                "results to a parameter the forward rewrites: drop max_norm, or renormalise the "
+                "weight yourself between steps (with torch.no_grad(): weight.copy_(torch.renorm("
+                "weight, 2, 0, max_norm)))")
+    return ("it writes in place into a trainable parameter during the forward; fxdp cannot attach "
+            "per-sample results to a parameter the forward rewrites: change the parameter between "
+            "steps instead (under torch.no_grad(), after optimizer.step())")
 
 
 def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:

@@ -267,3 +267,23 @@ def test_masked_columns_written_over_batch_sizes(from_parameter):
         dp(x).pow(2).sum().backward()
         assert_close_all({n: p.grad_sample for n, p in model.named_parameters() if p.requires_grad},
                          ref.per_sample, tolerance(torch.float64), f"grad_sample at {size}")
+
+
+class ClampedInTheForward(nn.Module):
+    """A weight clamped in place under ``no_grad`` in the forward (a constraint applied
+    where it should be applied after the optimizer step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.fc.weight.clamp_(-0.5, 0.5)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("batch_size", [B, 1])
+def test_a_parameter_written_in_the_forward_is_refused_at_any_batch_size(batch_size):
+    with pytest.raises(fxdp.UnsupportedError, match="change the parameter between steps"):
+        fxdp.transform(ClampedInTheForward(), compiler="eager")(torch.randn(batch_size, 4)).sum().backward()
