@@ -1750,10 +1750,11 @@ def _complex_valued(node: fx.Node) -> bool:
 
 def _batched_as_broadcast(node: fx.Node, plan: "Broadcast", sources: dict) -> tuple[list, list]:
     """The batch dims and example values of a shared op's arguments as its broadcast
-    ``plan`` makes them: each input that is no parameter-only value batched, along a new
-    leading dim where the expand adds one (``buffer * p`` ``[d]`` broadcast to
-    ``[B, d]`` reads as ``[1, d]`` batched at 0: the parameter ``[d]`` does not span
-    the batch), else along its dim 0 (``wpe(arange(T)[None])``'s ``[1, T]`` positions).
+    ``plan`` makes them. Every input but the parameter-only values is batched: along a
+    new leading dim where the expand adds one (in ``buffer * p`` broadcast from ``[d]``
+    to ``[B, d]``, the buffer reads as ``[1, d]`` batched at 0, and the parameter ``[d]``
+    does not span the batch), else along its dim 0 (``wpe(arange(T)[None])``'s
+    ``[1, T]`` positions).
     """
     added = plan.ndim - _meta(node).dim()
     as_batched, metas = [], []
