@@ -8,6 +8,7 @@ microbatch loop run under the same autocast; the tolerance is the low precision'
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -50,6 +51,36 @@ def _sq_loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).sum()
 
 
+def _against_the_loop(model, args, dtype, mode, context=contextlib.nullcontext):
+    """``mode``'s transform (``grad_sample-sum`` or ``clip-mean``) of ``model`` called in
+    ``context``, its ``p.grad``, ``p.grad_sample`` and norms against the microbatch loop
+    run in the same context, compared in float32 at the low precision's tolerance.
+
+    Returns:
+        The transformed copy's trainable parameters by name, and its output.
+    """
+    with context():
+        ref = reference(model, args, lambda out, i: _sq_loss(out))
+    clip = float(ref.norms.median()) if mode.startswith("clip") else None
+    reduction = mode.split("-")[1]
+    m = copy.deepcopy(model)
+    dp = fxdp.transform(m, max_grad_norm=clip, grad_sample=clip is None, loss_reduction=reduction,
+                        compiler="eager")
+    with context():
+        out = dp(*args)
+    loss = _sq_loss(out)
+    (loss / B if reduction == "mean" else loss).backward()
+    tol = TOL[dtype]
+    trainable = {n: p for n, p in m.named_parameters() if p.requires_grad}
+    assert_close_all({n: p.grad.float() for n, p in trainable.items()},
+                     {n: g.float() for n, g in ref.grad(reduction, clip).items()}, tol, "p.grad")
+    if clip is None:
+        assert_close_all({n: p.grad_sample.float() for n, p in trainable.items()},
+                         {n: g.float() for n, g in ref.per_sample.items()}, tol, "p.grad_sample")
+    assert (dp.per_sample_norms.float() - ref.norms.float()).abs().max() <= tol * ref.norms.float().max()
+    return trainable, out
+
+
 @pytest.mark.parametrize("mode", ["grad_sample-sum", "clip-mean"])
 @pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
 def test_autocast_around_the_call(name, dtype, mode):
@@ -57,25 +88,10 @@ def test_autocast_around_the_call(name, dtype, mode):
     torch.manual_seed(0)
     model, args = make(), make_args()
     with torch.autocast("cpu", dtype=dtype):
-        ref = reference(model, args, lambda out, i: _sq_loss(out))
         eager_out = model(*args)
-    clip = float(ref.norms.median()) if mode.startswith("clip") else None
-    reduction = mode.split("-")[1]
-    m = copy.deepcopy(model)
-    dp = fxdp.transform(m, max_grad_norm=clip, grad_sample=clip is None, loss_reduction=reduction,
-                        compiler="eager")
-    with torch.autocast("cpu", dtype=dtype):
-        out = dp(*args)
+    trainable, out = _against_the_loop(model, args, dtype, mode, lambda: torch.autocast("cpu", dtype=dtype))
     if name != "lstm":  # decomposed into linears (bfloat16) and a float32 state update
         assert out.dtype == eager_out.dtype  # autocast's precision, not float32
-    loss = _sq_loss(out)
-    (loss / B if reduction == "mean" else loss).backward()
-    tol = TOL[dtype]
-    trainable = {n: p for n, p in m.named_parameters() if p.requires_grad}
-    assert_close_all({n: p.grad for n, p in trainable.items()}, ref.grad(reduction, clip), tol, "p.grad")
-    if clip is None:
-        assert_close_all({n: p.grad_sample for n, p in trainable.items()}, ref.per_sample, tol, "p.grad_sample")
-    assert (dp.per_sample_norms - ref.norms).abs().max() <= tol * ref.norms.max()
     assert all(p.grad.dtype == torch.float32 for p in trainable.values())
 
 
@@ -219,23 +235,8 @@ def test_parameters_in_low_precision(name, dtype, mode):
     torch.manual_seed(0)
     model = make().to(dtype)
     args = [a.to(dtype) if a.is_floating_point() else a for a in make_args()]
-    ref = reference(model, args, lambda out, i: _sq_loss(out))
-    clip = float(ref.norms.median()) if mode.startswith("clip") else None
-    reduction = mode.split("-")[1]
-    m = copy.deepcopy(model)
-    dp = fxdp.transform(m, max_grad_norm=clip, grad_sample=clip is None, loss_reduction=reduction,
-                        compiler="eager")
-    out = dp(*args)
+    params, out = _against_the_loop(model, args, dtype, mode)
     assert out.dtype == dtype
-    loss = _sq_loss(out)
-    (loss / B if reduction == "mean" else loss).backward()
-    tol = TOL[dtype]
-    params = dict(m.named_parameters())
-    assert_close_all({n: p.grad.float() for n, p in params.items()},
-                     {n: g.float() for n, g in ref.grad(reduction, clip).items()}, tol, "p.grad")
-    if clip is None:
-        assert_close_all({n: p.grad_sample.float() for n, p in params.items()},
-                         {n: g.float() for n, g in ref.per_sample.items()}, tol, "p.grad_sample")
+    if mode.startswith("grad_sample"):
         assert all(p.grad_sample.dtype == dtype for p in params.values())
-    assert (dp.per_sample_norms.float() - ref.norms.float()).abs().max() <= tol * ref.norms.float().max()
     assert all(p.grad.dtype == dtype for p in params.values())
