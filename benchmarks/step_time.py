@@ -38,6 +38,9 @@ Variants (every ratio is to ``compiled``, the non-private baseline):
                       ``p.grad`` — fxdp's own work, the issue's target
 ``fxdp_dpsgd``        the same plus Gaussian noise of std ``sigma * C / B`` added to
                       ``p.grad``, as DP-SGD does (what Opacus's optimizers include)
+``fxdp_kept``         ``fxdp_clipped`` with ``memory_budget_bytes=2**40``: every
+                      per-sample gradient is instantiated and kept for the clipped
+                      sum, no ghost norm (time against memory)
 ``fxdp_grad_sample``  ``fxdp.transform(model, grad_sample=True)``: the backward also
                       materialises ``p.grad_sample``; no clipping or noise, so this is
                       the cost of per-sample gradients alone
@@ -113,6 +116,8 @@ NOISE_MULTIPLIER = 1.0
 # Small enough that neither the noise nor the same batch seen every step makes the
 # weights diverge within a benchmark run; the value does not change the work done.
 LEARNING_RATE = 1e-3
+# ``fxdp_kept``'s memory budget: more than any model here keeps.
+KEEP_ALL = 2**40
 
 
 class _Trainer(abc.ABC):
@@ -171,13 +176,22 @@ class _PlainTrainer(_Trainer):
 
 
 class _FxdpClippedTrainer(_Trainer):
-    def __init__(self, model: nn.Module, case: BenchmarkCase, noise: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        case: BenchmarkCase,
+        noise: bool = False,
+        memory_budget_bytes: int | None = None,
+    ) -> None:
         super().__init__(model, case)
         self.noise = noise
         import fxdp
 
         self.dp_model = fxdp.transform(
-            model, max_grad_norm=MAX_GRAD_NORM, loss_reduction="mean"
+            model,
+            max_grad_norm=MAX_GRAD_NORM,
+            loss_reduction="mean",
+            memory_budget_bytes=memory_budget_bytes,
         )
         self.optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
         # Opacus adds N(0, (sigma C)^2) to the clipped sum, then divides by B; fxdp's
@@ -309,6 +323,7 @@ _TRAINERS: dict[str, Callable[[nn.Module, BenchmarkCase], _Trainer]] = {
     "compiled": lambda model, case: _PlainTrainer(model, case, torch.compile(model)),
     "fxdp_clipped": _FxdpClippedTrainer,
     "fxdp_dpsgd": lambda model, case: _FxdpClippedTrainer(model, case, noise=True),
+    "fxdp_kept": lambda model, case: _FxdpClippedTrainer(model, case, memory_budget_bytes=KEEP_ALL),
     "fxdp_grad_sample": _FxdpGradSampleTrainer,
     "opacus": _OpacusTrainer,
     "opacus_ghost": _OpacusGhostTrainer,

@@ -917,15 +917,6 @@ def _before_last(node, arg_batch, k: int):
     return b
 
 
-@_register(aten.affine_grid_generator.default)
-def _affine_grid(node, arg_batch):
-    """``F.affine_grid(theta [N, 2, 3], size)``: grid ``n`` is made from ``theta[n]``."""
-    b = arg_batch[0]
-    if isinstance(b, BatchDim) and b.dim not in (0, None):
-        raise MixesSamples("it needs the batch of theta at dim 0 ([N, 2, 3])")
-    return b
-
-
 @_register(aten.stft.default, aten.stft.center, aten.istft.default)
 def _short_time_fourier(node, arg_batch):
     """``torch.stft(x [B, L])`` / ``torch.istft(X [B, F, frames])``: row ``b`` is

@@ -146,9 +146,11 @@ def _batch_cell_states(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 # Recurrent layers arrive as one fused call; their decompositions unroll them into
 # per-step ``aten.linear`` calls, which the linear rule handles as tied uses.
+# ``F.affine_grid``'s derivative reads its size argument as ints, which fails on a
+# symbolic batch size (a second batch size); its decomposition is a product and a sum.
 _DECOMPOSED = [
     torch.ops.aten.lstm.input, torch.ops.aten.gru.input, torch.ops.aten.rnn_tanh.input,
-    torch.ops.aten.rnn_relu.input,
+    torch.ops.aten.rnn_relu.input, torch.ops.aten.affine_grid_generator.default,
 ]
 
 

@@ -273,3 +273,58 @@ def test_run_time_vjps_live_as_long_as_their_graph():
     torch._dynamo.reset()
     gc.collect()
     assert len(opaque._CALLS) == before
+
+
+class Warp(nn.Module):
+    """A warp of the input by ``grid_sample``: a learned affine ``theta`` shared by all
+    samples (``affine_grid(theta.expand(B, 2, 3), [B, ...])``), a learned sampling grid
+    expanded to the batch, or a spatial transformer's ``theta = loc(x)``. The shared
+    ones reach the batch only through ``B`` in sizes and expands: no argument of
+    ``grid_sample`` can be cut to one sample, so each sample's gradient is a VJP of the
+    whole batch's op."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == "shared_theta":
+            self.theta = nn.Parameter(torch.tensor([[1.0, 0.1, 0.0], [0.05, 0.9, 0.1]]))
+        elif kind == "shared_grid":
+            self.grid = nn.Parameter(torch.rand(4, 4, 2) * 2 - 1)
+        else:
+            self.loc = nn.Linear(2 * 6 * 6, 6)
+        self.head = nn.Linear(2 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 2, 6, 6]
+        b = x.shape[0]
+        if self.kind == "shared_theta":
+            grid = F.affine_grid(self.theta.expand(b, 2, 3), [b, 2, 4, 4], align_corners=False)
+        elif self.kind == "shared_grid":
+            grid = self.grid.expand(b, 4, 4, 2)
+        else:
+            grid = F.affine_grid(self.loc(x.flatten(1)).view(-1, 2, 3), [b, 2, 4, 4], align_corners=False)
+        return self.head(F.grid_sample(torch.tanh(x), grid, align_corners=False).flatten(1))
+
+
+@pytest.mark.parametrize("kind", ["shared_theta", "shared_grid", "localised_theta"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_warps_by_shared_parameters_over_batch_sizes(kind: str, dtype: torch.dtype):
+    """Exact at the first batch size and at the next ones, compiled for any size
+    (``affine_grid``'s own derivative cannot take a symbolic size: it is decomposed)."""
+    torch.manual_seed(0)
+    model = Warp(kind).to(dtype)
+    twin = copy.deepcopy(model).double()
+    dp_model = fxdp.transform(model, max_grad_norm=0.05, grad_sample=True, loss_reduction="sum",
+                              compiler="eager")
+    gen = torch.Generator().manual_seed(1)
+    for size in (5, 3, 4):
+        x = torch.randn(size, 2, 6, 6, generator=gen, dtype=torch.float64)
+        model.zero_grad(set_to_none=True)
+        _loss(dp_model(x.to(dtype))).sum().backward()
+        ref = reference(twin, (x,), lambda out, i: _loss(out).sum())
+        params = dict(model.named_parameters())
+        tol = tolerance(dtype)
+        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tol, "p.grad_sample")
+        assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("sum", 0.05), tol, "p.grad")
+    shared = {"shared_theta": "theta", "shared_grid": "grid"}.get(kind)
+    if shared is not None:
+        assert {p.name: p.strategy for p in dp_model.explain().plans}[shared] == STRATEGY

@@ -54,6 +54,64 @@ def _batch_ranges(op: Any, args: tuple, layouts: dict[int, BatchDim]) -> dict[tu
     return {} if dim is None else {(1, d): dim}
 
 
+def _hinted(value: Any) -> Any:
+    """``value`` with its symbolic sizes replaced by the sizes of this trace's example."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        hint = value.node.hint
+        if hint is None:
+            raise NotImplementedError("an unbacked size")
+        return hint
+    if isinstance(value, (list, tuple)):
+        return type(value)(_hinted(v) for v in value)
+    return value
+
+
+def _whole_batch_only(op: Any, args: tuple, layouts: dict[int, BatchDim], out_layout: BatchDim) -> bool:
+    """The op cannot run on one sample alone: the batch reaches it only through a size
+    argument or a parameter-only value expanded to ``B`` (``grid_sample(x,
+    grid.expand(B, H, W, 2))``), so cutting its batched arguments to one sample leaves
+    them inconsistent with the rest.
+
+    Decided by running the op on one sample's shapes on the meta device: it must accept
+    them and give one sample's output.
+    """
+    import torch.fx as fx
+
+    if not isinstance(out_layout.dim, int) or not out_layout.plain:
+        return False
+    if any(isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a) for a in args):
+        return False  # tensors in lists (an index's ids): the one-sample path knows them
+    batched = [layouts[i] for i, a in enumerate(args) if isinstance(a, fx.Node) and isinstance(layouts[i].dim, int)]
+    if not batched:
+        return True
+    if not all(b.plain for b in batched):
+        return False  # a batch merged with other dims: the one-sample path knows it
+
+    def one_sample_on_meta(i: int, a: Any) -> Any:
+        if not isinstance(a, fx.Node):
+            return _hinted(a)
+        value = a.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            return _hinted(value)
+        shape = list(_hinted(tuple(value.shape)))
+        if isinstance(layouts[i].dim, int):
+            shape[layouts[i].dim] = 1
+        return torch.empty(shape, dtype=value.dtype, device="meta")
+
+    try:
+        meta_args = [one_sample_on_meta(i, a) for i, a in enumerate(args)]
+    except NotImplementedError:
+        return False
+    try:
+        out = call_with_schema_args(out_of_place(op) or op, meta_args)
+    except NotImplementedError:
+        return False  # no meta kernel: the one-sample path, as always
+    except Exception:  # noqa: BLE001 - the op refuses one sample's shapes
+        return True
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    return not isinstance(out, torch.Tensor) or out.dim() <= out_layout.dim or out.shape[out_layout.dim] != 1
+
+
 def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[int, BatchDim],
                  out_layout: BatchDim) -> OpRule:
     """An ``OpRule`` for one call of ``op`` (built per node, never registered).
@@ -90,6 +148,11 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
         return full
 
     layouts_all = [layouts[i] for i in tensor_indices] + listed_layouts
+    whole_batch = _whole_batch_only(op, args, layouts, out_layout)
+
+    def layouts_now_of(known) -> list[BatchDim]:
+        # The layouts' sizes come from the forward's trace: rebuilt from this one's.
+        return [retrack(b, known) for b in layouts_all]
 
     def make_param_rule(index: int) -> ParamRule:
         in_dims = (0, *[None if b.dim in ("raw", "shared", None) else 0 for b in layouts_all])
@@ -106,13 +169,14 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
             return run_opaque(lambda *ts: [vjps(*ts)], shapes, (g, *tensors))[0]
 
         def vjps(g, *tensors):
+            if whole_batch:
+                return masked_vjps(g, *tensors)
             size = g.shape[0]
-            # The layouts' sizes come from the forward's trace: rebuilt from this one's.
             known = (g, *tensors)
             tensors = [*tensors[:len(tensor_indices)],
                        *[t if b.dim in ("raw", "shared", None) else batch_major(t, retrack(b, known), size)
                          for t, b in zip(tensors[len(tensor_indices):], listed_layouts)]]
-            layouts_now = [retrack(b, known) for b in layouts_all]
+            layouts_now = layouts_now_of(known)
             out_now = retrack(out_layout, known)
 
             def one(g_one, *ts):
@@ -129,6 +193,29 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
                 return vjp_fn(_one_sample(g_one, out_now))[0]
 
             return torch.func.vmap(one, in_dims=in_dims)(g, *tensors)
+
+        def masked_vjps(g, *tensors):
+            # The op on the whole batch, once per sample; sample b's gradient is the VJP
+            # at the output gradient with every other sample's rows zeroed. Exact, as
+            # the samples are independent; it costs B runs of the whole op. The copies
+            # run under vmap in the forward, whose backward is ordinary: vmap over a
+            # VJP function runs backward formulas under vmap, and cdist's is wrong there.
+            known = (g, *tensors)
+            in_op = [t if not isinstance(b.dim, int) else t.movedim(0, b.dim)
+                     for t, b in zip(tensors[:len(tensor_indices)], layouts_now_of(known))]
+            full = rebuild([*in_op, *tensors[len(tensor_indices):]])
+
+            def f(p):
+                a = list(full)
+                a[index] = p
+                return call_with_schema_args(compute, a)
+
+            size = g.shape[0]
+            copies = full[index].detach().expand(size, *full[index].shape)
+            _, vjp_fn = torch.func.vjp(torch.func.vmap(f), copies)
+            eye = torch.eye(size, dtype=g.dtype, device=g.device).view(size, size, *[1] * (g.dim() - 1))
+            one_sample_each = (eye * g.unsqueeze(0)).movedim(1, retrack(out_layout, known).dim + 1)
+            return vjp_fn(one_sample_each)[0]
 
         def sum_grad(g, *tensors, **config):
             return per_sample_grad(g, *tensors, **config).sum(0)
