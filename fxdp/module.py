@@ -1,6 +1,7 @@
 """``fxdp.transform``: a model whose backward emits per-sample results."""
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterator
 
 import torch
@@ -170,15 +171,22 @@ class DPModule(nn.Module):
         return _transformed, (self._module, self.options, self.max_grad_norm)
 
 
+_TRANSFORMS = itertools.count()
+
+
 def _calling(model: nn.Module):
-    """``model(*args, **kwargs)`` as a function with a code object of its own: Dynamo
-    keeps its compiled graphs, and counts recompiles against its limit, per code object,
-    and with one shared by every transform the ninth model of a process would stop at
-    the limit on its first call."""
+    """``model(*args, **kwargs)`` as a function with a code object of its own, and a name
+    of its own: Dynamo keeps its compiled graphs, and counts recompiles against its
+    limit, per code object, and with one shared by every transform the ninth model of a
+    process would stop at the limit on its first call; what it learned of the sizes
+    that change between calls (automatic dynamic shapes) it keeps by file, line and
+    name, and with one name a transform would compile for any batch size on its first
+    call because an earlier one saw another size."""
     def call(*args, **kwargs):
         return model(*args, **kwargs)
 
-    call.__code__ = call.__code__.replace()
+    name = f"fxdp_{type(model).__name__}_{next(_TRANSFORMS)}"
+    call.__code__ = call.__code__.replace(co_name=name, co_qualname=name)
     return call
 
 

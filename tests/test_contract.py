@@ -1037,6 +1037,23 @@ def test_many_transforms_in_one_process_each_compile_their_own():
         assert_close_all(grads(model), ref.grad("mean", 0.5), TOL, f"p.grad (model {k})")
 
 
+def test_a_transform_compiles_for_its_first_batch_size_whatever_others_saw():
+    """Dynamo's automatic dynamic shapes remember, by file, line and name of the code
+    it compiled, which sizes changed between calls. A transform seeing a second batch
+    size compiles again for any size; a new transform must not inherit that, and
+    compile its first graph for its own first size."""
+    torch._dynamo.reset()
+    first = fxdp.transform(mlp(seed=1), max_grad_norm=0.5, compiler="eager")
+    for batch in (3, 5):
+        mean_sq_loss(first(randn(batch, 4, seed=batch))).backward()
+    second = fxdp.transform(mlp(seed=2), max_grad_norm=0.5, compiler="eager")
+    mean_sq_loss(second(randn(6, 4, seed=6))).backward()
+    (graph,) = second.explain().graphs
+    signature = graph.stages["forward"].strip().splitlines()[0]
+    # The parameters and the input; a graph for any size also takes the size.
+    assert signature.count("primals_") == len(list(second.parameters())) + 1, signature
+
+
 class _PerSampleVJPs(nn.Module):
     """Parameters whose per-sample gradients are per-sample VJPs under ``vmap``:
     BatchNorm in eval (the generic rule) and a weight-normed linear (a parameter
