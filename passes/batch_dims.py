@@ -803,7 +803,10 @@ def _loss_with_classes(node, arg_batch, reduction_index):
         if b.dim is None:
             return WHOLE
         return b.at(b.dim - 1 if (isinstance(arg_batch[0], BatchDim) and b.dim > 1) else b.dim)
-    if len(args) > 2 and args[2] is not None:
+    # A mean with class weights over class indices divides by the weights of the batch's
+    # labels, Σ_i w[y_i]; with class probabilities as targets it divides by N as always.
+    indices = not _meta(node.args[1]).dtype.is_floating_point
+    if len(args) > 2 and args[2] is not None and _LOSS_REDUCTION[reduction] == "mean" and indices:
         raise MixesSamples("class weights make the mean's normaliser depend on other samples' labels; use reduction='sum' and divide by the batch size")
     return Loss(_LOSS_REDUCTION[reduction])
 
@@ -1322,6 +1325,35 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool) -> "BatchDim 
     return BatchDim(dims[0]) if dims else None
 
 
+# What may follow the loss: ops linear in it, and copies. The loss stays a sum (or
+# mean) of per-sample terms only so: ``loss ** 2``, ``loss.log()``, ``clamp`` or a
+# product of two losses would make each sample's term depend on the others'.
+_LINEAR_IN_THE_LOSS = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Tensor,
+                       aten.rsub.Scalar, aten.neg.default, aten.positive.default}
+_COPIES_OF_THE_LOSS = {aten.clone.default, aten.contiguous.default, aten.detach.default, aten.alias.default,
+                       aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
+                       aten.lift_fresh_copy.default}
+
+
+def _scales_the_loss(target: Any, arg_batch: list) -> bool:
+    """``target`` applied to the loss keeps it a sum of per-sample terms: added to
+    shared values or other losses, multiplied by a shared value, divided by one,
+    copied. A value computed from batched data reduced over the batch (another mean,
+    ``l.detach().mean()``) is a loss too: dividing by it is refused, as a normaliser
+    from other samples' data."""
+    op = out_of_place(target) or target
+    if any(isinstance(b, BatchDim) for b in arg_batch):
+        return False
+    if op in _LINEAR_IN_THE_LOSS or op in _COPIES_OF_THE_LOSS:
+        return True
+    losses = [isinstance(b, Loss) for b in arg_batch[:2]]
+    if op in (aten.mul.Tensor, aten.mul.Scalar):
+        return losses.count(True) == 1
+    if op in (aten.div.Tensor, aten.div.Scalar):
+        return losses == [True] or losses == [True, False]
+    return False
+
+
 def _divides_by(node: fx.Node, batch_size: Any) -> bool:
     """``node`` is ``x / B`` with ``B`` the batch size (a literal on a static compile)."""
     if node.target not in (aten.div.Tensor, aten.div.Scalar) or len(node.args) < 2:
@@ -1489,7 +1521,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
             continue
         if any(isinstance(b, Loss) for b in arg_batch):
             # Only scalings of the loss by shared values may follow it.
-            if _is_pointwise(target) and not any(isinstance(b, BatchDim) for b in arg_batch):
+            if _scales_the_loss(target, arg_batch):
                 loss = next(b for b in arg_batch if isinstance(b, Loss))
                 if _divides_by(node, batch_size) and loss.reduction == "sum":
                     loss = Loss("sum", divided_by_batch_size=True)
@@ -1497,7 +1529,9 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                 batch[node] = loss
                 continue
             problems.append(Problem(op_name(target), path, "",
-                                    "the loss (a reduction over the batch) is used by an op other than a scaling"))
+                                    "a reduction over the batch (the loss, or a statistic of the batch) is used by an op "
+                                    "other than a sum, a scaling by shared values or a copy: each sample's term "
+                                    "would depend on the other samples"))
             batch[node] = None
             continue
         try:

@@ -630,15 +630,21 @@ class TrainStep(nn.Module):
         out = self.model(x)
         if self.loss == "cross_entropy":
             return F.cross_entropy(out, target, reduction=self.reduction)
+        weight = torch.tensor([0.5, 1.0, 2.0], dtype=out.dtype)
         if self.loss == "multi_margin":
-            weight = torch.tensor([0.5, 1.0, 2.0], dtype=out.dtype)
             return F.multi_margin_loss(out, target, p=2, margin=0.7, weight=weight, reduction=self.reduction)
+        if self.loss in ("weighted_cross_entropy", "weighted_soft_cross_entropy"):
+            # A sum over class indices, or either reduction over class probabilities:
+            # per-sample terms (a mean over class indices divides by the labels' weights).
+            return F.cross_entropy(out, target, weight=weight, reduction=self.reduction)
         return F.mse_loss(out, target, reduction=self.reduction)
 
 
 def _target(loss: str, batch: int) -> torch.Tensor:
-    if loss in ("cross_entropy", "multi_margin"):
+    if loss in ("cross_entropy", "multi_margin", "weighted_cross_entropy"):
         return torch.arange(batch) % 3
+    if loss == "weighted_soft_cross_entropy":
+        return torch.softmax(randn(batch, 3, seed=3), 1)
     return randn(batch, 3, seed=3)
 
 
@@ -649,6 +655,9 @@ def _target(loss: str, batch: int) -> torch.Tensor:
     ("mse_loss", "sum"),
     ("multi_margin", "mean"),
     ("multi_margin", "sum"),
+    ("weighted_cross_entropy", "sum"),
+    ("weighted_soft_cross_entropy", "mean"),
+    ("weighted_soft_cross_entropy", "sum"),
 ])
 def test_loss_inside_graph(loss, reduction):
     step = TrainStep(mlp(), loss, reduction)
@@ -678,6 +687,68 @@ def test_loss_inside_graph_must_match_loss_reduction(loss, reduction, declared):
     with refused(f"loss_reduction={declared!r}.*loss_reduction={reduction!r}"):
         dp(x, target).backward()
     assert all(p.grad is None for p in step.parameters())
+
+
+class AfterTheLoss(nn.Module):
+    """``after(loss, out, x)`` applied to the in-graph cross-entropy mean."""
+
+    def __init__(self, after):
+        super().__init__()
+        self.model = mlp()
+        self.after = after
+
+    def forward(self, x, target):
+        out = self.model(x)
+        return self.after(F.cross_entropy(out, target), out, x)
+
+
+# Each keeps the loss a mean of per-sample terms (the reference is the same function of
+# one sample's loss, summed over the samples).
+KEPT_A_MEAN = {
+    "scaled": lambda loss, out, x: -loss * 0.5 / 3,
+    "plus_another_mean": lambda loss, out, x: loss + 0.1 * out.pow(2).mean(),
+    "plus_a_constant": lambda loss, out, x: 1.0 - loss.to(torch.float32).to(torch.float64),
+}
+
+# Each makes a sample's term depend on the others: refused, never a wrong number.
+MIXED_BY_THE_LOSS = {
+    "squared": lambda loss, out, x: loss ** 2,
+    "log": lambda loss, out, x: loss.log(),
+    "clamped": lambda loss, out, x: loss.clamp(max=0.9),
+    "product_of_losses": lambda loss, out, x: loss * out.pow(2).mean(),
+    "divided_by_its_detached_value": lambda loss, out, x: loss / loss.detach(),
+    "divided_by_a_batch_statistic": lambda loss, out, x: loss / x.abs().mean(),
+    "inverse": lambda loss, out, x: 1 / loss,
+    "where": lambda loss, out, x: torch.where(loss > 1, loss, 0.1 * loss),
+}
+
+
+@pytest.mark.parametrize("after", list(KEPT_A_MEAN))
+def test_sums_and_scalings_may_follow_the_loss(after):
+    step = AfterTheLoss(KEPT_A_MEAN[after])
+    x, target = randn(6, 4), _target("cross_entropy", 6)
+    ref = reference(step, [x, target], lambda out, i: out)
+    dp = fxdp.transform(step, max_grad_norm=ref.norms.median().item(), grad_sample=True, compiler="eager")
+    dp(x, target).backward()
+    assert_close_all(grad_samples(step), ref.per_sample, TOL, "p.grad_sample")
+    assert_tensor_close(dp.per_sample_norms, ref.norms, "per_sample_norms")
+
+
+@pytest.mark.parametrize("after", list(MIXED_BY_THE_LOSS))
+def test_nonlinear_functions_of_the_loss_are_refused(after):
+    """``loss ** 2`` is not a mean of per-sample terms: each sample's gradient would be
+    scaled by the whole batch's loss. These ran without error, wrong, before."""
+    step = AfterTheLoss(MIXED_BY_THE_LOSS[after])
+    dp = fxdp.transform(step, max_grad_norm=1.0, compiler="eager")
+    with refused("a reduction over the batch .* is used by an op other than a sum, a scaling"):
+        dp(randn(6, 4), _target("cross_entropy", 6)).backward()
+    assert all(p.grad is None for p in step.parameters())
+
+
+def test_class_weights_with_a_mean_over_labels_are_refused():
+    dp = fxdp.transform(TrainStep(mlp(), "weighted_cross_entropy", "mean"), max_grad_norm=1.0, compiler="eager")
+    with refused("class weights make the mean's normaliser depend on other samples' labels"):
+        dp(randn(6, 4), _target("weighted_cross_entropy", 6)).backward()
 
 
 def test_in_graph_mean_over_kept_targets_is_refused():
