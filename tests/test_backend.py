@@ -205,6 +205,27 @@ def test_graph_break_without_clipping_gives_per_sample_results():
     assert_norms(fxdp.per_sample_norms(model), ref.norms)  # both graphs' parts, combined
 
 
+class BranchOnTheBatch(MLP):
+    def forward(self, x):
+        h = torch.tanh(self.lin1(x))
+        if h.sum() > 0:  # a statistic of the whole batch decides every sample's path
+            h = h * 2
+        return self.lin2(h)
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_a_branch_on_a_batch_statistic_is_refused(loss_reduction):
+    """The graph before the break returns ``h.sum() > 0``: a reduction over the batch,
+    which is not the loss. It ran, and one sample's gradient followed the other
+    samples' branch."""
+    model = BranchOnTheBatch().to(DTYPE)
+    compiled = torch.compile(model, backend=fxdp.backend(grad_sample=True, loss_reduction=loss_reduction,
+                                                         compiler="eager"))
+    with pytest.raises(Exception) as info:
+        mean_sq_loss(compiled(randn(5, 4))).backward()
+    assert "a reduction over the batch (the loss, or a statistic of the batch) is used by an op" in str(info.value)
+
+
 @pytest.mark.parametrize("how", ["backend", "transform"])
 def test_graphs_compiled_one_by_one_under_clipping_raise(how):
     """Two fxdp graphs in one backward, each with max_grad_norm, would each clip with only
