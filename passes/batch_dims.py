@@ -1373,9 +1373,10 @@ def _same_size(size: Any, batch_size: Any) -> bool:
 
 def _is_size(node: fx.Node) -> bool:
     """A size, stride or number of elements (``sym_size`` of a tensor computed from
-    parameters): it carries no gradient back to them."""
+    parameters), or a Python number read from a tensor (``w.abs().max().item()``): it
+    carries no gradient back to them."""
     value = node.meta.get("val")
-    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+    return isinstance(value, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(value, bool)
 
 
 def _arg_batch(value: Any, batch: dict) -> Any:

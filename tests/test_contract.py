@@ -1108,6 +1108,30 @@ def test_many_transforms_in_one_process_each_compile_their_own():
         assert_close_all(grads(model), ref.grad("mean", 0.5), TOL, f"p.grad (model {k})")
 
 
+class ScaledByANumber(nn.Module):
+    """A layer's output divided by a Python number read from its weight (``.item()``: no
+    gradient flows through it, in the loop as in the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = mlp()
+
+    def forward(self, x):
+        first, second = self.model[0], self.model[2]
+        scale = first.weight.abs().max().item()
+        return second(torch.tanh(first(x)) / scale)
+
+
+def test_a_number_read_from_a_parameter_is_a_constant():
+    model = ScaledByANumber()
+    x = randn(6, 4)
+    ref = reference(model, [x], per_sample_sq_loss)
+    dp = fxdp.transform(model, max_grad_norm=ref.norms.median().item(), grad_sample=True, compiler="eager")
+    mean_sq_loss(dp(x)).backward()
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+    assert_close_all(grads(model), ref.grad("mean", ref.norms.median().item()), TOL, "p.grad")
+
+
 def test_a_transform_compiles_for_its_first_batch_size_whatever_others_saw():
     """Dynamo's automatic dynamic shapes remember, by file, line and name of the code
     it compiled, which sizes changed between calls. A transform seeing a second batch
