@@ -46,6 +46,10 @@ class DPModule(nn.Module):
     def module(self) -> nn.Module:
         return self._module
 
+    @torch.compiler.disable(recursive=False, reason=(
+        "an fxdp.transform model compiles its own graphs: call it from a step compiled without "
+        "fullgraph=True (the step's graph breaks around it, and the rest compiles), or compile the "
+        "step with backend='fxdp' instead of transforming the model"))
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if any(isinstance(a, nn.utils.rnn.PackedSequence) for a in (*args, *kwargs.values())):
             raise UnsupportedError(

@@ -1108,6 +1108,25 @@ def test_many_transforms_in_one_process_each_compile_their_own():
         assert_close_all(grads(model), ref.grad("mean", 0.5), TOL, f"p.grad (model {k})")
 
 
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_compiled_step_calling_the_transformed_model(fullgraph):
+    """The transformed model compiles its own graphs; a compiled step around it breaks
+    its graph there (the loss compiles apart, outside fxdp's graph), or, with
+    ``fullgraph=True``, stops with the reason and what to do instead."""
+    model = mlp()
+    dp = fxdp.transform(model, max_grad_norm=1.0, grad_sample=True, compiler="eager")
+    x, target = randn(6, 4), _target("cross_entropy", 6)
+    step = torch.compile(lambda x, target: F.cross_entropy(dp(x), target), backend="aot_eager", fullgraph=fullgraph)
+    if fullgraph:
+        with pytest.raises(Exception, match="call it from a step compiled without fullgraph=True"):
+            step(x, target)
+        return
+    step(x, target).backward()
+    ref = reference(model, [x], lambda out, i: F.cross_entropy(out, target[i:i + 1]))
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+    assert_close_all(grads(model), ref.grad("mean", 1.0), TOL, "p.grad")
+
+
 class ScaledByANumber(nn.Module):
     """A layer's output divided by a Python number read from its weight (``.item()``: no
     gradient flows through it, in the loop as in the graph)."""
