@@ -59,6 +59,10 @@ class DPModule(nn.Module):
                 "real step with the mask, e.g. (out * mask[..., None]).sum(1)")
         RUN_STATE.ran = False
         with_grad = torch.is_grad_enabled()
+        if with_grad and self.options.grad_sample:
+            for p in self._module.parameters():
+                if not p.requires_grad and getattr(p, "grad_sample", None) is not None:
+                    p.grad_sample = None  # frozen since an earlier step: it gets nothing now
         # Dynamo raises at its recompile limit for this model's training calls, instead of
         # running them eagerly without the fxdp backward; an evaluation run eagerly is
         # harmless. (A process-wide setting would reach the user's other compiled code.)

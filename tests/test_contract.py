@@ -898,6 +898,19 @@ def test_frozen_parameters_get_nothing_and_stay_out_of_norms():
     assert {p.name for p in dp.explain().plans} == set(ref.names)
 
 
+def test_a_parameter_frozen_between_steps_keeps_no_grad_sample():
+    model = mlp()
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    mean_sq_loss(dp(randn(6, 4))).backward()
+    assert model[0].weight.grad_sample.shape[0] == 6
+    model[0].weight.requires_grad_(False)
+    model.zero_grad()
+    x = randn(5, 4, seed=2)
+    mean_sq_loss(dp(x)).backward()
+    assert getattr(model[0].weight, "grad_sample", None) is None
+    assert_close_all(grad_samples(model), reference(model, [x], per_sample_sq_loss).per_sample, TOL, "p.grad_sample")
+
+
 def test_state_dict_has_the_model_keys():
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, affine=False), nn.Linear(8, 3))
     dp = fxdp.transform(model, compiler="eager")
