@@ -1215,6 +1215,13 @@ def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> B
     # ``arange`` over the whole dim: the identity on its rows, a merged batch dim
     # (``[B·C, …]``, BertForMultipleChoice) included.
     if dim is None or not bool(_meta(by_batch).shape[dim] == data.shape[b.dim]):
+        if _meta(by_batch).dtype == torch.bool:
+            # ``x[mask]``: the samples' selections end up in one list.
+            raise MixesSamples(
+                "it selects with a boolean mask over the batch dim, which flattens the samples' "
+                "selections into one list whose length depends on the data (select per sample "
+                "instead: x[torch.arange(B), position] with each sample's position, e.g. the last "
+                "True of each row)")
         raise MixesSamples("it indexes the batch dim with a tensor other than torch.arange(B)")
     indexed = [i for i, ix in enumerate(indices) if ix is not None]
     # The index tensors broadcast together, right-aligned, into ``broadcast`` dims.
@@ -1529,10 +1536,15 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                     divided_by_batch_size = True
                 batch[node] = loss
                 continue
-            problems.append(Problem(op_name(target), path, "",
-                                    "a reduction over the batch (the loss, or a statistic of the batch) is used by an op "
-                                    "other than a sum, a scaling by shared values or a copy: each sample's term "
-                                    "would depend on the other samples"))
+            reason = ("a reduction over the batch (the loss, or a statistic of the batch) is used by an op "
+                      "other than a sum, a scaling by shared values or a copy: each sample's term "
+                      "would depend on the other samples")
+            if (out_of_place(target) or target) in (aten.div.Tensor, aten.div.Scalar) and len(arg_batch) > 1 \
+                    and isinstance(arg_batch[1], Loss):
+                reason += ("; here it divides by one, a normaliser from the whole batch's data ("
+                           "(l * mask).sum() / mask.sum()): sum the per-sample terms and divide by a "
+                           "fixed number instead, with loss_reduction='sum'")
+            problems.append(Problem(op_name(target), path, "", reason))
             batch[node] = None
             continue
         try:

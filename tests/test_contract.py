@@ -720,6 +720,7 @@ MIXED_BY_THE_LOSS = {
     "divided_by_a_batch_statistic": lambda loss, out, x: loss / x.abs().mean(),
     "inverse": lambda loss, out, x: 1 / loss,
     "where": lambda loss, out, x: torch.where(loss > 1, loss, 0.1 * loss),
+    "masked_mean_over_the_batch": lambda loss, out, x: (out.pow(2).sum(1) * (x[:, 0] > 0)).sum() / (x[:, 0] > 0).sum(),
 }
 
 
@@ -743,6 +744,37 @@ def test_nonlinear_functions_of_the_loss_are_refused(after):
     with refused("a reduction over the batch .* is used by an op other than a sum, a scaling"):
         dp(randn(6, 4), _target("cross_entropy", 6)).backward()
     assert all(p.grad is None for p in step.parameters())
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_a_normaliser_from_the_whole_batch_names_the_fix(loss_reduction):
+    """``(l * mask).sum() / mask.sum()`` (Hugging Face's ``weighted_average``): with
+    ``loss_reduction='sum'`` it ran, each sample's gradient scaled by the whole batch's
+    count."""
+    step = AfterTheLoss(MIXED_BY_THE_LOSS["masked_mean_over_the_batch"])
+    dp = fxdp.transform(step, max_grad_norm=1.0, loss_reduction=loss_reduction, compiler="eager")
+    with refused(r"a normaliser from the whole batch's data .* divide by a fixed number instead"):
+        dp(randn(6, 4), _target("cross_entropy", 6)).backward()
+
+
+class SelectByMask(nn.Module):
+    """Each sample's EOS row by a boolean ``[B, T]`` mask (BartForSequenceClassification)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3).to(DTYPE)
+
+    def forward(self, x, eos):  # x [B, T, 4], eos [B, T] with one True per row
+        h = self.fc(x)
+        return h[eos, :].view(h.shape[0], -1, h.shape[-1])[:, -1, :]
+
+
+def test_a_boolean_mask_over_the_batch_is_refused_with_what_to_do():
+    eos = torch.zeros(6, 5, dtype=torch.bool)
+    eos[torch.arange(6), torch.tensor([4, 2, 3, 4, 1, 0])] = True
+    dp = fxdp.transform(SelectByMask(), max_grad_norm=1.0, compiler="eager")
+    with refused(r"selects with a boolean mask over the batch dim.*x\[torch.arange\(B\), position\]"):
+        dp(randn(6, 5, 4), eos).sum().backward()
 
 
 def test_class_weights_with_a_mean_over_labels_are_refused():
