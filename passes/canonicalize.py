@@ -206,9 +206,13 @@ _KEPT_WHOLE = {torch.ops.aten.einsum.default}
 
 
 def _bilinear_as_einsum(input1, input2, weight, bias=None):
-    """``nn.Bilinear``: ``y_o = x1ᵀ W_o x2 + b_o`` as an ``einsum`` (ATen writes it as
-    ``_trilinear``, which has no rule; the einsum becomes matrix products that do)."""
-    out = torch.einsum("...i,oij,...j->...o", input1, weight, input2)
+    """``nn.Bilinear``: ``y_o = x1ᵀ W_o x2 + b_o`` as two ``einsum``s (ATen writes it as
+    ``_trilinear``, which has no rule; the einsums become matrix products that do). Not
+    one einsum of three operands: ``torch.einsum`` would order those with opt_einsum,
+    whose path search reads the batch size as an int, so every batch size would compile
+    again."""
+    projected = torch.einsum("...j,oij->...oi", input2, weight)
+    out = torch.einsum("...oi,...i->...o", projected, input1)
     return out if bias is None else out + bias
 
 

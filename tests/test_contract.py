@@ -1136,6 +1136,24 @@ def test_varying_batch_sizes_compile_at_most_two_graphs():
     assert 1 <= len(dp.explain().graphs) <= 2
 
 
+@pytest.mark.parametrize("layer", ["bilinear", "linear"])
+def test_more_batch_sizes_than_the_recompile_limit(layer):
+    """Ten batch sizes, two graphs. ``nn.Bilinear`` compiled anew for every size (its
+    canonical form was a three-operand einsum, which opt_einsum ordered reading the
+    batch size as an int) and stopped at the limit."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = (nn.Bilinear(3, 4, 2) if layer == "bilinear" else nn.Linear(3, 2)).to(DTYPE)
+    dp = fxdp.transform(model, max_grad_norm=0.5, grad_sample=True, compiler="eager")
+    for batch in range(3, 13):
+        inputs = [randn(batch, 3, seed=batch)] + ([randn(batch, 4, seed=-batch)] if layer == "bilinear" else [])
+        model.zero_grad()
+        mean_sq_loss(dp(*inputs)).backward()
+        ref = reference(model, inputs, per_sample_sq_loss)
+        assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample (B={batch})")
+    assert len(dp.explain().graphs) == 2
+
+
 def test_many_transforms_in_one_process_each_compile_their_own():
     """A hyper-parameter sweep or a re-run notebook cell transforms model after model in
     one process. Each transform compiles its own graphs: the ninth used to stop at
