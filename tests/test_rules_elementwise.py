@@ -2104,7 +2104,7 @@ class WritesAcross(nn.Module):
 
 @pytest.mark.parametrize("kind,reason", [
     ("into_shared", "writes batched values, or at batched positions, into a tensor shared by all samples"),
-    ("mask_list", "indexes the batch dim with a tensor other than torch.arange(B)"),
+    ("mask_list", "selects with a boolean mask over the batch dim"),
 ])
 def test_indexed_writes_across_samples_are_refused(kind: str, reason: str):
     model = WritesAcross(kind).double()
