@@ -77,7 +77,7 @@ def _whole_batch_only(op: Any, args: tuple, layouts: dict[int, BatchDim], out_la
     """
     import torch.fx as fx
 
-    if not isinstance(out_layout.dim, int) or not out_layout.plain:
+    if not isinstance(out_layout, BatchDim) or not isinstance(out_layout.dim, int) or not out_layout.plain:
         return False
     if any(isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a) for a in args):
         return False  # tensors in lists (an index's ids): the one-sample path knows them
