@@ -1357,8 +1357,21 @@ def _scales_the_loss(target: Any, arg_batch: list) -> bool:
     if op in (aten.mul.Tensor, aten.mul.Scalar):
         return losses.count(True) == 1
     if op in (aten.div.Tensor, aten.div.Scalar):
-        return losses == [True] or losses == [True, False]
+        return losses[0] and not any(losses[1:])
     return False
+
+
+def _loss_misuse(target: Any, arg_batch: list) -> str:
+    """Why ``target`` may not follow the loss (``_scales_the_loss`` said no)."""
+    reason = ("a reduction over the batch (the loss, or a statistic of the batch) is used by an op "
+              "other than a sum, a scaling by shared values or a copy: each sample's term "
+              "would depend on the other samples")
+    if (out_of_place(target) or target) in (aten.div.Tensor, aten.div.Scalar) and len(arg_batch) > 1 \
+            and isinstance(arg_batch[1], Loss):
+        reason += ("; here it divides by one, a normaliser from the whole batch's data ("
+                   "(l * mask).sum() / mask.sum()): sum the per-sample terms and divide by a "
+                   "fixed number instead, with loss_reduction='sum'")
+    return reason
 
 
 def _divides_by(node: fx.Node, batch_size: Any) -> bool:
@@ -1378,7 +1391,7 @@ def _same_size(size: Any, batch_size: Any) -> bool:
     return size == batch_size
 
 
-def _is_size(node: fx.Node) -> bool:
+def _is_number(node: fx.Node) -> bool:
     """A size, stride or number of elements (``sym_size`` of a tensor computed from
     parameters), or a Python number read from a tensor (``w.abs().max().item()``): it
     carries no gradient back to them."""
@@ -1500,7 +1513,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
             [_arg_batch(v, batch) for v in node.kwargs.values()])
         paramish = [a for a in node.all_input_nodes if a in sources and not any(a is d for d in donors)]
         if paramish:
-            if not batched and not _is_size(node):
+            if not batched and not _is_number(node):
                 sources[node] = frozenset().union(*(sources[a] for a in paramish))
             for a in paramish:
                 # Every argument it is (``layer_norm(x, s, w, w)``): each use is per-sample.
@@ -1528,7 +1541,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
             batch[node] = [None] * len(out) if isinstance(out, (list, tuple)) else None
             continue
         if any(isinstance(b, Loss) for b in arg_batch):
-            # Only scalings of the loss by shared values may follow it.
+            # Only sums, scalings by shared values and copies may follow the loss.
             if _scales_the_loss(target, arg_batch):
                 loss = next(b for b in arg_batch if isinstance(b, Loss))
                 if _divides_by(node, batch_size) and loss.reduction == "sum":
@@ -1536,15 +1549,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                     divided_by_batch_size = True
                 batch[node] = loss
                 continue
-            reason = ("a reduction over the batch (the loss, or a statistic of the batch) is used by an op "
-                      "other than a sum, a scaling by shared values or a copy: each sample's term "
-                      "would depend on the other samples")
-            if (out_of_place(target) or target) in (aten.div.Tensor, aten.div.Scalar) and len(arg_batch) > 1 \
-                    and isinstance(arg_batch[1], Loss):
-                reason += ("; here it divides by one, a normaliser from the whole batch's data ("
-                           "(l * mask).sum() / mask.sum()): sum the per-sample terms and divide by a "
-                           "fixed number instead, with loss_reduction='sum'")
-            problems.append(Problem(op_name(target), path, "", reason))
+            problems.append(Problem(op_name(target), path, "", _loss_misuse(target, arg_batch)))
             batch[node] = None
             continue
         try:
@@ -1728,8 +1733,8 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems):
                                     "module this way: use torch.nn.utils.parametrizations.weight_norm and "
                                     "spectral_norm instead)"))
             continue
-        if node in sources or (node.op == "call_function" and _is_size(node)):
-            continue  # a parameter-only computation (a transform, judged where it meets data), a size
+        if node in sources or (node.op == "call_function" and _is_number(node)):
+            continue  # a parameter-only computation (a transform, judged where it meets data), a size or number
         if node.op == "call_function" and (
                 _any_unknown(batch.get(node)) or _any_unknown([batch.get(a) for a in node.all_input_nodes])):
             continue  # downstream of a refused op

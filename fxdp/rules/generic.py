@@ -10,7 +10,7 @@ for large matmuls: this path is tested against the microbatch loop in float32.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -112,6 +112,16 @@ def _whole_batch_only(op: Any, args: tuple, layouts: dict[int, BatchDim], out_la
     return not isinstance(out, torch.Tensor) or out.dim() <= out_layout.dim or out.shape[out_layout.dim] != 1
 
 
+def _of_argument(compute: Any, args: Sequence[Any], index: int):
+    """``compute`` as a function of its argument ``index``, the others fixed at ``args``."""
+    def call(value):
+        full = list(args)
+        full[index] = value
+        return call_with_schema_args(compute, full)
+
+    return call
+
+
 def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[int, BatchDim],
                  out_layout: BatchDim) -> OpRule:
     """An ``OpRule`` for one call of ``op`` (built per node, never registered).
@@ -184,12 +194,7 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
                 for (i, j), dim in ranges.items():  # the sample's own row: row 0 of its batch of one
                     full[i][j] = torch.zeros_like(full[i][j].narrow(dim, 0, 1))
 
-                def f(p):
-                    a = list(full)
-                    a[index] = p
-                    return call_with_schema_args(compute, a)
-
-                _, vjp_fn = torch.func.vjp(f, full[index])
+                _, vjp_fn = torch.func.vjp(_of_argument(compute, full, index), full[index])
                 return vjp_fn(_one_sample(g_one, out_now))[0]
 
             return torch.func.vmap(one, in_dims=in_dims)(g, *tensors)
@@ -205,14 +210,9 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
                      for t, b in zip(tensors[:len(tensor_indices)], layouts_now_of(known))]
             full = rebuild([*in_op, *tensors[len(tensor_indices):]])
 
-            def f(p):
-                a = list(full)
-                a[index] = p
-                return call_with_schema_args(compute, a)
-
             size = g.shape[0]
             copies = full[index].detach().expand(size, *full[index].shape)
-            _, vjp_fn = torch.func.vjp(torch.func.vmap(f), copies)
+            _, vjp_fn = torch.func.vjp(torch.func.vmap(_of_argument(compute, full, index)), copies)
             eye = torch.eye(size, dtype=g.dtype, device=g.device).view(size, size, *[1] * (g.dim() - 1))
             one_sample_each = (eye * g.unsqueeze(0)).movedim(1, retrack(out_layout, known).dim + 1)
             return vjp_fn(one_sample_each)[0]
@@ -228,12 +228,7 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
         )
 
     def input_grad(call_args, grad_out, index):
-        def f(x):
-            a = list(call_args)
-            a[index] = x
-            return call_with_schema_args(compute, a)
-
-        _, vjp_fn = torch.func.vjp(f, call_args[index])
+        _, vjp_fn = torch.func.vjp(_of_argument(compute, call_args, index), call_args[index])
         return vjp_fn(grad_out)[0]
 
     return OpRule(
