@@ -340,6 +340,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
         if options.strict:
             raise UnsupportedError("fxdp cannot make this model per-sample:", analysis.problems,
                                    analysis.notes)
+        if any(not p.parameter for p in analysis.problems):
+            raise UnsupportedError(
+                "fxdp cannot make this model per-sample (problems not tied to one parameter "
+                "cannot be excluded with strict=False):",
+                [p for p in analysis.problems if not p.parameter], analysis.notes,
+            )
         excluded = {name for p in analysis.problems for name in p.parameters}
         warnings.warn(
             "fxdp: these parameters get no gradient (strict=False):\n"
@@ -347,12 +353,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             + "".join(f"\nNote: {note}" for note in analysis.notes),
             stacklevel=2,
         )
-        if any(not p.parameter for p in analysis.problems):
-            raise UnsupportedError(
-                "fxdp cannot make this model per-sample (problems not tied to one parameter "
-                "cannot be excluded with strict=False):",
-                [p for p in analysis.problems if not p.parameter], analysis.notes,
-            )
     loss_normaliser_pass(canon, analysis)
     tagged, counts = tag_pass(canon, analysis, param_names, excluded)
     # Each trainable parameter's gradient output is at its forward input's index.

@@ -9,8 +9,9 @@ and each marker sits in the backward with exactly the operands its rule needs::
 
     param_grad = torch.ops.fxdp.param_grad.default([tangents_1, relu], primals_4, 3)
 
-The backward rewrite replaces every marker; the marker's own kernels (the
-ordinary summed gradient) only run when a graph is executed unrewritten.
+The backward rewrite replaces every marker. The marker's kernel only runs when autograd
+runs the backward graph AOTAutograd saved in place of the rewritten one (compiled
+autograd does), and it raises there.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from fxdp.batching import BatchDim, batch_major_all
+from fxdp.batching import BatchDim
+from fxdp.errors import UnsupportedError
 from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args, out_of_place
 
 __all__ = ["UseInfo", "Transform", "TaggedOp", "USES", "new_use", "param_grad"]
@@ -121,12 +123,17 @@ def new_use(**fields: Any) -> UseInfo:
 
 @torch.library.custom_op("fxdp::param_grad", mutates_args=())
 def param_grad(operands: list[Optional[torch.Tensor]], param: torch.Tensor, use_id: int) -> torch.Tensor:
-    """The ordinary (batch-summed) gradient of one parameter use. An operand is ``None``
-    where the op's optional argument was not given (embedding_bag's per_sample_weights)."""
-    use = USES[use_id]
-    k = use.num_rule_operands
-    major = batch_major_all(operands[:k], use.operand_batch[:k])
-    return use.rule.sum_grad(*major, **use.config).reshape(param.shape).to(param.dtype)
+    """Where a trainable parameter's gradient leaves the backward graph (an operand is
+    ``None`` where the op's optional argument was not given: embedding_bag's
+    per_sample_weights). The backward rewrite replaces every marker, so running one means
+    that autograd runs the graph AOTAutograd saved instead of the one fxdp compiled, and
+    its gradients would be the unclipped batch sums: that is refused."""
+    raise UnsupportedError(
+        f"fxdp's backward ran without fxdp's rewrite (parameter {USES[use_id].param!r}), which would "
+        "leave the unclipped, batch-summed gradient. Compiled autograd does that: it runs the "
+        "backward graph AOTAutograd saved, not the one fxdp compiled. Turn it off for steps of fxdp "
+        "models (torch._dynamo.config.compiled_autograd = False, no "
+        "torch._dynamo.compiled_autograd._enable around backward()).")
 
 
 @param_grad.register_fake

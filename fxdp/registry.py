@@ -51,8 +51,9 @@ class ParamRule:
             the clipped gradient.
         ghost_sq_norm: Optional ``-> [B]``, ``‖per_sample_grad‖²`` without
             materialising it.
-        costs: Optional ``(shapes, config) -> {strategy: flops}`` for "ghost" and
-            "instantiate"; without it the rule instantiates.
+        costs: Optional ``(shapes, **config) -> {strategy: flops}`` for "ghost" and
+            "instantiate": ``shapes`` holds each marker operand's shape (a tuple, or
+            ``None`` for an absent optional one); without it the rule instantiates.
         concat_uses: Optional: merge the operand lists of several uses of one
             parameter into one list (e.g. along a sequence axis) so that their sum is
             one use; needed for ghost norms of tied parameters.
@@ -185,13 +186,21 @@ def is_supported(op_or_module: Any) -> bool:
     of its overloads.
 
     A module is supported when every op its parameters feed into has a rule; for a
-    module (class) this answers from the canonical ops its kind is known to lower
-    to, see ``MODULE_OPS``.
+    module class this answers from the canonical ops its kind is known to lower to,
+    see ``MODULE_OPS``. A module instance of a class listed there without ops (a
+    container) or not listed at all (a model of one's own) is supported when it holds
+    no parameter itself and all its submodules are; its forward is not read, so
+    ``fxdp.validate`` is the reliable check.
     """
     from fxdp.rules import MODULE_OPS  # the module→op map lives with the rules
 
     if isinstance(op_or_module, torch.nn.Module):
-        op_or_module = type(op_or_module)
+        module = op_or_module
+        ops = next((MODULE_OPS[cls] for cls in type(module).__mro__ if cls in MODULE_OPS), ())
+        if not ops:
+            return (next(module.parameters(recurse=False), None) is None
+                    and all(is_supported(child) for child in module.children()))
+        op_or_module = type(module)
     if isinstance(op_or_module, type) and issubclass(op_or_module, torch.autograd.Function):
         return op_or_module in RULES
     if isinstance(op_or_module, type):

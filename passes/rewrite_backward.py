@@ -133,10 +133,10 @@ class _Budget:
 
     def __init__(self, options: Options):
         self.auto = options.memory_budget_bytes is None and not options.grad_sample
-        if options.memory_budget_bytes is not None:
-            self.left = options.memory_budget_bytes
+        if options.grad_sample:
+            self.left = float("inf")
         else:
-            self.left = float("inf") if options.grad_sample else 0
+            self.left = options.memory_budget_bytes or 0
 
     @staticmethod
     def _bytes(t: torch.Tensor) -> int:

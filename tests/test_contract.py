@@ -1817,14 +1817,46 @@ def test_a_gradient_no_rule_made_per_sample_raises(monkeypatch, hole):
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_create_graph_raises():
+@pytest.mark.parametrize("after_a_step", [False, True])
+def test_create_graph_raises(after_a_step):
+    """fxdp's own error on the first backward; after one, AOTAutograd's (the backward was
+    compiled with donated buffers, as for a plain ``torch.compile``d model)."""
+    torch._dynamo.reset()
     model = mlp()
     dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    if after_a_step:
+        mean_sq_loss(dp(randn(5, 4))).backward()
+        model.zero_grad(set_to_none=True)
     loss = mean_sq_loss(dp(randn(5, 4)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns about create_graph and .grad
         with pytest.raises(RuntimeError, match="create_graph|double backward"):
             loss.backward(create_graph=True)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("how", ["context", "config"])
+def test_compiled_autograd_is_refused(how):
+    """Compiled autograd copies the backward graph AOTAutograd saved into its own graph, not
+    the one fxdp rewrote and compiled: it would leave the unclipped sum. The markers left
+    in that graph refuse to run, before any gradient is accumulated."""
+    torch._dynamo.reset()
+    model = mlp()
+    dp = fxdp.transform(model, max_grad_norm=1e-3, compiler="eager")
+    x = randn(5, 4)
+    refused = pytest.raises(fxdp.UnsupportedError, match="without fxdp's rewrite.*[Cc]ompiled autograd")
+    if how == "context":
+        loss = mean_sq_loss(dp(x))
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")), refused:
+            loss.backward()
+    else:  # PyTorch's recipe: the flag, read when the step is compiled, and a step that calls backward()
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            @torch.compile(backend="eager")
+            def step():
+                mean_sq_loss(dp(x)).backward()
+
+            with refused:
+                step()
     assert all(p.grad is None for p in model.parameters())
 
 

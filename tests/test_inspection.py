@@ -131,6 +131,28 @@ class Custom(nn.Module):
 def test_unknown_module_is_not_supported():
     assert not fxdp.is_supported(Custom)
     assert not fxdp.is_supported(Custom())
+    assert not fxdp.is_supported(nn.Sequential(nn.Linear(3, 3), Custom()))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.norm = nn.LayerNorm(3)
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+def test_a_model_of_ones_own_is_supported_by_its_submodules():
+    """An instance of a class fxdp does not list holds no parameter itself: its
+    submodules answer. The class alone says nothing (its submodules are not known)."""
+    assert fxdp.is_supported(Block()) and fxdp.validate(Block(), torch.randn(4, 3)) == []
+    assert fxdp.is_supported(nn.ModuleDict({"a": Block(), "b": nn.Sequential(Block(), nn.ReLU())}))
+    assert not fxdp.is_supported(Block)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2)
+    assert fxdp.is_supported(encoder) and fxdp.is_supported(nn.TransformerEncoder)
+    assert fxdp.is_supported(nn.Transformer) and fxdp.is_supported(nn.TransformerDecoder)
 
 
 @pytest.mark.parametrize("module", [nn.LSTM, nn.GRU, nn.RNN])

@@ -371,31 +371,40 @@ def test_weight_on_two_inputs_has_a_cross_term():
 
 # -- ghost or instantiate ----------------------------------------------------------------
 
-@pytest.mark.parametrize("steps,features,budget,expected", [
-    (2, 64, None, "ghost"),
-    (64, 2, None, "instantiate + keep"),
-    (64, 2, 0, "instantiate"),
-], ids=["T_small-ghost", "T_large-instantiate-keep", "T_large-instantiate-no-budget"])
-@pytest.mark.parametrize("mode", ["norms", "clip"])
+@pytest.mark.parametrize("steps,features,budget,expected,mode", [
+    (2, 64, None, "ghost", "norms"),
+    (2, 64, None, "ghost", "clip"),
+    (64, 2, None, "instantiate + keep", "norms"),
+    (64, 2, None, "instantiate + keep", "clip"),
+    (64, 2, 0, "instantiate", "norms"),
+    (64, 2, 0, "instantiate", "clip"),
+    (2, 64, 0, "instantiate + keep", "grad_sample"),
+], ids=["T_small-ghost-norms", "T_small-ghost-clip", "T_large-instantiate-keep-norms",
+        "T_large-instantiate-keep-clip", "T_large-instantiate-no-budget-norms",
+        "T_large-instantiate-no-budget-clip", "grad_sample-keeps-whatever-the-budget"])
 def test_ghost_or_instantiate(steps, features, budget, expected, mode):
     """``Σ_t,s (a_t·a_s)(g_t·g_s)`` pays when T² ≪ d_in·d_out; otherwise instantiate, and
     keep the per-sample gradient when it is smaller than its operands (unless the
-    memory budget is 0). All exact."""
+    memory budget is 0). With ``grad_sample=True`` it exists anyway and is always kept.
+    All exact."""
     dtype = torch.float64
     torch.manual_seed(0)
     model = nn.Linear(features, features).to(dtype)
     x = torch.randn(3, steps, features, dtype=dtype)
     proj = projection(features, dtype)
     ref = reference(model, [x], reference_loss(proj))
-    clip = median_clip(ref) if mode == "clip" else None
+    clip = median_clip(ref) if mode in ("clip", "grad_sample") else None
+    grad_sample = mode == "grad_sample"
 
-    dp_model = fxdp.transform(model, max_grad_norm=clip, compiler="eager", memory_budget_bytes=budget)
+    dp_model = fxdp.transform(model, max_grad_norm=clip, grad_sample=grad_sample, compiler="eager",
+                              memory_budget_bytes=budget)
     batched_loss(dp_model(x), proj, "mean").backward()
     plan = {p.name: p for p in dp_model.explain().plans}["weight"]
     assert plan.strategy == expected, plan
     assert set(plan.costs) == {"ghost", "instantiate"}, plan
-    assert plan.costs[expected.removesuffix(" + keep")] == min(plan.costs.values()), plan
-    check_results(dp_model, dict(model.named_parameters()), ref, reduction="mean", grad_sample=False,
+    if not grad_sample:
+        assert plan.costs[expected.removesuffix(" + keep")] == min(plan.costs.values()), plan
+    check_results(dp_model, dict(model.named_parameters()), ref, reduction="mean", grad_sample=grad_sample,
                   clip=clip, dtype=dtype, what=f"{expected} {mode}")
 
 

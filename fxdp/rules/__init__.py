@@ -28,6 +28,9 @@ MODULE_OPS.update({
     torch.nn.MultiheadAttention: (torch.ops.aten.linear.default,),
     torch.nn.TransformerEncoderLayer: (torch.ops.aten.linear.default, torch.ops.aten.layer_norm.default),
     torch.nn.TransformerDecoderLayer: (torch.ops.aten.linear.default, torch.ops.aten.layer_norm.default),
+    torch.nn.TransformerEncoder: (torch.ops.aten.linear.default, torch.ops.aten.layer_norm.default),
+    torch.nn.TransformerDecoder: (torch.ops.aten.linear.default, torch.ops.aten.layer_norm.default),
+    torch.nn.Transformer: (torch.ops.aten.linear.default, torch.ops.aten.layer_norm.default),
 })
 
 for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
