@@ -113,20 +113,25 @@ def _param_name(source: str) -> str:
     return ".".join(parts) or (keys[0] if keys else source)
 
 
-def _argument_key(source: str, arg_names: Sequence[str],
-                  frame_names: frozenset = frozenset()) -> tuple[int | None, str | None] | None:
+def _argument_key(source: str, arg_names: Sequence[str], frame_names: frozenset = frozenset(),
+                  varargs: tuple[str, int] | None = None) -> tuple[int | None, str | None] | None:
     """Which forward argument a placeholder comes from: ``(position, name)``, either
     ``None`` where unknown; ``None`` for a value that is no argument (a plain tensor
     attribute of a module, a closure or a global: model state, shared by all samples).
 
     ``transform`` calls the model as ``call(*args, **kwargs)`` (``L['args'][i]``,
     ``L['kwargs']['k']``); a Dynamo backend sees the forward's own frame (``L['x']``,
-    one of ``frame_names``). A tensor inside a tuple argument (an LSTM's ``(h, c)``)
+    one of ``frame_names``, or ``L['a'][i]`` for its ``*a``, after the ``varargs_at``
+    positional parameters). A tensor inside a tuple argument (an LSTM's ``(h, c)``)
     belongs to that argument.
     """
     m = re.match(r"L\['args'\]\[(\d+)\]", source)
     if m:
         position = int(m.group(1))
+        return position, arg_names[position] if position < len(arg_names) else None
+    m = re.match(r"L\['(\w+)'\]\[(\d+)\]", source)
+    if m and varargs is not None and m.group(1) == varargs[0]:
+        position = varargs[1] + int(m.group(2))
         return position, arg_names[position] if position < len(arg_names) else None
     m = re.match(r"L\['kwargs'\]\['(\w+)'\]", source) or re.match(r"L\['(\w+)'\]", source)
     if m and (source.startswith("L['kwargs']") or m.group(1) in frame_names):
@@ -145,24 +150,29 @@ def forward_arg_names(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(p.name for p in parameters if p.kind in kinds)
 
 
-def _frame_arg_names() -> tuple[list[str], frozenset]:
+def _frame_arg_names() -> tuple[list[str], frozenset, tuple[str, int] | None]:
     """The frame Dynamo is tracing: its positional parameter names, less the module
-    whose ``forward`` it is, and the names of all its parameters (keyword-only,
-    ``*args`` and ``**kwargs`` too)."""
+    whose ``forward`` it is; the names of all its parameters (keyword-only, ``*args``
+    and ``**kwargs`` too); and its ``*args`` parameter with the position of its first
+    element, if it has one."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
         code, f_locals = tx.f_code, getattr(tx, "f_locals", {})
     except Exception:  # noqa: BLE001 - outside Dynamo there is no frame to ask
-        return [], frozenset()
+        return [], frozenset(), None
     positional = list(code.co_varnames[: code.co_argcount])
     if positional and isinstance(f_locals.get(positional[0]), torch.nn.Module):
         positional = positional[1:]
     count = code.co_argcount + code.co_kwonlyargcount
-    count += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    varargs = None
+    if code.co_flags & inspect.CO_VARARGS:
+        varargs = (code.co_varnames[count], len(positional))
+        count += 1
+    count += bool(code.co_flags & inspect.CO_VARKEYWORDS)
     names = frozenset(code.co_varnames[:count])
-    return positional, names - {name for name in names if isinstance(f_locals.get(name), torch.nn.Module)}
+    return positional, names - {name for name in names if isinstance(f_locals.get(name), torch.nn.Module)}, varargs
 
 
 def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
@@ -182,7 +192,9 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
     fake_args = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
     param_names: dict[fx.Node, str] = {}
     inputs: list[tuple] = []
-    frame_positional, frame_names = _frame_arg_names()
+    frame_positional, frame_names, varargs = _frame_arg_names()
+    if arg_names:  # ``transform``'s own call: no frame parameter of the model's
+        varargs = None
     arg_names = list(arg_names) or frame_positional
     for order, (node, real, fake) in enumerate(zip(placeholders, example_inputs, fake_args)):
         if not isinstance(real, torch.Tensor):
@@ -194,7 +206,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
             if real.requires_grad:
                 param_names[node] = (names or {}).get(id(real)) or _param_name(source)
             continue
-        key = _argument_key(source, arg_names, frame_names)
+        key = _argument_key(source, arg_names, frame_names, varargs)
         if is_buffer or key is None:  # model state, shared by all samples
             continue
         position, name = key

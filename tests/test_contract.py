@@ -313,6 +313,23 @@ def test_in_dims_by_name_through_the_backend():
         assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample, in_dims={in_dims}")
 
 
+def test_in_dims_by_position_reach_a_compiled_step_with_star_args():
+    """A compiled step ``step(model, *batch)``: Dynamo's sources are ``L['batch'][i]``,
+    argument ``i`` (the module in front counts as ``self``). Was: all taken as a keyword
+    argument ``batch`` of no position, so positional ``in_dims`` were ignored and the
+    ``[T, T]`` table, read first, set the batch size."""
+    model = AddTable().to(DTYPE)
+    x, table = randn(4, 4, 4), randn(4, 4, seed=2)  # B == T == 4
+
+    def step(module, *batch):
+        return mean_sq_loss(module(batch[1], batch[0]))
+
+    compiled = torch.compile(step, backend=fxdp.backend(grad_sample=True, compiler="eager", in_dims=(None, 0)))
+    compiled(model, table, x).backward()
+    ref = reference(model, [x, table], per_sample_sq_loss, in_dims=(0, None))
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+
+
 class MaskedByAttribute(nn.Module):
     """A ``[T, T]`` mask kept as a plain tensor attribute (no buffer), and a keyword
     argument batched by the size rule; ``me`` is ``self`` by another name."""
