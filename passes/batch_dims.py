@@ -1159,6 +1159,35 @@ def _scatter(node, arg_batch):
     return result
 
 
+@_register(aten.index_add.default, aten.index_add_.default, aten.index_copy.default, aten.index_copy_.default,
+           aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, aten.index_fill_.int_Scalar,
+           aten.index_fill_.int_Tensor, aten.index_reduce.default, aten.index_reduce_.default)
+def _index_along(node, arg_batch):
+    """``self.index_add(dim, index, source)`` (``index_copy``, ``index_reduce``;
+    ``index_fill`` with a value) writes along ``dim`` at the positions of a vector
+    ``index``: every sample at the same positions, so samples stay apart unless ``dim``
+    is the batch dim or the positions come from the samples."""
+    out = _meta(node)
+    d = _norm_dim(node.args[1], out.dim())
+    index = arg_batch[2] if len(arg_batch) > 2 else None
+    if isinstance(index, BatchDim) and index.dim is not None:
+        raise MixesSamples("its index vector comes from the batch: the samples' positions are written "
+                           "into one tensor")
+    result = None
+    for i in (0, 3):
+        b = arg_batch[i] if i < len(arg_batch) else None
+        if not isinstance(b, BatchDim):
+            continue
+        if b.dim is None:
+            candidate = WHOLE
+        elif b.dim == d:
+            raise MixesSamples("it writes along the batch dim")
+        else:
+            candidate = b
+        result = _agreed(result, candidate)
+    return result
+
+
 @_register(aten.cosine_similarity.default)
 def _cosine_similarity(node, arg_batch):
     """Broadcast ``x1``, ``x2`` (dims align from the right), then reduce over ``dim``."""

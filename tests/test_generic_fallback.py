@@ -57,6 +57,18 @@ OPS = [
     Op("atan2", lambda x, p: torch.atan2(x, p), aten.atan2.default, 1),
     Op("hypot", lambda x, p: torch.hypot(x, p), aten.hypot.default, 1),
     Op("prelu", lambda x, p: F.prelu(x, p), aten.prelu.default, 1, p_shape=(1,)),
+    # Writes along a sequence dim at shared positions; a parameter-only operand expanded
+    # to the batch: sample b meets its row b (whole-batch VJPs, as index_add's meta
+    # kernel takes one sample's slice beside all B rows without complaint).
+    Op("index_add_source", lambda x, p: x.index_add(1, torch.tensor([0, 2, 2]), p.expand(x.shape[0], T, D),
+                                                    alpha=2.0), aten.index_add.default, 3, p_shape=(T, D)),
+    Op("index_copy_self", lambda x, p: p.expand(x.shape[0], T + 1, D).index_copy(1, torch.tensor([3, 0, 2]), x),
+       aten.index_copy.default, 0, p_shape=(T + 1, D)),
+    Op("index_fill_value", lambda x, p: x.index_fill(1, torch.tensor([1]), p.sum()), aten.index_fill.int_Tensor,
+       3, p_shape=(1,)),
+    Op("index_reduce_self", lambda x, p: p.expand(x.shape[0], T, D).index_reduce(1, torch.tensor([1, 0, 1]), x,
+                                                                                  "amax"),
+       aten.index_reduce.default, 0, p_shape=(T, D)),
 ]
 
 
@@ -328,3 +340,27 @@ def test_warps_by_shared_parameters_over_batch_sizes(kind: str, dtype: torch.dty
     shared = {"shared_theta": "theta", "shared_grid": "grid"}.get(kind)
     if shared is not None:
         assert {p.name: p.strategy for p in dp_model.explain().plans}[shared] == STRATEGY
+
+
+@pytest.mark.parametrize("case", ["along_the_batch", "positions_from_the_batch"])
+def test_writes_at_shared_positions_only(case: str):
+    """``index_add``/``index_copy``/``index_fill``/``index_reduce`` keep samples apart
+    along any other dim than the batch's, at positions every sample shares."""
+    class Writes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+
+        def forward(self, x, ids):
+            h = self.fc(x)
+            if case == "along_the_batch":
+                return torch.zeros_like(h).index_add(0, torch.arange(h.shape[0]).flip(0), h)
+            return torch.zeros_like(h).index_add(2, ids, h[..., :1].expand(-1, -1, ids.shape[0]))
+
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    ids = torch.tensor([3, 0, 1, 2, 2])  # B == D: read as each sample's own
+    problems = fxdp.validate(Writes().double(), x, ids)
+    reason = {"along_the_batch": "it writes along the batch dim",
+              "positions_from_the_batch": "its index vector comes from the batch"}[case]
+    assert [p.op for p in problems] == ["aten.index_add.default"] and reason in problems[0].reason, problems
+

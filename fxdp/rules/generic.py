@@ -86,6 +86,8 @@ def _whole_batch_only(op: Any, args: tuple, layouts: dict[int, BatchDim], out_la
         return True
     if not all(b.plain for b in batched):
         return False  # a batch merged with other dims: the one-sample path knows it
+    if _shared_rows_line_up(args, layouts):
+        return True
 
     def one_sample_on_meta(i: int, a: Any) -> Any:
         if not isinstance(a, fx.Node):
@@ -110,6 +112,31 @@ def _whole_batch_only(op: Any, args: tuple, layouts: dict[int, BatchDim], out_la
         return True
     out = out[0] if isinstance(out, (list, tuple)) else out
     return not isinstance(out, torch.Tensor) or out.dim() <= out_layout.dim or out.shape[out_layout.dim] != 1
+
+
+def _shared_rows_line_up(args: tuple, layouts: dict[int, BatchDim]) -> bool:
+    """A shared tensor of a batched one's rank has ``B`` rows along its batch dim
+    (``h.index_add(1, ids, p.expand(B, T, d))``): sample ``b`` then meets row ``b``
+    of it, which cutting the batched arguments to one sample cannot tell from a
+    broadcast. (Some meta kernels, ``index_add``'s, do not check that the shapes
+    agree.) Sizes are compared by their hints; where ``B`` equals another size by
+    chance, the whole-batch path is as exact, only slower."""
+    import torch.fx as fx
+
+    def value(a: Any) -> Any:
+        return a.meta.get("val") if isinstance(a, fx.Node) else None
+
+    batched = [(value(a), layouts[i].dim) for i, a in enumerate(args)
+               if isinstance(value(a), torch.Tensor) and isinstance(layouts[i].dim, int)]
+    shared = [value(a) for i, a in enumerate(args)
+              if isinstance(value(a), torch.Tensor) and not isinstance(layouts[i].dim, int)]
+    for data, dim in batched:
+        size = _hinted(data.shape[dim])
+        if size == 1:
+            continue
+        if any(t.dim() == data.dim() and _hinted(t.shape[dim]) == size for t in shared):
+            return True
+    return False
 
 
 def _of_argument(compute: Any, args: Sequence[Any], index: int):
