@@ -121,9 +121,9 @@ def _argument_key(source: str, arg_names: Sequence[str], frame_names: frozenset 
 
     ``transform`` calls the model as ``call(*args, **kwargs)`` (``L['args'][i]``,
     ``L['kwargs']['k']``); a Dynamo backend sees the forward's own frame (``L['x']``,
-    one of ``frame_names``, or ``L['a'][i]`` for its ``*a``, after the ``varargs_at``
-    positional parameters). A tensor inside a tuple argument (an LSTM's ``(h, c)``)
-    belongs to that argument.
+    one of ``frame_names``, or ``L['a'][i]`` for its ``*a``: ``varargs`` holds that name
+    and the number of positional parameters before it). A tensor inside a tuple argument
+    (an LSTM's ``(h, c)``) belongs to that argument.
     """
     m = re.match(r"L\['args'\]\[(\d+)\]", source)
     if m:

@@ -1140,17 +1140,23 @@ def _one_hot(node, arg_batch):
 def _scatter(node, arg_batch):
     """``self.scatter(dim, index, src)`` writes along ``dim`` at each position of the other
     dims (index and src have self's rank): samples stay apart unless ``dim`` is the batch."""
+    return _written_along(node, arg_batch, (0, 2, 3), "scatters")
+
+
+def _written_along(node: fx.Node, arg_batch: list, operands: tuple, verb: str) -> Any:
+    """The batch of an op that writes along its dim ``node.args[1]``, from its
+    ``operands`` (self's rank, batched or not); the batch dim may not be that dim."""
     out = _meta(node)
     d = _norm_dim(node.args[1], out.dim())
     result = None
-    for i in (0, 2, 3):
+    for i in operands:
         b = arg_batch[i] if i < len(arg_batch) else None
         if not isinstance(b, BatchDim):
             continue
         if b.dim is None:
             candidate = WHOLE
         elif b.dim == d:
-            raise MixesSamples("it scatters along the batch dim")
+            raise MixesSamples(f"it {verb} along the batch dim")
         elif not bool(_meta(node.args[i]).shape[b.dim] == out.shape[b.dim]):
             raise MixesSamples("its batched index or source covers only part of the batch dim")
         else:
@@ -1167,25 +1173,11 @@ def _index_along(node, arg_batch):
     ``index_fill`` with a value) writes along ``dim`` at the positions of a vector
     ``index``: every sample at the same positions, so samples stay apart unless ``dim``
     is the batch dim or the positions come from the samples."""
-    out = _meta(node)
-    d = _norm_dim(node.args[1], out.dim())
     index = arg_batch[2] if len(arg_batch) > 2 else None
     if isinstance(index, BatchDim) and index.dim is not None:
         raise MixesSamples("its index vector comes from the batch: the samples' positions are written "
                            "into one tensor")
-    result = None
-    for i in (0, 3):
-        b = arg_batch[i] if i < len(arg_batch) else None
-        if not isinstance(b, BatchDim):
-            continue
-        if b.dim is None:
-            candidate = WHOLE
-        elif b.dim == d:
-            raise MixesSamples("it writes along the batch dim")
-        else:
-            candidate = b
-        result = _agreed(result, candidate)
-    return result
+    return _written_along(node, arg_batch, (0, 3), "writes")
 
 
 @_register(aten.cosine_similarity.default)
