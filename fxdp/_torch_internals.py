@@ -20,7 +20,6 @@ __all__ = [
     "annotate",
     "graph_break_reason",
     "inline_checkpoints",
-    "in_compiled_autograd",
     "current_graph_task_id",
     "refuse_silent_eager_fallback",
     "eager_fallback_at_recompile_limit",
@@ -461,12 +460,6 @@ def in_double_backward() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def in_compiled_autograd() -> bool:
-    from torch._dynamo import compiled_autograd
-
-    return bool(compiled_autograd.in_compiled_autograd_region or compiled_autograd.compiled_autograd_enabled)
 
 
 def current_graph_task_id() -> int:

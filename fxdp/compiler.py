@@ -387,9 +387,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     handover = _Handover(list(guarded))
 
     def backward_compiler(bw_gm: fx.GraphModule, bw_inputs: Sequence[Any], inner: Callable) -> Callable:
-        if internals.in_compiled_autograd():
-            raise UnsupportedError("fxdp does not support compiled autograd; disable it "
-                                   "(torch._dynamo.config.compiled_autograd = False)")
         record._stage("backward", bw_gm)
         leaking = unmarked_gradients(bw_gm, guarded)
         if leaking:
@@ -539,8 +536,6 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
             raise UnsupportedError(
                 "fxdp does not support double backward (create_graph=True): per-sample "
                 "gradients and clipping are not differentiable here")
-        if internals.in_compiled_autograd():
-            raise UnsupportedError("fxdp does not support compiled autograd")
         params = [args[i] for i in param_positions]
         if not params:  # no trainable parameter (a compiled loss): nothing to clip or record
             with no_autocast(autocast_devices):

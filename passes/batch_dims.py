@@ -172,6 +172,12 @@ def _register(*ops: Any) -> Callable:
     return deco
 
 
+# Ops that copy a tensor's values (a cast at most): what holds for the tensor holds for them.
+_COPIES = {aten.clone.default, aten.contiguous.default, aten.detach.default, aten.alias.default,
+           aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
+           aten.lift_fresh_copy.default}
+
+
 def _agreed(result: Any, candidate: Any) -> Any:
     """The batch of an op's operands so far, with one more operand's ``candidate``."""
     if result is None:
@@ -1097,9 +1103,7 @@ def arange_dim(node: Any) -> int | None:
         return 0 if args[0] == 0 else None
     if target is aten.arange.start_step:
         return 0 if args[0] == 0 and args[2] == 1 else None
-    if target in (aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
-                  aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
-                  aten.lift_fresh_copy.default):
+    if target in _COPIES:
         return arange_dim(args[0])
     dim = arange_dim(args[0]) if args else None
     if dim is None:
@@ -1358,9 +1362,6 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool) -> "BatchDim 
 # product of two losses would make each sample's term depend on the others'.
 _LINEAR_IN_THE_LOSS = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Tensor,
                        aten.rsub.Scalar, aten.neg.default, aten.positive.default}
-_COPIES_OF_THE_LOSS = {aten.clone.default, aten.contiguous.default, aten.detach.default, aten.alias.default,
-                       aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
-                       aten.lift_fresh_copy.default}
 
 
 def _scales_the_loss(target: Any, arg_batch: list) -> bool:
@@ -1372,7 +1373,7 @@ def _scales_the_loss(target: Any, arg_batch: list) -> bool:
     op = out_of_place(target) or target
     if any(isinstance(b, BatchDim) for b in arg_batch):
         return False
-    if op in _LINEAR_IN_THE_LOSS or op in _COPIES_OF_THE_LOSS:
+    if op in _LINEAR_IN_THE_LOSS or op in _COPIES:
         return True
     losses = [isinstance(b, Loss) for b in arg_batch[:2]]
     if op in (aten.mul.Tensor, aten.mul.Scalar):
