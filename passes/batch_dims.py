@@ -535,6 +535,17 @@ def _put(node, arg_batch):
     return None
 
 
+@_register(aten.masked_scatter.default, aten.masked_scatter_.default)
+def _masked_scatter(node, arg_batch):
+    """``x.masked_scatter(mask, source)`` fills ``x``'s masked positions with ``source``'s
+    elements read as one flat list, in order over the whole (broadcast) tensor."""
+    if any(isinstance(b, BatchDim) and b.dim is not None for b in arg_batch):
+        raise MixesSamples("it fills the masked positions from one flat list over the whole batch: which "
+                           "elements a sample gets depends on the samples before it (use torch.where with a "
+                           "source of the output's shape instead)")
+    return WHOLE if any(isinstance(b, BatchDim) for b in arg_batch) else None
+
+
 @_register(aten.view_as_real.default, aten.view_as_complex.default)
 def _complex_view(node, arg_batch):
     """``view_as_real`` appends a dim of 2 (real, imaginary), ``view_as_complex`` reads

@@ -1452,6 +1452,9 @@ def test_ops_that_flatten_the_batch_are_refused_with_their_reason():
     assert flattens in _reasons(model, x)
     model = around(lambda m, h: h + torch.take(h * m.s, torch.tensor([0, 5])).sum(), s=(D,))()
     assert "it indexes the flattened tensor, across the samples' rows" in _reasons(model, x)
+    model = around(lambda m, h: h.masked_scatter(h > 0, h * m.s), s=(D,))()
+    assert "mixes samples: it fills the masked positions from one flat list over the whole batch" \
+        in _reasons(model, x)
 
 
 def test_pad_and_complex_pairs_of_the_batch_dim_are_refused():
