@@ -437,8 +437,10 @@ def backend_error(error: BaseException) -> BaseException | None:
             "the model eagerly, without the fxdp backward: its gradients would not be private. "
             "Dynamo's warning above names the last recompile's reason (TORCH_LOGS=\"recompiles\" "
             "logs them all). A size mismatch at the batch dim means something read the batch "
-            "size as an int, so each new size compiled anew (see \"Limits\" in the user guide); "
-            "otherwise raise the limit or keep input shapes/types stable.")
+            "size as an int, so each new size compiled anew (see \"Limits\" in the user guide). "
+            "An nn.LSTM/nn.GRU/nn.RNN is unrolled per sequence length, so each new length compiles "
+            "anew: pad every batch to one length (or a few). Otherwise raise the limit or keep input "
+            "shapes/types stable.")
     inner = getattr(error, "inner_exception", None) if isinstance(
         error, torch._dynamo.exc.BackendCompilerFailed) else None
     return inner if isinstance(inner, (UnsupportedError, ValueError, TypeError)) else None

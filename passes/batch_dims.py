@@ -349,6 +349,11 @@ def _indexing_along(node, arg_batch):
             return index
         raise MixesSamples("it gathers shared data along another dim than the batch of its indices "
                            "(each sample would read the row at its own position in the batch)")
+    if (node.target is aten.gather.default and isinstance(b, BatchDim) and isinstance(b.dim, int)
+            and not bool(_meta(node).shape[b.dim] == _meta(node.args[0]).shape[b.dim])):
+        # The output has the index's shape, which may cover the first rows only.
+        raise MixesSamples("its index covers only part of the batch dim: the output holds the first "
+                           "samples' values only (broadcast it to every sample, or use take_along_dim)")
     return _dim_op(_arg_dim(1))(node, arg_batch)
 
 
@@ -1223,22 +1228,53 @@ def _index(node, arg_batch):
     b = arg_batch[0]
     indices = node.args[1]
     index_batches = arg_batch[1]
+    first, broadcast, adjacent = _advanced_index_layout(indices)
     if isinstance(b, BatchDim) and b.dim is not None:
-        first = next(i for i, ix in enumerate(indices) if ix is not None)
         if b.dim < len(indices) and indices[b.dim] is not None:
             return _index_batch_by_arange(node, b, index_batches)
         if b.dim >= first:
             raise MixesSamples("it indexes the batch dim (or a dim before it) with a tensor")
         if any(isinstance(ib, BatchDim) for ib in index_batches if ib is not None):
             raise MixesSamples("batched indices into a batched tensor")
+        # Separated index tensors put their broadcast dims in front of all others.
+        return b if adjacent else b.at(broadcast + b.dim)
+    batched = [(ix, ib) for ix, ib in zip(indices, index_batches) if isinstance(ib, BatchDim)]
+    if not batched:
         return b
-    if any(isinstance(ib, BatchDim) for ib in index_batches if ib is not None):
-        ib = next(ib for ib in index_batches if isinstance(ib, BatchDim))
-        first = next(i for i, ix in enumerate(indices) if ix is not None)
-        if ib.dim is None:
-            return WHOLE
-        return ib.at(first + ib.dim)
-    return b
+    if any(ib.dim is None for _, ib in batched):
+        return WHOLE
+    result = None
+    for ix, ib in batched:
+        if _meta(ix).dtype in (torch.bool, torch.uint8):
+            raise MixesSamples("it selects with a batched boolean mask, which flattens the samples' "
+                               "selections into one list whose length depends on the data")
+        # The index tensors broadcast together, right-aligned.
+        at = ib.at((first if adjacent else 0) + ib.dim + broadcast - _meta(ix).dim())
+        if result is not None and not result.same_as(at):
+            raise MixesSamples("its batched index tensors broadcast their batch dims against each other")
+        result = at
+    return result
+
+
+def _advanced_index_layout(indices: Sequence[Any]) -> tuple[int, int, bool]:
+    """``(first, broadcast, adjacent)`` of ``x[indices]``: the first dim of ``x`` an index
+    tensor indexes, the rank of the index tensors broadcast together (a boolean mask of
+    ``k`` dims indexes ``k`` dims and adds one), and whether the indexed dims are
+    adjacent, which puts the broadcast dims in their place (otherwise in front)."""
+    dims, position, broadcast = [], 0, 0
+    for ix in indices:
+        if ix is None:
+            position += 1
+            continue
+        meta = _meta(ix)
+        mask = meta.dtype in (torch.bool, torch.uint8)
+        covered = meta.dim() if mask else 1
+        dims.extend(range(position, position + covered))
+        position += covered
+        broadcast = max(broadcast, 1 if mask else meta.dim())
+    if not dims:
+        return len(indices), 0, True
+    return dims[0], broadcast, dims == list(range(dims[0], dims[-1] + 1))
 
 
 def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> BatchDim:
@@ -1312,7 +1348,9 @@ def _index_put(node, arg_batch):
     elif b.dim < len(indices) and indices[b.dim] is not None:
         region = _index_batch_by_arange(node, b, index_batches)
     elif b.dim < indexed[0] and not batched_indices:
-        region = b
+        first, broadcast, adjacent = _advanced_index_layout(indices)
+        # Separated index tensors put their broadcast dims in front of all others.
+        region = b if adjacent else b.at(broadcast + b.dim)
     else:
         raise MixesSamples("it writes at positions given by tensors along the batch dim, or at "
                            "batched positions in front of it")
@@ -1342,6 +1380,23 @@ _SIZED_BY_ARGUMENT = {
     aten.randn.default, aten.rand.default, aten.new_ones.default, aten.new_zeros.default,
     aten.new_full.default, aten.new_empty.default,
 }
+
+
+def _check_batch_rows(node: fx.Node, layout: Any, batch_size: Any) -> None:
+    """Raise if an output said to be batched cannot hold every sample: its batch dim's
+    size is known to differ from ``outer·B·inner`` (an output shaped by a shared
+    operand that covers the first samples only). A safety net under every rule."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    outs = _meta(node)
+    for out, b in zip(outs if isinstance(outs, (list, tuple)) else [outs],
+                      layout if isinstance(layout, (list, tuple)) else [layout]):
+        if not (isinstance(b, BatchDim) and isinstance(b.dim, int) and isinstance(out, torch.Tensor)):
+            continue
+        if b.dim >= out.dim() or statically_known_true(out.shape[b.dim] != b.outer * batch_size * b.inner):
+            raise MixesSamples(f"its output's batch dim has {out.shape[b.dim] if b.dim < out.dim() else 'no'} "
+                               f"rows where the batch has {b.outer * batch_size * b.inner}: it drops or "
+                               "mixes samples")
 
 
 def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool) -> "BatchDim | None":
@@ -1607,6 +1662,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                     f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it "
                     "keeps samples independent; register a rule for it with fxdp.register_rule"
                 )
+            _check_batch_rows(node, batch[node], batch_size)
             if isinstance(batch[node], Loss):
                 loss_kinds.add(batch[node].reduction)
         except (MixesSamples, ValueError, GuardOnDataDependentSymNode) as e:

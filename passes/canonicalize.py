@@ -416,10 +416,46 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
             out = make_fx_traced(fx.Interpreter(out).run, fake_args, fake_mode=fake_mode, pre_dispatch=True,
                                  decompositions={torch.ops.aten.einsum.default: _einsum_as_products})
         out = _simplified(out)
-    out = ops_as_functions(out)
+    out = overlapping_outputs_as_copies_pass(ops_as_functions(out))
     out.graph.lint()
     out.recompile()
     return out
+
+
+def _may_overlap_itself(t: Any) -> bool:
+    """Whether two elements of ``t`` may share memory (a broadcast, overlapping windows):
+    its dims, by increasing stride, must each step past everything the smaller ones span."""
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+        return False
+    span = 0
+    for size, stride in sorted(((z, st) for z, st in zip(t.shape, t.stride()) if not statically_known_true(z <= 1)),
+                               key=lambda zs: zs[1] if isinstance(zs[1], int) else sys.maxsize):
+        if not statically_known_true(stride > span):
+            return True
+        span = span + (size - 1) * stride
+    return False
+
+
+def overlapping_outputs_as_copies_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Return a copy of every output whose elements overlap in memory (``h.unfold(-1, 2, 1)``).
+
+    Works around a PyTorch bug (torch 2.13, AOTAutograd): an output that is a view of a
+    graph intermediate is regenerated outside the graph by replaying the view, and the
+    replayed view's backward drops the sum over overlapping elements when the output's
+    gradient is a broadcast (``(out * c).sum()``): plain ``torch.compile`` returns the
+    wrong gradient too. A copy is an output of its own, whose backward (in the graph)
+    sums the overlaps.
+    """
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    changed = False
+    for value in list(output.all_input_nodes):
+        if _may_overlap_itself(value.meta.get("val")):
+            with gm.graph.inserting_before(output):
+                copy = gm.graph.call_function(torch.ops.aten.clone.default, (value,))
+            copy.meta = {**value.meta, "val": value.meta["val"].clone()}
+            output.replace_input_with(value, copy)
+            changed = True
+    return _finished(gm, changed)
 
 
 def _simplified(gm: fx.GraphModule) -> fx.GraphModule:

@@ -316,3 +316,16 @@ def test_transform_refuses_silent_eager_fallback(recompile_limit_one):
     with pytest.raises((torch._dynamo.exc.FailOnRecompileLimitHit, fxdp.UnsupportedError)):
         dp(randn(2, 5, 4)).pow(2).sum((1, 2)).mean().backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_rnn_fed_a_new_sequence_length_beyond_the_limit_says_to_pad(recompile_limit_one):
+    """An RNN is unrolled per sequence length: a batch of a new length needs a new graph,
+    and at the limit the error says to pad to fixed lengths."""
+    torch.manual_seed(0)
+    model = nn.GRU(3, 4, batch_first=True).to(DTYPE)
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    dp(randn(2, 5, 3))[0].pow(2).sum((1, 2)).mean().backward()
+    model.zero_grad()
+    with pytest.raises(fxdp.UnsupportedError, match="unrolled per sequence length"):
+        dp(randn(2, 6, 3))[0].pow(2).sum((1, 2)).mean().backward()
+    assert all(p.grad is None for p in model.parameters())

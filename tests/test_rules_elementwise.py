@@ -1145,6 +1145,13 @@ def test_gather_of_shared_rows_by_position_in_the_batch_is_refused():
     assert "another dim than the batch of its indices" in _reasons(model, torch.randn(B, D))
 
 
+def test_gather_by_an_index_of_the_first_samples_only_is_refused():
+    """``gather``'s output has its index's shape: a shared ``[1, k]`` index reads sample
+    0's row only, which broadcasting then hands to every sample."""
+    model = around(lambda m, h: h + (h * m.s).gather(1, torch.zeros(1, 1, dtype=torch.long)), s=(D,))()
+    assert "its index covers only part of the batch dim" in _reasons(model, torch.randn(B, D))
+
+
 # ---------------------------------------------------------------------------
 # Ops over batched data without parameters: in-place twins, triangles, index by arange(B)
 # ---------------------------------------------------------------------------
@@ -2147,3 +2154,74 @@ def test_peft_prefix_tuning_through_the_cache():
     model = PeftPrefix().double()
     model.qkv.requires_grad_(False)  # prefix tuning trains the prefix table only
     _against_the_loop(model, torch.randn(B, 5, 8, dtype=torch.float64))
+
+
+class SeparatedIndices(nn.Module):
+    """Advanced indices separated by a slice: PyTorch puts their broadcast dims in front
+    (``x[:, i, :, j]`` of ``[B, 5, 4, 6]`` is ``[3, B, 4]``)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(4, 2)
+        self.register_buffer("table", torch.randn(3, 5, 4, 6))
+        self.register_buffer("rows", torch.tensor([[0], [2], [4]]))
+
+    def forward(self, x, i, j):  # x [B, 5, 4, 6], i and j [B] ids
+        if self.kind == "batched_data":  # shared ids: the samples move to dim 1
+            return self.fc(x[:, torch.tensor([0, 2, 4]), :, torch.tensor([1, 1, 5])]).transpose(0, 1)
+        if self.kind == "batched_ids":  # the ids' batch leads the result
+            return self.fc(self.table[:, i, :, j])
+        if self.kind == "broadcast_ids":  # [3, 1] shared against [B] batched: [3, B]
+            return self.fc(self.table[1][self.rows, :, j].transpose(0, 1))
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind", ["batched_data", "batched_ids", "broadcast_ids"])
+def test_separated_and_broadcast_advanced_indices_keep_the_samples(kind: str):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    _against_the_loop(SeparatedIndices(kind).double(), torch.randn(B, 5, 4, 6, dtype=torch.float64),
+                      torch.randint(0, 5, (B,), generator=g), torch.randint(0, 6, (B,), generator=g))
+
+
+class SeparatedWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x):  # x [B, 2, 1, 2]
+        z = self.fc(x[:, 0, 0, :])
+        h = x.clone()
+        i = torch.zeros(x.shape[0], dtype=torch.long)
+        # The written region is [B (ids), B (samples), 1]: sample p's values land in every sample.
+        h[:, i, :, i] = z[:, :1].unsqueeze(1).expand(x.shape[0], x.shape[0], 1)
+        return h
+
+
+def test_a_write_at_separated_indices_across_samples_is_refused():
+    reasons = _reasons(SeparatedWrite().double(), torch.randn(B, 2, 1, 2, dtype=torch.float64))
+    assert "batched values do not line up with the batch dim of the rows" in reasons, reasons
+
+
+class OverlappingWindows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):  # [B, 1, 3] -> [B, 1, 2, 2]: the windows share elements
+        return self.fc(x).unfold(-1, 2, 1)
+
+
+def test_an_output_of_overlapping_windows_gets_every_overlap_gradient():
+    """AOTAutograd replays an output view of an intermediate outside the graph, and the
+    replay's backward drops the overlaps' sum under a broadcast output gradient (plain
+    ``torch.compile`` too, torch 2.13): fxdp returns a copy of such an output."""
+    torch.manual_seed(0)
+    model = OverlappingWindows().double()
+    x, c = torch.randn(B, 1, 3, dtype=torch.float64), torch.randn(1, 2, 2, dtype=torch.float64)
+    ref = reference(model, [x], lambda out, i: (out * c).sum())
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    (dp(x) * c).sum((1, 2, 3)).mean().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
+    assert_close_all(_params(model, "grad"), ref.grad("mean"), tolerance(torch.float64), "grad")
