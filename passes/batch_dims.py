@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
