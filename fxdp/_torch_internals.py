@@ -495,7 +495,14 @@ def eager_fallback_at_recompile_limit(allowed: bool):
 
 
 def size_hint(size: Any) -> int:
+    """A concrete size for decisions that guard nothing. A size that depends on the data
+    (``x[:, mask]``) gets the shape environment's guess (Inductor's fallback for such
+    sizes, within the size's known range)."""
     if isinstance(size, torch.SymInt):
         node = size.node
-        return int(node.hint if node.hint is not None else node.shape_env.size_hint(node.expr))
+        if node.hint is not None:
+            return int(node.hint)
+        from torch._inductor import config as inductor_config
+
+        return int(node.shape_env.optimization_hint(node.expr, fallback=inductor_config.unbacked_symint_fallback))
     return int(size)

@@ -228,6 +228,11 @@ _EXTRA_POINTWISE = [
     # ``lengths // 2`` (Speech2Text's output lengths from the attention mask), untagged.
     aten.floor_divide.default, aten.floor_divide.Scalar, aten.floor_divide_.Tensor, aten.floor_divide_.Scalar,
     aten.true_divide.Scalar,
+    # Untagged elementwise ops: complex numbers from parts, and the other random fills
+    # (``F.gumbel_softmax`` draws ``exponential_``).
+    aten.complex.default, aten.polar.default, aten.exponential.default, aten.exponential_.default,
+    aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default, aten.random_.default,
+    getattr(aten.random_, "from"), aten.random_.to,
 ]
 
 
@@ -625,6 +630,57 @@ def _matrix_function(node, arg_batch):
     for b in arg_batch:
         if isinstance(b, BatchDim):
             result = _agreed(result, b)
+    out = _meta(node)
+    return [result] * len(out) if isinstance(out, (list, tuple)) else result
+
+
+@_register(aten.linalg_cross.default)
+def _cross(node, arg_batch):
+    """``linalg.cross(a, b, dim)``: broadcast like a pointwise op, one vector of 3 along ``dim``."""
+    result = _pointwise(node, arg_batch)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    if isinstance(result, BatchDim) and result.dim == _norm_dim(dim, _meta(node).dim()):
+        raise MixesSamples("it takes cross products along the batch dim")
+    return result
+
+
+def _solve_matrix_dims(node: fx.Node) -> dict[int, int]:
+    """How many trailing dims of each tensor argument of a linear solve are its matrix
+    (or vector): the dims before them are batch dims, broadcast together."""
+    if node.target is aten._linalg_solve_ex.default:
+        a, b = _meta(node.args[0]), _meta(node.args[1])
+        vector = b.dim() == 1 or (b.dim() == a.dim() - 1 and bool(b.shape == a.shape[:-1]))
+        return {0: 2, 1: 1 if vector else 2}
+    if node.target is aten.linalg_lu_solve.default:  # (LU, pivots, B)
+        return {0: 2, 1: 1, 2: 2}
+    if node.target is aten.lu_solve.default:  # (B, LU, pivots)
+        return {0: 2, 1: 2, 2: 1}
+    return {0: 2, 1: 2}  # solve_triangular, cholesky_solve, triangular_solve
+
+
+@_register(aten._linalg_solve_ex.default, aten.linalg_solve_triangular.default, aten.cholesky_solve.default,
+           aten.triangular_solve.default, aten.linalg_lu_solve.default, aten.lu_solve.default)
+def _solve(node, arg_batch):
+    """A linear solve of matrices (the trailing dims of each argument) batched over the
+    leading dims, which broadcast together, right-aligned; every output keeps them."""
+    matrix_dims = _solve_matrix_dims(node)
+    lead = max(_meta(node.args[i]).dim() - k for i, k in matrix_dims.items())
+    from_right = None
+    whole = False
+    for i, k in matrix_dims.items():
+        b = arg_batch[i] if i < len(arg_batch) else None
+        if not isinstance(b, BatchDim):
+            continue
+        if b.dim is None:
+            whole = True
+            continue
+        own_lead = _meta(node.args[i]).dim() - k
+        if b.dim >= own_lead:
+            raise MixesSamples("the batch is a row or column of the matrices it works on")
+        candidate = b.at(own_lead - 1 - b.dim)
+        from_right = _agreed(from_right, candidate)
+    result = WHOLE if whole and from_right is None else (
+        None if from_right is None else from_right.at(lead - 1 - from_right.dim))
     out = _meta(node)
     return [result] * len(out) if isinstance(out, (list, tuple)) else result
 
@@ -1228,53 +1284,64 @@ def _index(node, arg_batch):
     b = arg_batch[0]
     indices = node.args[1]
     index_batches = arg_batch[1]
-    first, broadcast, adjacent = _advanced_index_layout(indices)
+    dims, broadcast = _advanced_index_layout(indices)
     if isinstance(b, BatchDim) and b.dim is not None:
-        if b.dim < len(indices) and indices[b.dim] is not None:
+        if b.dim < len(indices) and indices[b.dim] is not None and dims.get(b.dim) == b.dim:
             return _index_batch_by_arange(node, b, index_batches)
-        if b.dim >= first:
-            raise MixesSamples("it indexes the batch dim (or a dim before it) with a tensor")
+        if b.dim in dims:
+            raise MixesSamples("it indexes the batch dim with a tensor (a boolean mask over it and "
+                               "other dims)")
         if any(isinstance(ib, BatchDim) for ib in index_batches if ib is not None):
             raise MixesSamples("batched indices into a batched tensor")
-        # Separated index tensors put their broadcast dims in front of all others.
-        return b if adjacent else b.at(broadcast + b.dim)
+        return b.at(_kept_dim(dims, broadcast, b.dim))
     batched = [(ix, ib) for ix, ib in zip(indices, index_batches) if isinstance(ib, BatchDim)]
     if not batched:
         return b
     if any(ib.dim is None for _, ib in batched):
         return WHOLE
+    first = min(dims) if _adjacent(dims) else 0
     result = None
     for ix, ib in batched:
         if _meta(ix).dtype in (torch.bool, torch.uint8):
             raise MixesSamples("it selects with a batched boolean mask, which flattens the samples' "
                                "selections into one list whose length depends on the data")
         # The index tensors broadcast together, right-aligned.
-        at = ib.at((first if adjacent else 0) + ib.dim + broadcast - _meta(ix).dim())
+        at = ib.at(first + ib.dim + broadcast - _meta(ix).dim())
         if result is not None and not result.same_as(at):
             raise MixesSamples("its batched index tensors broadcast their batch dims against each other")
         result = at
     return result
 
 
-def _advanced_index_layout(indices: Sequence[Any]) -> tuple[int, int, bool]:
-    """``(first, broadcast, adjacent)`` of ``x[indices]``: the first dim of ``x`` an index
-    tensor indexes, the rank of the index tensors broadcast together (a boolean mask of
-    ``k`` dims indexes ``k`` dims and adds one), and whether the indexed dims are
-    adjacent, which puts the broadcast dims in their place (otherwise in front)."""
-    dims, position, broadcast = [], 0, 0
-    for ix in indices:
+def _advanced_index_layout(indices: Sequence[Any]) -> tuple[dict[int, int], int]:
+    """``(dims, broadcast)`` of ``x[indices]``: each dim of ``x`` an index tensor indexes,
+    with that tensor's position in ``indices``, and the rank of the index tensors
+    broadcast together (a boolean mask of ``k`` dims indexes ``k`` dims and adds one)."""
+    dims, position, broadcast = {}, 0, 0
+    for i, ix in enumerate(indices):
         if ix is None:
             position += 1
             continue
         meta = _meta(ix)
         mask = meta.dtype in (torch.bool, torch.uint8)
-        covered = meta.dim() if mask else 1
-        dims.extend(range(position, position + covered))
-        position += covered
+        for d in range(position, position + (meta.dim() if mask else 1)):
+            dims[d] = i
+        position += meta.dim() if mask else 1
         broadcast = max(broadcast, 1 if mask else meta.dim())
-    if not dims:
-        return len(indices), 0, True
-    return dims[0], broadcast, dims == list(range(dims[0], dims[-1] + 1))
+    return dims, broadcast
+
+
+def _adjacent(dims: dict[int, int]) -> bool:
+    """Indexed dims next to each other keep the broadcast dims in their place; index
+    tensors separated by a slice put them in front (as PyTorch and NumPy do)."""
+    return not dims or sorted(dims) == list(range(min(dims), max(dims) + 1))
+
+
+def _kept_dim(dims: dict[int, int], broadcast: int, d: int) -> int:
+    """Where ``x[indices]`` puts ``x``'s dim ``d``, which no index tensor indexes."""
+    kept = d - sum(1 for i in dims if i < d)  # its place among the dims not indexed
+    in_front = not _adjacent(dims) or (dims and min(dims) < d)
+    return kept + (broadcast if in_front else 0)
 
 
 def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> BatchDim:
@@ -1295,18 +1362,15 @@ def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> B
                 "instead: x[torch.arange(B), position] with each sample's position, e.g. the last "
                 "True of each row)")
         raise MixesSamples("it indexes the batch dim with a tensor other than torch.arange(B)")
-    indexed = [i for i, ix in enumerate(indices) if ix is not None]
     # The index tensors broadcast together, right-aligned, into ``broadcast`` dims.
-    broadcast = max(_meta(indices[i]).dim() for i in indexed)
+    dims, broadcast = _advanced_index_layout(indices)
     at = dim + broadcast - _meta(by_batch).dim()
     for ix, ib in zip(indices, index_batches):
         if ix is None or ix is by_batch or not isinstance(ib, BatchDim) or ib.dim is None:
             continue
         if not ib.at(b.dim).same_as(b) or ib.dim + broadcast - _meta(ix).dim() != at:
             raise MixesSamples("batched indices do not line up with torch.arange(B) on the batch dim")
-    # Adjacent index tensors put the broadcast dims in their place; separated ones in front.
-    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
-    return b.at((indexed[0] if adjacent else 0) + at)
+    return b.at((min(dims) if _adjacent(dims) else 0) + at)
 
 
 @_register(aten.index_put.default, aten._unsafe_index_put.default)
@@ -1314,9 +1378,9 @@ def _index_put(node, arg_batch):
     """``x[i0, i1, ...] = v`` (``+=`` with ``accumulate``): each sample may write only into
     its own rows of ``x``. So ``x`` is batched, and its batch dim is indexed by
     ``arange(B)`` (MAE's unshuffle ``out[arange(B)[:, None], ids] = v``), or by a boolean
-    mask batched as ``x`` with shared values (``scores[padding] = -inf``), or left whole
-    in front of the indexed dims; ``v`` is batched where ``x[i0, i1, ...]`` has the
-    batch (right-aligned, as ``v`` broadcasts there) or shared."""
+    mask batched as ``x`` with shared values (``scores[padding] = -inf``), or not indexed;
+    ``v`` is batched where ``x[i0, i1, ...]`` has the batch (right-aligned, as ``v``
+    broadcasts there) or shared."""
     b, indices, index_batches = arg_batch[0], node.args[1], arg_batch[1]
     values, vb = node.args[2], arg_batch[2]
     batched_indices = [ib for ib in index_batches if isinstance(ib, BatchDim)]
@@ -1332,6 +1396,7 @@ def _index_put(node, arg_batch):
     covered = {i: _meta(indices[i]).dim() if i in masks else 1 for i in indexed}
     broadcast = max((1 if i in masks else _meta(indices[i]).dim() for i in indexed), default=0)
     region_dims = data.dim() - sum(covered.values()) + broadcast
+    index_dims, _ = _advanced_index_layout(indices)
     if masks and len(indexed) > 1:
         raise MixesSamples("it indexes with a boolean mask beside other index tensors")
     if masks and masks[0] <= b.dim < masks[0] + covered[masks[0]]:
@@ -1345,12 +1410,10 @@ def _index_put(node, arg_batch):
         return b
     if not indexed:
         region = b
-    elif b.dim < len(indices) and indices[b.dim] is not None:
+    elif b.dim < len(indices) and indices[b.dim] is not None and index_dims.get(b.dim) == b.dim:
         region = _index_batch_by_arange(node, b, index_batches)
-    elif b.dim < indexed[0] and not batched_indices:
-        first, broadcast, adjacent = _advanced_index_layout(indices)
-        # Separated index tensors put their broadcast dims in front of all others.
-        region = b if adjacent else b.at(broadcast + b.dim)
+    elif b.dim not in index_dims and not batched_indices:
+        region = b.at(_kept_dim(index_dims, broadcast, b.dim))
     else:
         raise MixesSamples("it writes at positions given by tensors along the batch dim, or at "
                            "batched positions in front of it")

@@ -2166,6 +2166,7 @@ class SeparatedIndices(nn.Module):
         self.fc = nn.Linear(4, 2)
         self.register_buffer("table", torch.randn(3, 5, 4, 6))
         self.register_buffer("rows", torch.tensor([[0], [2], [4]]))
+        self.register_buffer("keep", torch.tensor([True, False, True, True, False]))
 
     def forward(self, x, i, j):  # x [B, 5, 4, 6], i and j [B] ids
         if self.kind == "batched_data":  # shared ids: the samples move to dim 1
@@ -2174,10 +2175,19 @@ class SeparatedIndices(nn.Module):
             return self.fc(self.table[:, i, :, j])
         if self.kind == "broadcast_ids":  # [3, 1] shared against [B] batched: [3, B]
             return self.fc(self.table[1][self.rows, :, j].transpose(0, 1))
+        if self.kind == "index_before_the_batch":  # [5, B, 4][ids]: every sample keeps its column
+            return self.fc(x[..., 0].transpose(0, 1)[torch.tensor([2, 0])].transpose(0, 1))
+        if self.kind == "shared_mask":  # [B, nnz, 4]: a size that depends on the data, no hint
+            return self.fc(x[:, self.keep][..., 0])
+        if self.kind == "separated_write":  # region [2, B, 4]: each sample writes its own values
+            h = x.clone()
+            h[:, torch.tensor([0, 1]), :, torch.tensor([1, 2])] = self.fc(x[:, 0, :, 0]).repeat(1, 2)
+            return self.fc(h[..., 1])
         raise AssertionError(self.kind)
 
 
-@pytest.mark.parametrize("kind", ["batched_data", "batched_ids", "broadcast_ids"])
+@pytest.mark.parametrize("kind", ["batched_data", "batched_ids", "broadcast_ids", "index_before_the_batch",
+                                  "shared_mask", "separated_write"])
 def test_separated_and_broadcast_advanced_indices_keep_the_samples(kind: str):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -2225,3 +2235,58 @@ def test_an_output_of_overlapping_windows_gets_every_overlap_gradient():
     (dp(x) * c).sum((1, 2, 3)).mean().backward()
     assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
     assert_close_all(_params(model, "grad"), ref.grad("mean"), tolerance(torch.float64), "grad")
+
+
+class UntaggedElementwise(nn.Module):
+    """Ops that keep samples apart but carry no ``pointwise`` tag, or work on a small
+    trailing block: complex numbers from parts, cross products, linear solves."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):  # x [B, 3, 3]
+        h = self.fc(x)
+        if self.kind == "complex":
+            return torch.complex(h, x).abs()
+        if self.kind == "polar":
+            return torch.view_as_real(torch.polar(h.abs() + 0.1, x)).flatten(-2)
+        if self.kind == "cross":
+            return torch.linalg.cross(h, x)
+        a = h @ h.mT + 3 * torch.eye(3, dtype=x.dtype)
+        if self.kind == "solve":
+            return torch.linalg.solve(a, x)
+        if self.kind == "solve_vector":  # [B, 3, 3] against [B, 3]: one vector per sample
+            return torch.linalg.solve(a, x[:, 0])
+        if self.kind == "solve_shared":  # each sample's matrix against one shared right-hand side
+            return torch.linalg.solve(a, torch.ones(3, 2, dtype=x.dtype))
+        if self.kind == "solve_triangular":
+            return torch.linalg.solve_triangular(a.tril(), x, upper=False)
+        if self.kind == "cholesky_solve":
+            return torch.cholesky_solve(x, torch.linalg.cholesky(a))
+        if self.kind == "lu_solve":
+            return torch.linalg.lu_solve(*torch.linalg.lu_factor(a), x)
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind", ["complex", "polar", "cross", "solve", "solve_vector", "solve_shared",
+                                  "solve_triangular", "cholesky_solve", "lu_solve"])
+def test_untagged_elementwise_and_solves_keep_the_samples(kind: str):
+    torch.manual_seed(0)
+    _against_the_loop(UntaggedElementwise(kind).double(), torch.randn(B, 3, 3, dtype=torch.float64))
+
+
+def test_solves_and_cross_products_across_the_batch_are_refused():
+    x = torch.randn(3, D, dtype=torch.float64)  # three samples: the batch is a matrix dim
+    model = around(lambda m, h: torch.linalg.solve(h * m.s + 3 * torch.eye(3, dtype=h.dtype), h), d_in=3, d_out=3,
+                   s=(3,))().double()
+    assert "the batch is a row or column of the matrices it works on" in _reasons(model, x)
+    model = around(lambda m, h: torch.linalg.cross(h * m.s, h, dim=0), d_in=3, d_out=3, s=(3,))().double()
+    assert "it takes cross products along the batch dim" in _reasons(model, x)
+
+
+def test_gumbel_softmax_draws_per_element():
+    """``F.gumbel_softmax`` draws ``exponential_`` noise elementwise: each sample its own."""
+    model = around(lambda m, h: F.gumbel_softmax(h * m.s, tau=0.5), s=(D,))()
+    assert fxdp.validate(model, torch.randn(B, D)) == []
