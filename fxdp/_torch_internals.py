@@ -397,9 +397,13 @@ def _call_body(body, *args):
 def graph_break_reason(gm: fx.GraphModule) -> str | None:
     """Dynamo's reason when ``gm`` ends at a graph break, else ``None``."""
     reason = getattr(gm, "compile_subgraph_reason", None)
-    if reason is not None and getattr(reason, "graph_break", False):
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    stack = getattr(reason, "user_stack", None) or []
+    if not stack:
         return str(reason.reason)
-    return None
+    frame = stack[-1]
+    return f"{reason.reason} (at {frame.filename}:{frame.lineno}, in {frame.name}: {(frame.line or '').strip()})"
 
 
 def backend_error(error: BaseException) -> BaseException | None:

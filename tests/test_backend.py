@@ -190,6 +190,7 @@ def test_graph_break_under_clipping_raises_with_dynamos_reason():
     message = str(info.value)
     assert "cannot clip globally across a graph break" in message
     assert "torch._dynamo.graph_break()" in message  # Dynamo's own reason, quoted
+    assert f"(at {__file__}:" in message and "in forward: torch._dynamo.graph_break()" in message  # and where
     assert all(p.grad is None for p in model.parameters())
 
 
