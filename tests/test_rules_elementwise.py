@@ -2290,3 +2290,28 @@ def test_gumbel_softmax_draws_per_element():
     """``F.gumbel_softmax`` draws ``exponential_`` noise elementwise: each sample its own."""
     model = around(lambda m, h: F.gumbel_softmax(h * m.s, tau=0.5), s=(D,))()
     assert fxdp.validate(model, torch.randn(B, D)) == []
+
+
+class OuterMerged(nn.Module):
+    """The batch merged as the outer factor of a dim (``[T, B, d] -> [T·B, d]``: the
+    samples strided inside each time block) through ops with elementwise rules."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(D, 2)
+        self.p = nn.Parameter(1 + 0.5 * torch.randn(D), requires_grad=kind != "add")
+
+    def forward(self, x):  # [B, T, D]
+        h = x.transpose(0, 1).reshape(-1, D)
+        if self.kind == "add":
+            return self.fc(h + 0.5)
+        if self.kind == "mul_param":  # and back to [B, T, D]
+            return self.fc((h * self.p).reshape(T, x.shape[0], D).transpose(0, 1))
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind", ["add", "mul_param"])
+def test_elementwise_rules_keep_a_batch_merged_as_the_outer_factor(kind: str):
+    torch.manual_seed(0)
+    _against_the_loop(OuterMerged(kind).double(), torch.randn(B, T, D, dtype=torch.float64))

@@ -185,7 +185,7 @@ def pointwise_batch(args_batch: Sequence[Any], args_meta: Sequence[Any], out_ndi
     for b, m in zip(args_batch, args_meta):
         if not isinstance(b, BatchDim) or not isinstance(m, torch.Tensor):
             continue
-        candidate = WHOLE if b.dim is None else BatchDim(b.dim + out_ndim - m.dim(), b.inner)
+        candidate = WHOLE if b.dim is None else b.at(b.dim + out_ndim - m.dim())
         if result is None:
             result = candidate
         elif not result.same_as(candidate):

@@ -447,7 +447,7 @@ def _bag_batch_rule(args_batch, args_meta, out_meta, config):
             size = num_ids // bags if bool(bags != 0) else 1
             if not bool(size * bags == num_ids) or not bool(ids_batch.inner % size == 0):
                 raise ValueError("its bags hold the ids of several samples")
-            bags_batch = BatchDim(0, ids_batch.inner // size)
+            bags_batch = BatchDim(0, ids_batch.inner // size, ids_batch.outer)
         per_id_batch = ids_batch
     elif offsets_batch is not None:
         if psw_batch is not None:
