@@ -1167,15 +1167,13 @@ def broadcast_batched_product_pass(gm: fx.GraphModule) -> fx.GraphModule:
             if node.target is aten.baddbmm.default:
                 beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
                 if alpha != 1:
-                    new = gm.graph.call_function(aten.mul.Tensor, (new, alpha))
-                    new.meta.update(node.meta)
+                    new = _call(gm, aten.mul.Tensor, (new, alpha), node)
                 if beta != 0:
                     added = node.args[0]
                     if beta != 1:
-                        added = gm.graph.call_function(aten.mul.Tensor, (added, beta))
-                        added.meta.update(node.meta)
-                    new = gm.graph.call_function(aten.add.Tensor, (added, new))
-                    new.meta.update(node.meta)
+                        # ``beta·c`` has ``c``'s shape, which the sum broadcasts.
+                        added = _call(gm, aten.mul.Tensor, (added, beta), node)
+                    new = _call(gm, aten.add.Tensor, (added, new), node)
         _replace(gm, node, new)
         changed = True
     return _finished(gm, changed)

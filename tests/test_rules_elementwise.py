@@ -558,6 +558,7 @@ class ExpandedWeight(nn.Module):
         self.kind = kind
         self.inp = nn.Linear(D, D)
         self.W = nn.Parameter(torch.randn(D, D) / D ** 0.5)
+        self.c = nn.Parameter(torch.randn(T + 1, D), requires_grad=kind == "baddbmm_shared_c")
 
     def forward(self, x):
         h, n = self.inp(x), x.shape[0]
@@ -565,10 +566,12 @@ class ExpandedWeight(nn.Module):
             return torch.bmm(h, self.W.expand(n, D, D))
         if self.kind == "repeat":
             return torch.bmm(h, self.W.unsqueeze(0).repeat(n, 1, 1))
+        if self.kind == "baddbmm_shared_c":  # a trainable c [T, D] broadcast over the batch
+            return torch.baddbmm(self.c[:h.shape[1]], h, self.W[None].expand(n, -1, -1), beta=1.3, alpha=0.7)
         return torch.baddbmm(h, h, self.W[None].expand(n, -1, -1), beta=0.5, alpha=2.0)
 
 
-@pytest.mark.parametrize("kind", ["expand", "repeat", "baddbmm"])
+@pytest.mark.parametrize("kind", ["expand", "repeat", "baddbmm", "baddbmm_shared_c"])
 def test_weight_expanded_to_the_batch_in_a_batched_product(kind: str):
     """Exact, as the matmul rule (ghost norms available), not the generic fallback;
     a second batch size runs through the same transform."""
