@@ -233,6 +233,7 @@ _EXTRA_POINTWISE = [
     aten.complex.default, aten.polar.default, aten.exponential.default, aten.exponential_.default,
     aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default, aten.random_.default,
     getattr(aten.random_, "from"), aten.random_.to,
+    aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor,
 ]
 
 
@@ -995,6 +996,27 @@ def _before_last(node, arg_batch, k: int):
         return b
     if b.dim >= _meta(node.args[0]).dim() - k:
         raise MixesSamples(f"the batch is one of the {k} last dims it works over")
+    return b
+
+
+@_register(aten.max_unpool2d.default, aten.max_unpool3d.default)
+def _max_unpool(node, arg_batch):
+    """``max_unpool2d(x, indices, size)``: each ``(n, c)`` slice written back at its own
+    indices, which come batched as ``x`` (from the pool) or shared."""
+    result = _before_last(node, arg_batch, _spatial_dims(node.target))
+    indices = arg_batch[1] if len(arg_batch) > 1 else None
+    if isinstance(indices, BatchDim) and not (isinstance(result, BatchDim) and indices.same_as(result)):
+        raise MixesSamples("its indices are batched differently from its input")
+    return result
+
+
+@_register(aten.multinomial.default)
+def _multinomial(node, arg_batch):
+    """``torch.multinomial(probs, n)``: draws from each row of ``[rows, categories]``
+    (or from one ``[categories]`` vector) on its own."""
+    b = arg_batch[0]
+    if isinstance(b, BatchDim) and b.dim is not None and b.dim == _meta(node.args[0]).dim() - 1:
+        raise MixesSamples("the batch is the dim of the categories it draws from")
     return b
 
 

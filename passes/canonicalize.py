@@ -164,6 +164,9 @@ _COMPOSITE = [
     # analysis and the parameter-transform rules know them.
     torch.ops.aten.mT.default, torch.ops.aten.mH.default, torch.ops.aten.adjoint.default,
     torch.ops.aten.numpy_T.default, torch.ops.aten.matrix_H.default,
+    # ``torch.distributions`` broadcast their parameters together: as the expands it is
+    # (a learned scale expanded to the batch meets the elementwise rules).
+    torch.ops.aten.broadcast_tensors.default,
     # NumPy-style aliases of pointwise ops (``torch.multiply``, ``torch.subtract``, ...):
     # as the ops they stand for, they meet those ops' rules and propagations.
     *(getattr(getattr(torch.ops.aten, name), overload) for name, overloads in {

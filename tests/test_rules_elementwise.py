@@ -2318,3 +2318,40 @@ class OuterMerged(nn.Module):
 def test_elementwise_rules_keep_a_batch_merged_as_the_outer_factor(kind: str):
     torch.manual_seed(0)
     _against_the_loop(OuterMerged(kind).double(), torch.randn(B, T, D, dtype=torch.float64))
+
+
+class BroadcastAndUnpool(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(4, 4)
+        self.s = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):  # [B, 2, 4, 4]
+        h = self.fc(x)
+        if self.kind == "broadcast_tensors":  # as torch.distributions do with a learned scale
+            loc, scale = torch.broadcast_tensors(h, F.softplus(self.s))
+            return loc * scale
+        pooled, indices = F.max_pool2d(h * self.s, 2, return_indices=True)
+        return self.fc(F.max_unpool2d(pooled, indices, 2))
+
+
+@pytest.mark.parametrize("kind", ["broadcast_tensors", "max_unpool"])
+def test_broadcast_parameters_and_unpooling_keep_the_samples(kind: str):
+    torch.manual_seed(0)
+    _against_the_loop(BroadcastAndUnpool(kind).double(), torch.randn(B, 2, 4, 4, dtype=torch.float64))
+
+
+def test_random_draws_per_row_keep_the_samples():
+    """``torch.normal`` around a batched mean, ``torch.multinomial`` from each sample's
+    row of probabilities, and a ``torch.distributions`` sample with a learned scale."""
+    x = torch.randn(B, D)
+    model = around(lambda m, h: torch.normal(h * m.s, 0.1), s=(D,))()
+    assert fxdp.validate(model, x) == []
+    model = around(lambda m, h: h * m.s + torch.multinomial(torch.softmax(h, -1), D, replacement=True), s=(D,))()
+    assert fxdp.validate(model, x) == []
+    model = around(lambda m, h: torch.distributions.Normal(h, F.softplus(m.s)).rsample(), s=(D,))()
+    assert fxdp.validate(model, x) == []
+    model = around(lambda m, h: h * m.s + torch.multinomial(torch.softmax(h, -1).t(), h.shape[0], replacement=True).t(),
+                   s=(D,))()
+    assert "the batch is the dim of the categories it draws from" in _reasons(model, x)
