@@ -2170,6 +2170,7 @@ class SeparatedIndices(nn.Module):
         self.register_buffer("table", torch.randn(3, 5, 4, 6))
         self.register_buffer("rows", torch.tensor([[0], [2], [4]]))
         self.register_buffer("keep", torch.tensor([True, False, True, True, False]))
+        self.table_p = nn.Parameter(torch.randn(3, 5, 4, 6), requires_grad=kind == "parameter_table")
 
     def forward(self, x, i, j):  # x [B, 5, 4, 6], i and j [B] ids
         if self.kind == "batched_data":  # shared ids: the samples move to dim 1
@@ -2180,6 +2181,8 @@ class SeparatedIndices(nn.Module):
             return self.fc(self.table[1][self.rows, :, j].transpose(0, 1))
         if self.kind == "index_before_the_batch":  # [5, B, 4][ids]: every sample keeps its column
             return self.fc(x[..., 0].transpose(0, 1)[torch.tensor([2, 0])].transpose(0, 1))
+        if self.kind == "parameter_table":  # a trainable table looked up by separated ids
+            return self.fc(self.table_p[:, i, :, j])
         if self.kind == "shared_mask":  # [B, nnz, 4]: a size that depends on the data, no hint
             return self.fc(x[:, self.keep][..., 0])
         if self.kind == "separated_write":  # region [2, B, 4]: each sample writes its own values
@@ -2190,7 +2193,7 @@ class SeparatedIndices(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["batched_data", "batched_ids", "broadcast_ids", "index_before_the_batch",
-                                  "shared_mask", "separated_write"])
+                                  "parameter_table", "shared_mask", "separated_write"])
 def test_separated_and_broadcast_advanced_indices_keep_the_samples(kind: str):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
