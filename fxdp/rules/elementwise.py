@@ -18,7 +18,7 @@ These rules key the most common ops of any graph: ``batch_rule`` is the ordinary
 broadcasting propagation (used for every ``add``/``mul`` of the model, with or
 without a parameter) and ``input_grad`` is the ordinary broadcasting gradient.
 
-Layouts. The marker operands arrive batch-major (``[n, …]``, or ``[n, inner, …]``
+Layouts. The marker operands arrive batch-major (``[n, …]``, or ``[n, outer·inner, …]``
 for a merged batch, ``[1, …]`` for a shared tensor); ``config`` records where each
 argument's batch was (``Layout``), and ``in_place`` puts each sample's rows back
 where the batch was, so that one sample is ``t[n]`` with the op's own broadcasting.
@@ -63,7 +63,7 @@ class Layout:
     Attributes:
         ndim: The argument's number of dims.
         dim: Its batch dim, ``None`` for a shared tensor or a whole batch of one.
-        merged: Whether the batch dim holds ``B·inner`` rows with ``inner != 1``.
+        merged: Whether the batch dim holds ``outer·B·inner`` rows, not just ``B``.
         sizes: The shape with ``None`` for each symbolic size (a position table sliced
             to a sequence length that changes between calls); ``None`` where unknown.
             Dynamo specialises sizes 0 and 1, so a symbolic size is never a broadcast
@@ -86,7 +86,7 @@ class Layout:
 
 def _layout(ndim: int, batch: Any, sizes: tuple[int | None, ...] | None) -> Layout:
     if isinstance(batch, BatchDim) and isinstance(batch.dim, int):
-        return Layout(ndim, batch.dim, not bool(batch.inner == 1), sizes)
+        return Layout(ndim, batch.dim, not batch.plain, sizes)
     return Layout(ndim, None, False, sizes)
 
 
