@@ -1362,8 +1362,8 @@ def _adjacent(dims: dict[int, int]) -> bool:
 def _kept_dim(dims: dict[int, int], broadcast: int, d: int) -> int:
     """Where ``x[indices]`` puts ``x``'s dim ``d``, which no index tensor indexes."""
     kept = d - sum(1 for i in dims if i < d)  # its place among the dims not indexed
-    in_front = not _adjacent(dims) or (dims and min(dims) < d)
-    return kept + (broadcast if in_front else 0)
+    after_broadcast = not _adjacent(dims) or (dims and min(dims) < d)
+    return kept + (broadcast if after_broadcast else 0)
 
 
 def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> BatchDim:
@@ -1416,9 +1416,8 @@ def _index_put(node, arg_batch):
     masks = [i for i in indexed if _meta(indices[i]).dtype in (torch.bool, torch.uint8)]
     # A mask of k dims stands for k index vectors over the dims it covers.
     covered = {i: _meta(indices[i]).dim() if i in masks else 1 for i in indexed}
-    broadcast = max((1 if i in masks else _meta(indices[i]).dim() for i in indexed), default=0)
-    region_dims = data.dim() - sum(covered.values()) + broadcast
-    index_dims, _ = _advanced_index_layout(indices)
+    index_dims, broadcast = _advanced_index_layout(indices)
+    region_dims = data.dim() - len(index_dims) + broadcast
     if masks and len(indexed) > 1:
         raise MixesSamples("it indexes with a boolean mask beside other index tensors")
     if masks and masks[0] <= b.dim < masks[0] + covered[masks[0]]:
