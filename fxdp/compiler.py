@@ -456,10 +456,12 @@ def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
             layout = analysis.batch.get(target)
             if not (isinstance(layout, BatchDim) and isinstance(layout.dim, int)):
                 continue  # shared targets, or one sample's (B == 1): every sample keeps as many
-            # Sample b's targets are rows [b·inner, (b+1)·inner) of the batch dim; with an
-            # ``outer`` merge (or no batched input to read B from), no target may be ignored.
-            by_sample = reference is not None and bool(layout.outer == 1)
-            args = (target, ignore_index, layout.dim, *(reference if by_sample else (None, None)))
+            # Sample b's targets are rows [b·inner, (b+1)·inner) of the batch dim, or with
+            # an ``outer`` merge (``[T, B] -> [T·B]``) every B-th row from b; with both (or no
+            # batched input to read B from), no target may be ignored.
+            outer = not bool(layout.outer == 1)
+            by_sample = reference is not None and (not outer or bool(layout.inner == 1))
+            args = (target, ignore_index, layout.dim, *(reference if by_sample else (None, None)), outer)
             with gm.graph.inserting_before(node):
                 gm.graph.call_function(fxdp_same_kept_targets, args)
     gm.graph.lint()
@@ -468,15 +470,20 @@ def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
 
 
 def fxdp_same_kept_targets(target: torch.Tensor, ignore_index: int, dim: int,
-                           reference: torch.Tensor | None, reference_dim: int | None) -> None:
+                           reference: torch.Tensor | None, reference_dim: int | None,
+                           outer: bool = False) -> None:
     """Assert that every sample keeps as many targets (not ``ignore_index``) as the
     first; the samples are ``reference.shape[reference_dim]`` consecutive blocks of
-    ``target``'s dim ``dim``. Without a reference, that no target is ignored."""
+    ``target``'s dim ``dim`` (with ``outer``, its rows taken in turn). Without a
+    reference, that no target is ignored."""
     kept = target != ignore_index
     if reference is None:
         same = kept.all()
     else:
-        counts = kept.movedim(dim, 0).reshape(reference.shape[reference_dim], -1).sum(1)
+        samples, rows = reference.shape[reference_dim], kept.movedim(dim, 0)
+        if outer:
+            rows = rows.reshape(-1, samples, *rows.shape[1:]).transpose(0, 1)
+        counts = rows.reshape(samples, -1).sum(1)
         same = (counts[:1] == counts).all()
     torch._assert_async(same, (
         f"fxdp: samples keep different numbers of targets that are not ignore_index={ignore_index} "

@@ -817,24 +817,28 @@ class CausalLMStep(nn.Module):
     """Hugging Face's causal-LM loss: labels shifted left, the last position padded with
     ``ignore_index``, a mean over the kept tokens of the whole batch."""
 
-    def __init__(self, vocab: int = 7, d: int = 5):
+    def __init__(self, vocab: int = 7, d: int = 5, seq_first: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(vocab, d)
         self.fc = nn.Linear(d, d)
         self.head = nn.Linear(d, vocab)
+        self.seq_first = seq_first
 
     def forward(self, ids, labels):
-        logits = self.head(torch.tanh(self.fc(self.emb(ids))))
         shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        if self.seq_first:  # [T, B] tokens: the batch is the outer factor of [T·B] rows
+            ids, shifted = ids.t(), shifted.t()
+        logits = self.head(torch.tanh(self.fc(self.emb(ids))))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
 
 
-def test_in_graph_mean_with_as_many_kept_targets_per_sample_is_exact():
+@pytest.mark.parametrize("seq_first", [False, True], ids=["batch_first", "seq_first"])
+def test_in_graph_mean_with_as_many_kept_targets_per_sample_is_exact(seq_first: bool):
     """Every sample keeps the same number of targets (here T - 1): the batch mean is the
     mean over samples of each one's own token mean, and each sample's gradient is that
     of its own loss. A new batch size keeps the check (B is read from the input)."""
-    step = CausalLMStep().to(DTYPE)
+    step = CausalLMStep(seq_first=seq_first).to(DTYPE)
     dp = fxdp.transform(step, max_grad_norm=0.1, grad_sample=True, compiler="eager")
     for batch in (4, 6):
         ids = torch.randint(0, 7, (batch, 5), generator=torch.Generator().manual_seed(batch))

@@ -2314,10 +2314,12 @@ class OuterMerged(nn.Module):
             return self.fc(h + 0.5)
         if self.kind == "mul_param":  # and back to [B, T, D]
             return self.fc((h * self.p).reshape(T, x.shape[0], D).transpose(0, 1))
+        if self.kind == "generic_prelu":  # the generic per-sample VJP
+            return self.fc(F.prelu(h, self.p))
         raise AssertionError(self.kind)
 
 
-@pytest.mark.parametrize("kind", ["add", "mul_param"])
+@pytest.mark.parametrize("kind", ["add", "mul_param", "generic_prelu"])
 def test_elementwise_rules_keep_a_batch_merged_as_the_outer_factor(kind: str):
     torch.manual_seed(0)
     _against_the_loop(OuterMerged(kind).double(), torch.randn(B, T, D, dtype=torch.float64))

@@ -25,9 +25,9 @@ def _one_sample(t: torch.Tensor, layout: BatchDim) -> torch.Tensor:
     """A sample's slice of a batch-major tensor, back in the op's layout (batch of one)."""
     if layout.dim in ("raw", "shared", None):
         return t
-    if bool(layout.inner == 1):
+    if layout.plain:
         return t.unsqueeze(layout.dim)
-    return t.movedim(0, layout.dim)
+    return t.movedim(0, layout.dim)  # the sample's outer·inner rows, in their order
 
 
 def _listed_layout(node: Any) -> BatchDim:
@@ -47,7 +47,7 @@ def _batch_ranges(op: Any, args: tuple, layouts: dict[int, BatchDim]) -> dict[tu
     from fxdp.passes.batch_dims import arange_dim
 
     layout = layouts.get(0)
-    if op not in _INDEXING or layout is None or not isinstance(layout.dim, int) or not bool(layout.inner == 1):
+    if op not in _INDEXING or layout is None or not isinstance(layout.dim, int) or not layout.plain:
         return {}
     indices, d = args[1], layout.dim
     dim = arange_dim(indices[d]) if d < len(indices) else None
