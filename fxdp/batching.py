@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["retrack", "BatchDim", "WHOLE", "SHARED", "RAW", "batch_major", "batch_major_all", "batch_size_of", "scale_batch"]
+__all__ = ["retrack", "BatchDim", "WHOLE", "SHARED", "RAW", "batch_major", "batch_major_all", "batch_size_of",
+           "from_batch_major", "scale_batch"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -141,6 +142,22 @@ def batch_major(t: torch.Tensor, batch: BatchDim, batch_size: Any = None) -> tor
     if not _equal(batch.inner, 1):
         t = t.reshape(t.shape[0] // batch.inner, batch.inner, *t.shape[1:])
     return t
+
+
+def from_batch_major(t: torch.Tensor, batch: BatchDim, lead: int = 0) -> torch.Tensor:
+    """``batch_major``'s inverse: ``t`` with ``[B, …]`` at dim ``lead`` (after ``lead``
+    dims kept as they are) back in ``batch``'s layout, a merged dim's rows in order."""
+    if not isinstance(batch.dim, int):
+        return t
+    keep, size, rest = t.shape[:lead], t.shape[lead], t.shape[lead + 1:]
+    if not _equal(batch.outer, 1):
+        # [B, outer·inner, *rest] -> [outer, B, inner, *rest] -> [outer·B·inner, *rest]
+        rest = rest[1:]
+        t = t.reshape(*keep, size, batch.outer, batch.inner, *rest).movedim(lead, lead + 1)
+        t = t.reshape(*keep, batch.outer * size * batch.inner, *rest)
+    elif not _equal(batch.inner, 1):
+        t = t.reshape(*keep, size * batch.inner, *rest[1:])
+    return t.movedim(lead, lead + batch.dim)
 
 
 def batch_major_all(values, layouts) -> list:

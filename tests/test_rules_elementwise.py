@@ -2360,3 +2360,27 @@ def test_random_draws_per_row_keep_the_samples():
     model = around(lambda m, h: h * m.s + torch.multinomial(torch.softmax(h, -1).t(), h.shape[0], replacement=True).t(),
                    s=(D,))()
     assert "the batch is the dim of the categories it draws from" in _reasons(model, x)
+
+
+class ExpandedToMergedRows(nn.Module):
+    """A parameter expanded to the rows of a merged batch, into an op without a rule:
+    the generic VJP runs the op on the whole batch (sample ``b`` meets its own rows)."""
+
+    def __init__(self, merge: str):
+        super().__init__()
+        self.merge = merge
+        self.p = nn.Parameter(torch.tensor([0.3, -0.7, 1.1]))
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):  # [B, T, 3]
+        h = x.reshape(-1, 3) if self.merge == "inner" else x.transpose(0, 1).reshape(-1, 3)
+        return self.fc(torch.linalg.cross(h, self.p.expand_as(h), dim=1))
+
+
+@pytest.mark.parametrize("merge", ["inner", "outer"])
+def test_a_parameter_expanded_to_merged_rows_in_the_generic_rule(merge: str):
+    torch.manual_seed(0)
+    model = ExpandedToMergedRows(merge).double()
+    dp = _against_the_loop(model, torch.randn(B, T, 3, dtype=torch.float64))
+    assert {p.name: p.rule for p in dp.explain().plans}["p"].startswith("generic.")
+    _against_the_loop(model, torch.randn(B + 1, T, 3, dtype=torch.float64), dp=dp)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from fxdp.batching import RAW, BatchDim, batch_major, retrack
+from fxdp.batching import RAW, BatchDim, batch_major, from_batch_major, retrack
 from fxdp.opaque import run_opaque, symbolic_batch
 from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args, out_of_place
 
@@ -77,17 +77,17 @@ def _whole_batch_only(op: Any, args: tuple, layouts: dict[int, BatchDim], out_la
     """
     import torch.fx as fx
 
-    if not isinstance(out_layout, BatchDim) or not isinstance(out_layout.dim, int) or not out_layout.plain:
+    if not isinstance(out_layout, BatchDim) or not isinstance(out_layout.dim, int):
         return False
     if any(isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a) for a in args):
         return False  # tensors in lists (an index's ids): the one-sample path knows them
     batched = [layouts[i] for i, a in enumerate(args) if isinstance(a, fx.Node) and isinstance(layouts[i].dim, int)]
     if not batched:
-        return True
-    if not all(b.plain for b in batched):
-        return False  # a batch merged with other dims: the one-sample path knows it
+        return out_layout.plain
     if _shared_rows_line_up(args, layouts):
         return True
+    if not out_layout.plain or not all(b.plain for b in batched):
+        return False  # a batch merged with other dims: the one-sample path knows it
 
     def one_sample_on_meta(i: int, a: Any) -> Any:
         if not isinstance(a, fx.Node):
@@ -233,15 +233,14 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
             # run under vmap in the forward, whose backward is ordinary: vmap over a
             # VJP function runs backward formulas under vmap, and cdist's is wrong there.
             known = (g, *tensors)
-            in_op = [t if not isinstance(b.dim, int) else t.movedim(0, b.dim)
-                     for t, b in zip(tensors[:len(tensor_indices)], layouts_now_of(known))]
+            in_op = [from_batch_major(t, b) for t, b in zip(tensors[:len(tensor_indices)], layouts_now_of(known))]
             full = rebuild([*in_op, *tensors[len(tensor_indices):]])
 
             size = g.shape[0]
             copies = full[index].detach().expand(size, *full[index].shape)
             _, vjp_fn = torch.func.vjp(torch.func.vmap(_of_argument(compute, full, index)), copies)
             eye = torch.eye(size, dtype=g.dtype, device=g.device).view(size, size, *[1] * (g.dim() - 1))
-            one_sample_each = (eye * g.unsqueeze(0)).movedim(1, retrack(out_layout, known).dim + 1)
+            one_sample_each = from_batch_major(eye * g.unsqueeze(0), retrack(out_layout, known), lead=1)
             return vjp_fn(one_sample_each)[0]
 
         def sum_grad(g, *tensors, **config):
