@@ -720,8 +720,32 @@ def _slice(node, arg_batch):
     x = _meta(node.args[0])
     d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, x.dim())
     if d == b.dim and not bool(_meta(node).shape[d] == x.shape[d]):
-        raise MixesSamples("it slices the batch dim")
+        start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+        start = start.meta.get("val") if isinstance(start, fx.Node) else start  # a symbolic size
+        step = node.args[4] if len(node.args) > 4 else 1
+        blocks = _whole_blocks(b, x.shape[d], [(start, _meta(node).shape[d])]) if step == 1 else None
+        if blocks is None:
+            raise MixesSamples("it slices the batch dim")
+        return blocks[0]
     return b
+
+
+def _whole_blocks(b: BatchDim, size: Any, pieces: list) -> list[BatchDim] | None:
+    """The layouts of ``(start, length)`` pieces of a batch dim of ``size`` rows laid out
+    as ``b``, where each piece is whole ``outer`` blocks of ``B·inner`` rows (``v[:B]``
+    of ``cat([x1, x2])``: every sample keeps its rows); ``None`` where one is not."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if bool(b.outer == 1):
+        return None
+    block = size // b.outer  # B·inner rows: every sample's rows once
+    layouts = []
+    for start, length in pieces:
+        if not (isinstance(start, (int, torch.SymInt)) and statically_known_true(start % block == 0)
+                and statically_known_true(length % block == 0) and statically_known_true(length > 0)):
+            return None
+        layouts.append(BatchDim(b.dim, b.inner, length // block))
+    return layouts
 
 
 @_register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
@@ -733,7 +757,14 @@ def _split(node, arg_batch):
         return [b] * n
     d = _norm_dim(node.args[2] if len(node.args) > 2 else 0, _meta(node.args[0]).dim())
     if d == b.dim:
-        raise MixesSamples("it splits the batch dim")
+        pieces, start = [], 0
+        for out in _meta(node):
+            pieces.append((start, out.shape[d]))
+            start = start + out.shape[d]
+        blocks = _whole_blocks(b, _meta(node.args[0]).shape[d], pieces)
+        if blocks is None:
+            raise MixesSamples("it splits the batch dim")
+        return blocks
     return [b] * n
 
 
@@ -766,10 +797,24 @@ def _cat(node, arg_batch):
             cand = b.at(b.dim + 1 if d <= b.dim else b.dim)
         else:
             if b.dim == d:
-                raise MixesSamples("it concatenates along the batch dim")
+                return _cat_of_batches(tensors, batches, d)
             cand = b
         result = _agreed(result, cand)
     return result
+
+
+def _cat_of_batches(tensors: list, batches: list, d: int) -> BatchDim:
+    """``cat([x1, x2], batch dim)`` of batched tensors laid out alike (two views of each
+    sample, a siamese pair): sample ``b``'s rows are in every block, as after
+    ``x.repeat(2, 1)`` — the ``outer`` blocks add up."""
+    first = next(b for b in batches if isinstance(b, BatchDim))
+    outer = 0
+    for t, b in zip(tensors, batches):
+        if not (isinstance(b, BatchDim) and b.dim == d and bool(b.inner == first.inner)):
+            raise MixesSamples("it concatenates along the batch dim (tensors not batched alike: a "
+                               "shared one's rows would join the samples')")
+        outer = outer + b.outer
+    return BatchDim(d, first.inner, outer)
 
 
 def _reduction(node: fx.Node, arg_batch: list, kind: str) -> Any:

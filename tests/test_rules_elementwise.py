@@ -2384,3 +2384,41 @@ def test_a_parameter_expanded_to_merged_rows_in_the_generic_rule(merge: str):
     dp = _against_the_loop(model, torch.randn(B, T, 3, dtype=torch.float64))
     assert {p.name: p.rule for p in dp.explain().plans}["p"].startswith("generic.")
     _against_the_loop(model, torch.randn(B + 1, T, 3, dtype=torch.float64), dp=dp)
+
+
+class Siamese(nn.Module):
+    """Two views of each sample through one encoder as one batch (``cat`` along the batch
+    dim), split back and compared per sample."""
+
+    def __init__(self, split: str):
+        super().__init__()
+        self.split = split
+        self.encode = nn.Linear(D, 3)
+
+    def forward(self, x1, x2):
+        z = torch.tanh(self.encode(torch.cat([x1, x2])))  # [2B, 3]: sample b at rows b and B + b
+        n = x1.shape[0]
+        if self.split == "slice":
+            z1, z2 = z[:n], z[n:]
+        elif self.split == "chunk":
+            z1, z2 = z.chunk(2)
+        else:  # "view": [2, B, 3]
+            z1, z2 = z.view(2, n, 3).unbind(0)
+        return (z1 - z2).pow(2).sum(-1) + z1.sum(-1)
+
+
+@pytest.mark.parametrize("split", ["slice", "chunk", "view"])
+def test_siamese_views_concatenated_along_the_batch(split: str):
+    torch.manual_seed(0)
+    model = Siamese(split).double()
+    dp = _against_the_loop(model, torch.randn(B, D, dtype=torch.float64), torch.randn(B, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, D, dtype=torch.float64), torch.randn(B + 2, D, dtype=torch.float64),
+                      dp=dp)
+
+
+def test_a_concatenation_or_slice_that_mixes_the_batch_is_refused():
+    x = torch.randn(B, D)
+    model = around(lambda m, h: torch.cat([h * m.s, torch.zeros(1, D)])[1:], s=(D,))()
+    assert "it concatenates along the batch dim (tensors not batched alike" in _reasons(model, x)
+    model = around(lambda m, h: torch.cat([h, h * m.s])[1:1 + h.shape[0]], s=(D,))()
+    assert "it slices the batch dim" in _reasons(model, x)
