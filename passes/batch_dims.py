@@ -977,8 +977,22 @@ def _margin_loss(node, arg_batch):
 
 
 # conv, embedding and the normalisations propagate through their rules (fxdp/rules/).
+@_register(aten.prelu.default)
+def _prelu(node, arg_batch):
+    """``F.prelu(x, w)``: one slope for every element, or one per channel (dim 1 of
+    ``x``); the samples may be any other dim."""
+    b = arg_batch[0]
+    w = arg_batch[1] if len(arg_batch) > 1 else None
+    if isinstance(w, BatchDim) and w.dim is not None:
+        raise MixesSamples("its slopes are batched")
+    x = _meta(node.args[0])
+    if isinstance(b, BatchDim) and b.dim == 1 and x.dim() >= 2 and _meta(node.args[1]).numel() != 1:
+        raise MixesSamples("the batch is the channel dim its slopes run along")
+    return b
+
+
 @_register(aten.pixel_shuffle.default, aten.pixel_unshuffle.default, aten.channel_shuffle.default,
-           aten.native_channel_shuffle.default, aten.prelu.default)
+           aten.native_channel_shuffle.default)
 def _batch_first_only(node, arg_batch):
     """Ops over ``[N, C, *spatial]`` that mix or weight the channels: samples must be dim 0."""
     result = None

@@ -2422,3 +2422,27 @@ def test_a_concatenation_or_slice_that_mixes_the_batch_is_refused():
     assert "it concatenates along the batch dim (tensors not batched alike" in _reasons(model, x)
     model = around(lambda m, h: torch.cat([h, h * m.s])[1:1 + h.shape[0]], s=(D,))()
     assert "it slices the batch dim" in _reasons(model, x)
+
+
+class TimeMajorPReLU(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.act = nn.PReLU(channels)
+
+    def forward(self, x):  # [T, B, D] with batch_first=False
+        return self.act(self.fc(x))
+
+
+def test_prelu_with_the_batch_not_first():
+    """One slope is elementwise: the batch may be any dim; per-channel slopes run along
+    dim 1, which then must not be the batch."""
+    torch.manual_seed(0)
+    model = TimeMajorPReLU(1).double()
+    x = torch.randn(T, B, D, dtype=torch.float64)
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum(), batch_dim=1)
+    dp = fxdp.transform(model, grad_sample=True, batch_first=False, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
+    per_channel = TimeMajorPReLU(B).double()  # B slopes along dim 1, the batch
+    assert "the batch is the channel dim its slopes run along" in _reasons(per_channel, x, batch_first=False)
