@@ -797,19 +797,19 @@ def _cat(node, arg_batch):
             cand = b.at(b.dim + 1 if d <= b.dim else b.dim)
         else:
             if b.dim == d:
-                return _cat_of_batches(tensors, batches, d)
+                return _cat_of_batches(batches, d)
             cand = b
         result = _agreed(result, cand)
     return result
 
 
-def _cat_of_batches(tensors: list, batches: list, d: int) -> BatchDim:
+def _cat_of_batches(batches: list, d: int) -> BatchDim:
     """``cat([x1, x2], batch dim)`` of batched tensors laid out alike (two views of each
     sample, a siamese pair): sample ``b``'s rows are in every block, as after
     ``x.repeat(2, 1)`` — the ``outer`` blocks add up."""
     first = next(b for b in batches if isinstance(b, BatchDim))
     outer = 0
-    for t, b in zip(tensors, batches):
+    for b in batches:
         if not (isinstance(b, BatchDim) and b.dim == d and bool(b.inner == first.inner)):
             raise MixesSamples("it concatenates along the batch dim (tensors not batched alike: a "
                                "shared one's rows would join the samples')")
@@ -977,20 +977,6 @@ def _margin_loss(node, arg_batch):
 
 
 # conv, embedding and the normalisations propagate through their rules (fxdp/rules/).
-@_register(aten.prelu.default)
-def _prelu(node, arg_batch):
-    """``F.prelu(x, w)``: one slope for every element, or one per channel (dim 1 of
-    ``x``); the samples may be any other dim."""
-    b = arg_batch[0]
-    w = arg_batch[1] if len(arg_batch) > 1 else None
-    if isinstance(w, BatchDim) and w.dim is not None:
-        raise MixesSamples("its slopes are batched")
-    x = _meta(node.args[0])
-    if isinstance(b, BatchDim) and b.dim == 1 and x.dim() >= 2 and _meta(node.args[1]).numel() != 1:
-        raise MixesSamples("the batch is the channel dim its slopes run along")
-    return b
-
-
 @_register(aten.pixel_shuffle.default, aten.pixel_unshuffle.default, aten.channel_shuffle.default,
            aten.native_channel_shuffle.default)
 def _batch_first_only(node, arg_batch):
@@ -1006,6 +992,20 @@ def _batch_first_only(node, arg_batch):
         elif not result.same_as(b):
             raise MixesSamples("its operands have their batch at different dims")
     return result
+
+
+@_register(aten.prelu.default)
+def _prelu(node, arg_batch):
+    """``F.prelu(x, w)``: one slope for every element, or one per channel (dim 1 of
+    ``x``); the samples may be any other dim."""
+    b = arg_batch[0]
+    w = arg_batch[1] if len(arg_batch) > 1 else None
+    if isinstance(w, BatchDim) and w.dim is not None:
+        raise MixesSamples("its slopes are batched")
+    x = _meta(node.args[0])
+    if isinstance(b, BatchDim) and b.dim == 1 and x.dim() >= 2 and _meta(node.args[1]).numel() != 1:
+        raise MixesSamples("the batch is the channel dim its slopes run along")
+    return b
 
 
 _SPATIAL_OPS = [
