@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch._decomp import get_decompositions
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fxdp._torch_internals import inline_checkpoints, make_fx_traced
+from fxdp._torch_internals import inline_checkpoints, make_fx_traced, size_hint
 from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
 from fxdp.passes.writes import is_view, writes_in_place
@@ -432,7 +432,7 @@ def _may_overlap_itself(t: Any) -> bool:
         return False
     span = 0
     for size, stride in sorted(((z, st) for z, st in zip(t.shape, t.stride()) if not statically_known_true(z <= 1)),
-                               key=lambda zs: zs[1] if isinstance(zs[1], int) else sys.maxsize):
+                               key=lambda zs: size_hint(zs[1])):
         if not statically_known_true(stride > span):
             return True
         span = span + (size - 1) * stride

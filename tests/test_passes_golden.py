@@ -396,3 +396,26 @@ def test_norms_come_before_the_input_gradients_that_follow_them():
     assert len(per_sample) == 2 and len(input_grads) == 1  # the first conv needs no input gradient
     second_conv_work = per_sample[0]  # the backward meets the second conv first
     assert second_conv_work < input_grads[0]
+
+
+def test_only_outputs_whose_elements_overlap_are_copied():
+    """The copy around AOTAutograd's replayed output views: overlapping windows and
+    broadcasts are copied, dense outputs (symbolic strides in any order) are not."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from fxdp.passes.canonicalize import _may_overlap_itself
+
+    env = ShapeEnv()
+
+    def size(name: str, hint: int):
+        symbol = env.create_symbol(hint, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+        return env.create_symintnode(symbol, hint=hint)
+
+    with FakeTensorMode(shape_env=env):
+        n, t = size("B", 3), size("T", 5)
+        scores = torch.empty(n, 4, t, t)
+        assert not _may_overlap_itself(scores) and not _may_overlap_itself(scores.transpose(1, 3))
+        assert _may_overlap_itself(torch.empty(n, 6).unfold(-1, 2, 1))
+        assert _may_overlap_itself(torch.empty(1, 6).expand(n, 6))
