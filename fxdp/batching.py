@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 __all__ = ["retrack", "BatchDim", "WHOLE", "SHARED", "RAW", "batch_major", "batch_major_all", "batch_size_of",
-           "from_batch_major", "scale_batch"]
+           "broadcast_batch", "from_batch_major", "scale_batch"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -114,6 +114,23 @@ def retrack(batch: BatchDim, values) -> BatchDim:
         return rebuild(size.node.expr) if isinstance(size, torch.SymInt) else size
 
     return BatchDim(batch.dim, fix(batch.inner), fix(batch.outer))
+
+
+def broadcast_batch(batches, metas, out_ndim: int) -> BatchDim | None:
+    """The batch of a broadcasting elementwise op's result: dims align from the right,
+    and every batched operand must put its batch at the same output dim (``ValueError``
+    if they do not). ``batches[i]`` is operand ``i``'s batch (or ``None``), ``metas[i]``
+    its example value; non-tensor operands are skipped."""
+    result = None
+    for b, m in zip(batches, metas):
+        if not isinstance(b, BatchDim) or not isinstance(m, torch.Tensor):
+            continue
+        candidate = WHOLE if b.dim is None else b.at(b.dim + out_ndim - m.dim())
+        if result is None:
+            result = candidate
+        elif not result.same_as(candidate):
+            raise ValueError("its batched operands have their batch at different dims")
+    return result
 
 
 def batch_size_of(t: torch.Tensor, batch: BatchDim) -> Any:

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from fxdp.batching import WHOLE, BatchDim
+from fxdp.batching import WHOLE, BatchDim, broadcast_batch
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad, follow_write, parameter_write
@@ -190,17 +190,8 @@ def _agreed(result: Any, candidate: Any) -> Any:
 def _pointwise(node: fx.Node, arg_batch: list) -> Any:
     """Broadcasting elementwise op: dims align from the right."""
     out = _meta(node)
-    out_ndim = out.dim() if isinstance(out, torch.Tensor) else 0
-    result = None
-    for arg, b in zip(node.args, arg_batch):
-        if not isinstance(b, BatchDim) or not isinstance(arg, fx.Node):
-            continue
-        if b.dim is None:
-            candidate = WHOLE
-        else:
-            candidate = b.at(b.dim + out_ndim - _meta(arg).dim())
-        result = _agreed(result, candidate)
-    return result
+    metas = [_meta(a) if isinstance(a, fx.Node) else None for a in node.args]
+    return broadcast_batch(arg_batch, metas, out.dim() if isinstance(out, torch.Tensor) else 0)
 
 
 _EXTRA_POINTWISE = [

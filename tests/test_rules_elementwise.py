@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxdp
-from fxdp.batching import WHOLE, BatchDim
-from fxdp.rules.elementwise import Layout, pointwise_batch
+from fxdp.batching import WHOLE, BatchDim, broadcast_batch
+from fxdp.rules.elementwise import Layout
 from fxdp.rules.matmul import matmul_batch
 from models import SequenceFirstBias
 from reference import assert_close_all, reference, tolerance
@@ -463,8 +463,9 @@ def test_matmul_batch_mixes_samples(a, b, a_batch, b_batch, match):
         matmul_batch(a_batch, b_batch, len(a), len(b))
 
 
-def test_pointwise_batch_matches_the_core():
-    """The elementwise rules replace the core's ``_pointwise`` for mul/add/...: same answers."""
+def test_broadcast_batch_and_the_mul_rule():
+    """One broadcasting propagation (``fxdp.batching.broadcast_batch``) serves the core's
+    untagged elementwise ops and the elementwise rules, which replace it for mul/add/..."""
     rule = fxdp.registry.lookup(aten.mul.Tensor)
     cases = [
         ([BatchDim(0), None], [_meta(B, T, D), _meta(D)], BatchDim(0)),
@@ -474,7 +475,7 @@ def test_pointwise_batch_matches_the_core():
         ([None, None], [_meta(D), _meta(D)], None),
     ]
     for batches, metas, want in cases:
-        assert _same(pointwise_batch(batches, metas, max(m.dim() for m in metas if isinstance(m, torch.Tensor))), want)
+        assert _same(broadcast_batch(batches, metas, max(m.dim() for m in metas if isinstance(m, torch.Tensor))), want)
         out = torch.empty(torch.broadcast_shapes(*[m.shape for m in metas if isinstance(m, torch.Tensor)]),
                           device="meta")
         assert _same(rule.batch_rule(batches, metas, out, {}), want)

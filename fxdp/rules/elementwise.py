@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from fxdp.batching import WHOLE, BatchDim
+from fxdp.batching import BatchDim, broadcast_batch
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
 
 __all__ = [
@@ -42,7 +42,6 @@ __all__ = [
     "in_place",
     "right_align",
     "reduce_per_sample",
-    "pointwise_batch",
     "param_spans_batch",
     "ELEMENTWISE_RULES",
     "MODULE_OPS",
@@ -178,21 +177,6 @@ def reduce_per_sample(t: torch.Tensor, shape: Sequence[int | None]) -> torch.Ten
     return t
 
 
-def pointwise_batch(args_batch: Sequence[Any], args_meta: Sequence[Any], out_ndim: int) -> BatchDim | None:
-    """Broadcasting propagation, as ``passes/batch_dims.py``'s ``_pointwise``: dims align
-    from the right and every batched operand must put its batch at the same output dim."""
-    result = None
-    for b, m in zip(args_batch, args_meta):
-        if not isinstance(b, BatchDim) or not isinstance(m, torch.Tensor):
-            continue
-        candidate = WHOLE if b.dim is None else b.at(b.dim + out_ndim - m.dim())
-        if result is None:
-            result = candidate
-        elif not result.same_as(candidate):
-            raise ValueError("its batched operands have their batch at different dims")
-    return result
-
-
 def param_spans_batch(shape: Sequence[int], out_batch: BatchDim, out_ndim: int) -> bool:
     """Whether a parameter of ``shape``, right-aligned to the output, has a size other
     than 1 along the output's batch dim (each sample would use its own slice of it)."""
@@ -283,7 +267,7 @@ def _make_param_rule(op: Any, index: int, partial: _Partial) -> ParamRule:
 def _make_config(op: Any, scalars: Callable[[Sequence[Any]], dict]) -> Callable[[Sequence[Any]], dict]:
     def propagate(batches, metas):
         out_ndim = _out_ndim(metas)
-        return pointwise_batch(batches, metas, out_ndim), out_ndim
+        return broadcast_batch(batches, metas, out_ndim), out_ndim
 
     def config(args: Sequence[Any]) -> dict:
         found = node_layouts(args, propagate) or {}
@@ -304,12 +288,12 @@ def _make_input_grad(spec: dict[int, _Partial], scalars: Callable[[Sequence[Any]
 
 def _batch_rule(args_batch, args_meta, out_meta, config):
     out_ndim = out_meta.dim() if isinstance(out_meta, torch.Tensor) else _out_ndim(args_meta)
-    return pointwise_batch(args_batch, args_meta, out_ndim)
+    return broadcast_batch(args_batch, args_meta, out_ndim)
 
 
 def _check(args_batch, args_meta, index):
     out_ndim = _out_ndim(args_meta)
-    out_batch = pointwise_batch(args_batch, args_meta, out_ndim)
+    out_batch = broadcast_batch(args_batch, args_meta, out_ndim)
     if out_batch is None:
         return ("the parameter meets no batched value in this op, so its gradient here is "
                 "shared by all samples; combine it with the batched input directly")

@@ -32,14 +32,13 @@ from typing import Any, Sequence
 
 import torch
 
-from fxdp.batching import WHOLE, BatchDim
+from fxdp.batching import WHOLE, BatchDim, broadcast_batch
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
 from fxdp.rules._common import contract, contraction_cost, gram_cost, gram_inner, hint
 from fxdp.rules.elementwise import (
     in_place,
     node_layouts,
     param_spans_batch,
-    pointwise_batch,
     reduce_per_sample,
     right_align,
 )
@@ -118,7 +117,7 @@ def _make_batch_rule(op: Any):
         if c_pos is None or not isinstance(batches[c_pos], BatchDim):
             return product
         out_ndim = _product_ndim(a.dim(), b.dim())
-        added = pointwise_batch([batches[c_pos]], [metas[c_pos]], out_ndim)
+        added = broadcast_batch([batches[c_pos]], [metas[c_pos]], out_ndim)
         if product is not None and not product.same_as(added):
             raise ValueError("its operands have their batch at different dims")
         return added
