@@ -200,7 +200,7 @@ _EXTRA_POINTWISE = [
     aten.to.dtype_layout, aten.lift_fresh_copy.default,
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
     aten.rsub.Tensor, aten.rsub.Scalar, aten.zero.default, aten._conj.default, aten.conj_physical.default,
-    aten.rand_like.default, aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p,
+    aten.rand_like.default, aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
     aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.feature_dropout.default,
     aten.alpha_dropout.default, aten.gelu.default, aten.silu.default, aten.hardtanh.default,
     aten.leaky_relu.default, aten.elu.default, aten.softplus.default, aten.mish.default,

@@ -468,6 +468,7 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     gm = legacy_empty_cat_pass(gm)
     gm = repeat_as_expand_pass(gm)
     gm = in_place_as_out_of_place_pass(gm)
+    gm = bernoulli_probability_detached_pass(gm)
     # Expands move down to the ops that consume them (the lookups and linears, then
     # what consumes those), where broadcasting replaces them; a pointwise op that an
     # expand moves past can bring it to a lookup, hence rounds until nothing moves
@@ -484,6 +485,38 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
             break
     gm = broadcast_batched_product_pass(gm)
     return tiled_batched_product_pass(gm)
+
+
+_BERNOULLI = {torch.ops.aten.bernoulli.default, torch.ops.aten.bernoulli.p, torch.ops.aten.bernoulli.Tensor,
+              torch.ops.aten.bernoulli_.Tensor, torch.ops.aten.bernoulli_.float}
+
+
+def bernoulli_probability_detached_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A Bernoulli draw's tensor arguments (its probability, the tensor it takes its shape
+    from) as ``detach``-ed values: its derivative is zero everywhere, so no gradient flows
+    through it and a parameter used only as a draw's probability is not consumed by the
+    ops that use the draw (a learned keep-probability as a dropout mask)::
+
+        bernoulli = torch.ops.aten.bernoulli.default(expand)                  # before
+        bernoulli = torch.ops.aten.bernoulli.default(torch.ops.aten.detach.default(expand))
+
+    An in-place draw keeps the tensor it writes.
+    """
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _BERNOULLI:
+            continue
+        first = 1 if writes_in_place(node.target) else 0
+        for i, a in enumerate(node.args[first:], first):
+            if isinstance(a, fx.Node) and not (a.op == "call_function" and a.target is torch.ops.aten.detach.default):
+                with gm.graph.inserting_before(node):
+                    detached = gm.graph.call_function(torch.ops.aten.detach.default, (a,))
+                detached.meta = dict(a.meta)
+                node.update_arg(i, detached)
+                changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def no_op_conversion_pass(gm: fx.GraphModule) -> fx.GraphModule:

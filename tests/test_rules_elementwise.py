@@ -2299,6 +2299,45 @@ def test_gumbel_softmax_draws_per_element():
     assert fxdp.validate(model, torch.randn(B, D)) == []
 
 
+class LearnedKeepMask(nn.Module):
+    """A dropout mask drawn with a trainable keep-probability, ``bernoulli(keep)``: the
+    draw has derivative zero, so ``keep`` gets no gradient (its values 0 and 1 make the
+    draws the same in the batch and in the loop)."""
+
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.in_place = in_place
+        self.fc = nn.Linear(D, D)
+        self.keep = nn.Parameter(torch.tensor([1.0, 0.0] * (D // 2) + [1.0] * (D % 2)))
+
+    def forward(self, x):
+        h = self.fc(x)
+        probability = self.keep.expand_as(h)
+        mask = torch.empty_like(h).bernoulli_(probability) if self.in_place else torch.bernoulli(probability)
+        return h * mask
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["bernoulli", "bernoulli_"])
+def test_a_bernoulli_probability_parameter_gets_no_gradient(in_place: bool):
+    torch.manual_seed(0)
+    model = LearnedKeepMask(in_place).double()
+    x = torch.randn(B, D, dtype=torch.float64)
+    assert fxdp.validate(model, x) == []
+    ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    assert ref.per_sample["keep"].abs().max() == 0  # eager autograd: a zero gradient
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=_clip_between(ref.norms), loss_reduction="sum",
+                        compiler="eager")
+    dp(x).pow(2).sum().backward()
+    tol = tolerance(torch.float64)
+    trained = [n for n in ref.names if n != "keep"]
+    assert_close_all({n: _params(model, "grad_sample")[n] for n in trained},
+                     {n: ref.per_sample[n] for n in trained}, tol, "grad_sample")
+    assert_close_all({"norms": dp.per_sample_norms}, {"norms": ref.norms}, tol, "norms")
+    clipped = ref.grad("sum", dp.options.max_grad_norm)
+    assert_close_all({n: _params(model, "grad")[n] for n in trained}, {n: clipped[n] for n in trained}, tol, "grad")
+    assert model.keep.grad is None or model.keep.grad.abs().max() == 0
+
+
 class OuterMerged(nn.Module):
     """The batch merged as the outer factor of a dim (``[T, B, d] -> [T·B, d]``: the
     samples strided inside each time block) through ops with elementwise rules."""
