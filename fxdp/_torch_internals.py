@@ -481,6 +481,20 @@ def refuse_silent_eager_fallback() -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
+def stance_without_backend() -> str | None:
+    """The ``torch.compiler.set_stance`` in force, if it lets Dynamo run a frame without
+    the backend it was compiled with: eagerly (``"eager_on_recompile"`` at a new
+    shape, ``"eager_then_compile"`` on the first call, ``"force_eager"``) or with
+    another backend (``force_backend=``). ``None`` under the default and
+    ``"fail_on_recompile"``. Dynamo reads the stance when a compiled function is called."""
+    stance = torch._dynamo.eval_frame._stance
+    if stance.stance not in ("default", "fail_on_recompile"):
+        return f"torch.compiler.set_stance({stance.stance!r})"
+    if stance.backend is not None:
+        return f"torch.compiler.set_stance(force_backend={stance.backend!r})"
+    return None
+
+
 @contextlib.contextmanager
 def eager_fallback_at_recompile_limit(allowed: bool):
     """A context in which Dynamo runs a frame eagerly at its recompile limit

@@ -9,6 +9,7 @@ import torch.fx as fx
 from fxdp import _torch_internals as internals
 from fxdp.clip_norm import ClipNorm
 from fxdp.compiler import CompiledGraph, compile_graph
+from fxdp.errors import UnsupportedError
 from fxdp.options import Options
 
 __all__ = ["backend", "Backend", "entry_point_backend"]
@@ -63,8 +64,20 @@ class Backend:
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
         ):
             return _plain(gm, example_inputs, self.options)
-        if self.guards_eager_fallback:
-            internals.refuse_silent_eager_fallback()
+        if not self.guards_eager_fallback:  # transform's: it checks that its graph ran
+            return self._compile(gm, example_inputs)
+        internals.refuse_silent_eager_fallback()
+        try:
+            compiled = self._compile(gm, example_inputs)
+        except Exception as e:
+            if not torch._dynamo.config.suppress_errors:
+                raise
+            # Dynamo would swallow the error and run the frame eagerly, with ordinary,
+            # unclipped gradients: raise it when the frame runs instead.
+            return _refusal(e)
+        return _refusing_stances_without_backend(compiled)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         record = CompiledGraph(self.options)
         self.records.append(record)
         return compile_graph(gm, example_inputs, self.options, self.names, record, self.arg_names, self.clip_norm)
@@ -92,6 +105,32 @@ def _plain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options) 
 
     def run(*args):
         RUN_STATE.ran = True
+        return compiled(*args)
+
+    return run
+
+
+def _refusal(error: Exception) -> Callable:
+    """A compiled frame that raises ``error`` (what fxdp refused) when it runs."""
+    def run(*args):
+        raise error
+
+    return run
+
+
+def _refusing_stances_without_backend(compiled: Callable) -> Callable:
+    """``compiled``, raising while a ``torch.compiler.set_stance`` lets Dynamo run this
+    model's other frames without the backend: the backend sees no call of its own and
+    cannot tell such a step from its own, so one of its graphs running under that
+    stance is the only sign."""
+    def run(*args):
+        stance = internals.stance_without_backend()
+        if stance is not None:
+            raise UnsupportedError(
+                f"{stance} lets Dynamo run a training step of a model compiled with the fxdp backend "
+                "without fxdp (eagerly, at a new input shape or on the first call), with ordinary, "
+                "unclipped gradients and no error. Use the default stance while it trains (set_stance("
+                "'fail_on_recompile') is fine), or fxdp.transform, which checks every call.")
         return compiled(*args)
 
     return run

@@ -518,7 +518,6 @@ def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices:
         with no_autocast(autocast_devices):
             return compiled(*args)
 
-    run.fxdp_record = record  # type: ignore[attr-defined]
     return run
 
 

@@ -77,11 +77,13 @@ class DPModule(nn.Module):
         if not getattr(RUN_STATE, "ran", False) and torch.is_grad_enabled() and any(
             p.requires_grad for p in self._module.parameters()
         ):
+            stance = internals.stance_without_backend()
             raise UnsupportedError(
                 "the fxdp-compiled graph did not run for this call (Dynamo ran the model eagerly, "
-                "e.g. after its recompile limit); its gradients would not be private. Raise "
-                "torch._dynamo.config.recompile_limit or keep input shapes/types stable."
-            )
+                + (f"under {stance}); its gradients would not be private. Use the default stance "
+                   "while the model trains." if stance else
+                   "e.g. after its recompile limit); its gradients would not be private. Raise "
+                   "torch._dynamo.config.recompile_limit or keep input shapes/types stable."))
         return out
 
     # -- results of the last backward ---------------------------------------------------

@@ -319,6 +319,70 @@ def test_transform_refuses_silent_eager_fallback(recompile_limit_one):
     assert all(p.grad is None for p in model.parameters())
 
 
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+@pytest.mark.parametrize("model", [WithGraphBreak, WithBatchNorm], ids=["graph_break", "batch_norm"])
+def test_a_refusal_under_suppress_errors_raises_when_the_frame_runs(model):
+    """``torch._dynamo.config.suppress_errors`` swallows a backend's error and runs the
+    frame eagerly, with ordinary, unclipped gradients: the refusal is raised when the
+    frame runs instead."""
+    model = model().to(DTYPE)
+    compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    with torch._dynamo.config.patch(suppress_errors=True):
+        with pytest.raises(fxdp.UnsupportedError, match="graph break|mixes samples"):
+            mean_sq_loss(compiled(randn(5, 4))).backward()
+    assert all(p.grad is None for p in model.parameters()), "no unclipped gradient left behind"
+
+
+@pytest.fixture
+def default_stance():
+    yield
+    torch.compiler.set_stance("default")
+
+
+@pytest.mark.parametrize("stance", ["eager_on_recompile", "eager_then_compile"])
+def test_a_stance_that_runs_steps_without_the_backend_is_refused(default_stance, stance):
+    """Under these stances Dynamo runs some training steps eagerly, unclipped and unseen
+    by fxdp: a step that runs an fxdp graph under them raises, before any gradient is
+    written."""
+    model = MLP().to(DTYPE)
+    compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    if stance == "eager_then_compile":  # the first call runs eagerly: compile on the second
+        torch.compiler.set_stance(stance)
+        compiled(randn(5, 4))
+    else:
+        mean_sq_loss(compiled(randn(5, 4))).backward()  # compiled and clipped
+        torch.compiler.set_stance(stance)
+    model.zero_grad()
+    with pytest.raises(fxdp.UnsupportedError, match=r"set_stance\(.*without fxdp"):
+        mean_sq_loss(compiled(randn(5, 4))).backward()
+    assert all(p.grad is None for p in model.parameters())
+    torch.compiler.set_stance("fail_on_recompile")  # raises at a new shape itself: allowed
+    mean_sq_loss(compiled(randn(5, 4))).backward()
+    assert fxdp.per_sample_norms(model) is not None
+
+
+def test_transform_names_the_stance_that_ran_it_eagerly(default_stance):
+    model = MLP().to(DTYPE)
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    mean_sq_loss(dp(randn(5, 4))).backward()
+    model.zero_grad()
+    torch.compiler.set_stance("eager_on_recompile")
+    mean_sq_loss(dp(randn(5, 4))).backward()  # its graph runs: fine
+    model.zero_grad()
+    with pytest.raises(fxdp.UnsupportedError, match=r"did not run .*set_stance\('eager_on_recompile'\)"):
+        mean_sq_loss(dp(randn(3, 4))).backward()  # a new batch size would run eagerly
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_an_rnn_fed_a_new_sequence_length_beyond_the_limit_says_to_pad(recompile_limit_one):
     """An RNN is unrolled per sequence length: a batch of a new length needs a new graph,
     and at the limit the error says to pad to fixed lengths."""
