@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from fxdp import _torch_internals as internals
 from fxdp.clip_norm import ClipNorm
-from fxdp.compiler import CompiledGraph, compile_graph
+from fxdp.compiler import CompiledGraph, NoBatchDim, compile_graph
 from fxdp.errors import UnsupportedError
 from fxdp.options import Options
 
@@ -70,6 +70,11 @@ class Backend:
         try:
             compiled = self._compile(gm, example_inputs)
         except Exception as e:
+            if isinstance(e, NoBatchDim) and not any(
+                    isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None for t in example_inputs):
+                # A graph without trainable tensors that Dynamo resumes after the loss
+                # (its first argument the 0-d loss): nothing in it to make per-sample.
+                return _plain(gm, example_inputs, self.options)
             if not torch._dynamo.config.suppress_errors:
                 raise
             # Dynamo would swallow the error and run the frame eagerly, with ordinary,

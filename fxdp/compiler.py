@@ -192,6 +192,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
     fake_args = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
     param_names: dict[fx.Node, str] = {}
     inputs: list[tuple] = []
+    trained: list[fx.Node] = []  # leaf tensors that need a gradient but are no Parameter
     frame_positional, frame_names, varargs = _frame_arg_names()
     if arg_names:  # ``transform``'s own call: no frame parameter of the model's
         varargs = None
@@ -206,6 +207,8 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
             if real.requires_grad:
                 param_names[node] = (names or {}).get(id(real)) or _param_name(source)
             continue
+        if real.requires_grad and real.grad_fn is None:
+            trained.append(node)
         key = _argument_key(source, arg_names, frame_names, varargs)
         if is_buffer or key is None:  # model state, shared by all samples
             continue
@@ -215,7 +218,8 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
         inputs.append((rank, node, fake, position, name))
     inputs.sort(key=lambda item: item[0])
     placeholder_batch: dict[fx.Node, BatchDim | None] = {}
-    batch_size = None
+    batch_size = sizing = None
+    explicitly_batched: set[fx.Node] = set()
     notes: list[str] = []
     for rank, node, fake, position, name in inputs:
         dim, explicit = options.batch_dim_of(position, name)
@@ -230,12 +234,12 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
                 placeholder_batch[node] = None
                 continue
             if fake.dim() <= dim:
-                raise ValueError(
+                raise NoBatchDim(
                     f"the first tensor argument ({source_name(node)}, shape {tuple(fake.shape)}) has no "
                     f"batch dim {dim}; fxdp takes the batch size from it (batch_first={options.batch_first}, "
                     f"or set in_dims)"
                 )
-            batch_size = fake.shape[dim]
+            batch_size, sizing = fake.shape[dim], node
             placeholder_batch[node] = BatchDim(dim)
             continue
         if explicit and fake.dim() <= dim:
@@ -243,9 +247,27 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
                              f"which it does not have")
         batched = fake.dim() > dim and (explicit or bool(fake.shape[dim] == batch_size))
         placeholder_batch[node] = BatchDim(dim) if batched else None
+        if explicit:
+            explicitly_batched.add(node)
         if not explicit:
             notes.extend(_size_rule_note(name or source_name(node), fake, dim, batched, batch_size))
+    # A leaf tensor that needs a gradient is taken for data only where it gives the batch
+    # size (``x.requires_grad_()`` for input gradients) or in_dims says it is batched: a
+    # size that matches B elsewhere may be chance.
+    untrained = [source_name(n) for n in trained if n is not sizing and n not in explicitly_batched]
+    if untrained:
+        raise UnsupportedError(
+            f"{', '.join(untrained)}: a tensor that needs a gradient but is no nn.Parameter "
+            "(torch.func.functional_call with a dict of plain tensors?). fxdp makes the gradients of "
+            "parameters per-sample; this one would get the ordinary, unclipped gradient of the whole "
+            "batch. Pass nn.Parameter objects ({name: nn.Parameter(t) for ...}), detach it, or, if it "
+            "is batched data, name its batch dim in in_dims.")
     return placeholders, fake_args, param_names, placeholder_batch, batch_size, notes
+
+
+class NoBatchDim(ValueError):
+    """The graph's first tensor argument has no batch dim (a graph Dynamo resumes after
+    the loss takes the 0-d loss first)."""
 
 
 def _size_rule_note(name: str, fake: torch.Tensor, dim: int, batched: bool, batch_size: int) -> list[str]:

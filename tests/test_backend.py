@@ -319,6 +319,56 @@ def test_transform_refuses_silent_eager_fallback(recompile_limit_one):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_plain_tensors_given_to_functional_call_are_refused():
+    """``torch.func.functional_call(model, params, ...)`` with a dict of plain leaf tensors
+    that need a gradient: fxdp cannot tell they are trained (they would get the ordinary,
+    unclipped gradient); as ``nn.Parameter`` objects they are clipped like the model's own."""
+    model = MLP().to(DTYPE)
+    x = randn(5, 4)
+    ref = reference(model, [x], per_sample_sq_loss)
+    step = torch.compile(lambda params, x: mean_sq_loss(torch.func.functional_call(model, params, (x,))),
+                         backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    plain = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    with pytest.raises(Exception, match="needs a gradient but is no nn.Parameter"):  # in Dynamo's wrapper
+        step(plain, x).backward()
+    assert all(t.grad is None for t in plain.values())
+    params = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}
+    step(params, x).backward()
+    assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("mean", 1.0), TOL, "clipped grad")
+
+
+def test_a_batched_input_that_needs_a_gradient_is_data():
+    """``x.requires_grad_()`` (input gradients, adversarial training) stays batched data:
+    the parameters are clipped and ``x.grad`` is autograd's."""
+    model = MLP().to(DTYPE)
+    x = randn(5, 4)
+    ref = reference(model, [x], per_sample_sq_loss)
+    x_eager = x.clone().requires_grad_()
+    mean_sq_loss(model(x_eager)).backward()
+    model.zero_grad()
+    x.requires_grad_()
+    compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    mean_sq_loss(compiled(x)).backward()
+    assert_close_all(grads(model), ref.grad("mean", 1.0), TOL, "clipped grad")
+    assert torch.allclose(x.grad, x_eager.grad)
+
+
+def test_a_graph_resumed_after_the_loss_runs_as_it_is():
+    """Without clipping a graph may break after the loss: Dynamo resumes with a graph
+    whose first argument is the 0-d loss and that holds no parameter."""
+    model = MLP().to(DTYPE)
+    x = randn(5, 4)
+    ref = reference(model, [x], per_sample_sq_loss)
+
+    def step(x):
+        loss = mean_sq_loss(model(x))
+        torch._dynamo.graph_break()
+        return loss * 2
+
+    torch.compile(step, backend=fxdp.backend(grad_sample=True, compiler="eager"))(x).backward()
+    assert_close_all(grad_samples(model), {n: 2 * g for n, g in ref.per_sample.items()}, TOL, "grad_sample")
+
+
 class WithBatchNorm(nn.Module):
     def __init__(self):
         super().__init__()
