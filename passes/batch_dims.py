@@ -1692,6 +1692,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                sized_batched: bool) -> BatchAnalysis:
     """``batch_dim_pass`` with the tensors built from ``B`` shared or batched."""
     sized_by_batch: list[fx.Node] = []
+    expanded_params: dict[fx.Node, BatchDim] = {}  # read batched: see _classify_parameter_uses
     batch: dict[fx.Node, Any] = {}
     problems: list[Problem] = []
     # Trainable parameters each parameter-only value is computed from (no batched input).
@@ -1751,12 +1752,14 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
             continue
 
-        sized = None if single or (target is aten.expand.default and node.args[0] in sources) \
-            else _sized_by_batch(node, batch_size, batched)
+        sized = None if single else _sized_by_batch(node, batch_size, batched)
         if sized is not None:
             sized_by_batch.append(node)
             if sized_batched:
                 batch[node] = sized
+                if node in sources:  # a parameter expanded to the batch: row b is sample b's
+                    del sources[node]
+                    expanded_params[node] = sized
                 continue
         if not batched or target in _CREATION:
             out = _meta(node)
@@ -1824,7 +1827,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                 batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
 
     uses, broadcasts = ([], {}) if single else _classify_parameter_uses(
-        consumed, sources, batch, param_names, problems)
+        consumed, sources, batch, param_names, problems, expanded_params)
 
     loss = None
     if loss_kinds:
@@ -1881,7 +1884,7 @@ def _names(nodes, param_names) -> str:
     return ", ".join(sorted(param_names[p] for p in nodes))
 
 
-def _classify_parameter_uses(consumed, sources, batch, param_names, problems):
+def _classify_parameter_uses(consumed, sources, batch, param_names, problems, expanded_params=None):
     """Decide, for every place a parameter (or a parameter-only value) meets batched data,
     how its per-sample gradient is obtained.
 
@@ -1890,6 +1893,9 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems):
       per-sample gradient is mapped back through the transform's per-sample VJP;
     * ``broadcast``: a rule op whose inputs are all shared (``wpe(arange(T))``) and whose
       result is only broadcast against batched data: its output is expanded to the batch;
+      and an ``expand`` of a parameter-only value to the batch size that the analysis
+      read batched (``expanded_params``: DETR's ``query.unsqueeze(0).expand(B, -1, -1)``
+      run through attention before it meets the data), whose row ``b`` is sample ``b``'s;
     * ``generic``: an op without a rule for that argument but with a known batch rule: a
       per-sample VJP of the op itself.
     """
@@ -1905,6 +1911,13 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems):
     consumers = {n for n, _, _ in consumed}
     graph_nodes = next(iter(consumers)).graph.nodes if consumers else ()
     for node in (n for n in graph_nodes if n in consumers):  # producers before consumers
+        if node in (expanded_params or {}):
+            ref = next((p for p in graph_nodes if p.op == "placeholder" and isinstance(batch.get(p), BatchDim)
+                        and batch[p].dim is not None and batch[p].plain), None)
+            if ref is not None:
+                candidates[node] = Broadcast(batch_dim=expanded_params[node].dim, ndim=_meta(node).dim(),
+                                             ref=ref, ref_dim=batch[ref].dim)
+            continue
         rule = lookup(node.target) if node.op == "call_function" else None
         if node not in sources or rule is None:
             continue

@@ -937,9 +937,9 @@ def _reads_unexpanded(node: fx.Node, count: int) -> bool:
     operands = list(node.args[:count])
     if not all(isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) for a in operands):
         return False
-    for i, arg in enumerate(operands):
-        if not (arg.op == "call_function" and arg.target in _EXPANDS):
-            continue
+    for arg in list(operands):
+        if arg not in operands or not (arg.op == "call_function" and arg.target in _EXPANDS):
+            continue  # (read unexpanded already, as another operand)
         source = arg.args[0]
         ndim, source_ndim = arg.meta["val"].dim(), source.meta["val"].dim()
         if ndim < 3 or any(_expands_dim(arg, d) for d in (ndim - 2, ndim - 1)):
@@ -947,10 +947,12 @@ def _reads_unexpanded(node: fx.Node, count: int) -> bool:
         # matmul broadcasts a matrix against a batch of them; attention wants equal ranks.
         if source_ndim < 2 or (count == 3 and source_ndim != ndim) or any(a.meta["val"].dim() < 2 for a in operands):
             continue
-        batch_shapes = [(source if j == i else a).meta["val"].shape[:-2] for j, a in enumerate(operands)]
+        # Every operand that is this expand reads its source (``sdpa(q, q, q)``).
+        read = [source if a is arg else a for a in operands]
+        batch_shapes = [a.meta["val"].shape[:-2] for a in read]
         if tuple(torch.broadcast_shapes(*batch_shapes)) == tuple(node.meta["val"].shape[:-2]):
             node.replace_input_with(arg, source)
-            operands[i] = source
+            operands = read
             changed = True
     return changed
 

@@ -935,14 +935,20 @@ class _BatchSizedShared(nn.Module):
     repeated to the batch (Whisper), latents expanded to the batch, normalised and
     projected into queries (Perceiver), a gated parameter ``p.expand_as(h)``, and a
     parameter expanded to the batch, projected and softmaxed (ConViT's positional scores
-    ``pos_proj(rel_indices.expand(B, ...)).softmax(-1)``)."""
+    ``pos_proj(rel_indices.expand(B, ...)).softmax(-1)``), and learned queries expanded to
+    the batch and run through parameter-only attention before they meet the data (DETR's
+    decoder queries: self-attention over ``query.expand(B, ...)``, written with
+    ``scaled_dot_product_attention`` on one expanded value, with ``bmm``s, or with
+    ``nn.MultiheadAttention``, whose heads merge with the batch)."""
 
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
-        if kind in ("latents", "expand_as", "softmax"):
+        if kind in ("latents", "expand_as", "softmax", "queries_sdpa", "queries_bmm", "queries_mha"):
             self.latents = nn.Parameter(torch.randn(2, D))
             self.k = nn.Linear(D, D)
+            if kind == "queries_mha":
+                self.attention = nn.MultiheadAttention(D, 2, batch_first=True)
             if kind in ("latents", "softmax"):
                 self.q = nn.Linear(D, D)
             if kind == "latents":
@@ -961,6 +967,15 @@ class _BatchSizedShared(nn.Module):
         if self.kind == "softmax":  # ConViT: a projected buffer expanded to the batch, softmaxed
             scores = self.k(self.latents.expand(x.shape[0], -1, -1)).permute(0, 2, 1).softmax(-1)
             return self.q(x) + scores.cumsum(1).transpose(1, 2).sum(1, keepdim=True)
+        if self.kind.startswith("queries"):  # x [B, 2, D]
+            q = self.latents.unsqueeze(0).expand(x.shape[0], -1, -1)
+            if self.kind == "queries_sdpa":
+                q = q + F.scaled_dot_product_attention(q, q, q)
+            elif self.kind == "queries_bmm":
+                q = q + (q @ q.transpose(1, 2)).softmax(-1) @ q
+            else:
+                q = q + self.attention(q, q, q, need_weights=False)[0]
+            return self.k(q + x)
         n, t = x.shape  # token ids
         if self.kind == "zeros":
             ids = torch.zeros(x.shape, dtype=torch.long, device=x.device)
@@ -971,13 +986,20 @@ class _BatchSizedShared(nn.Module):
         return self.tokens(x) + self.table(ids)
 
 
-@pytest.mark.parametrize("kind", ["zeros", "positions", "indexed", "latents", "expand_as", "softmax"])
+@pytest.mark.parametrize("kind", ["zeros", "positions", "indexed", "latents", "expand_as", "softmax",
+                                  "queries_sdpa", "queries_bmm", "queries_mha"])
 def test_shared_values_the_size_of_the_batch(kind: str):
     torch.manual_seed(0)
     model = _BatchSizedShared(kind).double()
-    x = torch.randn(B, T, D, dtype=torch.float64) if kind in ("latents", "expand_as", "softmax") \
-        else torch.randint(0, 10, (B, T))
-    _against_the_loop(model, x)
+    if kind.startswith("queries"):
+        x = torch.randn(B, 2, D, dtype=torch.float64)
+    elif kind in ("latents", "expand_as", "softmax"):
+        x = torch.randn(B, T, D, dtype=torch.float64)
+    else:
+        x = torch.randint(0, 10, (B, T))
+    dp = _against_the_loop(model, x)
+    if kind.startswith("queries"):  # and on a new batch size, compiled for any
+        _against_the_loop(model, torch.randn(B + 2, 2, D, dtype=torch.float64), dp=dp)
 
 
 class _ShiftedWindows(nn.Module):
