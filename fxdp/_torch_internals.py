@@ -445,6 +445,10 @@ def backend_error(error: BaseException) -> BaseException | None:
             "An nn.LSTM/nn.GRU/nn.RNN is unrolled per sequence length, so each new length compiles "
             "anew: pad every batch to one length (or a few). Otherwise raise the limit or keep input "
             "shapes/types stable.")
+    if type(error) is RuntimeError and "fxdp: samples keep different numbers of targets" in str(error):
+        # The in-graph guard of a mean over kept targets (``fxdp_same_kept_targets``)
+        # can only raise what ``torch._assert_async`` raises.
+        return UnsupportedError(str(error)[str(error).index("fxdp: ") + len("fxdp: "):])
     inner = getattr(error, "inner_exception", None) if isinstance(
         error, torch._dynamo.exc.BackendCompilerFailed) else None
     return inner if isinstance(inner, (UnsupportedError, ValueError, TypeError)) else None

@@ -515,7 +515,8 @@ def _flattens_by_value(node, arg_batch):
     samples' entries are flattened together (their count depends on the data)."""
     if any(isinstance(b, BatchDim) and b.dim is not None for b in arg_batch):
         raise MixesSamples("it flattens the batch into one list of what it finds, whose length "
-                           "depends on the data (index with a mask per sample instead, e.g. torch.where)")
+                           "depends on the data (compute densely with a mask instead: torch.where(mask, a, b), a "
+                           "one-hot or scatter combine, as a mixture of experts can route its tokens)")
     return None
 
 
