@@ -939,16 +939,20 @@ class _BatchSizedShared(nn.Module):
     the batch and run through parameter-only attention before they meet the data (DETR's
     decoder queries: self-attention over ``query.expand(B, ...)``, written with
     ``scaled_dot_product_attention`` on one expanded value, with ``bmm``s, or with
-    ``nn.MultiheadAttention``, whose heads merge with the batch)."""
+    ``nn.MultiheadAttention``, whose heads merge with the batch, and a
+    ``nn.TransformerDecoderLayer`` over them and the data)."""
 
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
-        if kind in ("latents", "expand_as", "softmax", "queries_sdpa", "queries_bmm", "queries_mha"):
+        if kind in ("latents", "expand_as", "softmax", "queries_sdpa", "queries_bmm", "queries_mha",
+                    "queries_decoder"):
             self.latents = nn.Parameter(torch.randn(2, D))
             self.k = nn.Linear(D, D)
             if kind == "queries_mha":
                 self.attention = nn.MultiheadAttention(D, 2, batch_first=True)
+            if kind == "queries_decoder":  # DETR: the queries attend to each other, then to x
+                self.decoder = nn.TransformerDecoderLayer(D, 2, 2 * D, dropout=0.0, batch_first=True)
             if kind in ("latents", "softmax"):
                 self.q = nn.Linear(D, D)
             if kind == "latents":
@@ -973,6 +977,8 @@ class _BatchSizedShared(nn.Module):
                 q = q + F.scaled_dot_product_attention(q, q, q)
             elif self.kind == "queries_bmm":
                 q = q + (q @ q.transpose(1, 2)).softmax(-1) @ q
+            elif self.kind == "queries_decoder":
+                return self.k(self.decoder(q, x))
             else:
                 q = q + self.attention(q, q, q, need_weights=False)[0]
             return self.k(q + x)
@@ -987,7 +993,7 @@ class _BatchSizedShared(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["zeros", "positions", "indexed", "latents", "expand_as", "softmax",
-                                  "queries_sdpa", "queries_bmm", "queries_mha"])
+                                  "queries_sdpa", "queries_bmm", "queries_mha", "queries_decoder"])
 def test_shared_values_the_size_of_the_batch(kind: str):
     torch.manual_seed(0)
     model = _BatchSizedShared(kind).double()
