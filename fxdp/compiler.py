@@ -249,7 +249,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
         placeholder_batch[node] = BatchDim(dim) if batched else None
         if explicit:
             explicitly_batched.add(node)
-        if not explicit:
+        else:
             notes.extend(_size_rule_note(name or source_name(node), fake, dim, batched, batch_size))
     # A leaf tensor that needs a gradient is taken for data only where it gives the batch
     # size (``x.requires_grad_()`` for input gradients) or in_dims says it is batched: a
