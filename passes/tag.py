@@ -21,10 +21,11 @@ import torch
 import torch.fx as fx
 
 from fxdp.batching import RAW, SHARED, WHOLE, BatchDim
+from fxdp.errors import UnsupportedError
 from fxdp.functions import (FUNCTION_APPLY, FunctionInTransform, TaggedFunction, backward_rule, function_call,
                             function_param_rule, registered_operands)
 from fxdp.markers import USES, TaggedOp, Transform, new_use
-from fxdp.passes.batch_dims import BatchAnalysis, module_path_of
+from fxdp.passes.batch_dims import BatchAnalysis, module_path_of, op_name
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad
 from fxdp.registry import GRAD, OpRule, ParamRule, lookup, schema_args
 from fxdp.rules.generic import generic_rule
@@ -90,6 +91,24 @@ def _first_user(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     return min(node.users, key=order.__getitem__)
 
 
+# Ops tagged ``nondeterministic_seeded`` for an optional dropout: deterministic (and
+# differentiable, so part of the transform) with their dropout probability at zero.
+_DROPOUT_ARGUMENT = {
+    torch.ops.aten.scaled_dot_product_attention.default: ("dropout_p", 4),
+}
+
+
+def _draws_at_random(n: fx.Node) -> bool:
+    """Whether ``n`` draws random numbers (a dropout mask's noise)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
+        return False
+    if n.target in _DROPOUT_ARGUMENT:
+        name, index = _DROPOUT_ARGUMENT[n.target]
+        p = n.kwargs.get(name, n.args[index] if len(n.args) > index else 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return True
+
+
 def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple[Transform, list[fx.Node]]:
     """The parameter-only computation of ``derived`` as a graph ``(*sources, *extras) -> derived``."""
     needed: list[fx.Node] = []
@@ -107,7 +126,7 @@ def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple
         outside = n not in param_only or n.op != "call_function"
         # A random draw (a dropout mask's noise) is the forward's: run again per sample it
         # would draw anew, so it is an input of the transform.
-        random = not outside and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+        random = not outside and _draws_at_random(n)
         if outside or random or (n is not derived and carries_no_gradient(n, without_grad)):
             # Computed outside the transform: data, buffers, and values no gradient
             # flows through (spectral norm's power iteration, run under no_grad).
@@ -320,6 +339,11 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
                 source_names = [param_names[n] for n in inputs[: transform.num_sources]]
             else:
                 source_names = [param_names[node.args[site.index]]]
+            if not source_names:
+                raise UnsupportedError(
+                    f"fxdp internal error: the parameter-only value {node.args[site.index]} that "
+                    f"{op_name(node.target)} consumes reaches no trainable parameter through the ops fxdp "
+                    "replays per sample, so its gradient would leave unclipped; please report the model.")
             use = new_use(
                 rule=param_rule, param=", ".join(source_names),
                 module_path=module_path_of(node), operand_batch=operand_batch,

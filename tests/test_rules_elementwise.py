@@ -1008,6 +1008,54 @@ def test_shared_values_the_size_of_the_batch(kind: str):
         _against_the_loop(model, torch.randn(B + 2, 2, D, dtype=torch.float64), dp=dp)
 
 
+class _QueriesThroughAttention(nn.Module):
+    """Learned queries expanded to the batch (and to the heads) that attend to each other
+    with ``scaled_dot_product_attention`` before cross-attending the data; the second
+    form is ``nn.MultiheadAttention`` sequence-first with ``need_weights=False``, which
+    runs the same op. SDPA is tagged random (its optional dropout): with ``dropout_p``
+    zero it is part of the queries' per-sample transform."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.queries = nn.Parameter(torch.randn(4, D))
+        self.kv = nn.Linear(D, 2 * D)
+        if kind == "mha":
+            self.attention = nn.MultiheadAttention(D, 2)
+            self.cross = nn.MultiheadAttention(D, 2)
+
+    def forward(self, x):  # [B, T, D]
+        n = x.shape[0]
+        if self.kind == "mha":
+            q = self.queries.unsqueeze(1).expand(-1, n, -1)  # [Q, B, D]
+            h = self.attention(q, q, q, need_weights=False)[0]
+            memory = self.kv(x)[..., :D].transpose(0, 1)
+            return self.cross(h + q, memory, memory, need_weights=False)[0].transpose(0, 1)
+        q = self.queries[None, None].expand(n, 2, -1, -1)
+        q = F.scaled_dot_product_attention(q, q, q, is_causal=self.kind == "sdpa_causal")
+        k, v = self.kv(x).chunk(2, -1)
+        return F.scaled_dot_product_attention(q, k[:, None], v[:, None])
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "sdpa_causal", "mha"])
+def test_queries_through_attention_before_the_data(kind: str):
+    torch.manual_seed(0)
+    _against_the_loop(_QueriesThroughAttention(kind).double(), torch.randn(B, T, D, dtype=torch.float64))
+
+
+def test_a_transform_that_reaches_no_parameter_is_refused(monkeypatch):
+    """Should the per-sample replay of a parameter-only value lose its way to the
+    parameters (here: SDPA taken for a random draw, computed once in the forward), the
+    parameter's gradient would flow through ordinary autograd, unclipped: refused."""
+    monkeypatch.setattr(fxdp.passes.tag, "_DROPOUT_ARGUMENT", {})
+    torch._dynamo.reset()
+    model = _QueriesThroughAttention("sdpa").double()
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="reaches no trainable parameter"):
+        dp(torch.randn(B, T, D, dtype=torch.float64)).sum().backward()
+    assert model.queries.grad is None
+
+
 class _ShiftedWindows(nn.Module):
     """Swin's shifted-window attention: a relative position bias parameter ``[1, H, N, N]``
     plus the shift mask ``[nW, N, N]`` tiled over the batch merged with the windows
