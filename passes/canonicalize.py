@@ -1015,7 +1015,10 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
             if len(broadcast) == out.dim() and all(bool(a == b) for a, b in zip(broadcast, out.shape)):
                 node.replace_input_with(arg, source)
                 changed = True
-            elif arg.meta["val"].dim() == out.dim() and arg.target is not torch.ops.aten.expand_as.default:
+            elif arg.meta["val"].dim() == out.dim() and arg.target is not torch.ops.aten.expand_as.default \
+                    and not any(u.target is torch.ops.aten.view.default for u in node.users):
+                # (Not under a ``view``, which needs the result's memory dense: ``(p.expand(T, B,
+                # d) + pos).view(T, B * H, d // H)``, as multi-head attention splits heads.)
                 # The other operands are no larger: the op runs on the unexpanded tensor
                 # and its result is expanded (``f(expand(x), y) = expand(f(x, y))``).
                 node.replace_input_with(arg, source)

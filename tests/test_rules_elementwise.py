@@ -1012,7 +1012,8 @@ class _QueriesThroughAttention(nn.Module):
     """Learned queries expanded to the batch (and to the heads) that attend to each other
     with ``scaled_dot_product_attention`` before cross-attending the data; the second
     form is ``nn.MultiheadAttention`` sequence-first with ``need_weights=False``, which
-    runs the same op. SDPA is tagged random (its optional dropout): with ``dropout_p``
+    runs the same op; the third splits the heads of expanded queries plus positions with
+    a ``view``, which needs their sum dense. SDPA is tagged random (its optional dropout): with ``dropout_p``
     zero it is part of the queries' per-sample transform."""
 
     def __init__(self, kind: str):
@@ -1026,6 +1027,12 @@ class _QueriesThroughAttention(nn.Module):
 
     def forward(self, x):  # [B, T, D]
         n = x.shape[0]
+        if self.kind == "seq_first_heads":  # as F.multi_head_attention_forward splits heads
+            q = self.queries.unsqueeze(1).expand(-1, n, -1) + self.queries.flip(0).unsqueeze(1)
+            qh = q.contiguous().view(4, n * 2, D // 2).transpose(0, 1)  # [B·H, Q, D/H]
+            qh = torch.bmm((qh @ qh.transpose(1, 2)).softmax(-1), qh)
+            kh = self.kv(x)[..., :D].transpose(0, 1).contiguous().view(x.shape[1], n * 2, D // 2).transpose(0, 1)
+            return torch.bmm(qh, kh.transpose(1, 2))
         if self.kind == "mha":
             q = self.queries.unsqueeze(1).expand(-1, n, -1)  # [Q, B, D]
             h = self.attention(q, q, q, need_weights=False)[0]
@@ -1037,7 +1044,7 @@ class _QueriesThroughAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k[:, None], v[:, None])
 
 
-@pytest.mark.parametrize("kind", ["sdpa", "sdpa_causal", "mha"])
+@pytest.mark.parametrize("kind", ["sdpa", "sdpa_causal", "mha", "seq_first_heads"])
 def test_queries_through_attention_before_the_data(kind: str):
     torch.manual_seed(0)
     _against_the_loop(_QueriesThroughAttention(kind).double(), torch.randn(B, T, D, dtype=torch.float64))
