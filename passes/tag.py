@@ -27,7 +27,7 @@ from fxdp.functions import (FUNCTION_APPLY, FunctionInTransform, TaggedFunction,
 from fxdp.markers import USES, TaggedOp, Transform, new_use
 from fxdp.passes.batch_dims import BatchAnalysis, module_path_of, op_name
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad
-from fxdp.registry import GRAD, OpRule, ParamRule, lookup, schema_args
+from fxdp.registry import GRAD, OpRule, ParamRule, lookup, named_arg, schema_args
 from fxdp.rules.generic import generic_rule
 
 __all__ = ["tag_pass", "ISOMETRIC"]
@@ -93,9 +93,7 @@ def _first_user(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
 
 # Ops tagged ``nondeterministic_seeded`` for an optional dropout: deterministic (and
 # differentiable, so part of the transform) with their dropout probability at zero.
-_DROPOUT_ARGUMENT = {
-    torch.ops.aten.scaled_dot_product_attention.default: ("dropout_p", 4),
-}
+_DROPOUT_ARGUMENT = {torch.ops.aten.scaled_dot_product_attention.default: "dropout_p"}
 
 
 def _draws_at_random(n: fx.Node) -> bool:
@@ -103,8 +101,7 @@ def _draws_at_random(n: fx.Node) -> bool:
     if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
         return False
     if n.target in _DROPOUT_ARGUMENT:
-        name, index = _DROPOUT_ARGUMENT[n.target]
-        p = n.kwargs.get(name, n.args[index] if len(n.args) > index else 0.0)
+        p = named_arg(n, _DROPOUT_ARGUMENT[n.target], 0.0)
         return not (isinstance(p, (int, float)) and p == 0)
     return True
 
