@@ -289,27 +289,40 @@ def _size_rule_note(name: str, fake: torch.Tensor, dim: int, batched: bool, batc
             f"[layers, B, hidden] even with batch_first=True), pass in_dims={{{name!r}: {others[0]}}}"]
 
 
-def refuse_vmap(gm: fx.GraphModule) -> None:
-    """Raise if the forward runs ``torch.func.vmap`` (Dynamo inlines it between
-    ``_vmap_increment_nesting`` and ``_vmap_decrement_nesting``, as in the
-    ``associative_scan`` that Hugging Face's Mamba uses under compilation): the ops
-    inside see one slice of a hidden batch dim, which neither the re-trace nor the
-    batch analysis can follow."""
+def refuse_unfollowable(gm: fx.GraphModule) -> None:
+    """Raise if the forward runs what fxdp cannot make per-sample as a whole:
+    ``torch.func.vmap`` (Dynamo inlines it between ``_vmap_increment_nesting`` and
+    ``_vmap_decrement_nesting``, as in the ``associative_scan`` that Hugging Face's Mamba
+    uses under compilation), whose ops see one slice of a hidden batch dim that neither
+    the re-trace nor the batch analysis can follow; or a backward (``loss.backward()``
+    and ``torch.autograd.grad`` under ``torch._dynamo.config.trace_autograd_ops``), whose
+    ordinary gradients fxdp would have to replace inside the forward."""
     from fxdp.passes.batch_dims import module_path_of
 
     for node in gm.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_vmap_increment_nesting":
+        if node.op != "call_function":
+            continue
+        if getattr(node.target, "__name__", "") == "_vmap_increment_nesting":
             raise UnsupportedError("fxdp cannot make this model per-sample:", [Problem(
                 "torch.func.vmap", module_path_of(node), "",
                 "torch.func.vmap runs inside the forward (itself, or an op built on it such as "
                 "torch._higher_order_ops.associative_scan), and fxdp cannot follow the batch "
                 "through vmap's hidden dims; write that part with ordinary batched ops")])
+        if node.target in (torch.autograd.grad, torch.autograd.backward):
+            raise UnsupportedError("fxdp cannot make this model per-sample:", [Problem(
+                "torch.autograd.grad", module_path_of(node), "",
+                "the compiled code takes gradients itself (loss.backward() or torch.autograd.grad, "
+                "traced into the graph under torch._dynamo.config.trace_autograd_ops), and fxdp "
+                "makes the gradients private in the backward it derives from the graph: compile "
+                "the function that returns the loss and call loss.backward() outside it; a gradient "
+                "the forward uses (a gradient penalty, an input gradient) needs double backward, "
+                "which fxdp does not support")])
 
 
 def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
                   names: dict[int, str] | None = None, arg_names: Sequence[str] = ()):
     """Canonicalise and analyse; no compilation. Used by ``validate`` and ``explain``."""
-    refuse_vmap(gm)
+    refuse_unfollowable(gm)
     placeholders, fake_args, param_names, placeholder_batch, batch_size, notes = classify_inputs(
         gm, example_inputs, options, names, arg_names)
     fake_mode = internals.fake_mode_of([a for a in fake_args if isinstance(a, torch.Tensor)])

@@ -392,6 +392,53 @@ def test_a_refusal_under_suppress_errors_raises_when_the_frame_runs(model):
     assert all(p.grad is None for p in model.parameters()), "no unclipped gradient left behind"
 
 
+def test_a_backward_traced_into_the_graph_is_refused():
+    """Under ``torch._dynamo.config.trace_autograd_ops`` (the hint Dynamo's graph-break
+    message gives for ``loss.backward()``) a compiled train step computes the ordinary
+    gradients inside its graph: refused with what to do instead, nothing written."""
+    model = MLP().to(DTYPE)
+
+    @torch.compile(backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    def step(x):
+        loss = mean_sq_loss(model(x))
+        loss.backward()
+        return loss.detach()
+
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with pytest.raises(Exception) as info:
+            step(randn(5, 4))
+    err = info.value
+    while isinstance(err, torch._dynamo.exc.BackendCompilerFailed):
+        err = err.inner_exception
+    assert isinstance(err, fxdp.UnsupportedError) and "call loss.backward() outside" in str(err)
+    assert all(p.grad is None for p in model.parameters())
+
+
+class GradientPenalty(nn.Module):
+    """A forward that takes a gradient and uses it (as WGAN-GP's penalty does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1 = nn.Linear(4, 4)
+        self.lin2 = nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.lin1(x)
+        out = self.lin2(h).tanh()
+        (g,) = torch.autograd.grad(out.sum(), h, create_graph=True)
+        return out + g.square().sum(1, keepdim=True)
+
+
+def test_a_gradient_taken_inside_the_forward_is_refused():
+    model = GradientPenalty().to(DTYPE)
+    x = randn(5, 4)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        assert [p.op for p in fxdp.validate(model, x)] == ["torch.autograd.grad"]
+        with pytest.raises(fxdp.UnsupportedError, match="needs double backward"):
+            fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(x)
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.fixture
 def default_stance():
     yield
