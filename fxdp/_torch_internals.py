@@ -5,6 +5,7 @@ A torch upgrade touches this module only. Verified on torch 2.13.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Any, Callable, Sequence
 
@@ -18,6 +19,7 @@ __all__ = [
     "eager_compile",
     "inductor_decompositions",
     "annotate",
+    "breaks_at_backward",
     "graph_break_reason",
     "inline_checkpoints",
     "current_graph_task_id",
@@ -404,6 +406,19 @@ def graph_break_reason(gm: fx.GraphModule) -> str | None:
         return str(reason.reason)
     frame = stack[-1]
     return f"{reason.reason} (at {frame.filename}:{frame.lineno}, in {frame.name}: {(frame.line or '').strip()})"
+
+
+def breaks_at_backward(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` ends at a graph break where its code calls ``loss.backward()`` or
+    ``torch.autograd.backward`` (Dynamo does not trace either).
+
+    Such a graph holds the whole forward of the loss it returns (an earlier break that
+    split it would have been refused), so that backward runs one fxdp graph, as in a
+    compiled train step. Read from Dynamo's message: another wording keeps the refusal."""
+    reason = str(getattr(getattr(gm, "compile_subgraph_reason", None), "reason", ""))
+    return reason.startswith("Unsupported Tensor.backward() call") or (
+        "function `backward` in file" in reason
+        and os.path.join("torch", "autograd", "__init__.py") in reason)
 
 
 def backend_error(error: BaseException) -> BaseException | None:

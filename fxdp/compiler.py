@@ -362,7 +362,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     record = record or CompiledGraph(options)
     record._stage("captured", gm)
     reason = internals.graph_break_reason(gm)
-    if reason is not None and options.max_grad_norm is not None:
+    # A break at the loss's backward() (a compiled train step) leaves its forward whole.
+    if reason is not None and options.max_grad_norm is not None and not internals.breaks_at_backward(gm):
         if "DDPOptimizer" in reason:
             raise UnsupportedError(
                 "fxdp cannot clip globally across the graphs Dynamo's DDPOptimizer splits a "
