@@ -1508,6 +1508,8 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
         twin = out_of_place(node.target)
         if twin is None or not isinstance(written, fx.Node) or written.op != "call_function":
             continue  # a graph input: the caller sees the write
+        if writes_in_place(written.target):
+            continue  # the result of a write this pass kept (into a graph input, say): the same memory
         if any(is_view(u) and order[u] < order[node] for u in written.users):
             continue  # aliased memory
         if is_view(written) and not _sole_view(written):

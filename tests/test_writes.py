@@ -287,3 +287,63 @@ class ClampedInTheForward(nn.Module):
 def test_a_parameter_written_in_the_forward_is_refused_at_any_batch_size(batch_size):
     with pytest.raises(fxdp.UnsupportedError, match="change the parameter between steps"):
         fxdp.transform(ClampedInTheForward(), compiler="eager")(torch.randn(batch_size, 4)).sum().backward()
+
+
+class BufferUpdatedTwice(nn.Module):
+    """A buffer updated by successive in-place ops in one forward (an EMA written
+    ``buf.mul_(d).add_(v)``, a step counter), read through a view taken before."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        s = self.scale.view(1, 3)
+        with torch.no_grad():
+            if self.how == "chained":
+                self.scale.mul_(0.5).add_(1.0)
+            elif self.how == "statements":
+                self.scale.add_(1.0)
+                self.scale.mul_(0.5)
+            else:  # three
+                for _ in range(3):
+                    self.scale.mul_(0.5)
+        return self.lin(x) * s
+
+
+@pytest.mark.parametrize("how,after", [("chained", 1.5), ("statements", 1.0), ("three", 0.125)])
+def test_every_in_place_update_of_a_buffer_is_kept(how, after):
+    """Every write lands in the buffer, and the view read after them sees the last one
+    (the second write was dropped: a wrong buffer, output and per-sample gradient)."""
+    torch.manual_seed(0)
+    model = BufferUpdatedTwice(how).double()
+    x = torch.randn(B, 4, dtype=torch.float64)
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+    dp_model(x).pow(2).sum(1).mean().backward()
+    assert model.scale.tolist() == [after] * 3
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")
+
+
+def test_a_batch_statistic_written_by_a_second_in_place_op_is_refused():
+    """An EMA of a batch statistic (VQ-VAE's codebook) puts the other samples' data into
+    every sample's next forward: refused however its writes are chained."""
+
+    class EmaCount(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+            self.register_buffer("count", torch.zeros(3))
+
+        def forward(self, x):
+            h = self.lin(x)
+            with torch.no_grad():
+                self.count.mul_(0.9).add_(h.softmax(-1).sum(0), alpha=0.1)
+            return h
+
+    x = torch.randn(B, 4, dtype=torch.float64)
+    with pytest.raises(fxdp.UnsupportedError, match="reduces over the batch dim"):
+        fxdp.transform(EmaCount().double(), max_grad_norm=1.0, compiler="eager")(x)
