@@ -890,6 +890,43 @@ def test_old_spectral_norm_hook_is_refused_with_the_replacement():
     assert "is returned" in message and "parametrizations" in message
 
 
+class ActNormFlow(nn.Module):
+    """Glow's actnorm: ``z = (x + bias) * exp(log_scale)`` and the log-determinant of the
+    weights alone, returned as one number or given a batch dim."""
+
+    def __init__(self, per_sample: bool):
+        super().__init__()
+        self.per_sample = per_sample
+        self.bias = nn.Parameter(torch.randn(D))
+        self.log_scale = nn.Parameter(torch.randn(D) * 0.1)
+
+    def forward(self, x):
+        logdet = self.log_scale.sum()
+        if self.per_sample:
+            logdet = logdet.expand(x.shape[0])
+        return (x + self.bias) * self.log_scale.exp(), logdet
+
+
+def test_a_returned_log_determinant_of_the_weights_is_refused_with_the_fix():
+    """A log-determinant of the weights alone, returned: fxdp cannot see how each sample's
+    loss uses it. The message says to give it a batch dim; done so, it is exact."""
+    message = _reasons(ActNormFlow(per_sample=False), torch.randn(B, D))
+    assert "is returned" in message and "logdet.expand(x.shape[0])" in message
+    torch.manual_seed(0)
+    model = ActNormFlow(per_sample=True).double()
+    x = torch.randn(B, D, dtype=torch.float64)
+
+    def nll(out, i):  # each sample's loss: its Gaussian energy minus the log-determinant
+        z, logdet = out
+        return 0.5 * z.pow(2).sum() - logdet.sum()
+
+    ref = reference(model, [x], nll)
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    z, logdet = dp(x)
+    (0.5 * z.pow(2).sum(1) - logdet).mean().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
+
+
 class _TokenTypesByPosition(nn.Module):
     """RoBERTa without ``token_type_ids``: per-sample position ids (a cumsum over the
     non-padding tokens) gather a ``[1, P]`` buffer expanded to the batch; or the same
