@@ -292,6 +292,15 @@ def _inactive_dropout(x, p, train):
     return NotImplemented
 
 
+def _reduction_of_one_value(x, *args, dtype=None, **kwargs):
+    """A sum or mean of a 0-d tensor in its own dtype is a copy of it: a loss already
+    reduced over the batch and passed through ``.mean()`` again (``mse + aux.mean()``)
+    stays the loss, to which only sums, shared scalings and copies may follow."""
+    if x.dim() == 0 and x.is_floating_point() and dtype in (None, x.dtype):
+        return x.clone()
+    return NotImplemented
+
+
 def _stack_as_cat(tensors, dim=0):
     """``stack`` as the ``cat`` of its inputs unsqueezed: a parameter stacked with
     batched data (``stack([x, p.expand_as(x)], 1)``) meets ``cat``'s rule, and expands
@@ -390,6 +399,10 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         torch.ops.aten.bilinear.default: _bilinear_as_einsum, torch.ops.aten.dropout.default: _inactive_dropout,
         torch.ops.aten.select_scatter.default: _select_scatter_as_slice,
         torch.ops.aten.stack.default: _stack_as_cat,
+        torch.ops.aten.sum.default: _reduction_of_one_value,
+        torch.ops.aten.mean.default: _reduction_of_one_value,
+        torch.ops.aten.sum.dim_IntList: _reduction_of_one_value,
+        torch.ops.aten.mean.dim: _reduction_of_one_value,
         torch.ops.aten.take_along_dim.default: _take_along_dim_as_gather,
         torch.ops.aten.batch_norm.default: _batch_norm_eval_as_affine,
         **_chunked_linear_cross_entropy_ops(),

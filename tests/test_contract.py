@@ -692,6 +692,33 @@ def test_loss_inside_graph(loss, reduction):
     assert dp.explain().graphs[0].problems == []
 
 
+class LossWithAuxiliary(nn.Module):
+    """A loss plus an auxiliary loss the model already reduced over the batch, passed
+    through ``.mean()`` / ``.sum()`` again (a no-op on a 0-d tensor)."""
+
+    def __init__(self, wrap: str):
+        super().__init__()
+        self.wrap = wrap
+        self.model = mlp()
+        self.aux = nn.Linear(4, 2)
+
+    def forward(self, x, target):
+        aux = self.aux(x).pow(2).mean()
+        aux = {"mean": aux.mean(), "sum": aux.sum(), "sum_dim": aux.sum(0)}[self.wrap]
+        return F.mse_loss(self.model(x), target) + aux
+
+
+@pytest.mark.parametrize("wrap", ["mean", "sum", "sum_dim"])
+def test_a_batch_mean_reduced_again_is_still_the_loss(wrap):
+    step = LossWithAuxiliary(wrap).to(DTYPE)
+    x, target = randn(6, 4), _target("mse_loss", 6)
+    ref = reference(step, [x, target], lambda out, i: out)
+    max_grad_norm = ref.norms.median().item()
+    dp = fxdp.transform(step, max_grad_norm=max_grad_norm, compiler="eager")
+    dp(x, target).backward()
+    assert_close_all(grads(step), ref.grad("mean", max_grad_norm), TOL, "p.grad")
+
+
 @pytest.mark.parametrize("loss,reduction,declared", [
     ("cross_entropy", "mean", "sum"),
     ("cross_entropy", "sum", "mean"),
