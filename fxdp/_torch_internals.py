@@ -409,14 +409,14 @@ def graph_break_reason(gm: fx.GraphModule) -> str | None:
 
 
 def breaks_at_backward(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` ends at a graph break where its code calls ``loss.backward()`` or
-    ``torch.autograd.backward`` (Dynamo does not trace either).
+    """Whether ``gm`` ends at a graph break where its code calls ``loss.backward()``,
+    ``torch.autograd.backward`` or ``torch.autograd.grad`` (Dynamo traces none of them).
 
     Such a graph holds the whole forward of the loss it returns (an earlier break that
     split it would have been refused), so that backward runs one fxdp graph, as in a
     compiled train step. Read from Dynamo's message: another wording keeps the refusal."""
     reason = str(getattr(getattr(gm, "compile_subgraph_reason", None), "reason", ""))
-    return reason.startswith("Unsupported Tensor.backward() call") or (
+    return reason.startswith(("Unsupported Tensor.backward() call", "using `torch.autograd.grad` with")) or (
         "function `backward` in file" in reason
         and os.path.join("torch", "autograd", "__init__.py") in reason)
 

@@ -116,12 +116,13 @@ def test_backend_with_options_clips():
     assert_norms(fxdp.per_sample_norms(model), ref.norms)
 
 
-@pytest.mark.parametrize("with_step", [False, True], ids=["backward", "backward_and_sgd_step"])
-def test_a_train_step_that_calls_backward_inside_clips(with_step):
-    """``loss.backward()`` inside the compiled function (a whole train step): Dynamo breaks
-    the graph there, after the loss's whole forward, so one fxdp backward covers every
-    parameter and the clipped gradient is exact; the optimizer step after it (a graph of
-    its own, under no_grad) applies it. Two batch sizes."""
+@pytest.mark.parametrize("how", ["backward", "backward_and_sgd_step", "autograd_grad"])
+def test_a_train_step_that_takes_gradients_inside_clips(how):
+    """``loss.backward()`` (or ``torch.autograd.grad``) inside the compiled function, a
+    whole train step: Dynamo breaks the graph there, after the loss's whole forward, so
+    one fxdp backward covers every parameter and the clipped gradient is exact; the
+    optimizer step after it (a graph of its own, under no_grad) applies it. Two batch
+    sizes."""
     model = MLP().to(DTYPE)
     lr = 0.5
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -130,8 +131,10 @@ def test_a_train_step_that_calls_backward_inside_clips(with_step):
     @torch.compile(backend=backend)
     def step(x):
         loss = mean_sq_loss(model(x))
+        if how == "autograd_grad":
+            return torch.autograd.grad(loss, list(model.parameters()))
         loss.backward()
-        if with_step:
+        if how == "backward_and_sgd_step":
             opt.step()
         return loss.detach()
 
@@ -140,11 +143,15 @@ def test_a_train_step_that_calls_backward_inside_clips(with_step):
         ref = reference(model, [x], per_sample_sq_loss)
         backend.max_grad_norm = ref.norms.median().item()
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        step(x)
+        out = step(x)
         expected = ref.grad("mean", backend.max_grad_norm)
-        assert_close_all(grads(model), expected, TOL, "p.grad")
+        if how == "autograd_grad":
+            assert_close_all(dict(zip(expected, out)), expected, TOL, "torch.autograd.grad")
+            assert all(p.grad is None for p in model.parameters())
+        else:
+            assert_close_all(grads(model), expected, TOL, "p.grad")
         assert_norms(fxdp.per_sample_norms(model), ref.norms)
-        if with_step:
+        if how == "backward_and_sgd_step":
             moved = {n: (before[n] - p.detach()) / lr for n, p in model.named_parameters()}
             assert_close_all(moved, expected, TOL, "the SGD step")
         model.zero_grad()
