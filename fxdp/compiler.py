@@ -175,6 +175,32 @@ def _frame_arg_names() -> tuple[list[str], frozenset, tuple[str, int] | None]:
     return positional, names - {name for name in names if isinstance(f_locals.get(name), torch.nn.Module)}, varargs
 
 
+_NO_GRADIENT_USES = {"detach", "size", "dim", "numel", "stride", "item", "tolist", "data_ptr"}
+
+
+def _carries_a_gradient(node: fx.Node) -> bool:
+    """Whether the graph may send a gradient into placeholder ``node`` (a use other than
+    ``.detach()`` or a size: a loss Dynamo hands to the graph it resumes after backward)."""
+    return any(not (u.op == "call_method" and u.target in _NO_GRADIENT_USES)
+               and u.target not in (torch.Tensor.detach, torch.detach) for u in node.users)
+
+
+def _parameters_behind(t: torch.Tensor) -> list[torch.nn.Parameter]:
+    """The trainable ``nn.Parameter`` leaves of ``t``'s autograd history: what a gradient
+    into ``t`` reaches outside the graph it enters."""
+    found, seen, stack = [], set(), [t.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)  # AccumulateGrad
+        if isinstance(leaf, torch.nn.Parameter) and leaf.requires_grad:
+            found.append(leaf)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found
+
+
 def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
                     names: dict[int, str] | None, arg_names: Sequence[str] = ()):
     """Split placeholders into trainable parameters and inputs; give inputs their batch dims.
@@ -193,6 +219,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
     param_names: dict[fx.Node, str] = {}
     inputs: list[tuple] = []
     trained: list[fx.Node] = []  # leaf tensors that need a gradient but are no Parameter
+    computed: list[tuple[fx.Node, torch.Tensor]] = []  # inputs with an autograd history
     frame_positional, frame_names, varargs = _frame_arg_names()
     if arg_names:  # ``transform``'s own call: no frame parameter of the model's
         varargs = None
@@ -209,6 +236,8 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
             continue
         if real.requires_grad and real.grad_fn is None:
             trained.append(node)
+        elif real.requires_grad:
+            computed.append((node, real))
         key = _argument_key(source, arg_names, frame_names, varargs)
         if is_buffer or key is None:  # model state, shared by all samples
             continue
@@ -262,7 +291,28 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
             "parameters per-sample; this one would get the ordinary, unclipped gradient of the whole "
             "batch. Pass nn.Parameter objects ({name: nn.Parameter(t) for ...}), detach it, or, if it "
             "is batched data, name its batch dim in in_dims.")
+    if options.max_grad_norm is not None and param_names:
+        _refuse_parameters_behind_inputs(computed)
     return placeholders, fake_args, param_names, placeholder_batch, batch_size, notes
+
+
+def _refuse_parameters_behind_inputs(computed: list[tuple[fx.Node, torch.Tensor]]) -> None:
+    """Under clipping, raise if an input was computed with gradient from trainable
+    parameters outside the graph: eagerly (the part of a model Dynamo ran without the
+    backend after a graph break in it) or by another compiled graph. Their gradients
+    would be clipped apart from this graph's, or not at all."""
+    for node, real in computed:
+        params = _parameters_behind(real) if _carries_a_gradient(node) else []
+        if params:
+            shapes = ", ".join(str(tuple(p.shape)) for p in params[:3]) + (", ..." if len(params) > 3 else "")
+            raise UnsupportedError(
+                f"{source_name(node)}: this input carries a gradient back to {len(params)} trainable "
+                f"parameter(s) outside the compiled graph (shapes {shapes}), computed eagerly (a graph "
+                "break inside the model: Dynamo runs the code it cannot compile without any backend) or by "
+                "another compiled graph. fxdp clips globally, and those would get gradients clipped apart "
+                "from this graph's, or not at all. Compile the whole model as one graph "
+                "(torch.compile(..., fullgraph=True) names any break; fxdp.transform always compiles so), "
+                "freeze those parameters (requires_grad=False), or detach the input.")
 
 
 class NoBatchDim(ValueError):

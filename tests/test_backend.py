@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -268,10 +269,13 @@ def test_a_branch_on_a_batch_statistic_is_refused(loss_reduction):
     assert "a reduction over the batch (the loss, or a statistic of the batch) is used by an op" in str(info.value)
 
 
+@pytest.mark.parametrize("joined", ["chained", "summed"])
 @pytest.mark.parametrize("how", ["backend", "transform"])
-def test_graphs_compiled_one_by_one_under_clipping_raise(how):
+def test_graphs_compiled_one_by_one_under_clipping_raise(how, joined):
     """Two fxdp graphs in one backward, each with max_grad_norm, would each clip with only
-    their own parameters' norms: no sample's whole gradient would be bounded."""
+    their own parameters' norms: no sample's whole gradient would be bounded. Chained,
+    the second graph's input carries the first one's parameters' gradient: refused when
+    it compiles. Summed in the loss, the second graph to run in the backward raises."""
     model = MLP().to(DTYPE)
     if how == "backend":
         backend = fxdp.backend(max_grad_norm=1.0, compiler="eager")
@@ -279,9 +283,21 @@ def test_graphs_compiled_one_by_one_under_clipping_raise(how):
     else:
         first = fxdp.transform(model.lin1, max_grad_norm=1.0, compiler="eager")
         second = fxdp.transform(model.lin2, max_grad_norm=1.0, compiler="eager")
-    with pytest.raises(fxdp.UnsupportedError, match="second fxdp graph ran in this backward"):
-        mean_sq_loss(second(torch.relu(first(randn(5, 4))))).backward()
-    assert model.lin1.weight.grad is None, "the graph that would clip second writes nothing"
+    x = randn(5, 4)
+    with pytest.raises(Exception) as info:
+        if joined == "chained":
+            mean_sq_loss(second(torch.relu(first(x)))).backward()
+        else:
+            (mean_sq_loss(first(x)) + mean_sq_loss(second(torch.cat([x, x], 1)))).backward()
+    err = info.value
+    while isinstance(err, torch._dynamo.exc.BackendCompilerFailed):
+        err = err.inner_exception
+    assert isinstance(err, fxdp.UnsupportedError)
+    assert ("outside the compiled graph" if joined == "chained" else "second fxdp graph ran in this backward") in str(err)
+    if joined == "chained":
+        assert all(p.grad is None for p in model.parameters()), "refused before any backward"
+    else:
+        assert sum(p.grad is None for p in model.parameters()) == 2, "the graph that would clip second writes nothing"
     # The whole model once is the way.
     model.zero_grad()
     x = randn(5, 4)
@@ -289,6 +305,59 @@ def test_graphs_compiled_one_by_one_under_clipping_raise(how):
     mean_sq_loss(fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(x)).backward()
     assert_close_all(grads(model), ref.grad("mean", 1.0), TOL, "p.grad")
 
+
+
+_LOCK = threading.Lock()
+
+
+class EagerInside(nn.Module):
+    """A submodule whose forward Dynamo cannot compile after its ``with`` of a lock (as
+    transformers 5's output capturing does on a model's first call): it runs eagerly,
+    and only the module around it is compiled."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self._inner(x)))
+
+    def _inner(self, x):
+        with _LOCK:
+            pass
+        return self.inner(x)
+
+
+def test_parameters_run_eagerly_before_a_clipping_graph_are_refused():
+    """The head's graph gets an input whose gradient reaches parameters Dynamo ran
+    eagerly: they would get the ordinary gradient, the head one clipped with its own
+    norms only (0.09 off, no error). Refused when the graph compiles, nothing written."""
+    model = EagerInside().to(DTYPE)
+    step = torch.compile(lambda x: mean_sq_loss(model(x)), backend=fxdp.backend(max_grad_norm=0.1,
+                                                                                compiler="eager"))
+    with pytest.raises(Exception) as info:
+        step(randn(3, 4)).backward()
+    err = info.value
+    while isinstance(err, torch._dynamo.exc.BackendCompilerFailed):
+        err = err.inner_exception
+    assert isinstance(err, fxdp.UnsupportedError) and "2 trainable parameter(s) outside" in str(err)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_input_computed_from_parameters_outside_the_transform_is_refused():
+    """A trainable embedding applied before the transformed model: its gradient would be
+    the ordinary one. Detached, or frozen, it is data."""
+    torch.manual_seed(0)
+    embed, model = nn.Linear(4, 4).to(DTYPE), MLP().to(DTYPE)
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    x = randn(5, 4)
+    with pytest.raises(fxdp.UnsupportedError, match="outside the compiled graph"):
+        dp(embed(x))
+    mean_sq_loss(dp(embed(x).detach())).backward()
+    embed.requires_grad_(False)
+    mean_sq_loss(dp(embed(x))).backward()
+    assert embed.weight.grad is None and model.lin1.weight.grad is not None
 
 
 def test_a_parameter_free_graph_beside_a_clipping_one_is_no_second_clip():
