@@ -14,7 +14,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fxdp._torch_internals import inline_checkpoints, make_fx_traced, size_hint
 from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
-from fxdp.passes.writes import is_view, writes_in_place
+from fxdp.passes.writes import carries_no_gradient, computed_without_grad, is_view, writes_in_place
 from fxdp.registry import named_arg, out_of_place
 
 __all__ = [
@@ -1513,6 +1513,7 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
         add = torch.ops.aten.add.Tensor(linear_1, linear)       # after
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    without_grad = computed_without_grad(gm.graph)
     changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not writes_in_place(node.target):
@@ -1523,6 +1524,10 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue  # a graph input: the caller sees the write
         if writes_in_place(written.target):
             continue  # the result of a write this pass kept (into a graph input, say): the same memory
+        if node in without_grad and not carries_no_gradient(_memory_of(written), without_grad):
+            # A write under no_grad changes the values but keeps the gradient's path
+            # through the tensor: its out-of-place twin, computed without grad, would cut it.
+            continue
         if any(is_view(u) and order[u] < order[node] for u in written.users):
             continue  # aliased memory
         if is_view(written) and not _sole_view(written):
@@ -1539,6 +1544,13 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
     if changed:
         gm.recompile()
     return gm
+
+
+def _memory_of(node: fx.Node) -> fx.Node:
+    """The tensor whose memory view ``node`` shows (``node`` itself if no view)."""
+    while is_view(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _copy_as_broadcast(gm: fx.GraphModule, node: fx.Node, written: fx.Node) -> fx.Node:
@@ -1589,6 +1601,9 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
         return False
     if any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
         return False  # a write of other tensors' values: followed by passes/writes.py
+    if any(writes_in_place(u.target) for alias in (base, view) for u in alias.users
+           if u is not node and order.get(u, -1) > order[node]):
+        return False  # written again later: reads of the view must see that write too
     if view.target is torch.ops.aten.select.int:
         dim, index = view.args[1], view.args[2]
         if not (isinstance(dim, int) and isinstance(index, int)):

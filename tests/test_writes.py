@@ -347,3 +347,77 @@ def test_a_batch_statistic_written_by_a_second_in_place_op_is_refused():
     x = torch.randn(B, 4, dtype=torch.float64)
     with pytest.raises(fxdp.UnsupportedError, match="reduces over the batch dim"):
         fxdp.transform(EmaCount().double(), max_grad_norm=1.0, compiler="eager")(x)
+
+
+class WrittenUnderNoGrad(nn.Module):
+    """An activation written in place under ``torch.no_grad()``: the values change, the
+    gradient passes through the write to the layer that made it (as in eager)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.l1(x)
+        with torch.no_grad():
+            if self.how == "mul":
+                h.mul_(0.5)
+            elif self.how == "clamp":
+                h.clamp_(-0.3, 0.3)
+            elif self.how == "copy":
+                h.copy_(torch.round(h * 4) / 4)
+            else:  # a column, through a view
+                h[:, 0].zero_()
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("how", ["mul", "clamp", "copy", "column"])
+def test_a_write_under_no_grad_keeps_the_gradient_path(how):
+    """Made out of place, the write's result was computed without grad and cut the path:
+    ``l1`` got no gradient and its share of the norms was missing (the clipped
+    gradients of the others were wrong)."""
+    torch.manual_seed(0)
+    model = WrittenUnderNoGrad(how).double()
+    x = torch.randn(B, 4, dtype=torch.float64)
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    max_grad_norm = ref.norms.median().item()
+    dp_model = fxdp.transform(model, grad_sample=True, max_grad_norm=max_grad_norm, compiler="eager")
+    dp_model(x).pow(2).sum(1).mean().backward()
+    tol = tolerance(torch.float64)
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, tol, "grad_sample")
+    assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean", max_grad_norm), tol,
+                     "p.grad")
+
+
+class ViewWrittenThenBase(nn.Module):
+    """A slice written in place, then the whole tensor: the slice read afterwards sees
+    both writes."""
+
+    def __init__(self, fresh: bool):
+        super().__init__()
+        self.fresh = fresh
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = x.clone() if self.fresh else self.l1(x)
+        s = h[:, 1:]
+        s.mul_(2)
+        h.add_(1)
+        return self.l2(s * self.l1(x)[:, 1:])
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["activation", "clone_of_the_input"])
+def test_a_view_written_then_its_base_written_reads_both_writes(fresh):
+    torch.manual_seed(0)
+    model = ViewWrittenThenBase(fresh).double()
+    x = torch.randn(B, 4, dtype=torch.float64)
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+    out = dp_model(x)
+    assert torch.allclose(out, model(x))
+    out.pow(2).sum(1).mean().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")
