@@ -43,6 +43,13 @@ def per_sample_sq_loss(out: torch.Tensor, i: int) -> torch.Tensor:
     return out.pow(2).sum()
 
 
+def backend_exception(err: BaseException) -> BaseException:
+    """The backend's own exception (Dynamo wraps it in ``BackendCompilerFailed``)."""
+    while isinstance(err, torch._dynamo.exc.BackendCompilerFailed):
+        err = err.inner_exception
+    return err
+
+
 def grads(model: nn.Module) -> dict:
     return {n: p.grad for n, p in model.named_parameters()}
 
@@ -289,9 +296,7 @@ def test_graphs_compiled_one_by_one_under_clipping_raise(how, joined):
             mean_sq_loss(second(torch.relu(first(x)))).backward()
         else:
             (mean_sq_loss(first(x)) + mean_sq_loss(second(torch.cat([x, x], 1)))).backward()
-    err = info.value
-    while isinstance(err, torch._dynamo.exc.BackendCompilerFailed):
-        err = err.inner_exception
+    err = backend_exception(info.value)
     assert isinstance(err, fxdp.UnsupportedError)
     assert ("outside the compiled graph" if joined == "chained" else "second fxdp graph ran in this backward") in str(err)
     if joined == "chained":
@@ -338,9 +343,7 @@ def test_parameters_run_eagerly_before_a_clipping_graph_are_refused():
                                                                                 compiler="eager"))
     with pytest.raises(Exception) as info:
         step(randn(3, 4)).backward()
-    err = info.value
-    while isinstance(err, torch._dynamo.exc.BackendCompilerFailed):
-        err = err.inner_exception
+    err = backend_exception(info.value)
     assert isinstance(err, fxdp.UnsupportedError) and "2 trainable parameter(s) outside" in str(err)
     assert all(p.grad is None for p in model.parameters())
 
@@ -517,9 +520,7 @@ def test_a_backward_traced_into_the_graph_is_refused():
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         with pytest.raises(Exception) as info:
             step(randn(5, 4))
-    err = info.value
-    while isinstance(err, torch._dynamo.exc.BackendCompilerFailed):
-        err = err.inner_exception
+    err = backend_exception(info.value)
     assert isinstance(err, fxdp.UnsupportedError) and "call loss.backward() outside" in str(err)
     assert all(p.grad is None for p in model.parameters())
 
