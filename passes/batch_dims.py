@@ -1446,7 +1446,7 @@ def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> B
     return b.at((min(dims) if _adjacent(dims) else 0) + at)
 
 
-@_register(aten.index_put.default, aten._unsafe_index_put.default)
+@_register(aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default)
 def _index_put(node, arg_batch):
     """``x[i0, i1, ...] = v`` (``+=`` with ``accumulate``): each sample may write only into
     its own rows of ``x``. So ``x`` is batched, and its batch dim is indexed by

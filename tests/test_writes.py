@@ -421,3 +421,37 @@ def test_a_view_written_then_its_base_written_reads_both_writes(fresh):
     out.pow(2).sum(1).mean().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
                      tolerance(torch.float64), "grad_sample")
+
+
+class WritesIntoItsInput(nn.Module):
+    """``x[:, idx] = v`` or ``x[x > 1] = 0`` into the input itself (an in-place
+    ``index_put_``, which keeps samples apart)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.l1 = nn.Linear(4, 3)
+        self.register_buffer("idx", torch.tensor([2, 0]))
+
+    def forward(self, x):
+        if self.how == "index":
+            x[:, self.idx] = 0.25
+        else:
+            x[x > 1.0] = 0.0
+        return self.l1(x)
+
+
+@pytest.mark.parametrize("how", ["index", "mask"])
+def test_index_put_into_the_input_is_exact(how):
+    torch.manual_seed(0)
+    model = WritesIntoItsInput(how).double()
+    x = torch.randn(B, 4, dtype=torch.float64) * 2
+    ref = reference(model, [x.clone()], lambda out, i: out.pow(2).sum())
+    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+    given = x.clone()
+    dp_model(given).pow(2).sum(1).mean().backward()
+    expected = x.clone()
+    model(expected)
+    assert torch.equal(given, expected), "the write lands in the caller's tensor, as in eager"
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")
