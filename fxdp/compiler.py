@@ -363,7 +363,8 @@ def refuse_unfollowable(gm: fx.GraphModule) -> None:
                 "torch.autograd.grad", module_path_of(node), "",
                 "the compiled code takes gradients itself (loss.backward() or torch.autograd.grad, "
                 "traced into the graph under torch._dynamo.config.trace_autograd_ops), and fxdp "
-                "makes the gradients private in the backward it derives from the graph: compile "
+                "makes the gradients private in the backward it derives from the graph: leave "
+                "trace_autograd_ops off (fxdp takes the graph break at loss.backward()), or compile "
                 "the function that returns the loss and call loss.backward() outside it; a gradient "
                 "the forward uses (a gradient penalty, an input gradient) needs double backward, "
                 "which fxdp does not support")])

@@ -6,7 +6,6 @@ unless a test is about Inductor.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxdp
+from expect import refused, unwrap
 from models import FirstOutput, SequenceFirstBias
 from reference import assert_close_all, reference, tolerance
 
@@ -55,24 +55,6 @@ def assert_tensor_close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None
     scale = ref.abs().max().item() if ref.numel() else 0.0
     err = (got.detach().to(ref.dtype) - ref).abs().max().item() if ref.numel() else 0.0
     assert err <= TOL * max(scale, 1e-30), f"{what}: max error {err:.3g} > {TOL} x {scale:.3g}"
-
-
-def unwrap(err: BaseException) -> BaseException:
-    """The backend's own exception (Dynamo wraps it in ``BackendCompilerFailed``)."""
-    while isinstance(err, torch._dynamo.exc.BackendCompilerFailed):
-        err = err.inner_exception
-    return err
-
-
-@contextlib.contextmanager
-def refused(match: str):
-    """Expect an ``fxdp.UnsupportedError`` (possibly wrapped by Dynamo) matching ``match``."""
-    with pytest.raises(Exception) as info:
-        yield info
-    err = unwrap(info.value)
-    assert isinstance(err, fxdp.UnsupportedError), f"expected fxdp.UnsupportedError, got {type(err)!r}: {err}"
-    assert re.search(match, str(err)), f"{match!r} not in:\n{err}"
-    info.unsupported = err
 
 
 def mean_sq_loss(out: torch.Tensor) -> torch.Tensor:
