@@ -421,6 +421,10 @@ def breaks_at_backward(gm: fx.GraphModule) -> bool:
         and os.path.join("torch", "autograd", "__init__.py") in reason)
 
 
+# The messages of fxdp's in-graph run-time checks (see ``loss_normaliser_pass``).
+RUN_TIME_CHECKS = ("fxdp: samples keep different numbers of targets", "fxdp: the loss is divided by the sum of a mask")
+
+
 def backend_error(error: BaseException) -> BaseException | None:
     """What to raise instead of a Dynamo error from an fxdp compilation, or ``None``.
 
@@ -460,9 +464,9 @@ def backend_error(error: BaseException) -> BaseException | None:
             "An nn.LSTM/nn.GRU/nn.RNN is unrolled per sequence length, so each new length compiles "
             "anew: pad every batch to one length (or a few). Otherwise raise the limit or keep input "
             "shapes/types stable.")
-    if type(error) is RuntimeError and "fxdp: samples keep different numbers of targets" in str(error):
-        # The in-graph guard of a mean over kept targets (``fxdp_same_kept_targets``)
-        # can only raise what ``torch._assert_async`` raises.
+    if type(error) is RuntimeError and any(check in str(error) for check in RUN_TIME_CHECKS):
+        # The in-graph guards of a mean over kept targets or masks (``fxdp_same_kept_targets``,
+        # ``fxdp_same_mask_sums``) can only raise what ``torch._assert_async`` raises.
         return UnsupportedError(str(error)[str(error).index("fxdp: ") + len("fxdp: "):])
     inner = getattr(error, "inner_exception", None) if isinstance(
         error, torch._dynamo.exc.BackendCompilerFailed) else None

@@ -20,7 +20,7 @@ from fxdp.clip_norm import ClipNorm
 from fxdp.errors import Problem, UnsupportedError
 from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
-from fxdp.passes.batch_dims import batch_dim_pass
+from fxdp.passes.batch_dims import batch_dim_pass, module_path_of
 from fxdp.passes.canonicalize import canonicalize_pass
 from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass, constant_gradients, unmarked_gradients
 from fxdp.passes.tag import tag_pass
@@ -523,6 +523,10 @@ def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     (on the operand its targets come from); ``B`` is read from a batched input::
 
         fxdp_same_kept_targets = fxdp_same_kept_targets(view_1, -100, 0, input_ids, 0)
+
+    Likewise a loss divided by the sum of a mask over the whole batch
+    (``(l * mask).sum() / mask.sum()``, the analysis's ``normalisers``): every sample's
+    mask must sum to as much (``fxdp_same_mask_sums``).
     """
     from fxdp.functions import FUNCTION_APPLY
     from fxdp.passes.batch_dims import Loss
@@ -551,9 +555,46 @@ def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
             args = (target, ignore_index, layout.dim, *(reference if by_sample else (None, None)), outer)
             with gm.graph.inserting_before(node):
                 gm.graph.call_function(fxdp_same_kept_targets, args)
+    for division, mask, layout in analysis.normalisers:
+        outer = not bool(layout.outer == 1)
+        if layout.plain:
+            args = (mask, layout.dim, mask, layout.dim, False)
+        elif reference is not None and (not outer or bool(layout.inner == 1)):
+            args = (mask, layout.dim, *reference, outer)
+        else:
+            raise UnsupportedError(
+                "fxdp cannot make this model per-sample:", [Problem(
+                    str(division.target), module_path_of(division), "",
+                    "the loss is divided by the sum of a mask whose rows of several samples are merged, "
+                    "and fxdp finds no input to tell them apart by (to check that every sample's mask "
+                    "sums to as much): divide by a fixed number instead, with loss_reduction='sum'")])
+        with gm.graph.inserting_before(division):
+            gm.graph.call_function(fxdp_same_mask_sums, args)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _per_sample(values: torch.Tensor, dim: int, reference: torch.Tensor, reference_dim: int,
+                outer: bool) -> torch.Tensor:
+    """``values`` as ``[samples, -1]``: the samples are ``reference.shape[reference_dim]``
+    consecutive blocks of ``values``' dim ``dim`` (with ``outer``, its rows taken in turn)."""
+    samples, rows = reference.shape[reference_dim], values.movedim(dim, 0)
+    if outer:
+        rows = rows.reshape(-1, samples, *rows.shape[1:]).transpose(0, 1)
+    return rows.reshape(samples, -1)
+
+
+def fxdp_same_mask_sums(mask: torch.Tensor, dim: int, reference: torch.Tensor, reference_dim: int,
+                        outer: bool) -> None:
+    """Assert that every sample's part of ``mask`` sums to as much as the first's (see
+    ``_per_sample``): ``(l * mask).sum() / mask.sum()`` is then a mean over the samples."""
+    sums = _per_sample(mask, dim, reference, reference_dim, outer).sum(1)
+    torch._assert_async((sums[:1] == sums).all(), (
+        "fxdp: the loss is divided by the sum of a mask over the whole batch ((l * mask).sum() / "
+        "mask.sum()), and the samples' masks sum to different amounts: each sample's share would depend "
+        "on the other samples' masks. Divide by a fixed number instead (the most a sample's mask can "
+        "hold, times the batch size), with loss_reduction='sum'."))
 
 
 def fxdp_same_kept_targets(target: torch.Tensor, ignore_index: int, dim: int,
@@ -567,10 +608,7 @@ def fxdp_same_kept_targets(target: torch.Tensor, ignore_index: int, dim: int,
     if reference is None:
         same = kept.all()
     else:
-        samples, rows = reference.shape[reference_dim], kept.movedim(dim, 0)
-        if outer:
-            rows = rows.reshape(-1, samples, *rows.shape[1:]).transpose(0, 1)
-        counts = rows.reshape(samples, -1).sum(1)
+        counts = _per_sample(kept, dim, reference, reference_dim, outer).sum(1)
         same = (counts[:1] == counts).all()
     torch._assert_async(same, (
         f"fxdp: samples keep different numbers of targets that are not ignore_index={ignore_index} "

@@ -114,6 +114,11 @@ class BatchAnalysis:
             compiler, which reads them).
         sized_by_batch: Tensors built from sizes with ``B`` among them (see
             ``batch_dim_pass``).
+        normalisers: ``(division, mask, its layout)`` for each loss divided by the sum
+            of a mask over the whole batch (see ``_mask_normaliser``), which
+            ``loss_normaliser_pass`` checks at run time.
+        sized_normaliser: The loss is divided by the sum of a shared mask built from
+            ``B`` (read batched, it is a ``normalisers`` entry: see ``batch_dim_pass``).
     """
 
     batch: dict[fx.Node, Any]
@@ -127,6 +132,8 @@ class BatchAnalysis:
     notes: list[str] = dataclasses.field(default_factory=list)
     sized_by_batch: list[fx.Node] = dataclasses.field(default_factory=list)
     loss_divided_by_batch_size: bool = False
+    normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = dataclasses.field(default_factory=list)
+    sized_normaliser: bool = False
 
 
 def op_name(target: Any) -> str:
@@ -1584,6 +1591,70 @@ def _scales_the_loss(target: Any, arg_batch: list) -> bool:
     return False
 
 
+_FULL_REDUCTIONS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.mean.default: "mean",
+                    aten.mean.dim: "mean"}
+
+
+def _mask_normaliser(node: fx.Node, batch: dict, losses: dict[fx.Node, str], placeholder_batch: dict,
+                     param_names: dict) -> fx.Node | None:
+    """The mask ``m`` when ``node`` is ``(l * m).sum() / m.sum()`` (ViTMAE's loss over its
+    masked patches, Hugging Face's ``weighted_average``): a loss divided by the sum
+    (or mean, over a mean) of a mask over the whole batch.
+
+    Where every sample's mask sums to the same ``k`` (a fixed masking ratio, no
+    padding), that is the mean over the samples of each sample's own ``l_b / k``;
+    ``loss_normaliser_pass`` checks it at run time. The numerator is one reduction
+    used by nothing else. The mask is data, not a value of the model: no parameter
+    and no batched floating-point input is behind it (a statistic of the inputs,
+    ``loss / x.abs().mean()``, is refused as before, when the graph compiles); it
+    may be built from the batch size (ViTMAE draws it), from integer or boolean
+    inputs (labels, an attention mask), or from shared tensors."""
+    if (out_of_place(node.target) or node.target) is not aten.div.Tensor or len(node.args) != 2 \
+            or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    numerator, denominator = (_behind_copies(a) for a in node.args)
+    if numerator not in losses or denominator.op != "call_function" or denominator.target not in _FULL_REDUCTIONS:
+        return None
+    if not _used_only_on_the_way(numerator, node):
+        return None
+    if denominator in losses and _FULL_REDUCTIONS[denominator.target] != losses[numerator]:
+        return None  # a mean over a sum: each sample's share would depend on B
+    mask = denominator.args[0]
+    data = [p for p, b in placeholder_batch.items()
+            if b is not None and isinstance(_meta(p), torch.Tensor) and _meta(p).is_floating_point()]
+    return None if _built_from(mask, [*param_names, *data]) else mask
+
+
+def _behind_copies(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target in _COPIES and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _used_only_on_the_way(node: fx.Node, end: fx.Node) -> bool:
+    """``node`` reaches nothing but ``end``, through copies."""
+    while node is not end:
+        if len(node.users) != 1:
+            return False
+        node = next(iter(node.users))
+        if node is not end and node.target not in _COPIES:
+            return False
+    return True
+
+
+def _built_from(node: fx.Node, sources: Sequence[fx.Node]) -> bool:
+    """Whether any of ``sources`` is behind ``node``'s value."""
+    sources, seen, stack = set(sources), set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in sources:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
+
+
 def _loss_misuse(target: Any, arg_batch: list) -> str:
     """Why ``target`` may not follow the loss (``_scales_the_loss`` said no)."""
     reason = ("a reduction over the batch (the loss, or a statistic of the batch) is used by an op "
@@ -1591,9 +1662,10 @@ def _loss_misuse(target: Any, arg_batch: list) -> str:
               "would depend on the other samples")
     if (out_of_place(target) or target) in (aten.div.Tensor, aten.div.Scalar) and len(arg_batch) > 1 \
             and isinstance(arg_batch[1], Loss):
-        reason += ("; here it divides by one, a normaliser from the whole batch's data ("
-                   "(l * mask).sum() / mask.sum()): sum the per-sample terms and divide by a "
-                   "fixed number instead, with loss_reduction='sum'")
+        reason += ("; here it divides by one, a normaliser from the whole batch's data "
+                   "((l * mask).sum() / mask.sum() is a mean only with a mask built from integer or "
+                   "boolean inputs or from the batch size, not from floating-point inputs or the model): "
+                   "sum the per-sample terms and divide by a fixed number instead, with loss_reduction='sum'")
     return reason
 
 
@@ -1608,10 +1680,17 @@ def _divides_by(node: fx.Node, batch_size: Any) -> bool:
 
 
 def _same_size(size: Any, batch_size: Any) -> bool:
+    # A symbol Dynamo specialised (a recompile for a size seen before) is its number.
+    size, batch_size = _as_number(size), _as_number(batch_size)
     if isinstance(size, torch.SymInt) or isinstance(batch_size, torch.SymInt):
         return (isinstance(size, torch.SymInt) and isinstance(batch_size, torch.SymInt)
                 and size.node.expr == batch_size.node.expr)
     return size == batch_size
+
+
+def _as_number(size: Any) -> Any:
+    number = size.node.maybe_as_int() if isinstance(size, torch.SymInt) else None
+    return size if number is None else number
 
 
 def _is_number(node: fx.Node) -> bool:
@@ -1680,7 +1759,7 @@ def batch_dim_pass(
         The analysis; the graph is not changed (nodes get ``meta["fxdp_batch"]``).
     """
     analysis = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=False)
-    if analysis.problems and analysis.sized_by_batch:
+    if (analysis.problems or analysis.sized_normaliser) and analysis.sized_by_batch:
         retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=True)
         if not retried.problems:
             analysis = retried
@@ -1700,7 +1779,9 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
     sources: dict[fx.Node, frozenset] = {p: frozenset([p]) for p in param_names}
     # (consumer, argument index or None, consumed parameter-only value)
     consumed: list[tuple[fx.Node, int | None, fx.Node]] = []
-    loss_kinds: set[str] = set()
+    losses: dict[fx.Node, str] = {}  # the reductions that made a loss, and their kind
+    normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = []
+    sized_normaliser = False
     divided_by_batch_size = False
     single = isinstance(batch_size, int) and batch_size in (0, 1)
     checks_only = _checks_only(gm)
@@ -1767,6 +1848,16 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
             batch[node] = [None] * len(out) if isinstance(out, (list, tuple)) else None
             continue
         if any(isinstance(b, Loss) for b in arg_batch):
+            mask = _mask_normaliser(node, batch, losses, placeholder_batch, param_names)
+            if mask is not None and isinstance(batch.get(mask), BatchDim):
+                # (l * mask).sum() / mask.sum(): a mean over the samples (checked at run time).
+                numerator, denominator = (_behind_copies(a) for a in node.args)
+                del losses[numerator], losses[denominator]
+                losses[node] = "mean"
+                batch[node] = Loss("mean")
+                normalisers.append((node, mask, batch[mask]))
+                continue
+            sized_normaliser |= mask is not None and batch.get(mask) is None and _built_from(mask, sized_by_batch)
             # Only sums, scalings by shared values and copies may follow the loss.
             if _scales_the_loss(target, arg_batch):
                 loss = next(b for b in arg_batch if isinstance(b, Loss))
@@ -1802,7 +1893,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                 )
             _check_batch_rows(node, batch[node], batch_size)
             if isinstance(batch[node], Loss):
-                loss_kinds.add(batch[node].reduction)
+                losses[node] = batch[node].reduction
         except (MixesSamples, ValueError, GuardOnDataDependentSymNode) as e:
             if node in checks_only:
                 out = _meta(node)
@@ -1831,6 +1922,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
         consumed, sources, batch, param_names, problems, expanded_params)
 
     loss = None
+    loss_kinds = set(losses.values())
     if loss_kinds:
         if len(loss_kinds) > 1:
             reason = f"the graph adds losses of different reductions {sorted(loss_kinds)}"
@@ -1844,7 +1936,8 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
     return BatchAnalysis(batch=batch, problems=problems, uses=uses, loss=loss,
                          loss_divided_by_batch_size=divided_by_batch_size,
                          broadcasts=broadcasts, param_only=sources, single=single,
-                         empty=single and batch_size == 0, sized_by_batch=sized_by_batch)
+                         empty=single and batch_size == 0, sized_by_batch=sized_by_batch,
+                         normalisers=normalisers, sized_normaliser=sized_normaliser)
 
 
 _ASSERTIONS = {aten._assert_scalar.default, aten._assert_async.default, aten._assert_async.msg,

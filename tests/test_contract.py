@@ -783,6 +783,101 @@ def test_a_normaliser_from_the_whole_batch_names_the_fix(loss_reduction):
         dp(randn(6, 4), _target("cross_entropy", 6)).backward()
 
 
+class MaskedMean(nn.Module):
+    """A per-token loss averaged over a mask of the whole batch, ``(l * m).sum() / m.sum()``
+    (ViTMAE's loss over its masked patches, Hugging Face's ``weighted_average``), or the
+    same with means. The mask is the labels' kept positions, a pattern built from the
+    batch size (``torch.ones(B, T)`` with every other position zeroed), or ViTMAE's: a
+    random ``rand(B, T)`` argsorted, and a ``ones`` with its first half zeroed gathered by
+    those indices."""
+
+    def __init__(self, mask: str, means: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3).to(DTYPE)
+        self.mask, self.means = mask, means
+
+    def forward(self, x, labels):  # x [B, T, 4], labels [B, T], -100 where ignored
+        tokens = F.cross_entropy(self.fc(x).transpose(1, 2), labels.clamp(min=0), reduction="none")
+        batch, length = labels.shape
+        if self.mask == "labels":
+            m = (labels != -100).to(tokens.dtype)
+        elif self.mask == "pattern":
+            m = torch.ones(batch, length, dtype=tokens.dtype)
+            m[:, ::2] = 0
+        else:
+            restore = torch.argsort(torch.argsort(torch.rand(batch, length), dim=1), dim=1)
+            m = torch.ones(batch, length, dtype=tokens.dtype)
+            m[:, : length // 2] = 0
+            m = torch.gather(m, 1, restore)
+        if self.means:
+            return (tokens * m).mean() / m.mean()
+        return (tokens * m).sum() / m.sum()
+
+
+def _labels(batch: int, ignored_per_sample: int = 2) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(batch)
+    labels = torch.randint(0, 3, (batch, 6), generator=generator)
+    for b in range(batch):  # the same number ignored in every sample, at its own places
+        labels[b, torch.randperm(6, generator=generator)[:ignored_per_sample]] = -100
+    return labels
+
+
+@pytest.mark.parametrize("mask,means", [("labels", False), ("labels", True), ("pattern", False)],
+                         ids=["labels", "labels_means", "pattern"])
+def test_a_loss_averaged_over_a_mask_that_every_sample_fills_alike_is_a_mean(mask: str, means: bool):
+    """Where every sample's mask sums to the same ``k``, ``(l * m).sum() / m.sum()`` is the
+    mean over the samples of each one's own ``(l_b * m_b).sum() / k``: exact against
+    the microbatch loop, at two batch sizes. It was refused (a normaliser from the
+    whole batch), or with a mask built from ``B`` read as a sum, which clipped each
+    sample's gradient of ``l_b / B``."""
+    step = MaskedMean(mask, means)
+    dp = fxdp.transform(step, max_grad_norm=1.0, grad_sample=True, compiler="eager")
+    for batch in (4, 6):
+        x, labels = randn(batch, 6, 4, seed=batch), _labels(batch)
+        ref = reference(step, [x, labels], lambda out, i: out)
+        for p in step.parameters():
+            p.grad = None
+        dp(x, labels).backward()
+        assert_close_all(grad_samples(step), ref.per_sample, TOL, "p.grad_sample")
+        assert_close_all(grads(step), ref.grad("mean", 1.0), TOL, "p.grad")
+        assert ref.norms.min() < 1.0 < ref.norms.max()
+    with refused(r"the loss inside the graph is a mean over the batch but loss_reduction='sum'"):
+        fxdp.transform(step, loss_reduction="sum", compiler="eager")(x, labels)
+
+
+def test_a_mask_that_samples_fill_differently_raises_when_the_step_runs():
+    """A mask summing to different amounts (padding): each sample's share would depend on
+    the other samples' masks. The check runs in the graph, at every step."""
+    step = MaskedMean("labels")
+    dp = fxdp.transform(step, max_grad_norm=1.0, compiler="eager")
+    labels = _labels(5)
+    dp(randn(5, 6, 4), labels).backward()
+    labels[3, :4] = -100
+    with pytest.raises(fxdp.UnsupportedError, match=r"^the loss is divided by the sum of a mask over the whole "
+                       r"batch .* the samples' masks sum to different amounts.* Divide by a fixed number"):
+        dp(randn(5, 6, 4), labels)
+
+
+def test_vitmae_random_masking_is_read_as_a_mean():
+    """ViTMAE draws each sample's mask at random, from ``rand(B, T)``: fxdp reads it
+    batched, row b sample b's, so the loss is a mean. The draws of a batch cannot be
+    repeated one sample at a time; instead the per-sample gradients' mean must be the
+    batch loss's gradient under the same seed (with the loss read as a sum, each
+    per-sample gradient would be ``B`` times smaller)."""
+    step = MaskedMean("vitmae")
+    dp = fxdp.transform(copy.deepcopy(step), grad_sample=True, compiler="eager")
+    assert fxdp.validate(step, randn(3, 6, 4), _labels(3)) == []
+    for batch in (3, 5):
+        x, labels = randn(batch, 6, 4, seed=batch), _labels(batch, 0)
+        torch.manual_seed(batch)
+        expected = torch.autograd.grad(step(x, labels), list(step.parameters()))
+        torch.manual_seed(batch)
+        dp(x, labels).backward()
+        for (name, p), want in zip(dp.named_parameters(), expected):
+            torch.testing.assert_close(p.grad_sample.mean(0), want, rtol=TOL, atol=TOL, msg=name)
+
+
 class SelectByMask(nn.Module):
     """Each sample's EOS row by a boolean ``[B, T]`` mask (BartForSequenceClassification)."""
 
