@@ -21,6 +21,8 @@ __all__ = [
     "annotate",
     "breaks_at_backward",
     "graph_break_reason",
+    "resumed_after",
+    "outputs_need_grad",
     "inline_checkpoints",
     "current_graph_task_id",
     "refuse_silent_eager_fallback",
@@ -419,6 +421,85 @@ def breaks_at_backward(gm: fx.GraphModule) -> bool:
     return reason.startswith(("Unsupported Tensor.backward() call", "using `torch.autograd.grad` with")) or (
         "function `backward` in file" in reason
         and os.path.join("torch", "autograd", "__init__.py") in reason)
+
+
+# The breaks at ``backward()`` fxdp accepted: the original code object of the frame
+# (not a resume function's) and the line, each.
+_BACKWARD_BREAKS: set[tuple[Any, int]] = set()
+
+
+def _compiled_code() -> Any:
+    """The code object of the frame Dynamo is compiling now (a resume function's, after a
+    graph break), or ``None``."""
+    codes = torch._guards.TracingContext.get_traced_code() or []
+    return codes[0] if codes else None
+
+
+def _resumed(code: Any) -> tuple[Any, int] | None:
+    """For a resume function Dynamo generated after a graph break: the original function's
+    code and the line of the break (``torch_dynamo_resume_in_<function>_at_<line>``)."""
+    from torch._dynamo.resume_execution import ContinueExecutionCache
+
+    line = code.co_firstlineno
+    if code not in ContinueExecutionCache.generated_code_metadata:
+        return None
+    while code in ContinueExecutionCache.generated_code_metadata:
+        code = ContinueExecutionCache.generated_code_metadata[code].code
+    return code, line
+
+
+def record_backward_break(gm: fx.GraphModule) -> None:
+    """Remember that ``gm`` (accepted) ends at ``backward()``: see ``after_backward``."""
+    code = _compiled_code()
+    stack = getattr(getattr(gm, "compile_subgraph_reason", None), "user_stack", None) or []
+    if code is not None and stack:
+        resumed = _resumed(code)
+        _BACKWARD_BREAKS.add((resumed[0] if resumed else code, stack[0].lineno))
+
+
+def after_backward() -> bool:
+    """Whether the frame Dynamo compiles now resumes its function at or after the line of
+    a break at ``backward()`` that fxdp accepted there (``record_backward_break``): what
+    runs there runs after the clipping. (A loop around both would have made Dynamo skip
+    the frame.)"""
+    code = _compiled_code()
+    resumed = None if code is None else _resumed(code)
+    return resumed is not None and any(original is resumed[0] and line <= resumed[1]
+                                       for original, line in _BACKWARD_BREAKS)
+
+
+def in_optimizer() -> bool:
+    """Whether the frame Dynamo compiles now is an optimizer's code (``Optimizer.step``
+    breaks the graph on purpose, around the update it runs without gradients)."""
+    code = _compiled_code()
+    return code is not None and code.co_filename.startswith(os.path.join(os.path.dirname(torch.__file__), "optim"))
+
+
+def resumed_after() -> str | None:
+    """Where the graph break is that the frame Dynamo compiles now resumes after, when
+    that break is not a ``backward()`` fxdp accepted: ``"file:line"``, else ``None``.
+
+    Dynamo runs the code at a break eagerly, without any backend (the call of a
+    submodule it skipped, say, as it skips a frame with a break inside ``try``), and
+    then compiles the rest of the function as a resume function; by then nothing marks
+    the break in the graphs fxdp sees but that function's name. An optimizer's code is
+    not judged."""
+    code = _compiled_code()
+    resumed = None if code is None else _resumed(code)
+    if resumed is None or in_optimizer() or after_backward():
+        return None
+    return f"{code.co_filename}:{resumed[1]}"
+
+
+def outputs_need_grad(gm: fx.GraphModule) -> bool:
+    """Whether a value ``gm`` returns needs a gradient (Dynamo's example values): a
+    forward that turns gradients on itself (``with torch.enable_grad():``) does, even
+    when it is called under ``torch.no_grad()``."""
+    output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if output is None:
+        return False
+    values = [n.meta.get("example_value") for n in output.all_input_nodes]
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
 
 
 # The messages of fxdp's in-graph run-time checks (see ``loss_normaliser_pass``).

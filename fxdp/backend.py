@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from fxdp import _torch_internals as internals
 from fxdp.clip_norm import ClipNorm
-from fxdp.compiler import CompiledGraph, NoBatchDim, compile_graph
+from fxdp.compiler import CompiledGraph, NoBatchDim, compile_graph, refuse_graph_break
 from fxdp.errors import UnsupportedError
 from fxdp.options import Options
 
@@ -63,6 +63,10 @@ class Backend:
         if not torch.is_grad_enabled() or not any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
         ):
+            if torch.is_grad_enabled() and not internals.in_optimizer():
+                # No gradient flows through it, but a break at its end (a call of a
+                # submodule Dynamo runs eagerly) may hide parameters from the next.
+                refuse_graph_break(gm, self.options)
             return _plain(gm, example_inputs, self.options)
         if not self.guards_eager_fallback:  # transform's: it checks that its graph ran
             return self._compile(gm, example_inputs)
@@ -107,12 +111,39 @@ def _plain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options) 
         compiled = compile_fx(gm, list(example_inputs))
     else:
         compiled = gm.forward
+    # A forward that turns gradients on itself (``with torch.enable_grad():``), called
+    # under ``torch.no_grad()``, returns values with the ordinary autograd graph behind
+    # them: a backward through them would leave ordinary gradients.
+    guarded = (not torch.is_grad_enabled() and (options.max_grad_norm is not None or options.grad_sample)
+               and internals.outputs_need_grad(gm)
+               and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs))
 
     def run(*args):
         RUN_STATE.ran = True
-        return compiled(*args)
+        out = compiled(*args)
+        if guarded:
+            with torch.enable_grad():
+                out = type(out)(_NoBackward.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+                                for t in out)
+        return out
 
     return run
+
+
+class _NoBackward(torch.autograd.Function):
+    """The identity, whose backward refuses (see ``_plain``)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise UnsupportedError(
+            "a backward through the output of a forward that turned gradients on itself (with "
+            "torch.enable_grad():) while it was called under torch.no_grad(): fxdp compiled it without "
+            "gradients, so they would be ordinary, not per-sample. Call the model with gradients enabled "
+            "to train it.")
 
 
 def _refusal(error: Exception) -> Callable:

@@ -403,6 +403,43 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     return canon, fake_mode, c_param_names, analysis
 
 
+def refuse_graph_break(gm: fx.GraphModule, options: Options) -> None:
+    """Under clipping, raise if ``gm`` ends at a graph break, or resumes after one (see
+    ``internals.resumed_after``), other than at the loss's ``backward()``.
+
+    A break at ``backward()`` (a compiled train step) leaves the loss's forward whole,
+    and what follows it runs after the clipping. Any other break splits the step into
+    graphs that would clip apart, with the code at the break run eagerly in between."""
+    if options.max_grad_norm is None or internals.after_backward():
+        return
+    reason = internals.graph_break_reason(gm)
+    if reason is not None and internals.breaks_at_backward(gm):
+        internals.record_backward_break(gm)
+        return
+    resumed = internals.resumed_after()
+    if reason is None and resumed is None:
+        return
+    if reason is not None and "DDPOptimizer" in reason:
+        raise UnsupportedError(
+            "fxdp cannot clip globally across the graphs Dynamo's DDPOptimizer splits a "
+            "DistributedDataParallel model into (one per gradient bucket; DDP's first bucket "
+            "holds 1 MB, so most models are split): each graph would clip its parameters "
+            "separately. Set torch._dynamo.config.optimize_ddp = False before compiling (the "
+            "clipped gradient exists only at the end of the backward, so the split has "
+            "nothing to overlap), or use DistributedDataParallel(fxdp.transform(model, ...)). "
+            f"Dynamo's reason: {reason}.")
+    if reason is None:
+        reason = (f"a break at {resumed}, before this graph, where the code ran eagerly, without fxdp "
+                  "(a submodule whose frame Dynamo skipped, as it skips one with a break inside try/except; "
+                  "a torch.compiler.disable'd function), and any parameter it used would get an unclipped "
+                  "gradient")
+    raise UnsupportedError(
+        "fxdp cannot clip globally across a graph break: each graph would clip its "
+        f"parameters separately. Dynamo broke the graph because: {reason}. Remove the "
+        "break (torch._dynamo.explain shows it) or use fxdp.transform, which compiles "
+        "with fullgraph=True."
+    )
+
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
                   names: dict[int, str] | None = None,
                   record: CompiledGraph | None = None, arg_names: Sequence[str] = (),
@@ -412,24 +449,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     With ``clip_norm``, the backward reads ``C`` from it at every run."""
     record = record or CompiledGraph(options)
     record._stage("captured", gm)
-    reason = internals.graph_break_reason(gm)
-    # A break at the loss's backward() (a compiled train step) leaves its forward whole.
-    if reason is not None and options.max_grad_norm is not None and not internals.breaks_at_backward(gm):
-        if "DDPOptimizer" in reason:
-            raise UnsupportedError(
-                "fxdp cannot clip globally across the graphs Dynamo's DDPOptimizer splits a "
-                "DistributedDataParallel model into (one per gradient bucket; DDP's first bucket "
-                "holds 1 MB, so most models are split): each graph would clip its parameters "
-                "separately. Set torch._dynamo.config.optimize_ddp = False before compiling (the "
-                "clipped gradient exists only at the end of the backward, so the split has "
-                "nothing to overlap), or use DistributedDataParallel(fxdp.transform(model, ...)). "
-                f"Dynamo's reason: {reason}.")
-        raise UnsupportedError(
-            "fxdp cannot clip globally across a graph break: each graph would clip its "
-            f"parameters separately. Dynamo broke the graph because: {reason}. Remove the "
-            "break (torch._dynamo.explain shows it) or use fxdp.transform, which compiles "
-            "with fullgraph=True."
-        )
+    refuse_graph_break(gm, options)
     canon, fake_mode, param_names, analysis = analyse_graph(gm, example_inputs, options, names, arg_names)
     record._stage("canonical", canon)
     record.param_names = list(param_names.values())

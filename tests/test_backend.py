@@ -329,12 +329,106 @@ class EagerInside(nn.Module):
 def test_parameters_run_eagerly_before_a_clipping_graph_are_refused():
     """The head's graph gets an input whose gradient reaches parameters Dynamo ran
     eagerly: they would get the ordinary gradient, the head one clipped with its own
-    norms only (0.09 off, no error). Refused when the graph compiles, nothing written."""
+    norms only (0.09 off, no error). Refused when the graph compiles, nothing written:
+    the graph resumes after the break where the eager part ran."""
     model = EagerInside().to(DTYPE)
     step = torch.compile(lambda x: mean_sq_loss(model(x)), backend=fxdp.backend(max_grad_norm=0.1,
                                                                                 compiler="eager"))
-    with refused(re.escape("2 trainable parameter(s) outside")):
+    with refused(r"broke the graph because: a break at .*test_backend.py:\d+, before this graph"):
         step(randn(3, 4)).backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+class TryExceptBranch(nn.Module):
+    """A break inside ``try``: Dynamo cannot resume there, so it skips the whole frame
+    and runs this module eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        try:
+            h = self.lin(x).optional_method()
+        except AttributeError:
+            h = torch.tanh(self.lin(x))
+        return h
+
+
+class SkippedSubmodule(nn.Module):
+    """A submodule Dynamo runs eagerly, beside or before the compiled rest."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.branch = TryExceptBranch() if how == "try_except" else MLP()
+        if how == "disabled_body":
+            self.branch.forward = torch.compiler.disable(self.branch.forward)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if self.how == "disabled_body":
+            return self.branch(x * 2.0)
+        return self.branch(x) + self.fc(x)
+
+
+@pytest.mark.parametrize("how", ["try_except", "disabled_body"])
+@pytest.mark.parametrize("compiled", ["model", "step"])
+def test_a_submodule_dynamo_runs_eagerly_under_clipping_is_refused(how, compiled):
+    """Dynamo runs the submodule eagerly, without any backend: its parameters got the
+    ordinary gradient, the rest was clipped with its own norms only (0.16 off), and
+    ``per_sample_norms`` looked fine; with every parameter in it nothing was clipped.
+    The graph after the break (or the one that ends at it) is refused instead."""
+    model = SkippedSubmodule(how).to(DTYPE)
+    backend = fxdp.backend(max_grad_norm=0.1, compiler="eager")
+    if compiled == "model":
+        step = lambda x: mean_sq_loss(torch.compile(model, backend=backend)(x)).backward()  # noqa: E731
+    else:
+        step = torch.compile(lambda x: mean_sq_loss(model(x)).backward(), backend=backend)
+    with refused("fxdp cannot clip globally across a graph break"):
+        step(randn(3, 4))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_train_step_may_log_after_its_backward():
+    """What follows an accepted break at ``backward()`` runs after the clipping: a graph
+    resumed there may break again (the loss logged with ``.item()``)."""
+    model = MLP().to(DTYPE)
+    x, logged = randn(5, 4), []
+    ref = reference(model, [x], per_sample_sq_loss)
+
+    @torch.compile(backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    def step(x):
+        loss = mean_sq_loss(model(x))
+        loss.backward()
+        logged.append((loss * 2).item())
+        return loss.detach()
+
+    step(x)
+    assert_close_all(grads(model), ref.grad("mean", 1.0), TOL, "p.grad")
+    assert len(logged) == 1
+
+
+@pytest.mark.parametrize("wrapped", ["transform", "backend"])
+def test_a_forward_that_turns_gradients_on_under_no_grad_refuses_its_backward(wrapped):
+    """``with torch.enable_grad():`` inside the forward, called under ``no_grad``: fxdp
+    compiles that call without gradients, so a backward through its output would leave
+    ordinary gradients (it did, silently). The forward runs; its backward raises."""
+
+    class EnablesGrad(MLP):
+        def forward(self, x):
+            with torch.enable_grad():
+                return super().forward(x)
+
+    model = EnablesGrad().to(DTYPE)
+    call = (fxdp.transform(model, max_grad_norm=1.0, compiler="eager") if wrapped == "transform"
+            else torch.compile(model, backend=fxdp.backend(max_grad_norm=1.0, compiler="eager")))
+    with torch.no_grad():
+        out = call(randn(5, 4))
+    torch.testing.assert_close(out, MLP().to(DTYPE)(randn(5, 4)))
+    with pytest.raises(fxdp.UnsupportedError, match="turned gradients on itself"):
+        mean_sq_loss(out).backward()
     assert all(p.grad is None for p in model.parameters())
 
 
