@@ -480,6 +480,8 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     gm = whole_slice_pass(gm)
     gm = legacy_empty_cat_pass(gm)
     gm = repeat_as_expand_pass(gm)
+    gm = out_arguments_as_copies_pass(gm)
+    gm = written_pieces_as_views_pass(gm)
     gm = in_place_as_out_of_place_pass(gm)
     gm = bernoulli_probability_detached_pass(gm)
     # Expands move down to the ops that consume them (the lookups and linears, then
@@ -498,6 +500,114 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
             break
     gm = broadcast_batched_product_pass(gm)
     return tiled_batched_product_pass(gm)
+
+
+def out_arguments_as_copies_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """``torch.add(a, b, out=o)`` becomes the op's functional form and a copy into ``o``::
+
+        add = aten.add.Tensor(a, b);  copy_ = aten.copy_.default(o, add)
+
+    The ``out`` argument is written in place like ``copy_``'s first, which is what the
+    in-place handling follows (a view of ``o`` taken before and read after, a write
+    into a buffer); and the functional forms have batch propagations (``cat.out``,
+    ``mm.out`` and ``sum.IntList_out`` had none). Ops with several ``out`` arguments
+    stay."""
+    for node in list(gm.graph.nodes):
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            continue
+        outs = [a for a in op._schema.arguments if a.is_out]
+        functional = _functional_form(op) if len(outs) == 1 and outs[0].name in node.kwargs else None
+        if functional is None:
+            continue
+        kwargs = {k: v for k, v in node.kwargs.items() if k != outs[0].name}
+        with gm.graph.inserting_before(node):
+            value = gm.graph.call_function(functional, node.args, kwargs)
+            copy = gm.graph.call_function(torch.ops.aten.copy_.default, (node.kwargs[outs[0].name], value))
+        value.meta, copy.meta = dict(node.meta), dict(node.meta)
+        node.replace_all_uses_with(copy)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _functional_form(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The overload of ``op``'s packet that takes its arguments but the ``out`` one and
+    writes nothing (``aten.add.out`` -> ``aten.add.Tensor``)."""
+    wanted = [(a.name, str(a.type)) for a in op._schema.arguments if not a.is_out]
+    packet = getattr(getattr(torch.ops, op.namespace), op._schema.name.split("::")[-1])
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        arguments = candidate._schema.arguments
+        if candidate is not op and [(a.name, str(a.type)) for a in arguments] == wanted \
+                and not any(a.alias_info is not None and a.alias_info.is_write for a in arguments):
+            return candidate
+    return None
+
+
+# Ops that return views of their input's pieces, each taken by an ``operator.getitem``.
+_PIECES = {torch.ops.aten.split.Tensor, torch.ops.aten.split.sizes, torch.ops.aten.split_with_sizes.default,
+           torch.ops.aten.chunk.default, torch.ops.aten.tensor_split.sections, torch.ops.aten.tensor_split.indices,
+           torch.ops.aten.unbind.int, torch.ops.aten.unsafe_split.Tensor,
+           torch.ops.aten.unsafe_split_with_sizes.default, torch.ops.aten.unsafe_chunk.default}
+
+
+def written_pieces_as_views_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A piece of ``split``/``chunk``/``unbind`` written in place, through views or not,
+    becomes the ``slice`` (``select`` for ``unbind``) of its base that it is::
+
+        getitem_1 = split[1];  mul_ = aten.mul_.Tensor(getitem_1, 0.5)
+        ->  slice_1 = aten.slice.Tensor(h, 1, 2, 4);  mul_ = aten.mul_.Tensor(slice_1, 0.5)
+
+    A piece comes out of a multi-output op through ``getitem``, which the in-place
+    handling does not follow to the base: the write was taken for a write into a
+    fresh value and dropped, with the base, the forward output and the gradients
+    wrong. A slice is an ordinary view of the base. Pieces nothing writes stay."""
+    for node in reversed(list(gm.graph.nodes)):
+        pieces = node.args[0] if node.target is operator.getitem else None
+        if not (isinstance(pieces, fx.Node) and pieces.target in _PIECES and _piece_written(node)):
+            continue
+        base, index = pieces.args[0], node.args[1]
+        if pieces.target is torch.ops.aten.unbind.int:
+            dim = named_arg(pieces, "dim", 0)
+            view = (torch.ops.aten.select.int, (base, dim, index))
+        else:
+            dim = named_arg(pieces, "dim", 0) % base.meta["val"].dim()
+            sizes = [piece.shape[dim] for piece in pieces.meta["val"][: index + 1]]
+            if not all(isinstance(size, int) for size in sizes):
+                raise NotImplementedError(
+                    f"an in-place write into a piece of {pieces.target} whose sizes are symbolic: "
+                    "write into a slice of the tensor instead (x[:, a:b])")
+            view = (torch.ops.aten.slice.Tensor, (base, dim, sum(sizes[:-1]), sum(sizes)))
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(*view)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _piece_written(node: fx.Node) -> bool:
+    """Whether an op writes in place into ``node`` or into a view of it (a piece included)."""
+    stack, seen = [node], set()
+    while stack:
+        value = stack.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        for user in value.users:
+            if user.op != "call_function":
+                continue
+            if writes_in_place(user.target) and user.args and user.args[0] is value:
+                return True
+            if is_view(user) and user.args[0] is value or user.target in _PIECES and user.args[0] is value:
+                stack.append(user)
+            elif user.target is operator.getitem and user.args[0].target in _PIECES:
+                stack.append(user)
+    return False
 
 
 _BERNOULLI = {torch.ops.aten.bernoulli.default, torch.ops.aten.bernoulli.p, torch.ops.aten.bernoulli.Tensor,
