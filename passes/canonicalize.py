@@ -483,6 +483,7 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     gm = out_arguments_as_copies_pass(gm)
     gm = written_pieces_as_views_pass(gm)
     gm = in_place_as_out_of_place_pass(gm)
+    gm = masked_fill_by_index_put_as_where_pass(gm)
     gm = bernoulli_probability_detached_pass(gm)
     # Expands move down to the ops that consume them (the lookups and linears, then
     # what consumes those), where broadcasting replaces them; a pointwise op that an
@@ -544,6 +545,39 @@ def _functional_form(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
                 and not any(a.alias_info is not None and a.alias_info.is_write for a in arguments):
             return candidate
     return None
+
+
+def masked_fill_by_index_put_as_where_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """``h[mask] = v`` with a boolean ``mask`` the shape of ``h`` and one value ``v``, out of
+    place, is ``torch.where(mask, v, h)``::
+
+        index_put = aten.index_put.default(h, [gt], s)  ->  where = aten.where.self(gt, s, h)
+
+    The same values, without a selection whose size depends on the data: with ``v``
+    a parameter (``h[h > 0.5] = self.s``) its per-sample VJP ran ``vmap`` over the
+    boolean indexing, which ``vmap`` cannot batch."""
+    for node in list(gm.graph.nodes):
+        if node.target is not torch.ops.aten.index_put.default or named_arg(node, "accumulate", False):
+            continue
+        data, indices, values = node.args[:3]
+        masks = [i for i in indices if i is not None]
+        if len(indices) != 1 or len(masks) != 1:
+            continue
+        mask, h, v = masks[0].meta.get("val"), data.meta.get("val"), values.meta.get("val")
+        if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and isinstance(v, torch.Tensor)
+                and tuple(mask.shape) == tuple(h.shape) and v.dim() == 0):
+            continue
+        with gm.graph.inserting_before(node):
+            if v.dtype != h.dtype:
+                values = gm.graph.call_function(torch.ops.aten._to_copy.default, (values,), {"dtype": h.dtype})
+                values.meta["val"] = v.to(h.dtype)
+            where = gm.graph.call_function(torch.ops.aten.where.self, (masks[0], values, data))
+        where.meta = dict(node.meta)
+        node.replace_all_uses_with(where)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
 
 
 # Ops that return views of their input's pieces, each taken by an ``operator.getitem``.

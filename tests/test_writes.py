@@ -553,3 +553,30 @@ def test_a_view_read_after_an_out_argument_filled_it_is_refused():
     model = FilledByOutArgument("stale_view").double()
     with pytest.raises(fxdp.UnsupportedError, match="it is read after the write; take the view after the write"):
         fxdp.transform(model, grad_sample=True, compiler="eager")(torch.randn(B, 6, dtype=torch.float64))
+
+
+class MaskedFillByAParameter(nn.Module):
+    """``h[h > 0.5] = self.s``: a per-sample boolean mask, a trainable value."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(0.3))
+        self.l1 = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = x.clone()
+        h[h > 0.5] = self.s
+        return self.l1(h)
+
+
+def test_a_masked_fill_by_a_parameter_is_exact():
+    """As ``torch.where(mask, s, h)``: it failed with vmap's "cannot batch indexing with a
+    boolean mask" from the per-sample VJP of ``s``."""
+    torch.manual_seed(0)
+    model = MaskedFillByAParameter().double()
+    x = torch.randn(B, 6, dtype=torch.float64)
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    fxdp.transform(model, grad_sample=True, compiler="eager")(x).pow(2).sum(1).mean().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")
+    assert ref.per_sample["s"].abs().min() > 0
