@@ -523,11 +523,10 @@ def out_arguments_as_copies_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         kwargs = {k: v for k, v in node.kwargs.items() if k != outs[0].name}
         with gm.graph.inserting_before(node):
-            value = gm.graph.call_function(functional, node.args, kwargs)
+            value = _call(gm, functional, node.args, node, kwargs)
             copy = gm.graph.call_function(torch.ops.aten.copy_.default, (node.kwargs[outs[0].name], value))
-        value.meta, copy.meta = dict(node.meta), dict(node.meta)
-        node.replace_all_uses_with(copy)
-        gm.graph.erase_node(node)
+        copy.meta = dict(node.meta)  # the value of ``out`` after the write (no fake write runs)
+        _replace(gm, node, copy)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -569,12 +568,8 @@ def masked_fill_by_index_put_as_where_pass(gm: fx.GraphModule) -> fx.GraphModule
             continue
         with gm.graph.inserting_before(node):
             if v.dtype != h.dtype:
-                values = gm.graph.call_function(torch.ops.aten._to_copy.default, (values,), {"dtype": h.dtype})
-                values.meta["val"] = v.to(h.dtype)
-            where = gm.graph.call_function(torch.ops.aten.where.self, (masks[0], values, data))
-        where.meta = dict(node.meta)
-        node.replace_all_uses_with(where)
-        gm.graph.erase_node(node)
+                values = _call(gm, torch.ops.aten._to_copy.default, (values,), node, {"dtype": h.dtype})
+            _replace(gm, node, _call(gm, torch.ops.aten.where.self, (masks[0], values, data), node))
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -615,10 +610,7 @@ def written_pieces_as_views_pass(gm: fx.GraphModule) -> fx.GraphModule:
                     "write into a slice of the tensor instead (x[:, a:b])")
             view = (torch.ops.aten.slice.Tensor, (base, dim, sum(sizes[:-1]), sum(sizes)))
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(*view)
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+            _replace(gm, node, _call(gm, *view, node))
     gm.graph.lint()
     gm.recompile()
     return gm
