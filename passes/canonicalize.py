@@ -12,6 +12,7 @@ from torch._decomp import get_decompositions
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxdp._torch_internals import inline_checkpoints, make_fx_traced, size_hint
+from fxdp.errors import UnsupportedError
 from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad, is_view, writes_in_place
@@ -592,10 +593,14 @@ def written_pieces_as_views_pass(gm: fx.GraphModule) -> fx.GraphModule:
     A piece comes out of a multi-output op through ``getitem``, which the in-place
     handling does not follow to the base: the write was taken for a write into a
     fresh value and dropped, with the base, the forward output and the gradients
-    wrong. A slice is an ordinary view of the base. Pieces nothing writes stay."""
+    wrong. A slice is an ordinary view of the base. Pieces nothing writes stay, and so
+    do written pieces of a tensor nothing else reads (a decomposed LSTM cell's
+    ``gates.chunk(4, 1)`` with each gate's ``sigmoid_``: made out of place, as before,
+    rather than writes into a tensor its backward needs)."""
     for node in reversed(list(gm.graph.nodes)):
         pieces = node.args[0] if node.target is operator.getitem else None
-        if not (isinstance(pieces, fx.Node) and pieces.target in _PIECES and _piece_written(node)):
+        if not (isinstance(pieces, fx.Node) and pieces.target in _PIECES and _piece_written(node)
+                and _read_beside_its_pieces(pieces.args[0])):
             continue
         base, index = pieces.args[0], node.args[1]
         if pieces.target is torch.ops.aten.unbind.int:
@@ -605,7 +610,7 @@ def written_pieces_as_views_pass(gm: fx.GraphModule) -> fx.GraphModule:
             dim = named_arg(pieces, "dim", 0) % base.meta["val"].dim()
             sizes = [piece.shape[dim] for piece in pieces.meta["val"][: index + 1]]
             if not all(isinstance(size, int) for size in sizes):
-                raise NotImplementedError(
+                raise UnsupportedError(
                     f"an in-place write into a piece of {pieces.target} whose sizes are symbolic: "
                     "write into a slice of the tensor instead (x[:, a:b])")
             view = (torch.ops.aten.slice.Tensor, (base, dim, sum(sizes[:-1]), sum(sizes)))
@@ -614,6 +619,33 @@ def written_pieces_as_views_pass(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _read_beside_its_pieces(base: fx.Node) -> bool:
+    """Whether the memory of ``base`` (a piece op's input) is seen other than through the
+    pieces' own writes: it is an input's or a buffer's (the write lands there), or an op
+    other than a view, a piece or an in-place write reads it or a view of it."""
+    def aliased(node: fx.Node) -> bool:
+        return is_view(node) or node.target in _PIECES or (
+            node.target is operator.getitem and getattr(node.args[0], "target", None) in _PIECES)
+
+    root = base
+    while root.op == "call_function" and aliased(root) and isinstance(root.args[0], fx.Node):
+        root = root.args[0]
+    if root.op == "placeholder":
+        return True
+    stack, seen = [root], set()
+    while stack:
+        value = stack.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        for user in value.users:
+            if user.op == "call_function" and aliased(user):
+                stack.append(user)
+            elif not (user.op == "call_function" and writes_in_place(user.target) and user.args[0] is value):
+                return True
+    return False
 
 
 def _piece_written(node: fx.Node) -> bool:
