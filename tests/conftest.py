@@ -9,6 +9,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Hypothesis draws many shapes: a recompile-limit hit must fail loudly, never run eager.
 torch._dynamo.config.fail_on_recompile_limit_hit = True
 
+# Under pytest-xdist (the README's `-n auto`) the workers share the cores.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
