@@ -440,6 +440,7 @@ def refuse_graph_break(gm: fx.GraphModule, options: Options) -> None:
         "with fullgraph=True."
     )
 
+
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
                   names: dict[int, str] | None = None,
                   record: CompiledGraph | None = None, arg_names: Sequence[str] = (),

@@ -1595,7 +1595,7 @@ _FULL_REDUCTIONS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.m
                     aten.mean.dim: "mean"}
 
 
-def _mask_normaliser(node: fx.Node, batch: dict, losses: dict[fx.Node, str], placeholder_batch: dict,
+def _mask_normaliser(node: fx.Node, losses: dict[fx.Node, str], placeholder_batch: dict,
                      param_names: dict) -> fx.Node | None:
     """The mask ``m`` when ``node`` is ``(l * m).sum() / m.sum()`` (ViTMAE's loss over its
     masked patches, Hugging Face's ``weighted_average``): a loss divided by the sum
@@ -1848,7 +1848,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
             batch[node] = [None] * len(out) if isinstance(out, (list, tuple)) else None
             continue
         if any(isinstance(b, Loss) for b in arg_batch):
-            mask = _mask_normaliser(node, batch, losses, placeholder_batch, param_names)
+            mask = _mask_normaliser(node, losses, placeholder_batch, param_names)
             if mask is not None and isinstance(batch.get(mask), BatchDim):
                 # (l * mask).sum() / mask.sum(): a mean over the samples (checked at run time).
                 numerator, denominator = (_behind_copies(a) for a in node.args)

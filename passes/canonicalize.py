@@ -625,12 +625,8 @@ def _read_beside_its_pieces(base: fx.Node) -> bool:
     """Whether the memory of ``base`` (a piece op's input) is seen other than through the
     pieces' own writes: it is an input's or a buffer's (the write lands there), or an op
     other than a view, a piece or an in-place write reads it or a view of it."""
-    def aliased(node: fx.Node) -> bool:
-        return is_view(node) or node.target in _PIECES or (
-            node.target is operator.getitem and getattr(node.args[0], "target", None) in _PIECES)
-
     root = base
-    while root.op == "call_function" and aliased(root) and isinstance(root.args[0], fx.Node):
+    while root.op == "call_function" and _aliases(root) and isinstance(root.args[0], fx.Node):
         root = root.args[0]
     if root.op == "placeholder":
         return True
@@ -641,7 +637,7 @@ def _read_beside_its_pieces(base: fx.Node) -> bool:
             continue
         seen.add(value)
         for user in value.users:
-            if user.op == "call_function" and aliased(user):
+            if user.op == "call_function" and _aliases(user):
                 stack.append(user)
             elif not (user.op == "call_function" and writes_in_place(user.target) and user.args[0] is value):
                 return True
@@ -661,11 +657,15 @@ def _piece_written(node: fx.Node) -> bool:
                 continue
             if writes_in_place(user.target) and user.args and user.args[0] is value:
                 return True
-            if is_view(user) and user.args[0] is value or user.target in _PIECES and user.args[0] is value:
-                stack.append(user)
-            elif user.target is operator.getitem and user.args[0].target in _PIECES:
+            if _aliases(user) and user.args[0] is value:
                 stack.append(user)
     return False
+
+
+def _aliases(node: fx.Node) -> bool:
+    """``node`` is a view of its first argument, the pieces of it, or one piece."""
+    return is_view(node) or node.target in _PIECES or (
+        node.target is operator.getitem and getattr(node.args[0], "target", None) in _PIECES)
 
 
 _BERNOULLI = {torch.ops.aten.bernoulli.default, torch.ops.aten.bernoulli.p, torch.ops.aten.bernoulli.Tensor,
