@@ -628,24 +628,17 @@ def _read_beside_its_pieces(base: fx.Node) -> bool:
     root = base
     while root.op == "call_function" and _aliases(root) and isinstance(root.args[0], fx.Node):
         root = root.args[0]
-    if root.op == "placeholder":
-        return True
-    stack, seen = [root], set()
-    while stack:
-        value = stack.pop()
-        if value in seen:
-            continue
-        seen.add(value)
-        for user in value.users:
-            if user.op == "call_function" and _aliases(user):
-                stack.append(user)
-            elif not (user.op == "call_function" and writes_in_place(user.target) and user.args[0] is value):
-                return True
-    return False
+    return root.op == "placeholder" or any(not _writes_into(user, value) for value, user in _alias_uses(root))
 
 
 def _piece_written(node: fx.Node) -> bool:
     """Whether an op writes in place into ``node`` or into a view of it (a piece included)."""
+    return any(_writes_into(user, value) for value, user in _alias_uses(node))
+
+
+def _alias_uses(node: fx.Node):
+    """``(value, user)`` for every use of ``node`` and of its views and pieces, recursively,
+    other than taking a view or a piece."""
     stack, seen = [node], set()
     while stack:
         value = stack.pop()
@@ -653,13 +646,14 @@ def _piece_written(node: fx.Node) -> bool:
             continue
         seen.add(value)
         for user in value.users:
-            if user.op != "call_function":
-                continue
-            if writes_in_place(user.target) and user.args and user.args[0] is value:
-                return True
-            if _aliases(user) and user.args[0] is value:
+            if user.op == "call_function" and _aliases(user) and user.args[0] is value:
                 stack.append(user)
-    return False
+            else:
+                yield value, user
+
+
+def _writes_into(user: fx.Node, value: fx.Node) -> bool:
+    return user.op == "call_function" and writes_in_place(user.target) and bool(user.args) and user.args[0] is value
 
 
 def _aliases(node: fx.Node) -> bool:
