@@ -625,9 +625,7 @@ def _read_beside_its_pieces(base: fx.Node) -> bool:
     """Whether the memory of ``base`` (a piece op's input) is seen other than through the
     pieces' own writes: it is an input's or a buffer's (the write lands there), or an op
     other than a view, a piece or an in-place write reads it or a view of it."""
-    root = base
-    while root.op == "call_function" and _aliases(root) and isinstance(root.args[0], fx.Node):
-        root = root.args[0]
+    root = _memory_of(base)
     return root.op == "placeholder" or any(not _writes_into(user, value) for value, user in _alias_uses(root))
 
 
@@ -1709,8 +1707,9 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _memory_of(node: fx.Node) -> fx.Node:
-    """The tensor whose memory view ``node`` shows (``node`` itself if no view)."""
-    while is_view(node) and isinstance(node.args[0], fx.Node):
+    """The tensor whose memory view ``node`` shows, through views and pieces (``node``
+    itself if no view)."""
+    while node.op == "call_function" and _aliases(node) and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
