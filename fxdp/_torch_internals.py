@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 from typing import Any, Callable, Sequence
 
@@ -20,11 +21,14 @@ __all__ = [
     "inductor_decompositions",
     "annotate",
     "breaks_at_backward",
+    "breaks_at_a_data_read",
     "graph_break_reason",
     "record_backward_break",
+    "record_data_read",
     "after_backward",
     "in_optimizer",
     "resumed_after",
+    "from_a_compiled_graph",
     "outputs_need_grad",
     "inline_checkpoints",
     "current_graph_task_id",
@@ -401,16 +405,18 @@ def _call_body(body, *args):
     return body(*args)
 
 
-def graph_break_reason(gm: fx.GraphModule) -> str | None:
-    """Dynamo's reason when ``gm`` ends at a graph break, else ``None``."""
+def graph_break_reason(gm: fx.GraphModule, brief: bool = False) -> str | None:
+    """Dynamo's reason when ``gm`` ends at a graph break (``brief``: its first line only),
+    and where, else ``None``."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not getattr(reason, "graph_break", False):
         return None
+    text = str(reason.reason).splitlines()[0] if brief else str(reason.reason)
     stack = getattr(reason, "user_stack", None) or []
     if not stack:
-        return str(reason.reason)
+        return text
     frame = stack[-1]
-    return f"{reason.reason} (at {frame.filename}:{frame.lineno}, in {frame.name}: {(frame.line or '').strip()})"
+    return f"{text} (at {frame.filename}:{frame.lineno}, in {frame.name}: {(frame.line or '').strip()})"
 
 
 def breaks_at_backward(gm: fx.GraphModule) -> bool:
@@ -426,9 +432,27 @@ def breaks_at_backward(gm: fx.GraphModule) -> bool:
         and os.path.join("torch", "autograd", "__init__.py") in reason)
 
 
+# Dynamo's reasons for a break at a read of a tensor's value: the one call it then runs
+# eagerly (``Tensor.item``, ``print``, the test of an ``if``) runs no code of the model's.
+_DATA_READS = re.compile(r"Unsupported Tensor\.item\(\) call|Tensor\.tolist\(\)|Data-dependent branching|"
+                         r"generic_jump TensorVariable|Failed to trace builtin operator\s+Explanation: Dynamo does "
+                         r"not know how to trace builtin operator `(print|str|repr|format)`")
+
+
+def breaks_at_a_data_read(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` ends at a graph break where the compiled function itself (not a
+    function it calls: Dynamo would run all of that one eagerly) reads a tensor's value:
+    ``loss.item()``, ``print(loss)``, ``if loss > 10:``."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    stack = getattr(reason, "user_stack", None) or []
+    return len(stack) == 1 and _DATA_READS.match(str(getattr(reason, "reason", ""))) is not None
+
+
 # The breaks at ``backward()`` fxdp accepted: the original code object of the frame
 # (not a resume function's) and the line, each.
 _BACKWARD_BREAKS: set[tuple[Any, int]] = set()
+# The breaks at a read of a value fxdp accepted, the same way, with Dynamo's reason.
+_DATA_READ_BREAKS: dict[tuple[Any, int], str] = {}
 
 
 def _compiled_code() -> Any:
@@ -451,13 +475,29 @@ def _resumed(code: Any) -> tuple[Any, int] | None:
     return code, line
 
 
-def record_backward_break(gm: fx.GraphModule) -> None:
-    """Remember that ``gm`` (accepted) ends at ``backward()``: see ``after_backward``."""
+def _break_site(gm: fx.GraphModule) -> tuple[Any, int] | None:
+    """The original code object and the line of the break ``gm`` ends at."""
     code = _compiled_code()
     stack = getattr(getattr(gm, "compile_subgraph_reason", None), "user_stack", None) or []
-    if code is not None and stack:
-        resumed = _resumed(code)
-        _BACKWARD_BREAKS.add((resumed[0] if resumed else code, stack[0].lineno))
+    if code is None or not stack:
+        return None
+    resumed = _resumed(code)
+    return resumed[0] if resumed else code, stack[0].lineno
+
+
+def record_backward_break(gm: fx.GraphModule) -> None:
+    """Remember that ``gm`` (accepted) ends at ``backward()``: see ``after_backward``."""
+    site = _break_site(gm)
+    if site is not None:
+        _BACKWARD_BREAKS.add(site)
+
+
+def record_data_read(gm: fx.GraphModule) -> None:
+    """Remember that ``gm`` (accepted) ends at a read of a value, and Dynamo's reason,
+    for the message should the graph resumed after it be refused (``resumed_after``)."""
+    site = _break_site(gm)
+    if site is not None:
+        _DATA_READ_BREAKS[site] = graph_break_reason(gm, brief=True) or ""
 
 
 def after_backward() -> bool:
@@ -478,9 +518,11 @@ def in_optimizer() -> bool:
     return code is not None and code.co_filename.startswith(os.path.join(os.path.dirname(torch.__file__), "optim"))
 
 
-def resumed_after() -> str | None:
+def resumed_after() -> tuple[str, str | None] | None:
     """Where the graph break is that the frame Dynamo compiles now resumes after, when
-    that break is not a ``backward()`` fxdp accepted: ``"file:line"``, else ``None``.
+    that break is not a ``backward()`` fxdp accepted: ``"file:line"`` and, where fxdp
+    accepted a read of a value there (``record_data_read``), Dynamo's reason for it; else
+    ``None``.
 
     Dynamo runs the code at a break eagerly, without any backend (the call of a
     submodule it skipped, say, as it skips a frame with a break inside ``try``), and
@@ -491,7 +533,12 @@ def resumed_after() -> str | None:
     resumed = None if code is None else _resumed(code)
     if resumed is None or in_optimizer() or after_backward():
         return None
-    return f"{code.co_filename}:{resumed[1]}"
+    return f"{code.co_filename}:{resumed[1]}", _DATA_READ_BREAKS.get(resumed)
+
+
+def from_a_compiled_graph(grad_fn: Any) -> bool:
+    """Whether an autograd node is the backward of a graph AOTAutograd compiled."""
+    return type(grad_fn).__name__ == "CompiledFunctionBackward"
 
 
 def outputs_need_grad(gm: fx.GraphModule) -> bool:

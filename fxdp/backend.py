@@ -66,7 +66,7 @@ class Backend:
             if torch.is_grad_enabled() and not internals.in_optimizer():
                 # No gradient flows through it, but a break at its end (a call of a
                 # submodule Dynamo runs eagerly) may hide parameters from the next.
-                refuse_graph_break(gm, self.options)
+                refuse_graph_break(gm, self.options, example_inputs)
             return _plain(gm, example_inputs, self.options)
         if not self.guards_eager_fallback:  # transform's: it checks that its graph ran
             return self._compile(gm, example_inputs)

@@ -185,13 +185,14 @@ def _carries_a_gradient(node: fx.Node) -> bool:
                and u.target not in (torch.Tensor.detach, torch.detach) for u in node.users)
 
 
-def _parameters_behind(t: torch.Tensor) -> list[torch.nn.Parameter]:
+def _parameters_behind(t: torch.Tensor, eagerly: bool = False) -> list[torch.nn.Parameter]:
     """The trainable ``nn.Parameter`` leaves of ``t``'s autograd history: what a gradient
-    into ``t`` reaches outside the graph it enters."""
+    into ``t`` reaches outside the graph it enters; ``eagerly``, those it reaches other
+    than through a compiled graph's backward."""
     found, seen, stack = [], set(), [t.grad_fn]
     while stack:
         fn = stack.pop()
-        if fn is None or fn in seen:
+        if fn is None or fn in seen or (eagerly and internals.from_a_compiled_graph(fn)):
             continue
         seen.add(fn)
         leaf = getattr(fn, "variable", None)  # AccumulateGrad
@@ -403,23 +404,34 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     return canon, fake_mode, c_param_names, analysis
 
 
-def refuse_graph_break(gm: fx.GraphModule, options: Options) -> None:
-    """Under clipping, raise if ``gm`` ends at a graph break, or resumes after one (see
-    ``internals.resumed_after``), other than at the loss's ``backward()``.
+def refuse_graph_break(gm: fx.GraphModule, options: Options, example_inputs: Sequence[Any]) -> None:
+    """Under clipping, raise where a graph break would leave a gradient unclipped, or
+    clipped apart from the rest of the step.
 
-    A break at ``backward()`` (a compiled train step) leaves the loss's forward whole,
-    and what follows it runs after the clipping. Any other break splits the step into
-    graphs that would clip apart, with the code at the break run eagerly in between."""
+    Accepted: a break at the loss's ``backward()`` (a compiled train step; what follows
+    it runs after the clipping), and a break where the compiled function itself reads a
+    value (``loss.item()``, ``print(loss)``, ``if loss > 10:``), as the one call Dynamo
+    runs eagerly there touches no parameter. A graph Dynamo resumes after a break is
+    refused where a gradient can flow from it into a parameter other than through an
+    earlier graph: its own parameters would be clipped apart from those before the
+    break, and one the code at the break used eagerly (a submodule Dynamo skipped) would
+    not be clipped at all (``internals.resumed_after``). Any other break ends a graph
+    whose code at the break runs eagerly, unseen: refused."""
     if options.max_grad_norm is None or internals.after_backward():
         return
+    resumed = internals.resumed_after()
+    if resumed is not None:
+        _refuse_gradients_after_a_break(gm, example_inputs, *resumed)
     reason = internals.graph_break_reason(gm)
-    if reason is not None and internals.breaks_at_backward(gm):
+    if reason is None:
+        return
+    if internals.breaks_at_backward(gm):
         internals.record_backward_break(gm)
         return
-    resumed = internals.resumed_after()
-    if reason is None and resumed is None:
+    if internals.breaks_at_a_data_read(gm):
+        internals.record_data_read(gm)
         return
-    if reason is not None and "DDPOptimizer" in reason:
+    if "DDPOptimizer" in reason:
         raise UnsupportedError(
             "fxdp cannot clip globally across the graphs Dynamo's DDPOptimizer splits a "
             "DistributedDataParallel model into (one per gradient bucket; DDP's first bucket "
@@ -428,17 +440,41 @@ def refuse_graph_break(gm: fx.GraphModule, options: Options) -> None:
             "clipped gradient exists only at the end of the backward, so the split has "
             "nothing to overlap), or use DistributedDataParallel(fxdp.transform(model, ...)). "
             f"Dynamo's reason: {reason}.")
-    if reason is None:
-        reason = (f"a break at {resumed}, before this graph, where the code ran eagerly, without fxdp "
-                  "(a submodule whose frame Dynamo skipped, as it skips one with a break inside try/except; "
-                  "a torch.compiler.disable'd function), and any parameter it used would get an unclipped "
-                  "gradient")
+    _refuse_break(reason)
+
+
+def _refuse_break(reason: str) -> None:
     raise UnsupportedError(
         "fxdp cannot clip globally across a graph break: each graph would clip its "
         f"parameters separately. Dynamo broke the graph because: {reason}. Remove the "
         "break (torch._dynamo.explain shows it) or use fxdp.transform, which compiles "
         "with fullgraph=True."
     )
+
+
+def _refuse_gradients_after_a_break(gm: fx.GraphModule, example_inputs: Sequence[Any], where: str,
+                                    data_read: str | None) -> None:
+    """Raise if a gradient can flow from ``gm``, which Dynamo resumes after a break at
+    ``where``, into a trainable tensor: one of its own inputs, or one that an input
+    reaches other than through a compiled graph's backward (that is, eagerly)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    own, reached = [], []
+    for node, real in zip(placeholders, example_inputs):
+        if not (isinstance(real, torch.Tensor) and real.requires_grad and _carries_a_gradient(node)):
+            continue
+        if real.grad_fn is None:
+            own.append(_param_name(source_name(node)))
+        else:
+            reached.extend(_parameters_behind(real, eagerly=True))
+    if data_read is not None and own:
+        _refuse_break(f"{data_read}, and the graph after that uses parameters too ({', '.join(own[:3])}"
+                      f"{', ...' if len(own) > 3 else ''}). Read values (loss.item(), print) once the "
+                      "whole forward has run, or after loss.backward()")
+    if own or reached:
+        _refuse_break(
+            f"a break at {where}, before this graph, where the code ran eagerly, without fxdp (a submodule "
+            "whose frame Dynamo skipped, as it skips one with a break inside try/except; a "
+            "torch.compiler.disable'd function), and any parameter it used would get an unclipped gradient")
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
@@ -450,7 +486,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     With ``clip_norm``, the backward reads ``C`` from it at every run."""
     record = record or CompiledGraph(options)
     record._stage("captured", gm)
-    refuse_graph_break(gm, options)
+    refuse_graph_break(gm, options, example_inputs)
     canon, fake_mode, param_names, analysis = analyse_graph(gm, example_inputs, options, names, arg_names)
     record._stage("canonical", canon)
     record.param_names = list(param_names.values())

@@ -411,6 +411,77 @@ def test_a_train_step_may_log_after_its_backward():
     assert len(logged) == 1
 
 
+@pytest.mark.parametrize("read", ["item", "float", "print", "tolist"])
+def test_a_train_step_may_read_its_loss_before_its_backward(read, capsys):
+    """Logging the loss before ``backward()`` breaks the graph at the read: the graph
+    before it holds the loss's whole forward, and the read runs nothing of the model's.
+    It was refused as a split step; now the step is clipped exactly, also at a second
+    batch size, and what follows the backward (the norm of the gradients) may run."""
+    model = MLP().to(DTYPE)
+    logged = []
+
+    @torch.compile(backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    def step(x):
+        loss = mean_sq_loss(model(x))
+        if read == "item":
+            logged.append(loss.item())
+        elif read == "float":
+            logged.append(float(loss))
+        elif read == "print":
+            print("loss", loss)
+        else:
+            logged.append(loss.detach().tolist())
+        loss.backward()
+        return sum(p.grad.norm() ** 2 for p in model.parameters()).sqrt()
+
+    for x in (randn(5, 4), randn(3, 4, seed=2)):
+        model.zero_grad()
+        norm = step(x)
+        ref = reference(model, [x], per_sample_sq_loss)
+        assert_close_all(grads(model), ref.grad("mean", 1.0), TOL, "p.grad")
+        assert_close_all({"norm": norm}, {"norm": torch.cat([g.flatten() for g in grads(model).values()]).norm()},
+                         TOL, "gradient norm")
+    assert len(logged) == (0 if read == "print" else 2)
+    assert capsys.readouterr().out.count("loss") == (2 if read == "print" else 0)
+
+
+def test_a_value_read_inside_the_forward_is_refused():
+    """``.item()`` between two layers splits the forward into two graphs, each of which
+    would clip its own parameters: the graph after the read is refused, and says why."""
+    model, logged = MLP().to(DTYPE), []
+
+    @torch.compile(backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    def step(x):
+        h = torch.relu(model.lin1(x))
+        logged.append(h.mean().item())
+        mean_sq_loss(model.lin2(h)).backward()
+
+    with refused(r"Tensor.item\(\).*and the graph after that uses parameters too \(lin2.weight, lin2.bias\)"):
+        step(randn(5, 4))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_parameters_used_eagerly_after_a_logged_loss_are_refused():
+    """After an accepted read of the loss, a regulariser Dynamo runs eagerly (here a
+    ``torch.compiler.disable``'d one) adds the ordinary gradient of its parameters to the
+    loss: the graph that sums the two is refused before anything is written."""
+    model, logged = MLP().to(DTYPE), []
+
+    @torch.compiler.disable
+    def regulariser():
+        return model.lin1.weight.pow(2).sum()
+
+    @torch.compile(backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    def step(x):
+        loss = mean_sq_loss(model(x))
+        logged.append(loss.item())
+        (loss + regulariser()).backward()
+
+    with refused(r"broke the graph because: a break at .*test_backend.py:\d+, before this graph"):
+        step(randn(5, 4))
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("wrapped", ["transform", "backend"])
 def test_a_forward_that_turns_gradients_on_under_no_grad_refuses_its_backward(wrapped):
     """``with torch.enable_grad():`` inside the forward, called under ``no_grad``: fxdp
