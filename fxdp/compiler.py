@@ -20,7 +20,7 @@ from fxdp.clip_norm import ClipNorm
 from fxdp.errors import Problem, UnsupportedError
 from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
-from fxdp.passes.batch_dims import batch_dim_pass, module_path_of
+from fxdp.passes.batch_dims import batch_dim_pass, module_path_of, source_of
 from fxdp.passes.canonicalize import canonicalize_pass
 from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass, constant_gradients, unmarked_gradients
 from fxdp.passes.tag import tag_pass
@@ -348,8 +348,6 @@ def refuse_unfollowable(gm: fx.GraphModule) -> None:
     the re-trace nor the batch analysis can follow; or a backward (``loss.backward()``
     and ``torch.autograd.grad`` under ``torch._dynamo.config.trace_autograd_ops``), whose
     ordinary gradients fxdp would have to replace inside the forward."""
-    from fxdp.passes.batch_dims import module_path_of
-
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -358,7 +356,7 @@ def refuse_unfollowable(gm: fx.GraphModule) -> None:
                 "torch.func.vmap", module_path_of(node), "",
                 "torch.func.vmap runs inside the forward (itself, or an op built on it such as "
                 "torch._higher_order_ops.associative_scan), and fxdp cannot follow the batch "
-                "through vmap's hidden dims; write that part with ordinary batched ops")])
+                "through vmap's hidden dims; write that part with ordinary batched ops", source_of(node))])
         if node.target in (torch.autograd.grad, torch.autograd.backward):
             raise UnsupportedError("fxdp cannot make this model per-sample:", [Problem(
                 "torch.autograd.grad", module_path_of(node), "",
@@ -368,7 +366,7 @@ def refuse_unfollowable(gm: fx.GraphModule) -> None:
                 "trace_autograd_ops off (fxdp takes the graph break at loss.backward()), or compile "
                 "the function that returns the loss and call loss.backward() outside it; a gradient "
                 "the forward uses (a gradient penalty, an input gradient) needs double backward, "
-                "which fxdp does not support")])
+                "which fxdp does not support", source_of(node))])
 
 
 def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
@@ -624,7 +622,7 @@ def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
                     str(division.target), module_path_of(division), "",
                     "the loss is divided by the sum of a mask whose rows of several samples are merged, "
                     "and fxdp finds no input to tell them apart by (to check that every sample's mask "
-                    "sums to as much): divide by a fixed number instead, with loss_reduction='sum'")])
+                    "sums to as much): divide by a fixed number instead, with loss_reduction='sum'", source_of(division))])
         with gm.graph.inserting_before(division):
             gm.graph.call_function(fxdp_same_mask_sums, args)
     gm.graph.lint()

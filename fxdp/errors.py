@@ -17,12 +17,15 @@ class Problem:
             names joined by ", " when it concerns a value computed from several
             (``linear(h, W_hh, b_hh)`` used where it cannot be made per-sample).
         reason: What goes wrong and what to do about it.
+        source: The line of the model's code it comes from (``"file:line: code"``), or ""
+            where there is none (the loss, the outputs).
     """
 
     op: str
     module_path: str
     parameter: str
     reason: str
+    source: str = dataclasses.field(default="", compare=False)
 
     @property
     def parameters(self) -> tuple[str, ...]:
@@ -32,7 +35,8 @@ class Problem:
     def __str__(self) -> str:
         where = self.module_path or "<top level>"
         param = f", parameter {self.parameter!r}" if self.parameter else ""
-        return f"{self.op} in {where}{param}: {self.reason}"
+        at = f" (at {self.source})" if self.source else ""
+        return f"{self.op} in {where}{param}{at}: {self.reason}"
 
 
 def format_problems(problems: list[Problem]) -> str:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 import re
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -152,6 +154,23 @@ def module_path_of(node: fx.Node) -> str:
     path = re.sub(r"^[LG]\['[^']*'\]\.?", "", path)
     path = path.split("'].", 1)[-1] if "']." in path else path
     return path.replace("._modules['", ".").replace("']", "").replace("[", ".").replace("]", "")
+
+
+# Frames of these packages are not the model's code.
+_NOT_THE_MODEL = tuple(os.path.dirname(os.path.abspath(f)) + os.sep
+                       for f in (torch.__file__, sys.modules["fxdp"].__file__, __file__))
+
+
+def source_of(node: fx.Node) -> str:
+    """The line of the model's code that ``node`` was traced from, as ``"file:line: code"``
+    (the innermost frame of its stack trace outside torch and fxdp), or ""."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)',
+                        node.meta.get("stack_trace") or "")
+    frames = [f for f in frames if not os.path.abspath(f[0]).startswith(_NOT_THE_MODEL)]
+    if not frames:
+        return ""
+    file, line, code = frames[-1]
+    return f"{file}:{line}: {code.strip()}"
 
 
 def _meta(node: Any) -> Any:
@@ -1795,7 +1814,8 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
             parameter_write(previous, sources) if single else follow_write(previous, batch, sources))
         if reason:
             problems.append(Problem(op_name(previous.target), module_path_of(previous),
-                                    _names(sources.get(previous.args[0], ()), param_names), reason))
+                                    _names(sources.get(previous.args[0], ()), param_names), reason,
+                                    source_of(previous)))
         previous = node
         if node.op == "placeholder":
             b = placeholder_batch.get(node)
@@ -1866,14 +1886,14 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                     divided_by_batch_size = True
                 batch[node] = loss
                 continue
-            problems.append(Problem(op_name(target), path, "", _loss_misuse(target, arg_batch)))
+            problems.append(Problem(op_name(target), path, "", _loss_misuse(target, arg_batch), source_of(node)))
             batch[node] = None
             continue
         try:
             if single:
                 leak = _records_running_statistics(node)
                 if leak:
-                    problems.append(Problem(op_name(target), path, "", leak))
+                    problems.append(Problem(op_name(target), path, "", leak, source_of(node)))
                 out = _meta(node)
                 batch[node] = [WHOLE] * len(out) if isinstance(out, (list, tuple)) else WHOLE
                 continue
@@ -1909,7 +1929,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                 reason = str(e) if isinstance(e, _NoPropagation) else f"mixes samples: {e}"
             name = (f"torch.autograd.Function {function_call(node).name}" if target is FUNCTION_APPLY
                     else op_name(target))
-            problems.append(Problem(name, path, "", f"{reason}{consumes}"))
+            problems.append(Problem(name, path, "", f"{reason}{consumes}", source_of(node)))
             # What follows a refused op is unknown, not shared: one refusal must not
             # cascade into spurious problems downstream.
             out = _meta(node)
@@ -2032,7 +2052,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, ex
                 reason = rule.check(as_batched, metas, i) if rule.check else None
                 if reason:
                     problems.append(Problem(op_name(node.target), module_path_of(node),
-                                            _names(sources[node.args[i]], param_names), reason))
+                                            _names(sources[node.args[i]], param_names), reason, source_of(node)))
                     refused.add(node)
             if node not in refused:
                 candidates[node] = plan
@@ -2072,7 +2092,8 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, ex
             continue  # downstream of a refused op
         target, path = node.target, module_path_of(node)
         if _complex_valued(node):
-            problems.append(Problem(op_name(target), path, _names(sources[value], param_names), _COMPLEX))
+            problems.append(Problem(op_name(target), path, _names(sources[value], param_names), _COMPLEX,
+                                    source_of(node)))
             continue
         rule = lookup(target)
         kind = "direct" if value in param_names else "transform"
@@ -2086,7 +2107,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, ex
                     f"torch.autograd.Function {function_call(node).name}", path,
                     _names(sources[value], param_names),
                     "its backward can give per-sample gradients only when every differentiable output "
-                    "is batched; register a rule for it with fxdp.register_rule"))
+                    "is batched; register a rule for it with fxdp.register_rule", source_of(node)))
             else:
                 uses.append(UseSite(node, index, kind, sources[value], generic=generic))
             continue
@@ -2095,7 +2116,8 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, ex
                 [_arg_batch(a, batch) for a in node.args], [_meta(a) for a in node.args], index
             ) if rule.check else None
             if reason:
-                problems.append(Problem(op_name(target), path, _names(sources[value], param_names), reason))
+                problems.append(Problem(op_name(target), path, _names(sources[value], param_names), reason,
+                                        source_of(node)))
             else:
                 uses.append(UseSite(node, index, kind, sources[value]))
             continue
@@ -2107,7 +2129,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, ex
             op_name(target), path, _names(sources[value], param_names),
             f"no per-sample rule for a parameter used by {op_name(target)}"
             + ("" if index is None else f" (argument {index})")
-            + "; register one with fxdp.register_rule"))
+            + "; register one with fxdp.register_rule", source_of(node)))
     return uses, broadcasts
 
 

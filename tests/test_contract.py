@@ -7,6 +7,7 @@ unless a test is about Inductor.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import math
 import re
@@ -1832,6 +1833,19 @@ def test_validate_lists_every_problem():
     with refused("BatchNorm in training mode") as info:
         dp(randn(6, 4))
     assert {p.op for p in info.unsupported.problems} == set(by_op)
+
+
+def test_a_problem_names_the_line_of_code_it_comes_from():
+    """Each problem names the file, line and code it was traced from: a module path
+    alone ("<top level>") does not say which ``mean`` it is."""
+    problems = fxdp.validate(TwoProblems().to(DTYPE), randn(6, 4))
+    by_op = {p.op: p for p in problems}
+    line = inspect.getsourcelines(TwoProblems.forward)[1] + 2
+    code = "return torch.relu(h) + self.bn(h) + (h - h.mean(0))"
+    assert by_op["aten.mean.dim"].source == f"{__file__}:{line}: {code}"
+    assert by_op["aten.batch_norm.default"].source == f"{__file__}:{line}: {code}"
+    with refused(re.escape(f"aten.mean.dim in <top level> (at {__file__}:{line}: {code}): mixes samples")):
+        fxdp.transform(TwoProblems().to(DTYPE), compiler="eager")(randn(6, 4))
 
 
 def test_validate_of_a_supported_model_is_empty():
