@@ -320,6 +320,23 @@ def _select_scatter_as_slice(base, src, dim, index):
     return torch.ops.aten.slice_scatter.default(base, src.unsqueeze(dim), dim, index, index + 1)
 
 
+def _index_fill_as_where(self, dim, index, value):
+    """``index_fill`` with a tensor value as ``where`` over a mask of the filled positions:
+    the same values, and the value's gradient is the sum over those positions. ATen's
+    formula for it dedupes the indices with ``_unique``, whose size depends on the data,
+    so the per-sample VJP of a trainable value (``h.index_fill_(1, idx, self.s)``) could
+    not be traced where the indices are a graph input (a buffer, under the backend)."""
+    size = self.shape[dim] if self.dim() else 1
+    mask = torch.zeros(size, dtype=torch.bool, device=self.device).index_fill(0, index.reshape(-1), True)
+    if self.dim():
+        mask = mask.view([size if d == dim % self.dim() else 1 for d in range(self.dim())])
+    return torch.where(mask.reshape(()) if not self.dim() else mask, value.to(self.dtype), self)
+
+
+def _index_fill__as_where(self, dim, index, value):
+    return self.copy_(_index_fill_as_where(self, dim, index, value))
+
+
 def _take_along_dim_as_gather(input, indices, dim=None):
     """``take_along_dim`` as ``gather`` of its operands broadcast, as ATen writes it, but
     with the operands' own sizes: its kernel reads them as ints, which on a graph with a
@@ -405,6 +422,8 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         torch.ops.aten.sum.dim_IntList: _reduction_of_one_value,
         torch.ops.aten.mean.dim: _reduction_of_one_value,
         torch.ops.aten.take_along_dim.default: _take_along_dim_as_gather,
+        torch.ops.aten.index_fill.int_Tensor: _index_fill_as_where,
+        torch.ops.aten.index_fill_.int_Tensor: _index_fill__as_where,
         torch.ops.aten.batch_norm.default: _batch_norm_eval_as_affine,
         **_chunked_linear_cross_entropy_ops(),
     }

@@ -580,3 +580,40 @@ def test_a_masked_fill_by_a_parameter_is_exact():
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
                      tolerance(torch.float64), "grad_sample")
     assert ref.per_sample["s"].abs().min() > 0
+
+
+class IndexFilledByAParameter(nn.Module):
+    """``h.index_fill_(1, idx, self.s)`` with the indices a buffer, one repeated."""
+
+    def __init__(self, in_place: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.in_place = in_place
+        self.l1, self.l2 = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.s = nn.Parameter(torch.tensor(0.3))
+        self.register_buffer("idx", torch.tensor([2, 0, 4, 2]))
+
+    def forward(self, x):
+        h = self.l1(x)
+        h = h.index_fill_(1, self.idx, self.s) if self.in_place else h.index_fill(1, self.idx, self.s)
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("wrapped", ["transform", "backend"])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "out_of_place"])
+def test_an_index_fill_by_a_parameter_is_exact(in_place, wrapped):
+    """As ``torch.where`` over the filled positions: under the backend, where the indices
+    are a graph input, the per-sample VJP of ``s`` failed on ATen's ``_unique`` of them
+    (a size that depends on the data)."""
+    model = IndexFilledByAParameter(in_place).double()
+    call = (fxdp.transform(model, grad_sample=True, compiler="eager") if wrapped == "transform"
+            else torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager")))
+    for size in (B, B + 1):
+        x = torch.randn(size, 6, dtype=torch.float64)
+        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+        out = call(x)
+        torch.testing.assert_close(out, model(x))
+        out.pow(2).sum(1).mean().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), "grad_sample")
+        model.zero_grad()
