@@ -756,3 +756,21 @@ def test_an_rnn_fed_a_new_sequence_length_beyond_the_limit_says_to_pad(recompile
     with pytest.raises(fxdp.UnsupportedError, match="unrolled per sequence length"):
         dp(randn(2, 6, 3))[0].pow(2).sum((1, 2)).mean().backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+BATCH_IN_A_GLOBAL = randn(5, 4)
+
+
+def test_a_batch_read_from_a_global_is_named():
+    """A compiled step that reads its batch from a global has no argument to take the
+    batch size from: the message names the global it took as shared."""
+    model = MLP().to(DTYPE)
+
+    @torch.compile(backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    def step():
+        mean_sq_loss(model(BATCH_IN_A_GLOBAL)).backward()
+
+    with pytest.raises(Exception, match=r"pass the batch to the compiled function \(or module\) as an argument; "
+                                        r"G\['BATCH_IN_A_GLOBAL'\] comes from a global"):
+        step()
+    assert all(p.grad is None for p in model.parameters())
