@@ -617,3 +617,85 @@ def test_an_index_fill_by_a_parameter_is_exact(in_place, wrapped):
         assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
                          tolerance(torch.float64), "grad_sample")
         model.zero_grad()
+
+
+class WrittenAtSharedRows(nn.Module):
+    """``h[arange(B)[:, None], idx.expand(B, 3)] = v``: each sample writes a trainable
+    value at its own row, with a shared index tensor that has a row per sample."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.form = form
+        self.v = nn.Parameter(torch.randn(3))
+        self.l1, self.l2 = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.register_buffer("idx", torch.tensor([2, 0, 4]))
+
+    def forward(self, x):
+        size = x.shape[0]
+        h, rows = self.l1(x), torch.arange(size)[:, None]
+        if self.form == "expand":
+            h[rows, self.idx.expand(size, 3)] = self.v
+        elif self.form == "repeat":
+            h[rows, self.idx.repeat(size, 1)] = self.v
+        else:
+            h.index_put_((rows.expand(size, 3), self.idx.expand(size, 3)), self.v.expand(size, 3), accumulate=True)
+        return self.l2(torch.tanh(h))
+
+
+@pytest.mark.parametrize("form", ["expand", "repeat", "accumulate"])
+def test_a_write_at_rows_of_a_shared_index_with_a_row_per_sample_is_exact(form):
+    """Sample ``b`` writes at row ``b`` of the shared index: the per-sample VJP ran each
+    sample's op with every row, so each sample's gradient of ``v`` was the batch's sum
+    (``B`` times its own where the samples agree), and the clipped gradient and the
+    norms were wrong with it."""
+    model = WrittenAtSharedRows(form).double()
+    for options in ({"grad_sample": True}, {"max_grad_norm": 0.5}):
+        dp = fxdp.transform(model, compiler="eager", **options)
+        for size in (B, B + 1):
+            x = torch.randn(size, 6, dtype=torch.float64)
+            ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+            model.zero_grad()
+            dp(x).pow(2).sum(1).mean().backward()
+            got = ({n: p.grad_sample for n, p in model.named_parameters()} if "grad_sample" in options
+                   else {n: p.grad for n, p in model.named_parameters()})
+            want = ref.per_sample if "grad_sample" in options else ref.grad("mean", 0.5)
+            assert_close_all(got, want, tolerance(torch.float64), str(options))
+            if "max_grad_norm" in options:
+                assert_close_all({"norms": dp.per_sample_norms}, {"norms": ref.norms}, tolerance(torch.float64),
+                                 "per_sample_norms")
+
+
+class ScatterMeanOfAParameter(nn.Module):
+    """``h.scatter_reduce_(1, y, v.expand(B, 3), "mean", include_self=False)``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.v = nn.Parameter(torch.randn(3))
+
+    def forward(self, x, y):
+        h = self.l1(x)
+        h.scatter_reduce_(1, y, self.v.expand(x.shape[0], 3), "mean", include_self=False)
+        return self.l2(torch.tanh(h))
+
+
+def test_a_write_in_a_per_sample_vjp_is_compiled_right_by_inductor():
+    """The per-sample VJP of ``v`` traces ATen's backward of the mean, with its in-place
+    ``masked_fill_`` of the counts, into the rewritten backward; Inductor, on one thread,
+    compiled that write wrong (the counts one too large: ``v``'s per-sample gradients
+    0.3 off). The write is now handed to Inductor as its out-of-place twin."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = ScatterMeanOfAParameter().double()
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 6, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 4, (3, 3), generator=g)
+        ref = reference(model, [x, y], lambda out, i: out.pow(2).sum())
+        fxdp.transform(model, grad_sample=True, compiler="inductor")(x, y).pow(2).sum(1).mean().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), "grad_sample")
+    finally:
+        torch.set_num_threads(threads)

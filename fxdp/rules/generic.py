@@ -54,6 +54,33 @@ def _batch_ranges(op: Any, args: tuple, layouts: dict[int, BatchDim]) -> dict[tu
     return {} if dim is None else {(1, d): dim}
 
 
+def _rows_of_shared_indices(args: tuple, listed: list[tuple[int, int]], layouts: list[BatchDim],
+                            ranges: dict[tuple[int, int], int]) -> list[BatchDim]:
+    """``layouts`` of the tensors in list arguments, where a shared index tensor broadcast
+    against ``arange(B)`` has a dim of size ``B`` at its place (``out[arange(B)[:, None],
+    idx.expand(B, k)] = v``) batched along that dim: sample ``b`` writes at its row ``b``
+    of it. Taken whole, every sample's own op wrote at all ``B`` rows: ``B`` times its
+    gradient of ``v``."""
+    from fxdp.passes.batch_dims import _advanced_index_layout
+
+    if not ranges:
+        return layouts
+    (i, d), dim = next(iter(ranges.items()))
+    indices = args[i]
+    by_batch = indices[d].meta["val"]
+    broadcast = _advanced_index_layout(indices)[1]
+    at = dim + broadcast - by_batch.dim()  # the batch's place among the broadcast dims
+    out = []
+    for (k, j), layout in zip(listed, layouts):
+        index = args[k][j].meta["val"]
+        own = at - broadcast + index.dim()
+        if (k == i and j != d and layout.dim in ("raw", "shared", None) and 0 <= own < index.dim()
+                and index.dtype not in (torch.bool, torch.uint8) and bool(index.shape[own] == by_batch.shape[dim])):
+            layout = BatchDim(own)
+        out.append(layout)
+    return out
+
+
 def _hinted(value: Any) -> Any:
     """``value`` with its symbolic sizes replaced by the sizes of this trace's example."""
     if isinstance(value, (torch.SymInt, torch.SymFloat)):
@@ -171,8 +198,8 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
     # batch layout is the one the analysis left on their nodes.
     listed = [(i, j) for i, a in enumerate(args) if isinstance(a, (list, tuple))
               for j, x in enumerate(a) if isinstance(x, fx.Node)]
-    listed_layouts = [_listed_layout(args[i][j]) for i, j in listed]
     ranges = _batch_ranges(op, args, layouts)
+    listed_layouts = _rows_of_shared_indices(args, listed, [_listed_layout(args[i][j]) for i, j in listed], ranges)
     template = [None if i in tensor_indices else (list(a) if isinstance(a, (list, tuple)) else a)
                 for i, a in enumerate(args)]
 
