@@ -699,3 +699,44 @@ def test_a_write_in_a_per_sample_vjp_is_compiled_right_by_inductor():
                          tolerance(torch.float64), "grad_sample")
     finally:
         torch.set_num_threads(threads)
+
+
+class CopiedFromAParameter(nn.Module):
+    """``h[:, 1:3].copy_(self.w)``: a trainable value broadcast into every sample's rows."""
+
+    def __init__(self, value: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.value = value
+        self.l1, self.l2 = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.w, self.s = nn.Parameter(torch.randn(6)), nn.Parameter(torch.tensor(0.4))
+
+    def forward(self, x):
+        h = self.l1(x)  # [B, 4, 6]
+        if self.value == "row":
+            h[:, 1:3].copy_(self.w)
+        else:
+            h[:, ::2].copy_(self.s)
+        return self.l2(h).mean(1)
+
+
+@pytest.mark.parametrize("wrapped", ["transform", "backend"])
+@pytest.mark.parametrize("value", ["row", "scalar"])
+def test_a_copy_of_a_parameter_into_a_slice_of_the_batch_is_exact(value, wrapped):
+    """The per-sample VJP ran ATen's ``aten.copy``, which has no derivative: a raw
+    "derivative for aten::copy is not implemented". It runs ``copy_``'s values out of
+    place instead."""
+    model = CopiedFromAParameter(value).double()
+    model.requires_grad_(True)
+    (model.s if value == "row" else model.w).requires_grad_(False)
+    call = (fxdp.transform(model, grad_sample=True, compiler="eager") if wrapped == "transform"
+            else torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager")))
+    for size in (B, B + 1):
+        x = torch.randn(size, 4, 6, dtype=torch.float64)
+        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+        out = call(x)
+        torch.testing.assert_close(out, model(x))
+        out.pow(2).sum(1).mean().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters() if p.requires_grad},
+                         ref.per_sample, tolerance(torch.float64), "grad_sample")
+        model.zero_grad()

@@ -81,6 +81,16 @@ def _rows_of_shared_indices(args: tuple, listed: list[tuple[int, int]], layouts:
     return out
 
 
+def _copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``copy_``'s values out of place: ``src`` broadcast to ``self`` in its dtype (ATen's
+    ``aten.copy`` has no derivative)."""
+    return src.to(self.dtype).expand(self.shape)
+
+
+# Out-of-place twins with a derivative, where ATen's has none.
+_DIFFERENTIABLE_TWINS = {torch.ops.aten.copy_.default: _copy}
+
+
 def _hinted(value: Any) -> Any:
     """``value`` with its symbolic sizes replaced by the sizes of this trace's example."""
     if isinstance(value, (torch.SymInt, torch.SymFloat)):
@@ -171,7 +181,7 @@ def _of_argument(compute: Any, args: Sequence[Any], index: int):
     def call(value):
         full = list(args)
         full[index] = value
-        return call_with_schema_args(compute, full)
+        return call_with_schema_args(compute, full) if hasattr(compute, "_schema") else compute(*full)
 
     return call
 
@@ -191,7 +201,7 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
 
     # An in-place op's gradients are its out-of-place twin's at the old value, which
     # ``_Tagged`` saves; vjp cannot write into a captured tensor.
-    compute = out_of_place(op) or op
+    compute = _DIFFERENTIABLE_TWINS.get(op) or out_of_place(op) or op
     tensor_indices = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
     # Tensors inside list arguments (aten.index's indices): marker operands numbered past
     # the op's arguments (see ``ParamRule.operands``); they arrive as they are, and their
