@@ -383,12 +383,14 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     c_batch = {canon_placeholders[index[n]]: b for n, b in placeholder_batch.items()}
     if batch_size is None and c_param_names:
         shared = [source_name(n) for n, t in zip(placeholders, fake_args)
-                  if isinstance(t, torch.Tensor) and n not in param_names]
+                  if isinstance(t, torch.Tensor) and n not in param_names and "_buffers" not in source_name(n)]
         raise ValueError(
             "fxdp found no tensor argument to take the batch size from: pass the batch to the compiled "
             "function (or module) as an argument"
             + (f"; {', '.join(shared[:4])}{', ...' if len(shared) > 4 else ''} comes from a global, a "
-               "closure or an attribute, which fxdp takes as shared by all samples" if shared else ""))
+               "closure or an attribute, which fxdp takes as shared by all samples" if shared else
+               "; a forward that reads only the sizes of its arguments (x.shape[0]) gives no sample an "
+               "output of its own"))
     analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
     analysis.notes = list(dict.fromkeys(notes))
     if analysis.loss is not None and analysis.loss != options.loss_reduction:

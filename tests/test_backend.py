@@ -774,3 +774,21 @@ def test_a_batch_read_from_a_global_is_named():
                                         r"G\['BATCH_IN_A_GLOBAL'\] comes from a global"):
         step()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_forward_that_reads_only_the_batch_size_is_named():
+    """Only ``x.shape[0]`` of the input is read: the graph has no tensor argument, and the
+    message says why rather than naming a buffer as the culprit."""
+
+    class SizeOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x):
+            return self.w.expand(x.shape[0], 4) * self.scale
+
+    with pytest.raises(Exception, match=r"reads only the sizes of its arguments \(x.shape\[0\]\)") as info:
+        fxdp.transform(SizeOnly().to(DTYPE), max_grad_norm=1.0, compiler="eager")(randn(5, 4))
+    assert "_buffers" not in str(info.value)
