@@ -574,7 +574,10 @@ def masked_fill_by_index_put_as_where_pass(gm: fx.GraphModule) -> fx.GraphModule
 
     The same values, without a selection whose size depends on the data: with ``v``
     a parameter (``h[h > 0.5] = self.s``) its per-sample VJP ran ``vmap`` over the
-    boolean indexing, which ``vmap`` cannot batch."""
+    boolean indexing, which ``vmap`` cannot batch. A read-modify-write through the mask
+    (``h[x > 0] *= 2``, ``h[h > 0] += self.s``: ``v = f(h[mask], c)``) is
+    ``torch.where(mask, f(h, c), h)``: the read flattened the samples' selections into
+    one list, and was refused."""
     for node in list(gm.graph.nodes):
         if node.target is not torch.ops.aten.index_put.default or named_arg(node, "accumulate", False):
             continue
@@ -584,8 +587,13 @@ def masked_fill_by_index_put_as_where_pass(gm: fx.GraphModule) -> fx.GraphModule
             continue
         mask, h, v = masks[0].meta.get("val"), data.meta.get("val"), values.meta.get("val")
         if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and isinstance(v, torch.Tensor)
-                and tuple(mask.shape) == tuple(h.shape) and v.dim() == 0):
+                and tuple(mask.shape) == tuple(h.shape)):
             continue
+        if v.dim() != 0:
+            values = _of_the_whole(gm, values, data, masks[0])
+            if values is None:
+                continue
+            v = values.meta["val"]
         with gm.graph.inserting_before(node):
             if v.dtype != h.dtype:
                 values = _call(gm, torch.ops.aten._to_copy.default, (values,), node, {"dtype": h.dtype})
@@ -593,6 +601,25 @@ def masked_fill_by_index_put_as_where_pass(gm: fx.GraphModule) -> fx.GraphModule
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _of_the_whole(gm: fx.GraphModule, values: fx.Node, data: fx.Node, mask: fx.Node) -> fx.Node | None:
+    """For ``values = f(data[mask], c)`` with ``f`` elementwise and ``c`` single values
+    (``h[mask] *= 2``, ``h[mask] += self.s``): ``f(data, c)``, whose elements at ``mask``
+    are those values, or ``None``. The read ``data[mask]`` flattens the samples'
+    selections into one list; the whole tensor keeps them apart."""
+    target = values.target
+    if values.op != "call_function" or torch.Tag.pointwise not in getattr(target, "tags", ()):
+        return None
+    reads = [a for a in values.args if isinstance(a, fx.Node) and a.target is torch.ops.aten.index.Tensor
+             and a.args[0] is data and list(a.args[1]) == [mask]]
+    others = [a for a in values.all_input_nodes if a not in reads]
+    if len(reads) != 1 or values.kwargs or any(
+            not isinstance(a.meta.get("val"), torch.Tensor) or a.meta["val"].dim() != 0 for a in others):
+        return None
+    args = tuple(data if a is reads[0] else a for a in values.args)
+    with gm.graph.inserting_before(values):
+        return _call(gm, target, args, values)
 
 
 # Ops that return views of their input's pieces, each taken by an ``operator.getitem``.

@@ -740,3 +740,36 @@ def test_a_copy_of_a_parameter_into_a_slice_of_the_batch_is_exact(value, wrapped
         assert_close_all({n: p.grad_sample for n, p in model.named_parameters() if p.requires_grad},
                          ref.per_sample, tolerance(torch.float64), "grad_sample")
         model.zero_grad()
+
+
+class ChangedThroughAMask(nn.Module):
+    """``h[x > 0] *= 2`` and ``h[h > 0] += self.s``: read-modify-writes through a
+    per-sample boolean mask."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.s = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x):
+        h = self.l1(x)
+        h[x > 0] *= 2.0
+        h[h > 0] += self.s
+        return self.l2(torch.tanh(h))
+
+
+def test_a_read_modify_write_through_a_mask_is_exact():
+    """``where(mask, f(h), h)``: the read ``h[mask]`` flattens the samples' selections
+    into one list, and was refused, though each sample's elements stay its own."""
+    model = ChangedThroughAMask().double()
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    for size in (B, B + 1):
+        x = torch.randn(size, 6, dtype=torch.float64)
+        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+        out = dp(x)
+        torch.testing.assert_close(out, model(x))
+        out.pow(2).sum(1).mean().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), "grad_sample")
+        model.zero_grad()
