@@ -2077,13 +2077,17 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, ex
             if carries_no_gradient(value, without_grad):
                 continue  # no gradient flows back (spectral norm's power-iteration vectors)
             problems.append(Problem("output", "", _names(sources[value], param_names),
-                                    "a parameter (or a value computed from parameters alone) is returned; "
-                                    "fxdp cannot see how each sample's loss uses it, so its gradient cannot "
-                                    "be made per-sample: give it a batch dim inside the forward (a flow's "
-                                    "log-determinant of its weights: logdet.expand(x.shape[0]), added to "
-                                    "each sample's term). The old hooks torch.nn.utils.weight_norm and "
-                                    "spectral_norm store their weight on the module this way: use "
-                                    "torch.nn.utils.parametrizations.weight_norm and spectral_norm instead"))
+                                    "a parameter (or a value computed from parameters alone) is returned, "
+                                    "or stored by the forward on a module or elsewhere (the graph returns what "
+                                    "the forward stores); fxdp cannot see how each sample's loss uses it, so "
+                                    "its gradient cannot be made per-sample: give it a batch dim inside the "
+                                    "forward (a flow's log-determinant of its weights: "
+                                    "logdet.expand(x.shape[0]), added to each sample's term), and compute a "
+                                    "cache of it afresh in every training call instead of storing it (timm's "
+                                    "LeViT keeps attention_bias_cache in eval mode). The old hooks "
+                                    "torch.nn.utils.weight_norm and spectral_norm store their weight on the "
+                                    "module this way: use torch.nn.utils.parametrizations.weight_norm and "
+                                    "spectral_norm instead"))
             continue
         if node in sources or (node.op == "call_function" and _is_number(node)):
             continue  # a parameter-only computation (a transform, judged where it meets data), a size or number

@@ -890,6 +890,27 @@ def test_old_spectral_norm_hook_is_refused_with_the_replacement():
     assert "is returned" in message and "parametrizations" in message
 
 
+class CachesABias(nn.Module):
+    """timm's LeViT in eval mode: the forward stores a value of a parameter alone on the
+    module (``attention_bias_cache``) and uses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.biases = nn.Parameter(torch.randn(2, D))
+        self.register_buffer("idx", torch.tensor([1, 0]))
+        self.cache = {}
+
+    def forward(self, x):
+        self.cache["bias"] = self.biases[self.idx].sum(0)
+        return x + self.cache["bias"]
+
+
+def test_a_value_of_parameters_stored_by_the_forward_is_refused_with_the_fix():
+    message = _reasons(CachesABias(), torch.randn(B, D))
+    assert "or stored by the forward on a module or elsewhere" in message
+    assert "compute a cache of it afresh in every training call" in message
+
+
 class ActNormFlow(nn.Module):
     """Glow's actnorm: ``z = (x + bias) * exp(log_scale)`` and the log-determinant of the
     weights alone, returned as one number or given a batch dim."""
