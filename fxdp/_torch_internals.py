@@ -309,13 +309,17 @@ def writes_into_temporaries_as_functions(gm: fx.GraphModule) -> fx.GraphModule:
     from fxdp.passes.writes import is_view
     from fxdp.registry import out_of_place
 
+    def fresh(node: Any) -> bool:  # an op's own new tensor: no view, no piece, no written input
+        schema = getattr(node.target, "_schema", None) if isinstance(node, fx.Node) else None
+        return schema is not None and len(schema.returns) == 1 and schema.returns[0].alias_info is None
+
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     changed = False
     for node in list(gm.graph.nodes):
         twin = out_of_place(node.target) if node.op == "call_function" else None
         target = node.args[0] if twin is not None and node.args else None
-        if not (isinstance(target, fx.Node) and target.op == "call_function" and not is_view(target)
-                and all(u is node or (order[u] < order[node] and not is_view(u)) for u in target.users)):
+        if not (fresh(target) and all(u is node or (order[u] < order[node] and not is_view(u))
+                                      for u in target.users)):
             continue
         with gm.graph.inserting_before(node):
             functional = gm.graph.call_function(twin, node.args, node.kwargs)
