@@ -630,7 +630,8 @@ def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
                     str(division.target), module_path_of(division), "",
                     "the loss is divided by the sum of a mask whose rows of several samples are merged, "
                     "and fxdp finds no input to tell them apart by (to check that every sample's mask "
-                    "sums to as much): divide by a fixed number instead, with loss_reduction='sum'", source_of(division))])
+                    "sums to as much): divide by a fixed number instead, with loss_reduction='sum'",
+                    source_of(division))])
         with gm.graph.inserting_before(division):
             gm.graph.call_function(fxdp_same_mask_sums, args)
     gm.graph.lint()
