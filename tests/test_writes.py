@@ -582,6 +582,20 @@ def test_a_masked_fill_by_a_parameter_is_exact():
     assert ref.per_sample["s"].abs().min() > 0
 
 
+def assert_exact_at_two_batch_sizes(model: nn.Module, call, *shape: int) -> None:
+    """``call`` (``model`` made per-sample) gives ``model``'s output and, for the trainable
+    parameters, the reference's per-sample gradients, at batch sizes ``B`` and ``B + 1``."""
+    for size in (B, B + 1):
+        x = torch.randn(size, *shape, dtype=torch.float64)
+        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+        out = call(x)
+        torch.testing.assert_close(out, model(x))
+        out.pow(2).sum(1).mean().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters() if p.requires_grad},
+                         ref.per_sample, tolerance(torch.float64), "grad_sample")
+        model.zero_grad()
+
+
 class IndexFilledByAParameter(nn.Module):
     """``h.index_fill_(1, idx, self.s)`` with the indices a buffer, one repeated."""
 
@@ -608,15 +622,7 @@ def test_an_index_fill_by_a_parameter_is_exact(in_place, wrapped):
     model = IndexFilledByAParameter(in_place).double()
     call = (fxdp.transform(model, grad_sample=True, compiler="eager") if wrapped == "transform"
             else torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager")))
-    for size in (B, B + 1):
-        x = torch.randn(size, 6, dtype=torch.float64)
-        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
-        out = call(x)
-        torch.testing.assert_close(out, model(x))
-        out.pow(2).sum(1).mean().backward()
-        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
-                         tolerance(torch.float64), "grad_sample")
-        model.zero_grad()
+    assert_exact_at_two_batch_sizes(model, call, 6)
 
 
 class WrittenAtSharedRows(nn.Module):
@@ -731,15 +737,7 @@ def test_a_copy_of_a_parameter_into_a_slice_of_the_batch_is_exact(value, wrapped
     (model.s if value == "row" else model.w).requires_grad_(False)
     call = (fxdp.transform(model, grad_sample=True, compiler="eager") if wrapped == "transform"
             else torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager")))
-    for size in (B, B + 1):
-        x = torch.randn(size, 4, 6, dtype=torch.float64)
-        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
-        out = call(x)
-        torch.testing.assert_close(out, model(x))
-        out.pow(2).sum(1).mean().backward()
-        assert_close_all({n: p.grad_sample for n, p in model.named_parameters() if p.requires_grad},
-                         ref.per_sample, tolerance(torch.float64), "grad_sample")
-        model.zero_grad()
+    assert_exact_at_two_batch_sizes(model, call, 4, 6)
 
 
 class ChangedThroughAMask(nn.Module):
@@ -763,13 +761,4 @@ def test_a_read_modify_write_through_a_mask_is_exact():
     """``where(mask, f(h), h)``: the read ``h[mask]`` flattens the samples' selections
     into one list, and was refused, though each sample's elements stay its own."""
     model = ChangedThroughAMask().double()
-    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
-    for size in (B, B + 1):
-        x = torch.randn(size, 6, dtype=torch.float64)
-        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
-        out = dp(x)
-        torch.testing.assert_close(out, model(x))
-        out.pow(2).sum(1).mean().backward()
-        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
-                         tolerance(torch.float64), "grad_sample")
-        model.zero_grad()
+    assert_exact_at_two_batch_sizes(model, fxdp.transform(model, grad_sample=True, compiler="eager"), 6)
