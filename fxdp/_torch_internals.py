@@ -321,12 +321,7 @@ def writes_into_temporaries_as_functions(gm: fx.GraphModule) -> fx.GraphModule:
         if not (fresh(target) and all(u is node or (order[u] < order[node] and not is_view(u))
                                       for u in target.users)):
             continue
-        with gm.graph.inserting_before(node):
-            functional = gm.graph.call_function(twin, node.args, node.kwargs)
-        functional.meta.update(node.meta)
-        order[functional] = order[node]
-        node.replace_all_uses_with(functional)
-        gm.graph.erase_node(node)
+        order[_replace_by_call(gm, node, twin, node.args, node.kwargs)] = order[node]
         changed = True
     if changed:
         gm.graph.lint()
@@ -428,12 +423,7 @@ def inline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
     changed = False
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and hop is not None and node.target is hop:
-            body = getattr(gm, node.args[0].target)
-            with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(_call_body, (body, *node.args[1:]))
-            new.meta.update(node.meta)
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
+            _replace_by_call(gm, node, _call_body, (getattr(gm, node.args[0].target), *node.args[1:]))
             changed = True
     if changed:
         gm.graph.eliminate_dead_code()
@@ -443,6 +433,17 @@ def inline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _call_body(body, *args):
     return body(*args)
+
+
+def _replace_by_call(gm: fx.GraphModule, node: fx.Node, target: Callable, args: tuple,
+                     kwargs: dict | None = None) -> fx.Node:
+    """A call of ``target`` takes ``node``'s place, meta and uses; ``node`` leaves."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(target, args, kwargs or {})
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return new
 
 
 def graph_break_reason(gm: fx.GraphModule, brief: bool = False) -> str | None:
