@@ -64,8 +64,9 @@ OPS = [
                                                     alpha=2.0), aten.index_add.default, 3, p_shape=(T, D)),
     Op("index_copy_self", lambda x, p: p.expand(x.shape[0], T + 1, D).index_copy(1, torch.tensor([3, 0, 2]), x),
        aten.index_copy.default, 0, p_shape=(T + 1, D)),
-    Op("index_fill_value", lambda x, p: x.index_fill(1, torch.tensor([1]), p.sum()), aten.index_fill.int_Tensor,
-       3, p_shape=(1,)),
+    # index_fill by a tensor value canonicalises to where over the filled positions.
+    Op("index_fill_value", lambda x, p: x.index_fill(1, torch.tensor([1]), p.sum()), aten.where.self,
+       1, p_shape=(1,)),
     Op("index_reduce_self", lambda x, p: p.expand(x.shape[0], T, D).index_reduce(1, torch.tensor([1, 0, 1]), x,
                                                                                   "amax"),
        aten.index_reduce.default, 0, p_shape=(T, D)),
