@@ -28,7 +28,6 @@ __all__ = [
     "after_backward",
     "in_optimizer",
     "resumed_after",
-    "from_a_compiled_graph",
     "outputs_need_grad",
     "inline_checkpoints",
     "current_graph_task_id",
@@ -575,11 +574,6 @@ def resumed_after() -> tuple[str, str | None] | None:
     if resumed is None or in_optimizer() or after_backward():
         return None
     return f"{code.co_filename}:{resumed[1]}", _DATA_READ_BREAKS.get(resumed)
-
-
-def from_a_compiled_graph(grad_fn: Any) -> bool:
-    """Whether an autograd node is the backward of a graph AOTAutograd compiled."""
-    return type(grad_fn).__name__ == "CompiledFunctionBackward"
 
 
 def outputs_need_grad(gm: fx.GraphModule) -> bool:

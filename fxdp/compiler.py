@@ -185,14 +185,13 @@ def _carries_a_gradient(node: fx.Node) -> bool:
                and u.target not in (torch.Tensor.detach, torch.detach) for u in node.users)
 
 
-def _parameters_behind(t: torch.Tensor, eagerly: bool = False) -> list[torch.nn.Parameter]:
+def _parameters_behind(t: torch.Tensor) -> list[torch.nn.Parameter]:
     """The trainable ``nn.Parameter`` leaves of ``t``'s autograd history: what a gradient
-    into ``t`` reaches outside the graph it enters; ``eagerly``, those it reaches other
-    than through a compiled graph's backward."""
+    into ``t`` reaches outside the graph it enters."""
     found, seen, stack = [], set(), [t.grad_fn]
     while stack:
         fn = stack.pop()
-        if fn is None or fn in seen or (eagerly and internals.from_a_compiled_graph(fn)):
+        if fn is None or fn in seen:
             continue
         seen.add(fn)
         leaf = getattr(fn, "variable", None)  # AccumulateGrad
@@ -460,27 +459,32 @@ def _refuse_break(reason: str) -> None:
 
 def _refuse_gradients_after_a_break(gm: fx.GraphModule, example_inputs: Sequence[Any], where: str,
                                     data_read: str | None) -> None:
-    """Raise if a gradient can flow from ``gm``, which Dynamo resumes after a break at
-    ``where``, into a trainable tensor: one of its own inputs, or one that an input
-    reaches other than through a compiled graph's backward (that is, eagerly)."""
+    """Raise if ``gm``, which Dynamo resumes after a break at ``where``, computes with a
+    value that carries a gradient: a trainable input of its own (the forward split, each
+    part clipped apart), one computed eagerly at the break (a submodule Dynamo skipped:
+    unclipped), or one an earlier graph computed, with which a value read at the break
+    (a statistic of the batch, ``loss / loss.item()``) may now compute unseen. A graph
+    that only reads such values (``loss.detach()``) is harmless."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    own, reached = [], []
+    own, computed = [], []
     for node, real in zip(placeholders, example_inputs):
-        if not (isinstance(real, torch.Tensor) and real.requires_grad and _carries_a_gradient(node)):
-            continue
-        if real.grad_fn is None:
-            own.append(_param_name(source_name(node)))
-        else:
-            reached.extend(_parameters_behind(real, eagerly=True))
+        if isinstance(real, torch.Tensor) and real.requires_grad and _carries_a_gradient(node):
+            (computed if real.grad_fn is not None else own).append(_param_name(source_name(node)))
+    if not own and not computed:
+        return
     if data_read is not None and own:
         _refuse_break(f"{data_read}, and the graph after that uses parameters too ({', '.join(own[:3])}"
                       f"{', ...' if len(own) > 3 else ''}). Read values (loss.item(), print) once the "
                       "whole forward has run, or after loss.backward()")
-    if own or reached:
-        _refuse_break(
-            f"a break at {where}, before this graph, where the code ran eagerly, without fxdp (a submodule "
-            "whose frame Dynamo skipped, as it skips one with a break inside try/except; a "
-            "torch.compiler.disable'd function), and any parameter it used would get an unclipped gradient")
+    if data_read is not None:
+        _refuse_break(f"{data_read}, and the graph after that computes with values that carry gradients "
+                      f"({', '.join(computed[:3])}), with which a value read from the batch may compute "
+                      "unseen. Call backward() on the loss as it is when read, or read it after loss.backward()")
+    _refuse_break(
+        f"a break at {where}, before this graph, where the code ran eagerly, without fxdp (a submodule "
+        "whose frame Dynamo skipped, as it skips one with a break inside try/except; a "
+        "torch.compiler.disable'd function, a read of a value), and any parameter it used would get an "
+        "unclipped gradient, any value it read could enter the gradients unseen")
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,

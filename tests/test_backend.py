@@ -461,6 +461,30 @@ def test_a_value_read_inside_the_forward_is_refused():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("use", ["loss_scaled_by_its_value", "input_normalised_by_its_max"])
+def test_a_value_read_from_the_batch_that_may_enter_the_gradients_is_refused(use):
+    """A value read from the batch at a break reaches the graph after it as a number
+    fxdp cannot see: dividing the loss by it, or the input by its largest element before
+    the model, would tie every sample's gradient to the others. Refused, nothing written."""
+    model = MLP().to(DTYPE)
+
+    @torch.compile(backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    def step(x):
+        if use == "loss_scaled_by_its_value":
+            loss = mean_sq_loss(model(x))
+            value = loss.item()
+            (loss / value).backward()
+        else:
+            if x.abs().max() > 1.0:
+                x = x / 10.0
+            mean_sq_loss(model(x)).backward()
+
+    with refused("computes with values that carry gradients" if use == "loss_scaled_by_its_value"
+                 else r"and the graph after that uses parameters too \(lin1.weight"):
+        step(randn(5, 4))
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_parameters_used_eagerly_after_a_logged_loss_are_refused():
     """After an accepted read of the loss, a regulariser Dynamo runs eagerly (here a
     ``torch.compiler.disable``'d one) adds the ordinary gradient of its parameters to the
