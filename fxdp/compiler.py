@@ -415,13 +415,10 @@ def refuse_graph_break(gm: fx.GraphModule, options: Options, example_inputs: Seq
 
     Accepted: a break at the loss's ``backward()`` (a compiled train step; what follows
     it runs after the clipping), and a break where the compiled function itself reads a
-    value (``loss.item()``, ``print(loss)``, ``if loss > 10:``), as the one call Dynamo
-    runs eagerly there touches no parameter. A graph Dynamo resumes after a break is
-    refused where a gradient can flow from it into a parameter other than through an
-    earlier graph: its own parameters would be clipped apart from those before the
-    break, and one the code at the break used eagerly (a submodule Dynamo skipped) would
-    not be clipped at all (``internals.resumed_after``). Any other break ends a graph
-    whose code at the break runs eagerly, unseen: refused."""
+    value (``loss.item()``, ``print(loss)``), as the one call Dynamo runs eagerly there
+    touches no parameter. A graph Dynamo resumes after any other break is refused where
+    it computes with a value that carries a gradient (``_refuse_gradients_after_a_break``).
+    Any other break ends a graph whose code at the break runs eagerly, unseen: refused."""
     if options.max_grad_norm is None or internals.after_backward():
         return
     resumed = internals.resumed_after()
@@ -479,7 +476,8 @@ def _refuse_gradients_after_a_break(gm: fx.GraphModule, example_inputs: Sequence
     if data_read is not None:
         _refuse_break(f"{data_read}, and the graph after that computes with values that carry gradients "
                       f"({', '.join(computed[:3])}), with which a value read from the batch may compute "
-                      "unseen. Call backward() on the loss as it is when read, or read it after loss.backward()")
+                      "unseen. Call backward() on the loss as it is when read, or read it after "
+                      "loss.backward()")
     _refuse_break(
         f"a break at {where}, before this graph, where the code ran eagerly, without fxdp (a submodule "
         "whose frame Dynamo skipped, as it skips one with a break inside try/except; a "
