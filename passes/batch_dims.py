@@ -1674,11 +1674,16 @@ def _built_from(node: fx.Node, sources: Sequence[fx.Node]) -> bool:
     return False
 
 
-def _loss_misuse(target: Any, arg_batch: list) -> str:
-    """Why ``target`` may not follow the loss (``_scales_the_loss`` said no)."""
+def _loss_misuse(target: Any, arg_batch: list, out: Any = None) -> str:
+    """Why ``target`` (its example value ``out``) may not follow the loss
+    (``_scales_the_loss`` said no)."""
     reason = ("a reduction over the batch (the loss, or a statistic of the batch) is used by an op "
               "other than a sum, a scaling by shared values or a copy: each sample's term "
               "would depend on the other samples")
+    if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
+        reason += ("; a test of the loss that decides a branch (torch.isfinite(loss), loss > limit) makes "
+                   "whether and how every sample's gradient counts depend on the others: test it after "
+                   "loss.backward(), where it runs after the clipping")
     if (out_of_place(target) or target) in (aten.div.Tensor, aten.div.Scalar) and len(arg_batch) > 1 \
             and isinstance(arg_batch[1], Loss):
         reason += ("; here it divides by one, a normaliser from the whole batch's data "
@@ -1886,7 +1891,8 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                     divided_by_batch_size = True
                 batch[node] = loss
                 continue
-            problems.append(Problem(op_name(target), path, "", _loss_misuse(target, arg_batch), source_of(node)))
+            problems.append(Problem(op_name(target), path, "", _loss_misuse(target, arg_batch, _meta(node)),
+                                    source_of(node)))
             batch[node] = None
             continue
         try:

@@ -816,3 +816,27 @@ def test_a_forward_that_reads_only_the_batch_size_is_named():
     with pytest.raises(Exception, match=r"reads only the sizes of its arguments \(x.shape\[0\]\)") as info:
         fxdp.transform(SizeOnly().to(DTYPE), max_grad_norm=1.0, compiler="eager")(randn(5, 4))
     assert "_buffers" not in str(info.value)
+
+
+def test_a_test_of_the_loss_belongs_after_its_backward():
+    """``if not torch.isfinite(loss): raise`` before ``backward()`` is a branch on a
+    statistic of the batch: refused, with the line and where to move it. After the
+    backward it runs after the clipping, and the step is exact."""
+    model = MLP().to(DTYPE)
+
+    def step(x, check_first):
+        loss = mean_sq_loss(model(x))
+        if check_first and not torch.isfinite(loss):
+            raise RuntimeError("the loss is not finite")
+        loss.backward()
+        if not check_first and not torch.isfinite(loss):
+            raise RuntimeError("the loss is not finite")
+
+    backend = fxdp.backend(max_grad_norm=1.0, compiler="eager")
+    with refused(r"aten.isfinite.default in <top level> \(at .*test_backend.py:\d+: if check_first and not "
+                 r"torch.isfinite\(loss\):\).*test it after loss.backward\(\)"):
+        torch.compile(step, backend=backend)(randn(5, 4), True)
+    assert all(p.grad is None for p in model.parameters())
+    x = randn(5, 4)
+    torch.compile(step, backend=backend)(x, False)
+    assert_close_all(grads(model), reference(model, [x], per_sample_sq_loss).grad("mean", 1.0), TOL, "p.grad")
