@@ -404,11 +404,19 @@ def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
         forward_observer(g)
         return make_boxed_func(g.forward)
 
+    # AOTAutograd compiles the backward at the first backward(), from inside the user's
+    # frames: in a compiled train step that is the eager code Dynamo resumes around
+    # `loss.backward()`, where Dynamo would trace fxdp's compiler and the graphs it
+    # returns as user code. Dynamo's own `aot_autograd` backends (Inductor's too) keep
+    # it out the same way.
+    @torch._dynamo.disable(reason="fxdp's backward compiler is not user code")
     def bw(g, inputs):
-        return backward_compiler(g, inputs, lambda g2, i2: make_boxed_func(views_as_reshapes(g2).forward))
+        compiled = backward_compiler(g, inputs, lambda g2, i2: make_boxed_func(views_as_reshapes(g2).forward))
+        return torch._dynamo.disable(compiled, reason="fxdp's backward graph is not user code")
 
     with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False):
-        return aot_module_simplified(gm, list(example_inputs), fw_compiler=fw, bw_compiler=bw)
+        compiled = aot_module_simplified(gm, list(example_inputs), fw_compiler=fw, bw_compiler=bw)
+    return torch._dynamo.disable(compiled, reason="fxdp's compiled graphs are not user code")
 
 
 def inline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:

@@ -445,6 +445,40 @@ def test_a_train_step_may_read_its_loss_before_its_backward(read, capsys):
     assert capsys.readouterr().out.count("loss") == (2 if read == "print" else 0)
 
 
+def test_dynamo_does_not_trace_fxdp_compiling_the_backward_of_a_train_step():
+    """AOTAutograd compiles the backward at the first ``loss.backward()``, which a
+    compiled train step runs in the eager code Dynamo resumes around it. Under
+    ``compiler="eager"`` Dynamo traced fxdp's backward compiler there as user code: 136
+    frames for an MLP, and for a small CNN it hit the recompile limit inside fxdp's own
+    graph walks, which the backend makes a hard error, so the step failed on its first
+    call. No fxdp function is traced now, and the step is exact."""
+    import inspect
+
+    import fxdp._torch_internals
+    import fxdp.compiler
+    import fxdp.passes.writes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).to(DTYPE)
+
+    @torch.compile(backend=fxdp.backend(max_grad_norm=0.5, compiler="eager"))
+    def step(x):
+        loss = mean_sq_loss(model(x))
+        loss.backward()
+        return loss.detach()
+
+    for x in (randn(4, 3, 5, 5), randn(3, 3, 5, 5, seed=2)):
+        model.zero_grad()
+        step(x)
+        assert_close_all(grads(model), reference(model, [x], per_sample_sq_loss).grad("mean", 0.5), TOL, "p.grad")
+    traced = [f"{module.__name__}.{name}"
+              for module in (fxdp.compiler, fxdp._torch_internals, fxdp.passes.writes)
+              for name, fn in vars(module).items()
+              if inspect.isfunction(fn) and torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)]
+    assert traced == []
+
+
 def test_a_value_read_inside_the_forward_is_refused():
     """``.item()`` between two layers splits the forward into two graphs, each of which
     would clip its own parameters: the graph after the read is refused, and says why."""
