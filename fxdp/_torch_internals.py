@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import threading
+import types
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -629,15 +632,7 @@ def backend_error(error: BaseException) -> BaseException | None:
             "Dynamo cannot capture it there; change that code or move it out of the forward "
             f"(a step done once, before the transform). Dynamo's reason: {error}")
     if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
-        return UnsupportedError(
-            "Dynamo hit its recompile limit (torch._dynamo.config.recompile_limit) and would run "
-            "the model eagerly, without the fxdp backward: its gradients would not be private. "
-            "Dynamo's warning above names the last recompile's reason (TORCH_LOGS=\"recompiles\" "
-            "logs them all). A size mismatch at the batch dim means something read the batch "
-            "size as an int, so each new size compiled anew (see \"Limits\" in the user guide). "
-            "An nn.LSTM/nn.GRU/nn.RNN is unrolled per sequence length, so each new length compiles "
-            "anew: pad every batch to one length (or a few). Otherwise raise the limit or keep input "
-            "shapes/types stable.")
+        return UnsupportedError(recompile_limit_message("the model"))
     if type(error) is RuntimeError and any(check in str(error) for check in RUN_TIME_CHECKS):
         # The in-graph guards of a mean over kept targets or masks (``fxdp_same_kept_targets``,
         # ``fxdp_same_mask_sums``) can only raise what ``torch._assert_async`` raises.
@@ -654,8 +649,6 @@ def in_double_backward() -> bool:
     inside an autograd.Function forward (grad mode off), so ``torch.is_grad_enabled()``
     cannot tell; its frame on the stack can.
     """
-    import sys
-
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
@@ -669,13 +662,68 @@ def current_graph_task_id() -> int:
     return int(torch._C._current_graph_task_id())
 
 
-def refuse_silent_eager_fallback() -> None:
-    """Make Dynamo raise at its recompile limit instead of running the frame eagerly,
-    for the whole process (the ``torch.compile`` backend sees no call of its own).
+def recompile_limit_message(what: str, limit: str = "recompile_limit", reason: str | None = None) -> str:
+    why = ("Dynamo's warning above names the last recompile's reason" if reason is None
+           else f"The last recompile's reason: {reason}")
+    return (
+        f"Dynamo hit its recompile limit (torch._dynamo.config.{limit}) and would run {what} "
+        f"eagerly, without the fxdp backward: its gradients would not be private. {why} "
+        "(TORCH_LOGS=\"recompiles\" logs them all). A size "
+        "mismatch at the batch dim means something read the batch size as an int, so each new size "
+        "compiled anew (see \"Limits\" in the user guide). An nn.LSTM/nn.GRU/nn.RNN is unrolled per "
+        "sequence length, so each new length compiles anew: pad every batch to one length (or a "
+        "few). Otherwise raise the limit or keep input shapes/types stable.")
 
-    An eager run would bypass the fxdp backward and leave unclipped gradients.
+
+_GUARDED_CODE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _code_dynamo_compiles() -> tuple[Any, dict] | None:
+    """The code object Dynamo is compiling, and the locals of its ``_compile(code, ...)``
+    (frame ids would not do: ``torch._dynamo.reset()`` numbers frames anew)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_compile" and frame.f_code.co_filename.endswith("convert_frame.py"):
+            code = frame.f_locals.get("code")
+            return (code, frame.f_locals) if isinstance(code, types.CodeType) else None
+        frame = frame.f_back
+    return None
+
+
+def refuse_silent_eager_fallback() -> None:
+    """Make Dynamo raise at its recompile limit, instead of running the frame whose graph
+    is being compiled eagerly: that would bypass the fxdp backward and leave unclipped
+    gradients.
+
+    The ``torch.compile`` backend sees no call of its own, so the check is Dynamo's own
+    recompile-limit test, wrapped once per process: it raises for the code the fxdp
+    backend compiled a trainable graph of. Every other frame keeps Dynamo's eager
+    fallback: a compiled step's optimizer update after ``backward()`` (where a
+    scheduler's learning rate is a new constant each step) and the user's other compiled
+    code. Where this torch has no such test, every frame of the process raises.
     """
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    convert_frame = torch._dynamo.convert_frame
+    check = getattr(convert_frame, "exceeds_recompile_limit", None)
+    compiling = _code_dynamo_compiles()
+    if compiling is None or check is None:
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        return
+    _GUARDED_CODE.add(compiling[0])
+    if getattr(check, "fxdp_guard", False):
+        return
+
+    def exceeds_recompile_limit(cache_size, compile_id):
+        exceeded, limit = check(cache_size, compile_id)
+        compiling = _code_dynamo_compiles() if exceeded else None
+        if compiling is not None and compiling[0] in _GUARDED_CODE:
+            code, reason = compiling[0], compiling[1].get("recompile_reason")
+            raise torch._dynamo.exc.FailOnRecompileLimitHit("fxdp: " + recompile_limit_message(
+                f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})", limit,
+                reason if isinstance(reason, str) else None))
+        return exceeded, limit
+
+    exceeds_recompile_limit.fxdp_guard = True
+    convert_frame.exceeds_recompile_limit = exceeds_recompile_limit
 
 
 def stance_without_backend() -> str | None:

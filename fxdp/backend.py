@@ -24,10 +24,10 @@ class Backend:
     Attributes:
         options: The validated options.
         records: One ``CompiledGraph`` per graph compiled, for ``explain()``.
-        guards_eager_fallback: Make Dynamo raise at its recompile limit, process-wide,
-            instead of running a frame eagerly without the fxdp backward. ``transform``
-            does without: it sets that for its own calls only, and checks that its graph
-            ran.
+        guards_eager_fallback: Make Dynamo raise at its recompile limit, instead of
+            running a frame eagerly without the fxdp backward, for each frame this backend
+            compiles a trainable graph of. ``transform`` does without: it sets that for its
+            own calls only, and checks that its graph ran.
         clip_norm: With ``max_grad_norm``, the ``C`` every graph of this backend reads
             at run time (``max_grad_norm`` below changes it between steps).
     """

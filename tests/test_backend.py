@@ -616,20 +616,64 @@ def test_parameter_in_two_graphs_of_a_break_raises():
 
 @pytest.fixture
 def recompile_limit_one():
-    # config.patch restores both settings afterwards
-    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+    # Dynamo's default, eager at the limit (conftest raises everywhere); config.patch
+    # restores both settings afterwards
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=False):
         yield
 
 
 def test_recompile_limit_raises_instead_of_running_eager(recompile_limit_one):
+    """At its recompile limit a frame the backend compiled a trainable graph of raises,
+    and says why, where Dynamo would run it eagerly; an unrelated compiled function
+    still runs eagerly at its limit."""
     model = MLP().to(DTYPE)
     compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
     mean_sq_loss(compiled(randn(5, 4))).backward()
     model.zero_grad()
-    with pytest.raises(Exception, match="recompile"):
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit,
+                       match=r"fxdp: Dynamo hit its recompile limit .* would run forward \(.*test_backend.py:\d+\) "
+                             "eagerly, without the fxdp backward.* The last recompile's reason: .* rank mismatch"):
         # a new rank needs a new graph, beyond the limit of one
         compiled(randn(2, 5, 4)).pow(2).sum((1, 2)).mean().backward()
     assert all(p.grad is None for p in model.parameters()), "no unclipped gradient left behind"
+    unrelated = torch.compile(lambda x: x.sum(), backend="eager")
+    for rank in range(1, 4):  # a new rank each call, past the limit: eager
+        unrelated(torch.ones([2] * rank))
+
+
+def test_a_scheduled_learning_rate_in_a_compiled_step_runs_past_the_recompile_limit():
+    """Under Inductor the optimizer update that a compiled step runs after
+    ``backward()`` recompiles for each new float learning rate of a scheduler. At
+    Dynamo's recompile limit (two here) it runs eagerly, after the clipping, as under any
+    backend; it used to raise ``FailOnRecompileLimitHit``, as the backend made every
+    frame of the process raise there. Six steps match the same optimizer and scheduler
+    fed the microbatch loop's clipped gradients."""
+    import copy
+
+    C, steps = 0.5, 6
+    model = MLP().to(DTYPE)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+                     for m in (model, twin))
+    sched, twin_sched = (torch.optim.lr_scheduler.LambdaLR(o, lambda k: 0.9 ** k) for o in (opt, twin_opt))
+
+    @torch.compile(backend=fxdp.backend(max_grad_norm=C))
+    def step(x):
+        mean_sq_loss(model(x)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=False):
+        for k in range(steps):
+            x = randn(5, 4, seed=k)
+            step(x)
+            sched.step()
+            for p, g in zip(twin.parameters(), reference(twin, [x], per_sample_sq_loss).grad("mean", C).values()):
+                p.grad = g
+            twin_opt.step()
+            twin_opt.zero_grad()
+            twin_sched.step()
+    assert_close_all(dict(model.named_parameters()), dict(twin.named_parameters()), TOL, "parameters")
 
 
 def test_transform_refuses_silent_eager_fallback(recompile_limit_one):
