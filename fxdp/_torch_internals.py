@@ -25,6 +25,7 @@ __all__ = [
     "annotate",
     "breaks_at_backward",
     "breaks_at_a_data_read",
+    "breaks_at_zero_grad",
     "graph_break_reason",
     "record_backward_break",
     "record_data_read",
@@ -499,6 +500,64 @@ def breaks_at_a_data_read(gm: fx.GraphModule) -> bool:
     return len(stack) == 1 and _DATA_READS.match(str(getattr(reason, "reason", ""))) is not None
 
 
+def _statement_receiver(code: Any, line: int, method: str) -> list | None:
+    """The loads that read the receiver when line ``line`` of ``code`` is the statement
+    ``<name>[.<attr>...].<method>(<constants>)`` and nothing else (but the jump past the
+    other branches, in an ``if``), else ``None``."""
+    import dis
+
+    ops = [i for i in dis.get_instructions(code) if i.positions is not None and i.positions.lineno == line
+           and i.opname not in ("RESUME", "NOP", "CACHE", "PUSH_NULL", "PRECALL", "KW_NAMES", "LOAD_CONST",
+                                "JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_NO_INTERRUPT", "JUMP")]
+    names = [i.opname for i in ops]
+    if len(ops) < 4 or names[-2:] != ["CALL", "POP_TOP"] or ops[-3].argval != method or names[-3] not in (
+            "LOAD_METHOD", "LOAD_ATTR"):
+        return None
+    loads = ops[:-3]
+    if loads[0].opname not in ("LOAD_FAST", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAME") or any(
+            i.opname != "LOAD_ATTR" for i in loads[1:]):
+        return None
+    return loads
+
+
+def _clears_gradients_only(code: Any, line: int, frame_globals: dict, frame_locals: dict,
+                           closure: Any) -> bool:
+    """Whether line ``line`` of ``code`` is the statement ``<receiver>.zero_grad(...)`` of a
+    torch optimizer or module (``opt.zero_grad()``, ``Optimizer.zero_grad`` being a
+    function Dynamo must not trace), read in the frame's variables. It sets ``.grad`` to
+    ``None`` or zero: no value is read, nothing computed that a gradient flows through."""
+    import builtins
+
+    loads = _statement_receiver(code, line, "zero_grad")
+    if loads is None:
+        return False
+    first, missing = loads[0], object()
+    if first.opname == "LOAD_GLOBAL":
+        value = frame_globals.get(first.argval, getattr(builtins, first.argval, missing))
+    else:
+        value = frame_locals.get(first.argval, missing)
+        if value is missing and first.opname == "LOAD_DEREF" and closure and first.argval in code.co_freevars:
+            value = closure[code.co_freevars.index(first.argval)].cell_contents
+    for load in loads[1:]:
+        value = missing if value is missing else getattr(value, load.argval, missing)
+    return value is not missing and getattr(type(value), "zero_grad", None) in (
+        torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad)
+
+
+def breaks_at_zero_grad(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` ends at the first graph break of the function Dynamo compiles, at
+    ``opt.zero_grad()`` in that function itself (see ``_clears_gradients_only``)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    stack = getattr(reason, "user_stack", None) or []
+    compiling = _code_dynamo_compiles()
+    if len(stack) != 1 or compiling is None:
+        return False
+    code, variables = compiling
+    return _resumed(code) is None and _clears_gradients_only(
+        code, stack[0].lineno, variables.get("globals") or {}, variables.get("locals") or {},
+        variables.get("closure"))
+
+
 # The breaks at ``backward()`` fxdp accepted: the original code object of the frame
 # (not a resume function's) and the line, each.
 _BACKWARD_BREAKS: set[tuple[Any, int]] = set()
@@ -569,11 +628,27 @@ def in_optimizer() -> bool:
     return code is not None and code.co_filename.startswith(os.path.join(os.path.dirname(torch.__file__), "optim"))
 
 
-def resumed_after() -> tuple[str, str | None] | None:
+def _first_resume() -> bool:
+    """Whether the resume function Dynamo compiles now is called by the function itself,
+    not by a resume function (after an earlier break): its caller is the first frame
+    outside torch on the stack above Dynamo's ``_compile``."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frame, seen_compile = sys._getframe(1), False
+    while frame is not None:
+        if frame.f_code.co_name == "_compile" and frame.f_code.co_filename.endswith("convert_frame.py"):
+            seen_compile = True
+        elif seen_compile and not frame.f_code.co_filename.startswith(torch_dir):
+            return not frame.f_code.co_name.startswith("torch_dynamo_resume_in_")
+        frame = frame.f_back
+    return False
+
+
+def resumed_after() -> tuple[str, str | None, bool] | None:
     """Where the graph break is that the frame Dynamo compiles now resumes after, when
-    that break is not a ``backward()`` fxdp accepted: ``"file:line"`` and, where fxdp
-    accepted a read of a value there (``record_data_read``), Dynamo's reason for it; else
-    ``None``.
+    that break is not a ``backward()`` fxdp accepted: ``"file:line"``; where fxdp
+    accepted a read of a value there (``record_data_read``), Dynamo's reason for it; and
+    whether the break was the function's first, at ``opt.zero_grad()``
+    (``_clears_gradients_only``). Else ``None``.
 
     Dynamo runs the code at a break eagerly, without any backend (the call of a
     submodule it skipped, say, as it skips a frame with a break inside ``try``), and
@@ -584,7 +659,11 @@ def resumed_after() -> tuple[str, str | None] | None:
     resumed = None if code is None else _resumed(code)
     if resumed is None or in_optimizer() or after_backward():
         return None
-    return f"{code.co_filename}:{resumed[1]}", _DATA_READ_BREAKS.get(resumed)
+    compiling = _code_dynamo_compiles()
+    cleared = compiling is not None and _first_resume() and _clears_gradients_only(
+        resumed[0], resumed[1], compiling[1].get("globals") or {}, compiling[1].get("locals") or {},
+        compiling[1].get("closure"))
+    return f"{code.co_filename}:{resumed[1]}", _DATA_READ_BREAKS.get(resumed), cleared
 
 
 def outputs_need_grad(gm: fx.GraphModule) -> bool:

@@ -433,6 +433,8 @@ def refuse_graph_break(gm: fx.GraphModule, options: Options, example_inputs: Seq
     if internals.breaks_at_a_data_read(gm):
         internals.record_data_read(gm)
         return
+    if internals.breaks_at_zero_grad(gm):
+        return
     if "DDPOptimizer" in reason:
         raise UnsupportedError(
             "fxdp cannot clip globally across the graphs Dynamo's DDPOptimizer splits a "
@@ -455,20 +457,26 @@ def _refuse_break(reason: str) -> None:
 
 
 def _refuse_gradients_after_a_break(gm: fx.GraphModule, example_inputs: Sequence[Any], where: str,
-                                    data_read: str | None) -> None:
+                                    data_read: str | None, cleared: bool) -> None:
     """Raise if ``gm``, which Dynamo resumes after a break at ``where``, computes with a
     value that carries a gradient: a trainable input of its own (the forward split, each
     part clipped apart), one computed eagerly at the break (a submodule Dynamo skipped:
     unclipped), or one an earlier graph computed, with which a value read at the break
     (a statistic of the batch, ``loss / loss.item()``) may now compute unseen. A graph
-    that only reads such values (``loss.detach()``) is harmless."""
+    that only reads such values (``loss.detach()``) is harmless. After a break at
+    ``opt.zero_grad()`` (``cleared``), which reads and computes nothing, only the values
+    an earlier graph computed are refused: the forward would be split there."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     own, computed = [], []
     for node, real in zip(placeholders, example_inputs):
         if isinstance(real, torch.Tensor) and real.requires_grad and _carries_a_gradient(node):
             (computed if real.grad_fn is not None else own).append(_param_name(source_name(node)))
-    if not own and not computed:
+    if not computed and (cleared or not own):
         return
+    if cleared:
+        _refuse_break(f"zero_grad() at {where} splits the forward: this graph computes with values that carry "
+                      f"gradients from the graph before it ({', '.join(computed[:3])}), and each would clip "
+                      "its parameters apart. Call zero_grad() before the forward or after the optimizer's step")
     if data_read is not None and own:
         _refuse_break(f"{data_read}, and the graph after that uses parameters too ({', '.join(own[:3])}"
                       f"{', ...' if len(own) > 3 else ''}). Read values (loss.item(), print) once the "

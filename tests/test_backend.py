@@ -479,6 +479,105 @@ def test_dynamo_does_not_trace_fxdp_compiling_the_backward_of_a_train_step():
     assert traced == []
 
 
+class Trainer:
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+
+@pytest.mark.parametrize("zero", ["opt", "opt_set_to_none_false", "attribute", "after_a_cast", "model"])
+def test_a_train_step_may_zero_the_gradients_first(zero):
+    """``opt.zero_grad()`` at the top of a compiled step (the usual order: zero, forward,
+    backward, step) breaks the graph, as Dynamo must not trace ``Optimizer.zero_grad``.
+    It was refused as a break before the forward where any code could have run eagerly;
+    a torch optimizer's (or module's) ``zero_grad`` only clears ``.grad``, so the step
+    is now clipped exactly, at two batch sizes, and its update matches the microbatch
+    loop's."""
+    import copy
+
+    model = MLP().to(DTYPE)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    trainer = Trainer(model, opt)
+
+    @torch.compile(backend=fxdp.backend(max_grad_norm=0.5, compiler="eager"))
+    def step(x):
+        if zero == "opt":
+            opt.zero_grad()
+        elif zero == "opt_set_to_none_false":
+            opt.zero_grad(set_to_none=False)
+        elif zero == "attribute":
+            trainer.opt.zero_grad()
+        elif zero == "after_a_cast":
+            x = x * 2
+            opt.zero_grad()
+        else:
+            model.zero_grad()
+        loss = mean_sq_loss(model(x))
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    for x in (randn(5, 4), randn(3, 4, seed=2), randn(5, 4, seed=3)):
+        step(x)
+        scale = 2 if zero == "after_a_cast" else 1
+        ref = reference(twin, [x * scale], per_sample_sq_loss).grad("mean", 0.5)
+        with torch.no_grad():
+            for p, g in zip(twin.parameters(), ref.values()):
+                p -= 0.5 * g
+        assert_close_all(dict(model.named_parameters()), dict(twin.named_parameters()), TOL, "parameters")
+
+
+class HomemadeOptimizer:
+    def __init__(self, params, x):
+        self.params, self.x = list(params), x
+
+    @torch.compiler.disable
+    def zero_grad(self):
+        self.scale = self.x.abs().max().item()  # a statistic of the batch, read eagerly
+
+
+def test_a_zero_grad_that_is_not_torchs_or_that_splits_the_forward_is_refused():
+    """What fxdp accepts at a break is ``zero_grad`` of a torch optimizer or module as
+    the step's first break. A ``zero_grad`` of another class may do anything eagerly
+    (here it reads a statistic of the batch that the forward then uses), a zero_grad
+    between two layers splits the forward, and one after a read of a value follows a
+    break that already ran code unseen: all three stay refused."""
+    model, x = MLP().to(DTYPE), randn(5, 4)
+    homemade = HomemadeOptimizer(model.parameters(), x)
+    backend = fxdp.backend(max_grad_norm=1.0, compiler="eager")
+
+    @torch.compile(backend=backend)
+    def homemade_step(x):
+        homemade.zero_grad()
+        mean_sq_loss(model(x / homemade.scale)).backward()
+
+    with refused("a break at .*, before this graph, where the code ran eagerly"):
+        homemade_step(x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @torch.compile(backend=backend)
+    def split_step(x):
+        h = torch.relu(model.lin1(x))
+        opt.zero_grad()
+        mean_sq_loss(model.lin2(h)).backward()
+
+    model.zero_grad()
+    with refused(r"zero_grad\(\) at .* splits the forward: .* from the graph before it \(h\)"):
+        split_step(x)
+    logged = []
+
+    @torch.compile(backend=backend)
+    def after_a_read(x):
+        logged.append(x.abs().max().item())
+        opt.zero_grad()
+        mean_sq_loss(model(x)).backward()
+
+    model.zero_grad()
+    with refused("a break at .*, before this graph, where the code ran eagerly"):
+        after_a_read(x)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_value_read_inside_the_forward_is_refused():
     """``.item()`` between two layers splits the forward into two graphs, each of which
     would clip its own parameters: the graph after the read is refused, and says why."""
