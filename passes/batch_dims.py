@@ -885,6 +885,13 @@ def _values_indices(node, arg_batch):
     keep = node.target in (aten.sort.default, aten.sort.stable, aten.topk.default, aten.cummax.default,
                            aten.cummin.default) or bool(named_arg(node, "keepdim", False))
     d = _norm_dim(d, x.dim())
+    if d == b.dim and node.target in (aten.sort.default, aten.sort.stable):
+        raise MixesSamples(
+            "it sorts along the batch dim, so the order it gives each sample's values depends on the "
+            "other samples' (a mixture of experts that groups the batch's tokens by expert does this: "
+            "route the tokens densely instead, with a one-hot or scatter combine; Hugging Face MoE "
+            "models do with experts_implementation=\"batched_mm\" in from_pretrained or their config, "
+            "or model.set_experts_implementation(\"batched_mm\"))")
     if d == b.dim:
         raise MixesSamples("it works along the batch dim")
     out = b if keep else b.at(b.dim - (1 if d < b.dim else 0))

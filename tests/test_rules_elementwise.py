@@ -2627,3 +2627,28 @@ def test_prelu_with_the_batch_not_first():
     assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
     per_channel = TimeMajorPReLU(B).double()  # B slopes along dim 1, the batch
     assert "the batch is the channel dim its slopes run along" in _reasons(per_channel, x, batch_first=False)
+
+
+class _SortedDispatch(nn.Module):
+    """A mixture of experts as Hugging Face's ``grouped_mm`` writes it: the batch's
+    tokens, flattened, grouped by expert with a sort, each run through its expert."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, 2)
+        self.w = nn.Parameter(torch.randn(2, D, D))
+
+    def forward(self, x):
+        h = x.reshape(-1, D)
+        expert = self.router(h).argmax(-1)
+        _, order = torch.sort(expert)
+        out = torch.einsum("nd,nde->ne", h[order], self.w[expert[order]])
+        return torch.empty_like(out).index_copy(0, order, out).reshape(x.shape)
+
+
+def test_a_sort_of_the_batch_s_tokens_is_refused_with_dense_routing_as_the_way_out():
+    """Grouping the batch's tokens by expert sorts across samples; the refusal says how
+    to route densely, and how Hugging Face's MoE models do (Mixtral's default experts)."""
+    reasons = _reasons(_SortedDispatch().double(), torch.randn(B, T, D, dtype=torch.float64))
+    assert "it sorts along the batch dim" in reasons
+    assert 'experts_implementation="batched_mm"' in reasons
