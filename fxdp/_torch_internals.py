@@ -776,10 +776,11 @@ def refuse_silent_eager_fallback() -> None:
 
     The ``torch.compile`` backend sees no call of its own, so the check is Dynamo's own
     recompile-limit test, wrapped once per process: it raises for the code the fxdp
-    backend compiled a trainable graph of. Every other frame keeps Dynamo's eager
-    fallback: a compiled step's optimizer update after ``backward()`` (where a
-    scheduler's learning rate is a new constant each step) and the user's other compiled
-    code. Where this torch has no such test, every frame of the process raises.
+    backend compiled a trainable graph of, called with gradients enabled. Every other
+    frame keeps Dynamo's eager fallback: an evaluation under ``torch.no_grad()``, a
+    compiled step's optimizer update after ``backward()`` (where a scheduler's learning
+    rate is a new constant each step) and the user's other compiled code. Where this
+    torch has no such test, every frame of the process raises.
     """
     convert_frame = torch._dynamo.convert_frame
     check = getattr(convert_frame, "exceeds_recompile_limit", None)
@@ -793,7 +794,8 @@ def refuse_silent_eager_fallback() -> None:
 
     def exceeds_recompile_limit(cache_size, compile_id):
         exceeded, limit = check(cache_size, compile_id)
-        compiling = _code_dynamo_compiles() if exceeded else None
+        # Without gradients (an evaluation) an eager run is harmless.
+        compiling = _code_dynamo_compiles() if exceeded and torch.is_grad_enabled() else None
         if compiling is not None and compiling[0] in _GUARDED_CODE:
             code, reason = compiling[0], compiling[1].get("recompile_reason")
             raise torch._dynamo.exc.FailOnRecompileLimitHit("fxdp: " + recompile_limit_message(

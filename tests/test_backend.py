@@ -723,8 +723,8 @@ def recompile_limit_one():
 
 def test_recompile_limit_raises_instead_of_running_eager(recompile_limit_one):
     """At its recompile limit a frame the backend compiled a trainable graph of raises,
-    and says why, where Dynamo would run it eagerly; an unrelated compiled function
-    still runs eagerly at its limit."""
+    and says why, where Dynamo would run it eagerly; under ``torch.no_grad()`` it runs
+    eagerly (no gradient to leave), and so does an unrelated compiled function."""
     model = MLP().to(DTYPE)
     compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
     mean_sq_loss(compiled(randn(5, 4))).backward()
@@ -735,6 +735,8 @@ def test_recompile_limit_raises_instead_of_running_eager(recompile_limit_one):
         # a new rank needs a new graph, beyond the limit of one
         compiled(randn(2, 5, 4)).pow(2).sum((1, 2)).mean().backward()
     assert all(p.grad is None for p in model.parameters()), "no unclipped gradient left behind"
+    with torch.no_grad():  # an evaluation past the limit runs eagerly: no gradient to leave
+        assert torch.equal(compiled(randn(2, 5, 4)), model(randn(2, 5, 4)))
     unrelated = torch.compile(lambda x: x.sum(), backend="eager")
     for rank in range(1, 4):  # a new rank each call, past the limit: eager
         unrelated(torch.ones([2] * rank))
