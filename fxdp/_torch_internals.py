@@ -124,12 +124,6 @@ def capture_config():
             tx = tx.parent
         return record(self, tx, args, kwargs)
 
-    def log_at_capture(self, tx, name, args, kwargs):
-        if (name in _LOG_METHODS or name.endswith(("_once", "_advice"))) \
-                and _call_now(getattr(self.value, name), args, kwargs):
-            return ConstantVariable.create(None)
-        return logger_call(self, tx, name, args, kwargs)  # a tensor or other traced value: Dynamo's answer
-
     attribute_call = GetAttrVariable.call_method
 
     def call_on_a_name(self, tx, name, args, kwargs):
@@ -142,18 +136,33 @@ def capture_config():
                 return ConstantVariable.create(value).call_method(tx, name, args, kwargs)
         return attribute_call(self, tx, name, args, kwargs)
 
-    _install_naming()
+    _install_capture_hooks()
     capturing = _NAMING.capturing
     _NAMING.capturing = True
     try:
         with config.patch(allow_rnn=True, reorderable_logging_functions=logging_functions,
                           optimize_ddp=False), \
                 mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame), \
-                mock.patch.object(LoggingLoggerVariable, "call_method", log_at_capture), \
+                mock.patch.object(LoggingLoggerVariable, "call_method", _logged_at_capture(logger_call)), \
                 mock.patch.object(GetAttrVariable, "call_method", call_on_a_name):
             yield
     finally:
         _NAMING.capturing = capturing
+
+
+def _logged_at_capture(logger_call: Callable) -> Callable:
+    """``LoggingLoggerVariable.call_method`` that logs a ``logging.Logger`` call with
+    constant arguments once, when the graph is captured, instead of breaking the graph;
+    ``logger_call`` (Dynamo's) answers the others: a tensor or other traced value."""
+    from torch._dynamo.variables import ConstantVariable
+
+    def call_method(self, tx, name, args, kwargs):
+        if (name in _LOG_METHODS or name.endswith(("_once", "_advice"))) \
+                and _call_now(getattr(self.value, name), args, kwargs):
+            return ConstantVariable.create(None)
+        return logger_call(self, tx, name, args, kwargs)
+
+    return call_method
 
 
 class _Naming(threading.local):
@@ -165,19 +174,25 @@ _NAMED_FOR: list[Callable[[Any], bool]] = []
 
 
 def name_function_calls(is_fxdp_backend: Callable[[Any], bool]) -> None:
-    """Have Dynamo record each ``torch.autograd.Function`` call's class on its
-    higher-order op (``meta["fxdp_function"]``, see ``_name_function_call``) when it
-    captures for fxdp: inside ``capture_config``, or for a backend that
-    ``is_fxdp_backend`` recognises. ``torch.compile(model, backend="fxdp")`` captures
-    without fxdp on the stack, so fxdp's backend module calls this when it is imported,
-    which Dynamo does when it looks the backend up. Other backends' graphs get nothing.
+    """Have Dynamo capture for fxdp as ``capture_config`` has it, in two of its
+    settings, when it captures for a backend that ``is_fxdp_backend`` recognises:
+
+    - record each ``torch.autograd.Function`` call's class on its higher-order op
+      (``meta["fxdp_function"]``, see ``_name_function_call``);
+    - log a ``logging.Logger`` call with constant arguments once, when the graph is
+      captured, instead of breaking the graph (Hugging Face's ``loss_function`` warns
+      once about an unset ``loss_type``, inside a compiled step's forward).
+
+    ``torch.compile(model, backend="fxdp")`` captures without fxdp on the stack, so
+    fxdp's backend module calls this when it is imported, which Dynamo does when it
+    looks the backend up. Other backends' graphs get Dynamo's own behaviour.
     """
     _NAMED_FOR.append(is_fxdp_backend)
-    _install_naming()
+    _install_capture_hooks()
 
 
-def _install_naming() -> None:
-    from torch._dynamo.variables.misc import AutogradFunctionVariable
+def _install_capture_hooks() -> None:
+    from torch._dynamo.variables.misc import AutogradFunctionVariable, LoggingLoggerVariable
 
     apply = AutogradFunctionVariable.call_apply
     if getattr(apply, "_fxdp_naming", False):
@@ -189,8 +204,17 @@ def _install_naming() -> None:
             _name_function_call(self.fn_cls, args, result)
         return result
 
+    logger_call = LoggingLoggerVariable.call_method
+    logged_at_capture = _logged_at_capture(logger_call)
+
+    def call_logger(self, tx, name, args, kwargs):
+        if _compiles_for(tx, _NAMED_FOR):
+            return logged_at_capture(self, tx, name, args, kwargs)
+        return logger_call(self, tx, name, args, kwargs)
+
     apply_and_name._fxdp_naming = True  # type: ignore[attr-defined]
     AutogradFunctionVariable.call_apply = apply_and_name
+    LoggingLoggerVariable.call_method = call_logger
 
 
 def _compiles_for(tx: Any, recognisers: list[Callable[[Any], bool]]) -> bool:

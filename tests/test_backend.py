@@ -578,6 +578,50 @@ def test_a_zero_grad_that_is_not_torchs_or_that_splits_the_forward_is_refused():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_logger_call_in_a_compiled_step_is_logged_when_captured():
+    """A ``logging.Logger`` call in a compiled step's forward (Hugging Face's
+    ``loss_function`` warns once about an unset ``loss_type`` when called with
+    ``labels=``) broke the graph inside the forward, which the backend refuses under
+    clipping. Captured for fxdp, it is logged once, as under ``fxdp.transform``, and the
+    step is exact; a function compiled with another backend still breaks there."""
+    import logging
+
+    logger = logging.getLogger("fxdp.tests.backend")
+    logged = []
+
+    class Records(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    model = MLP().to(DTYPE)
+
+    def loss_of(x):
+        logger.warning("`loss_type=%s` was set in the config", None)
+        return mean_sq_loss(model(x))
+
+    @torch.compile(backend=fxdp.backend(max_grad_norm=0.5, compiler="eager"))
+    def step(x):
+        loss = loss_of(x)
+        loss.backward()
+        return loss.detach()
+
+    handler = Records()
+    logger.addHandler(handler)
+    try:
+        for x in (randn(5, 4), randn(3, 4, seed=2)):
+            model.zero_grad()
+            step(x)
+            assert_close_all(grads(model), reference(model, [x], per_sample_sq_loss).grad("mean", 0.5), TOL,
+                             "p.grad")
+        torch._dynamo.utils.counters.clear()
+        torch.compile(loss_of, backend="eager")(randn(5, 4))
+    finally:
+        logger.removeHandler(handler)
+    assert set(logged) == {"`loss_type=None` was set in the config"}
+    # Dynamo's own break at the logger call
+    assert any("logging.Logger" in reason for reason in torch._dynamo.utils.counters["graph_break"])
+
+
 def test_a_value_read_inside_the_forward_is_refused():
     """``.item()`` between two layers splits the forward into two graphs, each of which
     would clip its own parameters: the graph after the read is refused, and says why."""
