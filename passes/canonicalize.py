@@ -342,10 +342,13 @@ def _take_along_dim_as_gather(input, indices, dim=None):
     with the operands' own sizes: its kernel reads them as ints, which on a graph with a
     symbolic batch size would fix it (every new batch size compiled again). The
     analysis then sees a ``gather`` of an expanded table (RoBERTa's
-    ``gather(token_type_ids.expand(B, -1), 1, position_ids)``)."""
+    ``gather(token_type_ids.expand(B, -1), 1, position_ids)``). Negative indices
+    count from the end, as ``take_along_dim`` has them and ``gather`` does not."""
     if dim is None:
-        return torch.ops.aten.gather.default(input.reshape(-1), 0, indices.reshape(-1))
+        flat = indices.reshape(-1)
+        return torch.ops.aten.gather.default(input.reshape(-1), 0, torch.where(flat < 0, flat + input.numel(), flat))
     dim %= input.dim()
+    indices = torch.where(indices < 0, indices + input.shape[dim], indices)
     sizes = list(input.shape)
     sizes[dim] = indices.shape[dim]
     sizes = list(torch.broadcast_shapes(tuple(sizes), tuple(indices.shape)))

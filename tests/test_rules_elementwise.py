@@ -986,6 +986,25 @@ def test_gather_of_an_expanded_buffer_by_per_sample_positions(kind: str):
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
+class _TakeAlongNegative(nn.Module):
+    """``take_along_dim`` of a scaled input by indices counted from the end."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.linspace(0.5, 1.5, D))
+        self.register_buffer("idx", torch.tensor([[-1, -D, 2, -2]]))
+
+    def forward(self, x):
+        return torch.take_along_dim(x * self.s, self.idx.expand(x.shape[0], -1), 1)
+
+
+def test_take_along_dim_with_negative_indices():
+    """``torch.take_along_dim`` counts negative indices from the end, as PyTorch does;
+    its canonical form, ``gather``, refused them ("index -1 is out of bounds")."""
+    torch.manual_seed(0)
+    _against_the_loop(_TakeAlongNegative().double(), torch.randn(B, D, dtype=torch.float64))
+
+
 class _BatchSizedShared(nn.Module):
     """Shared values the size of the batch, as transformers builds them:
     ``zeros(input_ids.shape)`` token types (LayoutLM, MobileBERT, SqueezeBERT),
