@@ -125,17 +125,6 @@ def capture_config():
         return record(self, tx, args, kwargs)
 
     attribute_call = GetAttrVariable.call_method
-
-    def call_on_a_name(self, tx, name, args, kwargs):
-        if self.name in ("__module__", "__name__", "__qualname__"):
-            try:
-                value = getattr(self.obj.as_python_constant(), self.name)
-            except NotImplementedError:
-                value = None
-            if isinstance(value, str):
-                return ConstantVariable.create(value).call_method(tx, name, args, kwargs)
-        return attribute_call(self, tx, name, args, kwargs)
-
     _install_capture_hooks()
     capturing = _NAMING.capturing
     _NAMING.capturing = True
@@ -144,7 +133,7 @@ def capture_config():
                           optimize_ddp=False), \
                 mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame), \
                 mock.patch.object(LoggingLoggerVariable, "call_method", _logged_at_capture(logger_call)), \
-                mock.patch.object(GetAttrVariable, "call_method", call_on_a_name):
+                mock.patch.object(GetAttrVariable, "call_method", _named_at_capture(attribute_call)):
             yield
     finally:
         _NAMING.capturing = capturing
@@ -165,6 +154,25 @@ def _logged_at_capture(logger_call: Callable) -> Callable:
     return call_method
 
 
+def _named_at_capture(attribute_call: Callable) -> Callable:
+    """``GetAttrVariable.call_method`` that answers a string method of a class's name
+    (``type(w).__module__.startswith("torchao.")``) from the name itself;
+    ``attribute_call`` (Dynamo's) answers the others."""
+    from torch._dynamo.variables import ConstantVariable
+
+    def call_method(self, tx, name, args, kwargs):
+        if self.name in ("__module__", "__name__", "__qualname__"):
+            try:
+                value = getattr(self.obj.as_python_constant(), self.name)
+            except NotImplementedError:
+                value = None
+            if isinstance(value, str):
+                return ConstantVariable.create(value).call_method(tx, name, args, kwargs)
+        return attribute_call(self, tx, name, args, kwargs)
+
+    return call_method
+
+
 class _Naming(threading.local):
     capturing = False
 
@@ -174,14 +182,16 @@ _NAMED_FOR: list[Callable[[Any], bool]] = []
 
 
 def name_function_calls(is_fxdp_backend: Callable[[Any], bool]) -> None:
-    """Have Dynamo capture for fxdp as ``capture_config`` has it, in two of its
+    """Have Dynamo capture for fxdp as ``capture_config`` has it, in three of its
     settings, when it captures for a backend that ``is_fxdp_backend`` recognises:
 
     - record each ``torch.autograd.Function`` call's class on its higher-order op
       (``meta["fxdp_function"]``, see ``_name_function_call``);
     - log a ``logging.Logger`` call with constant arguments once, when the graph is
       captured, instead of breaking the graph (Hugging Face's ``loss_function`` warns
-      once about an unset ``loss_type``, inside a compiled step's forward).
+      once about an unset ``loss_type``, inside a compiled step's forward);
+    - answer a string method of a class's name from the name (peft's DoRA asks
+      ``type(w).__module__.startswith("torchao.")`` of every weight).
 
     ``torch.compile(model, backend="fxdp")`` captures without fxdp on the stack, so
     fxdp's backend module calls this when it is imported, which Dynamo does when it
@@ -192,7 +202,7 @@ def name_function_calls(is_fxdp_backend: Callable[[Any], bool]) -> None:
 
 
 def _install_capture_hooks() -> None:
-    from torch._dynamo.variables.misc import AutogradFunctionVariable, LoggingLoggerVariable
+    from torch._dynamo.variables.misc import AutogradFunctionVariable, GetAttrVariable, LoggingLoggerVariable
 
     apply = AutogradFunctionVariable.call_apply
     if getattr(apply, "_fxdp_naming", False):
@@ -204,17 +214,17 @@ def _install_capture_hooks() -> None:
             _name_function_call(self.fn_cls, args, result)
         return result
 
-    logger_call = LoggingLoggerVariable.call_method
-    logged_at_capture = _logged_at_capture(logger_call)
+    def for_fxdp(call: Callable, at_capture: Callable) -> Callable:
+        def call_method(self, tx, name, args, kwargs):
+            return (at_capture if _compiles_for(tx, _NAMED_FOR) else call)(self, tx, name, args, kwargs)
 
-    def call_logger(self, tx, name, args, kwargs):
-        if _compiles_for(tx, _NAMED_FOR):
-            return logged_at_capture(self, tx, name, args, kwargs)
-        return logger_call(self, tx, name, args, kwargs)
+        return call_method
 
     apply_and_name._fxdp_naming = True  # type: ignore[attr-defined]
     AutogradFunctionVariable.call_apply = apply_and_name
-    LoggingLoggerVariable.call_method = call_logger
+    logger_call, attribute_call = LoggingLoggerVariable.call_method, GetAttrVariable.call_method
+    LoggingLoggerVariable.call_method = for_fxdp(logger_call, _logged_at_capture(logger_call))
+    GetAttrVariable.call_method = for_fxdp(attribute_call, _named_at_capture(attribute_call))
 
 
 def _compiles_for(tx: Any, recognisers: list[Callable[[Any], bool]]) -> bool:

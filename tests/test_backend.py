@@ -622,6 +622,35 @@ def test_a_logger_call_in_a_compiled_step_is_logged_when_captured():
     assert any("logging.Logger" in reason for reason in torch._dynamo.utils.counters["graph_break"])
 
 
+def test_a_string_method_of_a_class_name_in_a_compiled_model():
+    """peft's DoRA asks ``type(weight).__module__.startswith("torchao.")`` of every
+    weight. Dynamo alone breaks the graph there, inside the forward, which the backend
+    refuses under clipping; captured for fxdp it is answered from the name, as under
+    ``fxdp.transform``, and the model is exact. Another backend still breaks there."""
+    import torch.nn.functional as F
+
+    class AsksTheType(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            weight = self.lin.weight
+            if type(weight).__module__.startswith("torchao."):
+                weight = weight.dequantize()
+            return F.linear(torch.tanh(x), weight, self.lin.bias)
+
+    model = AsksTheType().to(DTYPE)
+    compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=0.5, compiler="eager"))
+    for x in (randn(5, 4), randn(3, 4, seed=2)):
+        model.zero_grad()
+        mean_sq_loss(compiled(x)).backward()
+        assert_close_all(grads(model), reference(model, [x], per_sample_sq_loss).grad("mean", 0.5), TOL, "p.grad")
+    torch._dynamo.utils.counters.clear()
+    torch.compile(AsksTheType().to(DTYPE), backend="eager")(randn(5, 4))
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) >= 1
+
+
 def test_a_value_read_inside_the_forward_is_refused():
     """``.item()`` between two layers splits the forward into two graphs, each of which
     would clip its own parameters: the graph after the read is refused, and says why."""
