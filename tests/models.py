@@ -538,3 +538,18 @@ class SequenceFirstBias(nn.Module):
     def forward(self, x):
         h = self.inp(x)
         return torch.cat([h, self.bias.repeat(1, h.shape[1], 1)])
+
+
+class AsksTheType(nn.Module):
+    """peft's DoRA asks ``type(weight).__module__.startswith("torchao.")`` of every
+    weight (and of the input's class name), which Dynamo alone cannot answer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        weight = self.lin.weight
+        if type(weight).__module__.startswith("torchao.") or type(x).__name__.endswith("Int8"):
+            weight = weight.dequantize()
+        return F.linear(torch.tanh(x), weight, self.lin.bias)

@@ -15,6 +15,7 @@ from torch import nn
 
 import fxdp
 from expect import refused
+from models import AsksTheType
 from reference import assert_close_all, reference, tolerance
 
 DTYPE = torch.float64
@@ -627,19 +628,6 @@ def test_a_string_method_of_a_class_name_in_a_compiled_model():
     weight. Dynamo alone breaks the graph there, inside the forward, which the backend
     refuses under clipping; captured for fxdp it is answered from the name, as under
     ``fxdp.transform``, and the model is exact. Another backend still breaks there."""
-    import torch.nn.functional as F
-
-    class AsksTheType(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 3)
-
-        def forward(self, x):
-            weight = self.lin.weight
-            if type(weight).__module__.startswith("torchao."):
-                weight = weight.dequantize()
-            return F.linear(torch.tanh(x), weight, self.lin.bias)
-
     model = AsksTheType().to(DTYPE)
     compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=0.5, compiler="eager"))
     for x in (randn(5, 4), randn(3, 4, seed=2)):

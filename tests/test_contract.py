@@ -21,7 +21,7 @@ from torch import nn
 
 import fxdp
 from expect import refused, unwrap
-from models import FirstOutput, SequenceFirstBias
+from models import AsksTheType, FirstOutput, SequenceFirstBias
 from reference import assert_close_all, reference, tolerance
 
 DTYPE = torch.float64
@@ -388,18 +388,6 @@ def test_string_methods_of_a_class_name_in_the_forward():
     """peft's DoRA asks ``type(weight).__module__.startswith("torchao.")`` of every weight;
     Dynamo alone cannot call a method of that attribute (``torch.compile(fullgraph=True)``
     fails on it), fxdp answers it from the name."""
-
-    class AsksTheType(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 3)
-
-        def forward(self, x):
-            weight = self.lin.weight
-            if type(weight).__module__.startswith("torchao.") or type(x).__name__.endswith("Int8"):
-                weight = weight.dequantize()
-            return F.linear(x, weight, self.lin.bias)
-
     model = AsksTheType().to(DTYPE)
     x = randn(5, 4)
     ref = reference(model, [x], per_sample_sq_loss)
