@@ -667,14 +667,10 @@ def _first_resume() -> bool:
     not by a resume function (after an earlier break): its caller is the first frame
     outside torch on the stack above Dynamo's ``_compile``."""
     torch_dir = os.path.dirname(torch.__file__)
-    frame, seen_compile = sys._getframe(1), False
-    while frame is not None:
-        if frame.f_code.co_name == "_compile" and frame.f_code.co_filename.endswith("convert_frame.py"):
-            seen_compile = True
-        elif seen_compile and not frame.f_code.co_filename.startswith(torch_dir):
-            return not frame.f_code.co_name.startswith("torch_dynamo_resume_in_")
+    frame = _frame_running("_compile", "convert_frame.py")
+    while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
         frame = frame.f_back
-    return False
+    return frame is not None and not frame.f_code.co_name.startswith("torch_dynamo_resume_in_")
 
 
 def resumed_after() -> tuple[str, str | None, bool] | None:
@@ -762,13 +758,7 @@ def in_double_backward() -> bool:
     inside an autograd.Function forward (grad mode off), so ``torch.is_grad_enabled()``
     cannot tell; its frame on the stack can.
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "_double_backward" and code.co_filename.endswith("runtime_wrappers.py"):
-            return True
-        frame = frame.f_back
-    return False
+    return _frame_running("_double_backward", "runtime_wrappers.py") is not None
 
 
 def current_graph_task_id() -> int:
@@ -794,11 +784,18 @@ _GUARDED_CODE: "weakref.WeakSet" = weakref.WeakSet()
 def _code_dynamo_compiles() -> tuple[Any, dict] | None:
     """The code object Dynamo is compiling, and the locals of its ``_compile(code, ...)``
     (frame ids would not do: ``torch._dynamo.reset()`` numbers frames anew)."""
+    frame = _frame_running("_compile", "convert_frame.py")
+    code = None if frame is None else frame.f_locals.get("code")
+    return (code, frame.f_locals) if isinstance(code, types.CodeType) else None
+
+
+def _frame_running(function: str, file_suffix: str) -> types.FrameType | None:
+    """The innermost frame on the stack that runs ``function`` of a file whose name ends
+    in ``file_suffix`` (a torch function fxdp is called from), or ``None``."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "_compile" and frame.f_code.co_filename.endswith("convert_frame.py"):
-            code = frame.f_locals.get("code")
-            return (code, frame.f_locals) if isinstance(code, types.CodeType) else None
+        if frame.f_code.co_name == function and frame.f_code.co_filename.endswith(file_suffix):
+            return frame
         frame = frame.f_back
     return None
 
