@@ -182,9 +182,21 @@ def _rule_groups(uses: list[UseInfo], ops: list[list[torch.Tensor]]):
     return merged
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _for_norms(operands: list) -> list:
+    """A squared norm's operands, half-precision ones in float32: squares and Gram
+    products of float16 values overflow at 65504 (a sample's gradient of norm 256) and
+    underflow below 6e-8 (a mean's ``1/B`` squared), silently zeroing or dropping that
+    sample's clip factor; bfloat16 keeps 8 bits of each product of a sum."""
+    return [t.float() if isinstance(t, torch.Tensor) and t.dtype in _HALF else t for t in operands]
+
+
 def _tied_sq_norm(groups) -> torch.Tensor:
     """``‖Σ_r ∂p_r‖² = Σ_r ‖∂p_r‖² + 2 Σ_{r<q} <∂p_r, ∂p_q>``, all by ghost norms."""
     total = None
+    groups = [(use, _for_norms(ops)) for use, ops in groups]
     for i, (use, ops) in enumerate(groups):
         term = use.rule.ghost_sq_norm(*ops, **use.config)
         total = term if total is None else total + term
@@ -252,7 +264,8 @@ def _sq_norms(per_sample: torch.Tensor, numel: int) -> torch.Tensor:
     them, see batch_dims.py)."""
     if per_sample.is_complex():
         per_sample, numel = torch.view_as_real(per_sample), 2 * numel
-    return per_sample.reshape(per_sample.shape[0], numel).pow(2).sum(1)
+    (flat,) = _for_norms([per_sample.reshape(per_sample.shape[0], numel)])
+    return flat.pow(2).sum(1)
 
 
 def _per_sample_shaped(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -454,7 +467,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     if groups is not None:
                         sq = _tied_sq_norm(groups)
                     elif strategy == "ghost":
-                        sq = first.rule.ghost_sq_norm(*merged, **first.config)
+                        sq = first.rule.ghost_sq_norm(*_for_norms(merged), **first.config)
                     else:
                         psg = None
                         for use, o in zip(uses, ops):
@@ -504,8 +517,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
         factors = None
         with annotate({"fxdp": {"rule": "clip", "strategy": "norms and clip factors"}}):
             if sq_norms:
-                total = torch.stack([s.to(torch.float32) if s.dtype in (torch.float16, torch.bfloat16) else s
-                                     for s in sq_norms]).sum(0)
+                total = torch.stack([s.float() if s.dtype in _HALF else s for s in sq_norms]).sum(0)
             else:
                 total = torch.zeros(0)
             scale = batch_size if (options.loss_reduction == "mean" and batch_size is not None) else 1

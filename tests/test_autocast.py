@@ -198,6 +198,31 @@ def test_gram_norms_of_half_precision_operands(positions):
     assert ((got.double() - expected).abs() / expected).max() < 2e-2
 
 
+@pytest.mark.parametrize("weight", [1e3, 3e-4], ids=["overflow", "underflow"])
+@pytest.mark.parametrize("name", ["mlp", "sequence-layernorm", "conv-groupnorm", "embedding", "attention"])
+def test_float16_norms_neither_overflow_nor_underflow(name, weight):
+    """Squared norms of float16 per-sample gradients: a norm above 256 squares past
+    float16's 65504 (a loss weight, a loss scale), and a mean's 1/B squared falls below
+    its 6e-8. Either would give that sample a clip factor of 0 or 1, silently; fxdp takes
+    the squares in float32 (ghost norms and instantiated ones alike). Ground truth: the
+    microbatch loop under the same autocast, each sample's norm to a relative 1e-2."""
+    make, make_args = MODELS[name]
+    torch.manual_seed(0)
+    model, args = make(), make_args()
+    autocast = lambda: torch.autocast("cpu", dtype=torch.float16)  # noqa: E731
+    with autocast():
+        ref = reference(model, args, lambda out, i: weight * _sq_loss(out))
+    clip = float(ref.norms.median())
+    m = copy.deepcopy(model)
+    dp = fxdp.transform(m, max_grad_norm=clip, compiler="eager")
+    with autocast():
+        out = dp(*args)
+    (weight * _sq_loss(out) / B).backward()
+    assert ((dp.per_sample_norms - ref.norms.float()).abs() / ref.norms.float()).max() < 1e-2
+    assert_close_all({n: p.grad.float() for n, p in m.named_parameters()},
+                     {n: g.float() for n, g in ref.grad("mean", clip).items()}, 1e-2, "p.grad")
+
+
 def test_loss_scaling_clips_the_scaled_gradients_and_a_fixed_scale_recipe_undoes_it():
     """The user guide's account of GradScaler: fxdp clips what backward sees (S·g_i), so
     under a scaler the bound is C/S; a fixed scale with max_grad_norm=C·S undoes it. Both
