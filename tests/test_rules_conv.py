@@ -12,6 +12,7 @@ without grad samples (float32 too where the route is ghost) lets the cost model 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable
 
 import pytest
@@ -23,6 +24,7 @@ from torch import nn
 import fxdp
 from fxdp.batching import BatchDim
 from fxdp.rules import conv as conv_module
+from fxdp.rules._common import forced_route
 from fxdp.rules.conv import CONV_RULES, _weight_grad_by_convolution, conv_bias, conv_config, conv_weight
 from reference import assert_close_all, reference, tolerance
 
@@ -277,6 +279,34 @@ def test_grad_sample_and_clipping(case, dtype, reduction):
     for p in model.parameters():
         if not p.requires_grad:
             assert p.grad is None
+
+
+@pytest.mark.parametrize("route", ["grouped convolution", "patches"])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+def test_per_sample_grad_by_each_route(case, route, monkeypatch):
+    """The per-sample weight gradient has two routes, timed against each other on first
+    use (``fastest_route``): each, forced, gives the microbatch loop's grad samples
+    (weights with one channel per group, depthwise ones, always take the grouped
+    convolution)."""
+    ran = {"grouped convolution": 0, "patches": 0}
+
+    def counted(name, fn):
+        def run(g, x, config, **kwargs):
+            ran[name] += kwargs.get("per_sample", True)
+            return fn(g, x, config, **kwargs)
+        return run
+
+    monkeypatch.setattr(conv_module, "_weight_grad_by_convolution",
+                        counted("grouped convolution", conv_module._weight_grad_by_convolution))
+    monkeypatch.setattr(conv_module, "_per_sample_grad_chunk", counted("patches", conv_module._per_sample_grad_chunk))
+    model, x, target, ref = _setup(case, torch.float64, seed=4)
+    with forced_route(route):
+        _step(model, x, target, "sum", grad_sample=True)
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-9, f"{case.id} by {route}: grad_sample")
+    one_channel_per_group = any(isinstance(m, nn.modules.conv._ConvNd) and m.weight.shape[1] == 1
+                                for m in model.modules())
+    other = "patches" if route == "grouped convolution" else "grouped convolution"
+    assert ran[other] == 0 or (other == "grouped convolution" and one_channel_per_group), ran
 
 
 # float64 with the other reduction than above; float32 where the cost model picks ghost
@@ -584,3 +614,30 @@ def test_inductor_depthwise_per_sample_grads_keep_the_batch_size_symbolic(layer:
         assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-3, f"grad_sample (B={batch})")
         assert_close_all(_params(model, "grad"), ref.grad("mean", 0.1), 1e-3, f"clipped grad (B={batch})")
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_fastest_route_times_each_route_once_per_key():
+    """``fastest_route`` runs every route on a key's first call and keeps the fastest
+    run's result and name; later calls run that route only; ``forced_route`` wins."""
+    from fxdp.rules import _common
+
+    calls = {"slow": 0, "fast": 0}
+
+    def route(name, seconds):
+        def run():
+            calls[name] += 1
+            time.sleep(seconds)
+            return torch.tensor(seconds, dtype=torch.float64)
+        return run
+
+    routes = {"slow": route("slow", 0.02), "fast": route("fast", 0.0)}
+    key = ("test_fastest_route", object())
+    assert _common.fastest_route(key, routes, torch.device("cpu")).item() == 0.0
+    assert calls == {"slow": _common.ROUTE_TRIALS, "fast": _common.ROUTE_TRIALS}
+    assert _common.ROUTE_CHOICES[(*key, torch.get_num_threads())] == "fast"
+    assert _common.fastest_route(key, routes, torch.device("cpu")).item() == 0.0
+    assert calls == {"slow": _common.ROUTE_TRIALS, "fast": _common.ROUTE_TRIALS + 1}
+    with forced_route("slow"):
+        assert _common.fastest_route(key, routes, torch.device("cpu")).item() == 0.02
+    with forced_route("not offered here"):
+        assert _common.fastest_route(key, routes, torch.device("cpu")).item() == 0.0

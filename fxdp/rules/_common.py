@@ -1,14 +1,17 @@
 """Helpers shared by rule files: einsum by cost, flattening, cost lookups."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+import time
+from typing import Any, Callable, Iterator, Sequence
 
 import opt_einsum
 import torch
 
 from fxdp._torch_internals import size_hint
 
-__all__ = ["contract", "contraction_cost", "as_sequence", "hint", "gram_inner", "gram_cost"]
+__all__ = ["contract", "contraction_cost", "as_sequence", "hint", "gram_inner", "gram_cost", "fastest_route",
+           "forced_route", "ROUTE_CHOICES"]
 
 
 def hint(size: Any) -> int:
@@ -100,3 +103,59 @@ def gram_cost(n: Any, t: Any, i: Any, o: Any) -> float:
     n, t, i, o = (hint(s) for s in (n, t, i, o))
     full = 2.0 * n * t * t * (i + o + 1)
     return full * 0.75 if t >= SYMMETRIC_GRAM_MIN_POSITIONS else full
+
+
+# What ``fastest_route`` chose: key -> route name, for the life of the process.
+ROUTE_CHOICES: dict[tuple, str] = {}
+# How often each route runs, timed, the first time a key is seen (the fastest run counts).
+ROUTE_TRIALS = 2
+_FORCED: list[str] = []
+
+
+def fastest_route(key: tuple, routes: dict[str, Callable[[], torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """The result of whichever of ``routes`` ran fastest the first time ``key`` was seen.
+
+    The routes compute the same tensor with different kernels, and which is faster
+    depends on the shapes and the machine in ways no flop count predicts (the choice
+    ``cudnn.benchmark`` makes for convolutions). The first call with a ``key`` runs each
+    route ``ROUTE_TRIALS`` times and returns the fastest run's result; later calls run
+    the chosen route only. ``key`` must hold everything the speed depends on (shapes,
+    strides, dtypes, device, settings); the thread count is added here.
+    """
+    forced = next((name for name in reversed(_FORCED) if name in routes), None)
+    if forced is not None:
+        return routes[forced]()
+    key = (*key, torch.get_num_threads())
+    name = ROUTE_CHOICES.get(key)
+    if name is not None:
+        return routes[name]()
+    best: tuple[float, str, torch.Tensor] | None = None
+    for name, route in routes.items():
+        for _ in range(ROUTE_TRIALS):
+            _synchronize(device)
+            start = time.perf_counter()
+            out = route()
+            _synchronize(device)
+            elapsed = time.perf_counter() - start
+            if best is None or elapsed < best[0]:
+                best = (elapsed, name, out)
+            del out
+    assert best is not None, "no route to choose from"
+    ROUTE_CHOICES[key] = best[1]
+    return best[2]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+@contextlib.contextmanager
+def forced_route(name: str) -> Iterator[None]:
+    """Inside, ``fastest_route`` takes the route called ``name`` wherever it is offered
+    one (tests check each route this way)."""
+    _FORCED.append(name)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
