@@ -28,6 +28,11 @@ the same initial weights on the same batch with each variant and reports:
 * **first step s**: the first call, compilation included (Inductor's on-disk caches
   make it shorter on a second run).
 
+``--allocator keep`` runs with glibc told to keep freed memory (the user guide's "Speed
+on a CPU"): by default its thresholds for mapping and trimming move with the process's
+allocation history, so how many pages each step faults in afresh, and the step times,
+differ from one process to the next.
+
 Variants (every ratio is to ``compiled``, the non-private baseline):
 
 ====================  ================================================================
@@ -66,6 +71,7 @@ Run from the repository root::
     python benchmarks/step_time.py --models mlp --steps 5 --warmup 2 \\
         --variants eager,compiled,opacus,opacus_ghost
     python benchmarks/step_time.py --models cnn,gpt --json results.json
+    python benchmarks/step_time.py --models cnn --allocator keep
 """
 
 from __future__ import annotations
@@ -113,6 +119,11 @@ __all__ = [
 BASELINE = "compiled"
 MAX_GRAD_NORM = 1.0
 NOISE_MULTIPLIER = 1.0
+# --allocator keep: glibc serves every allocation from its heap and never returns freed
+# memory to the kernel (by default it maps large blocks afresh and trims the heap, with
+# thresholds that move with the process's history: the same compiled CNN step measured
+# 25 ms in one process and 47 ms in the next).
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "4000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}
 # Small enough that neither the noise nor the same batch seen every step makes the
 # weights diverge within a benchmark run; the value does not change the work done.
 LEARNING_RATE = 1e-3
@@ -796,8 +807,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="run every variant (and the reference) under torch.autocast with this "
         "dtype; the check then allows the low precision's error (3e-2)",
     )
+    parser.add_argument(
+        "--allocator",
+        choices=("system", "keep"),
+        default="system",
+        help="system: glibc's malloc as the process has it; keep: glibc told to keep "
+        "freed memory (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, the user guide's "
+        "'Speed on a CPU'), so no step pays for faulting in fresh pages; the script "
+        "then runs itself again with those variables set (default system)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args(argv)
+    if args.allocator == "keep" and not all(os.environ.get(k) for k in KEEP_FREED_MEMORY):
+        # glibc reads them once, at start-up.
+        env = {**os.environ, **KEEP_FREED_MEMORY}
+        argv = sys.argv[1:] if argv is None else list(argv)
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], env)
     # Opacus' full backward hooks warn on every step that the model's input does not
     # require grad; it never does here, and the warning says nothing about correctness.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -808,6 +833,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
 
     config = {
+        "allocator": args.allocator,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -831,6 +857,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(
         f"torch {config['torch']}, {device}, {config['threads']} threads, "
         + (f"autocast {args.autocast}, " if args.autocast else "")
+        + ("freed memory kept (MALLOC_*_THRESHOLD_), " if args.allocator == "keep" else "")
         + f"median of >= {args.steps} steps and >= {args.min_seconds:g} s "
         f"after {args.warmup} warm-up, in {args.rounds} alternating rounds",
         flush=True,
