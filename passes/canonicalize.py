@@ -360,6 +360,22 @@ def _take_along_dim_as_gather(input, indices, dim=None):
     return torch.ops.aten.gather.default(input, dim, indices)
 
 
+def _avg_pool_with_full_sizes(spatial: int):
+    """``avg_pool{2,3}d`` with ``kernel_size``, ``stride`` and ``padding`` given for every
+    spatial dim (``padding=(1,)`` means 1 in each, as ATen reads it): Inductor's
+    lowering of the backward asserts full lists (torch 2.13: ``F.avg_pool2d(x, 3,
+    padding=(1,))`` fails to compile, fxdp or not)."""
+    op = {2: torch.ops.aten.avg_pool2d.default, 3: torch.ops.aten.avg_pool3d.default}[spatial]
+
+    def avg_pool(input, kernel_size, stride=(), padding=0, *rest):
+        sizes = [[s] if isinstance(s, int) else list(s) for s in (kernel_size, stride, padding)]
+        if all(len(s) != 1 for s in sizes):  # full, or stride=[] (the kernel size)
+            return NotImplemented
+        return op(input, *(s * spatial if len(s) == 1 else s for s in sizes), *rest)
+
+    return avg_pool
+
+
 def _batch_norm_eval_as_affine(input, weight, bias, running_mean, running_var, training, momentum, eps,
                                cudnn_enabled):
     """BatchNorm with running statistics (eval mode) as the per-channel affine map it
@@ -428,6 +444,8 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         torch.ops.aten.index_fill.int_Tensor: _index_fill_as_where,
         torch.ops.aten.index_fill_.int_Tensor: _index_fill__as_where,
         torch.ops.aten.batch_norm.default: _batch_norm_eval_as_affine,
+        torch.ops.aten.avg_pool2d.default: _avg_pool_with_full_sizes(2),
+        torch.ops.aten.avg_pool3d.default: _avg_pool_with_full_sizes(3),
         **_chunked_linear_cross_entropy_ops(),
     }
     def trace(table: dict) -> fx.GraphModule:

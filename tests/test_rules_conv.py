@@ -12,6 +12,7 @@ without grad samples (float32 too where the route is ghost) lets the cost model 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Callable
 
@@ -20,6 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn import functional as F
 
 import fxdp
 from fxdp.batching import BatchDim
@@ -586,6 +588,40 @@ def test_inductor_grad_sample_lands_on_conv_weight():
     dp = _step(model, x, target, "sum", grad_sample=True, compiler="inductor")
     assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-3, "inductor: grad_sample")
     assert_close_all({"norms": dp.per_sample_norms}, {"norms": ref.norms}, 1e-3, "inductor: norms")
+
+
+class PooledConv(nn.Module):
+    """A conv followed by an average pool given one size for all its dims."""
+
+    def __init__(self, pool: Callable[[torch.Tensor], torch.Tensor], conv: nn.Module):
+        super().__init__()
+        self.conv, self.pool = conv, pool
+
+    def forward(self, x):
+        return self.pool(self.conv(x)).flatten(1)
+
+
+@pytest.mark.parametrize("pool,conv,shape", [
+    (lambda h: F.avg_pool2d(h, 3, stride=2, padding=(1,)), C2(3, 4, 3, padding=1), (3, 3, 8, 8)),
+    (lambda h: F.avg_pool2d(h, (3,), stride=(2,), padding=1, count_include_pad=False), C2(3, 4, 3), (3, 3, 9, 8)),
+    (lambda h: F.avg_pool2d(h, (2,), padding=(1,), ceil_mode=True), C2(3, 4, 3), (3, 3, 7, 7)),
+    (lambda h: F.avg_pool3d(h, 3, stride=2, padding=(1,)), C3(2, 3, 3, padding=1), (3, 2, 5, 5, 4)),
+], ids=["padding", "kernel-and-stride", "no-stride-ceil", "3d"])
+def test_inductor_avg_pool_with_one_size_for_all_dims(pool, conv, shape):
+    """``avg_pool{2,3}d`` reads a one-element ``kernel_size``/``stride``/``padding`` as
+    that size in every dim; Inductor's lowering of its backward asserts full lists
+    (torch 2.13: plain ``torch.compile`` fails too). Canonicalisation widens them."""
+    torch.manual_seed(8)
+    model, x = PooledConv(pool, conv), torch.randn(shape)
+    ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    model.zero_grad(set_to_none=True)
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="inductor")
+    dp(x).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-3, "inductor: grad_sample")
+    spatial = x.dim() - 2
+    canonical = dp.explain().graphs[0].stages["canonical"]
+    full = ", ".join([r"\d+"] * spatial)  # the kernel size, one entry per spatial dim
+    assert re.search(rf"avg_pool{spatial}d\.default\(\w+, \[{full}\]", canonical), canonical
 
 
 @pytest.mark.parametrize("layer", [
