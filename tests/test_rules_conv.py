@@ -654,7 +654,8 @@ def test_inductor_depthwise_per_sample_grads_keep_the_batch_size_symbolic(layer:
 
 def test_fastest_route_times_each_route_once_per_key():
     """``fastest_route`` runs every route on a key's first call and keeps the fastest
-    run's result and name; later calls run that route only; ``forced_route`` wins."""
+    run's result and name; later calls run that route only; ``forced_route`` wins, and
+    deterministic algorithms take the first route."""
     from fxdp.rules import _common
 
     calls = {"slow": 0, "fast": 0}
@@ -677,3 +678,9 @@ def test_fastest_route_times_each_route_once_per_key():
         assert _common.fastest_route(key, routes, torch.device("cpu")).item() == 0.02
     with forced_route("not offered here"):
         assert _common.fastest_route(key, routes, torch.device("cpu")).item() == 0.0
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:  # the first route, untimed: a timed choice may differ between runs
+        assert _common.fastest_route(("test_fastest_route", object()), routes, torch.device("cpu")).item() == 0.02
+    finally:
+        torch.use_deterministic_algorithms(deterministic)

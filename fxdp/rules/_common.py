@@ -120,9 +120,14 @@ def fastest_route(key: tuple, routes: dict[str, Callable[[], torch.Tensor]], dev
     ``cudnn.benchmark`` makes for convolutions). The first call with a ``key`` runs each
     route ``ROUTE_TRIALS`` times and returns the fastest run's result; later calls run
     the chosen route only. ``key`` must hold everything the speed depends on (shapes,
-    strides, dtypes, device, settings); the thread count is added here.
+    strides, dtypes, device, settings); the thread count is added here. Under
+    ``torch.use_deterministic_algorithms(True)`` the first route runs, untimed.
     """
     forced = next((name for name in reversed(_FORCED) if name in routes), None)
+    if forced is None and torch.are_deterministic_algorithms_enabled():
+        # The routes round differently, and a choice by timing can differ from one run
+        # to the next: the first route, always.
+        forced = next(iter(routes))
     if forced is not None:
         return routes[forced]()
     key = (*key, torch.get_num_threads())
