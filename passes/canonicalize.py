@@ -367,9 +367,12 @@ def _avg_pool_with_full_sizes(spatial: int):
     padding=(1,))`` fails to compile, fxdp or not)."""
     op = {2: torch.ops.aten.avg_pool2d.default, 3: torch.ops.aten.avg_pool3d.default}[spatial]
 
-    def avg_pool(input, kernel_size, stride=(), padding=0, *rest):
+    def avg_pool(input, kernel_size, stride=(), padding=None, *rest):
+        # The call below gets here again, with arguments at their defaults left out
+        # (stride=[], the kernel size; padding 0): those need nothing.
+        padding = [0] * spatial if padding is None else padding
         sizes = [[s] if isinstance(s, int) else list(s) for s in (kernel_size, stride, padding)]
-        if all(len(s) != 1 for s in sizes):  # full, or stride=[] (the kernel size)
+        if all(len(s) != 1 for s in sizes):
             return NotImplemented
         return op(input, *(s * spatial if len(s) == 1 else s for s in sizes), *rest)
 

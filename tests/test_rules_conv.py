@@ -606,11 +606,17 @@ class PooledConv(nn.Module):
     (lambda h: F.avg_pool2d(h, (3,), stride=(2,), padding=1, count_include_pad=False), C2(3, 4, 3), (3, 3, 9, 8)),
     (lambda h: F.avg_pool2d(h, (2,), padding=(1,), ceil_mode=True), C2(3, 4, 3), (3, 3, 7, 7)),
     (lambda h: F.avg_pool3d(h, 3, stride=2, padding=(1,)), C3(2, 3, 3, padding=1), (3, 2, 5, 5, 4)),
-], ids=["padding", "kernel-and-stride", "no-stride-ceil", "3d"])
+    (lambda h: F.avg_pool2d(h, (3,)), C2(3, 4, 3), (3, 3, 8, 8)),
+    (lambda h: F.avg_pool2d(h, 2), C2(3, 4, 3), (3, 3, 8, 8)),
+    (lambda h: F.avg_pool2d(h, (2, 2), (2, 2), (0, 0)), C2(3, 4, 3), (3, 3, 8, 8)),
+], ids=["padding", "kernel-and-stride", "no-stride-ceil", "3d", "kernel-only", "full-no-padding",
+        "full-zero-padding"])
 def test_inductor_avg_pool_with_one_size_for_all_dims(pool, conv, shape):
     """``avg_pool{2,3}d`` reads a one-element ``kernel_size``/``stride``/``padding`` as
     that size in every dim; Inductor's lowering of its backward asserts full lists
-    (torch 2.13: plain ``torch.compile`` fails too). Canonicalisation widens them."""
+    (torch 2.13: plain ``torch.compile`` fails too). Canonicalisation widens them, and
+    leaves full ones, and the defaults it is called back with, alone (a pool without
+    padding recursed until Python's limit)."""
     torch.manual_seed(8)
     model, x = PooledConv(pool, conv), torch.randn(shape)
     ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
