@@ -34,6 +34,7 @@ __all__ = [
     "resumed_after",
     "outputs_need_grad",
     "inline_checkpoints",
+    "erase_unused",
     "current_graph_task_id",
     "refuse_silent_eager_fallback",
     "eager_fallback_at_recompile_limit",
@@ -465,15 +466,26 @@ def inline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
     ``make_fx(pre_dispatch=True)``.
     """
     hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
-    changed = False
+    bodies = []
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and hop is not None and node.target is hop:
+            bodies.append(node.args[0])
             _replace_by_call(gm, node, _call_body, (getattr(gm, node.args[0].target), *node.args[1:]))
-            changed = True
-    if changed:
-        gm.graph.eliminate_dead_code()
+    if bodies:
+        erase_unused(gm, bodies)
         gm.recompile()
     return gm
+
+
+def erase_unused(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> None:
+    """Erase those of ``nodes`` that nothing uses (any more), once each.
+
+    Not ``eliminate_dead_code`` on a Dynamo graph: FX takes its in-place calls whose
+    result goes unused (``y.add_(b); return y``, ``F.relu(h, inplace=True)``) for
+    dead code, and the write would vanish from the model."""
+    for node in reversed(list(dict.fromkeys(nodes))):
+        if not node.users:
+            gm.graph.erase_node(node)
 
 
 def _call_body(body, *args):

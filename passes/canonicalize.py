@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch._decomp import get_decompositions
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fxdp._torch_internals import inline_checkpoints, make_fx_traced, size_hint
+from fxdp._torch_internals import erase_unused, inline_checkpoints, make_fx_traced, size_hint
 from fxdp.errors import UnsupportedError
 from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
@@ -90,10 +90,10 @@ def rnn_initial_state_pass(gm: fx.GraphModule) -> fx.GraphModule:
         zero_state = _zero_state_like(x, 1, 5, True)
         lstm = torch.lstm(x, (zero_state, zero_state_1), [...], True, 1, 0.0, True, False, True)
     """
-    changed = False
+    replaced: list[fx.Node] = []
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _CELL_CALLS and len(node.args) >= 2:
-            changed |= _batch_cell_states(gm, node)
+            replaced += _batch_cell_states(gm, node)
             continue
         if node.op != "call_function" or node.target not in _RNN_CALLS or len(node.args) < 9:
             continue
@@ -110,24 +110,25 @@ def rnn_initial_state_pass(gm: fx.GraphModule) -> fx.GraphModule:
                     new = gm.graph.call_function(_zero_state_like, (x, layers, hidden, batch_first))
                 new.meta.update(state.meta)
                 new_states.append(new)
-                changed = True
+                replaced.append(state)
             else:
                 new_states.append(state)
         args = list(node.args)
         args[1] = type(hx)(new_states) if isinstance(hx, (list, tuple)) else new_states[0]
         node.args = tuple(args)
-    if changed:
-        gm.graph.eliminate_dead_code()
+    if replaced:
+        erase_unused(gm, replaced)
         gm.recompile()
     return gm
 
 
-def _batch_cell_states(gm: fx.GraphModule, node: fx.Node) -> bool:
+def _batch_cell_states(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """``nn.LSTMCell``/``GRUCell``/``RNNCell`` called without a state build
-    ``torch.zeros(B, hidden)`` themselves: the same zeros, from the input."""
+    ``torch.zeros(B, hidden)`` themselves: the same zeros, from the input. Returns the
+    replaced states."""
     x, hx = node.args[0], node.args[1]
     states = list(hx) if isinstance(hx, (list, tuple)) else [hx]
-    new_states, changed = [], False
+    new_states, replaced = [], []
     for state in states:
         shape = _cell_state(state, x)
         if shape is None:
@@ -137,12 +138,12 @@ def _batch_cell_states(gm: fx.GraphModule, node: fx.Node) -> bool:
             new = gm.graph.call_function(_zero_cell_state_like, (x, shape[1]))
         new.meta.update(state.meta)
         new_states.append(new)
-        changed = True
-    if changed:
+        replaced.append(state)
+    if replaced:
         args = list(node.args)
         args[1] = type(hx)(new_states) if isinstance(hx, (list, tuple)) else new_states[0]
         node.args = tuple(args)
-    return changed
+    return replaced
 
 
 # Recurrent layers arrive as one fused call; their decompositions unroll them into

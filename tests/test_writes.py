@@ -762,3 +762,47 @@ def test_a_read_modify_write_through_a_mask_is_exact():
     into one list, and was refused, though each sample's elements stay its own."""
     model = ChangedThroughAMask().double()
     assert_exact_at_two_batch_sizes(model, fxdp.transform(model, grad_sample=True, compiler="eager"), 6)
+
+
+class UnusedInPlaceResults(nn.Module):
+    """In-place calls whose results the forward drops (``h.add_(b)``, ``F.relu(h,
+    inplace=True)``), after a block that fxdp's capture rewrites first: an activation
+    checkpoint, or a recurrent layer or cell without an initial state."""
+
+    def __init__(self, before: str):
+        super().__init__()
+        self.before = before
+        self.layer = {"checkpoint": lambda: nn.Linear(4, 3), "gru": lambda: nn.GRU(4, 3, batch_first=True),
+                      "lstm_cell": lambda: nn.LSTMCell(4, 3)}[before]()
+        self.b = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        if self.before == "checkpoint":
+            h = torch.utils.checkpoint.checkpoint(self.layer, x[:, -1], use_reentrant=False)
+        elif self.before == "gru":
+            h = self.layer(x)[0][:, -1]
+        else:
+            h = self.layer(x[:, -1])[0]
+        h.add_(self.b)
+        F.relu(h, inplace=True)
+        return h
+
+
+@pytest.mark.parametrize("before", ["checkpoint", "gru", "lstm_cell"])
+def test_in_place_calls_whose_results_go_unused_are_kept(before):
+    """FX's dead-code elimination takes an in-place call on a Dynamo graph whose result
+    goes unused for dead: after a rewrite of the captured graph that cleaned up with it,
+    the writes vanished, silently (another forward, ``b`` without a gradient, the other
+    per-sample gradients off by up to 1.1)."""
+    torch.manual_seed(0)
+    model = UnusedInPlaceResults(before).double()
+    x = torch.randn(B, 5, 4, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x)
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    dp_model = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    out = dp_model(x)
+    assert_close_all({"out": out}, {"out": expected}, tolerance(torch.float64), "forward")
+    out.pow(2).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")
