@@ -131,6 +131,20 @@ class LayerNormedFeatures(nn.Module):
         return self.conv1(nn.functional.gelu(h))
 
 
+class ConvOverTime(nn.Module):
+    """A conv over a sequence's positions, on the transposed output of a linear: with
+    one position, ``[B, C, 1]`` has strides ``(C, 1, C)``, which the CPU's slow_conv2d
+    (float64) read as channels-last."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.conv = nn.Conv1d(3, 5, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.conv(self.lin(x).transpose(1, 2))
+
+
 def _frozen_weight() -> nn.Module:
     model = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.Tanh(), nn.Conv1d(4, 2, 3, stride=2))
     model[0].weight.requires_grad_(False)
@@ -204,6 +218,7 @@ CASES = [
     Case("frames-merged-batch", Frames, (2, 3, 3, 4, 4)),
     Case("conv2d-applied-twice", AppliedTwice, (3, 3, 5, 5)),
     Case("conv1d-layer-normed-features", LayerNormedFeatures, (3, 1, 20)),
+    Case("conv1d-over-one-position-of-a-transposed-view", ConvOverTime, (3, 1, 4)),
     Case("conv2d-weight-standardized", lambda: WeightStandardized(3, 4, 3, padding=1), (3, 3, 5, 5)),
     Case("conv2d-on-shared-buffer", lambda: SharedImage(unbatched=False), (3, 2, 4, 4)),
     Case("conv2d-unbatched-shared-broadcast", lambda: SharedImage(unbatched=True), (3, 2, 4, 4)),

@@ -271,6 +271,12 @@ def _weight_grad_by_convolution(g: torch.Tensor, x: torch.Tensor, config: dict, 
         x, padding = F.pad(x, _pad_list(padding)), ((0, 0),) * spatial
     # Only the weight gradient is asked for: the weight's values are never read.
     weight = x.new_zeros(()).expand(shape)
+    # Contiguous operands get the contiguous strides also on their size-1 dims: the
+    # CPU's slow_conv2d (float64) reads the memory format off the input's strides and
+    # took a length-1 sequence of a transposed view ([B, C, 1] with strides (C, 1, C))
+    # for channels-last, then refused its own weight gradient ("slow_conv2d: grad_weight
+    # must be contiguous").
+    g, x = (t.reshape(-1).view(t.shape) if t.is_contiguous() else t for t in (g, x))
     _, grad_weight, _ = aten.convolution_backward(
         g, x, weight, None, list(config["stride"]), [left for left, _ in padding],
         list(config["dilation"]), config["transposed"], list(config["output_padding"]),
