@@ -348,9 +348,9 @@ def _op_args(config: dict) -> tuple:
 # its patches in cache-sized chunks right before its batched matmul. The grouped
 # convolution (the samples as groups) runs in here too, not in the graph: Inductor's
 # convolution_backward lowering reads the n·groups groups as an int, which would pin the
-# batch size (a recompile per size). They take any strides (``flexible_layout``): Inductor hands its buffers over as they are
-# (channels-last ones included) instead of copying them to the strides seen when the
-# backward was traced.
+# batch size (a recompile per size). They take any strides (``flexible_layout``):
+# Inductor hands its buffers over as they are (channels-last ones included) instead of
+# copying them to the strides seen when the backward was traced.
 @torch.library.custom_op("fxdp::conv_weight_per_sample_grad", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def conv_weight_per_sample_grad(g: torch.Tensor, x: torch.Tensor, kernel: list[int], stride: list[int],
                                 padding: list[int], dilation: list[int], groups: int, transposed: bool,
