@@ -294,6 +294,20 @@ def _inactive_dropout(x, p, train):
     return NotImplemented
 
 
+def _attention_with_learned_mask(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                                 scale=None, enable_gqa=False):
+    """``scaled_dot_product_attention`` with a mask that carries a gradient (a learned
+    relative-position bias, ALiBi slopes) is its math kernel's ops, the kernel PyTorch
+    itself picks for such a mask: the parameter then reaches the scores through an
+    addition, whose per-sample gradient is a sum of the scores' gradient, and a dropout
+    of the attention weights is an ordinary dropout of a batched value (the fused
+    kernel's draw could not be replayed per sample). Any other call stays fused."""
+    if not (isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad):
+        return NotImplemented
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+
 def _reduction_of_one_value(x, *args, dtype=None, **kwargs):
     """A sum or mean of a 0-d tensor in its own dtype is a copy of it: a loss already
     reduced over the batch and passed through ``.mean()`` again (``mse + aux.mean()``)
@@ -448,6 +462,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         torch.ops.aten.index_fill.int_Tensor: _index_fill_as_where,
         torch.ops.aten.index_fill_.int_Tensor: _index_fill__as_where,
         torch.ops.aten.batch_norm.default: _batch_norm_eval_as_affine,
+        torch.ops.aten.scaled_dot_product_attention.default: _attention_with_learned_mask,
         torch.ops.aten.avg_pool2d.default: _avg_pool_with_full_sizes(2),
         torch.ops.aten.avg_pool3d.default: _avg_pool_with_full_sizes(3),
         **_chunked_linear_cross_entropy_ops(),

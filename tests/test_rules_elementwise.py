@@ -15,6 +15,7 @@ rules alone and the refusals.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Callable
 
@@ -1175,6 +1176,69 @@ def test_a_mask_tiled_over_windows_merged_with_the_batch(kind: str):
     model = _ShiftedWindows(kind).double()
     dp = _against_the_loop(model, torch.randn(B, 3, 4, 4, dtype=torch.float64))
     _against_the_loop(model, torch.randn(B + 2, 3, 4, 4, dtype=torch.float64), dp=dp)
+
+
+class _LearnedAttentionMask(nn.Module):
+    """A relative-position table's rows (T5, Swin V1, BEiT) passed straight to
+    ``scaled_dot_product_attention`` as its float mask, broadcast over the batch or
+    expanded to it; the grouped-query form shares keys and values between heads."""
+
+    tokens, heads, width = 5, 2, 4
+
+    def __init__(self, kind: str, dropout: float = 0.0):
+        super().__init__()
+        self.kind, self.dropout = kind, dropout
+        t, h, c = self.tokens, self.heads, self.width
+        self.table = nn.Parameter(torch.randn(2 * t - 1, h))
+        self.q = nn.Linear(c, h * c)
+        self.kv = nn.Linear(c, (1 if kind == "gqa" else h) * 2 * c)
+
+    def forward(self, x):  # [B, T, C]
+        n, t, c, h = x.shape[0], x.shape[1], self.width, self.heads
+        q = self.q(x).view(n, t, h, c).transpose(1, 2)
+        k, v = self.kv(x).view(n, t, -1, 2 * c).transpose(1, 2).chunk(2, -1)
+        rel = torch.arange(t)[:, None] - torch.arange(t)[None, :] + t - 1
+        mask = self.table[rel].permute(2, 0, 1)  # [h, T, T]
+        if self.kind == "expanded":
+            mask = mask.unsqueeze(0).expand(n, -1, -1, -1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout,
+                                              enable_gqa=self.kind == "gqa").flatten(1)
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "expanded", "gqa"])
+def test_a_learned_attention_mask(kind: str):
+    """The mask expanded to the batch used to crash in the backward: the fused CPU kernel
+    has no derivative for ``attn_mask``, so the per-sample gradient is taken through the
+    math kernel."""
+    torch.manual_seed(0)
+    model = _LearnedAttentionMask(kind).double()
+    dp = _against_the_loop(model, torch.randn(B, 5, 4, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, 5, 4, dtype=torch.float64), dp=dp)
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "expanded"])
+def test_a_learned_attention_mask_with_dropout(kind: str):
+    """With dropout the mask's per-sample gradient goes through the forward's own draw
+    (vmap refused the fused kernel's). The reference is autograd on the eager model's
+    batched graph, sample by sample, with the same seed: PyTorch runs the same math
+    kernel for a mask that needs a gradient, so it draws the same dropout."""
+    torch.manual_seed(0)
+    model = _LearnedAttentionMask(kind, dropout=0.5).double()
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    x = torch.randn(B, 5, 4, dtype=torch.float64)
+    torch.manual_seed(5)
+    out = dp(x)
+    torch.manual_seed(5)
+    expected_out = eager(x)
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-12)
+    out.pow(2).sum().backward()
+    names = [n for n, _ in eager.named_parameters()]
+    per_sample = [torch.autograd.grad(expected_out[i].pow(2).sum(), list(eager.parameters()), retain_graph=True)
+                  for i in range(B)]
+    expected = {n: torch.stack([g[j] for g in per_sample]) for j, n in enumerate(names)}
+    assert_close_all(_params(model, "grad_sample"), expected, tolerance(torch.float64), "grad_sample")
 
 
 class _LazyRelativePositions(nn.Module):
