@@ -1567,7 +1567,8 @@ def _check_batch_rows(node: fx.Node, layout: Any, batch_size: Any) -> None:
                                "mixes samples")
 
 
-def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool) -> "BatchDim | None":
+def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguous: bool = False
+                    ) -> "BatchDim | None":
     """The batch dim of a tensor built from sizes with ``B`` among them: a
     ``_SIZED_BY_ARGUMENT`` tensor's dim of size ``B``, or a dim of size ``B`` that an
     ``expand`` of shared data no parameter computed broadcasts (diffusers' frame
@@ -1576,7 +1577,8 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool) -> "BatchDim 
     Its values are the same all along such a dim, so whichever of them is read as the
     batch, each sample's slice holds the same values: with several (``zeros(B, F)``
     when ``F == B`` on a static compile), the first is taken, and the analysis that
-    follows checks that its layout agrees with the batched data it meets.
+    follows checks that its layout agrees with the batched data it meets; with
+    ``unambiguous``, none is taken.
     """
     if node.target not in _SIZED_BY_ARGUMENT and (node.target is not aten.expand.default or batched):
         return None
@@ -1588,6 +1590,8 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool) -> "BatchDim 
                 if _same_size(size, batch_size) and (d < new or not _same_size(source[d - new], batch_size))]
     else:
         dims = [d for d, size in enumerate(shape) if _same_size(size, batch_size)]
+    if unambiguous and len(dims) > 1:
+        return None
     return BatchDim(dims[0]) if dims else None
 
 
@@ -1774,9 +1778,12 @@ def batch_dim_pass(
     A tensor built from sizes alone, with ``B`` among them (``torch.zeros(B, H, W)``),
     is first taken as shared by all samples; only if that leaves problems is the
     analysis run again with it batched along its dim of size ``B`` (each row is what
-    its sample would get alone), and that reading is kept if it has none. A model that
-    works either way is read as before; and with a static ``B`` (the first compile) a
-    feature size equal to ``B`` is no batch dim unless the model needs it to be.
+    its sample would get alone), and that reading is kept if it has none. Failing that,
+    only the tensors with a single dim of size ``B`` are batched: with a static ``B``
+    equal to the length, a causal mask ``full((T, T))`` stays shared while a learned
+    start token's ``x.new_zeros(B, 1, d) + start`` is batched. A model that works
+    either way is read as before; and with a static ``B`` (the first compile) a feature
+    size equal to ``B`` is no batch dim unless the model needs it to be.
 
     Args:
         gm: The canonical ATen graph.
@@ -1789,19 +1796,22 @@ def batch_dim_pass(
     Returns:
         The analysis; the graph is not changed (nodes get ``meta["fxdp_batch"]``).
     """
-    analysis = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=False)
+    analysis = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched="none")
     if (analysis.problems or analysis.sized_normaliser) and analysis.sized_by_batch:
-        retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=True)
-        if not retried.problems:
-            analysis = retried
+        for reading in ("all", "unambiguous"):
+            retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=reading)
+            if not retried.problems:
+                analysis = retried
+                break
     for node in gm.graph.nodes:
         node.meta["fxdp_batch"] = analysis.batch.get(node)
     return analysis
 
 
 def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any, *,
-               sized_batched: bool) -> BatchAnalysis:
-    """``batch_dim_pass`` with the tensors built from ``B`` shared or batched."""
+               sized_batched: str) -> BatchAnalysis:
+    """``batch_dim_pass`` with the tensors built from ``B`` shared (``"none"``), batched
+    (``"all"``), or batched where a single dim has size ``B`` (``"unambiguous"``)."""
     sized_by_batch: list[fx.Node] = []
     expanded_params: dict[fx.Node, BatchDim] = {}  # read batched: see _classify_parameter_uses
     batch: dict[fx.Node, Any] = {}
@@ -1869,7 +1879,8 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
         sized = None if single else _sized_by_batch(node, batch_size, batched)
         if sized is not None:
             sized_by_batch.append(node)
-            if sized_batched:
+            if sized_batched == "all" or (sized_batched == "unambiguous" and _sized_by_batch(
+                    node, batch_size, batched, unambiguous=True) is not None):
                 batch[node] = sized
                 if node in sources:  # a parameter expanded to the batch: row b is sample b's
                     del sources[node]

@@ -825,6 +825,35 @@ def test_values_tiled_over_the_batch_by_an_expand(batch_size):
     _against_the_loop(model, torch.randn(batch_size + 2, frames, T, D, dtype=torch.float64), dp=dp)
 
 
+class StartTokenAfterCausalAttention(nn.Module):
+    """A causal mask built from the length, ``full((T, T), -inf).triu(1)``, then a learned
+    start token prepended as ``x.new_zeros(B, 1, d) + start`` (a decoder's shifted
+    input): with a static ``B == T`` both are built from sizes equal to ``B``; the mask
+    must stay shared and the token be per-sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.start = nn.Parameter(torch.randn(D))
+        self.lin = nn.Linear(D, 3)
+
+    def forward(self, x):  # [B, T, D]
+        causal = torch.full((x.shape[1], x.shape[1]), float("-inf"), dtype=x.dtype).triu(1)
+        h = (x @ x.transpose(1, 2) + causal).softmax(-1) @ x
+        start = x.new_zeros(x.shape[0], 1, x.shape[2]) + self.start
+        return self.lin(torch.cat([start, h], 1))
+
+
+@pytest.mark.parametrize("batch_size", [T, B], ids=["B-equals-T", "B"])
+def test_a_shared_mask_and_a_per_sample_token_both_sized_like_the_batch(batch_size):
+    """Refused when ``B == T`` before: either both were read as shared (the token's
+    ``cat`` with the data then has no rule) or both as batched (the mask's rows then
+    meet the scores' query dim)."""
+    torch.manual_seed(0)
+    model = StartTokenAfterCausalAttention().double()
+    dp = _against_the_loop(model, torch.randn(batch_size, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(batch_size + 2, T, D, dtype=torch.float64), dp=dp)
+
+
 class ExpandedThenBroadcast(nn.Module):
     """A shared table expanded to the batch, then divided by a shared operand that
     broadcasts one of the table's size-1 dims (timm XCiT's Fourier positions, Funnel's
