@@ -1550,6 +1550,9 @@ _SIZED_BY_ARGUMENT = {
 }
 
 
+_NEW_LIKE = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default}
+
+
 def _check_batch_rows(node: fx.Node, layout: Any, batch_size: Any) -> None:
     """Raise if an output said to be batched cannot hold every sample: its batch dim's
     size is known to differ from ``outer·B·inner`` (an output shaped by a shared
@@ -1567,8 +1570,8 @@ def _check_batch_rows(node: fx.Node, layout: Any, batch_size: Any) -> None:
                                "mixes samples")
 
 
-def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguous: bool = False
-                    ) -> "BatchDim | None":
+def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguous: bool = False,
+                    like: Any = None) -> "BatchDim | None":
     """The batch dim of a tensor built from sizes with ``B`` among them: a
     ``_SIZED_BY_ARGUMENT`` tensor's dim of size ``B``, or a dim of size ``B`` that an
     ``expand`` of shared data no parameter computed broadcasts (diffusers' frame
@@ -1578,7 +1581,9 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguou
     batch, each sample's slice holds the same values: with several (``zeros(B, F)``
     when ``F == B`` on a static compile), the first is taken, and the analysis that
     follows checks that its layout agrees with the batched data it meets; with
-    ``unambiguous``, none is taken.
+    ``unambiguous``, none is taken, unless ``like``, the batch layout of the tensor a
+    ``new_zeros`` is called on, has its batch at one of them
+    (``x.new_zeros(B, 1, d)`` with ``d == B``: the batch is where ``x`` has it).
     """
     if node.target not in _SIZED_BY_ARGUMENT and (node.target is not aten.expand.default or batched):
         return None
@@ -1591,7 +1596,8 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguou
     else:
         dims = [d for d, size in enumerate(shape) if _same_size(size, batch_size)]
     if unambiguous and len(dims) > 1:
-        return None
+        at = like.dim if isinstance(like, BatchDim) and like.plain and node.target in _NEW_LIKE else None
+        return BatchDim(at) if at in dims else None
     return BatchDim(dims[0]) if dims else None
 
 
@@ -1779,7 +1785,8 @@ def batch_dim_pass(
     is first taken as shared by all samples; only if that leaves problems is the
     analysis run again with it batched along its dim of size ``B`` (each row is what
     its sample would get alone), and that reading is kept if it has none. Failing that,
-    only the tensors with a single dim of size ``B`` are batched: with a static ``B``
+    only the tensors with a single dim of size ``B`` (or a ``new_zeros`` of a batched
+    tensor's batch dim) are batched: with a static ``B``
     equal to the length, a causal mask ``full((T, T))`` stays shared while a learned
     start token's ``x.new_zeros(B, 1, d) + start`` is batched. A model that works
     either way is read as before; and with a static ``B`` (the first compile) a feature
@@ -1879,8 +1886,10 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
         sized = None if single else _sized_by_batch(node, batch_size, batched)
         if sized is not None:
             sized_by_batch.append(node)
-            if sized_batched == "all" or (sized_batched == "unambiguous" and _sized_by_batch(
-                    node, batch_size, batched, unambiguous=True) is not None):
+            if sized_batched == "unambiguous":
+                sized = _sized_by_batch(node, batch_size, batched, unambiguous=True,
+                                        like=batch.get(node.args[0]) if node.args else None)
+            if sized is not None and sized_batched != "none":
                 batch[node] = sized
                 if node in sources:  # a parameter expanded to the batch: row b is sample b's
                     del sources[node]

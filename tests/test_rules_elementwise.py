@@ -829,12 +829,13 @@ class StartTokenAfterCausalAttention(nn.Module):
     """A causal mask built from the length, ``full((T, T), -inf).triu(1)``, then a learned
     start token prepended as ``x.new_zeros(B, 1, d) + start`` (a decoder's shifted
     input): with a static ``B == T`` both are built from sizes equal to ``B``; the mask
-    must stay shared and the token be per-sample."""
+    must stay shared and the token be per-sample (its batch is where ``x`` has it, also
+    when the width is ``B`` too)."""
 
-    def __init__(self):
+    def __init__(self, width: int):
         super().__init__()
-        self.start = nn.Parameter(torch.randn(D))
-        self.lin = nn.Linear(D, 3)
+        self.start = nn.Parameter(torch.randn(width))
+        self.lin = nn.Linear(width, 3)
 
     def forward(self, x):  # [B, T, D]
         causal = torch.full((x.shape[1], x.shape[1]), float("-inf"), dtype=x.dtype).triu(1)
@@ -843,15 +844,16 @@ class StartTokenAfterCausalAttention(nn.Module):
         return self.lin(torch.cat([start, h], 1))
 
 
-@pytest.mark.parametrize("batch_size", [T, B], ids=["B-equals-T", "B"])
-def test_a_shared_mask_and_a_per_sample_token_both_sized_like_the_batch(batch_size):
+@pytest.mark.parametrize("batch_size, width", [(T, D), (T, T), (B, D)],
+                         ids=["B-equals-T", "B-equals-T-equals-width", "B"])
+def test_a_shared_mask_and_a_per_sample_token_both_sized_like_the_batch(batch_size, width):
     """Refused when ``B == T`` before: either both were read as shared (the token's
     ``cat`` with the data then has no rule) or both as batched (the mask's rows then
     meet the scores' query dim)."""
     torch.manual_seed(0)
-    model = StartTokenAfterCausalAttention().double()
-    dp = _against_the_loop(model, torch.randn(batch_size, T, D, dtype=torch.float64))
-    _against_the_loop(model, torch.randn(batch_size + 2, T, D, dtype=torch.float64), dp=dp)
+    model = StartTokenAfterCausalAttention(width).double()
+    dp = _against_the_loop(model, torch.randn(batch_size, T, width, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(batch_size + 2, T, width, dtype=torch.float64), dp=dp)
 
 
 class ExpandedThenBroadcast(nn.Module):
