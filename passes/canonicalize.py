@@ -619,7 +619,9 @@ def masked_fill_by_index_put_as_where_pass(gm: fx.GraphModule) -> fx.GraphModule
     boolean indexing, which ``vmap`` cannot batch. A read-modify-write through the mask
     (``h[x > 0] *= 2``, ``h[h > 0] += self.s``: ``v = f(h[mask], c)``) is
     ``torch.where(mask, f(h, c), h)``: the read flattened the samples' selections into
-    one list, and was refused."""
+    one list, and was refused. A mask of the leading dims with one value for every
+    element it selects (BERT/MAE's ``x[mask] = self.mask_token``, ``mask [B, T]``) is
+    ``torch.where(mask[..., None], token, x)``."""
     for node in list(gm.graph.nodes):
         if node.target is not torch.ops.aten.index_put.default or named_arg(node, "accumulate", False):
             continue
@@ -628,8 +630,24 @@ def masked_fill_by_index_put_as_where_pass(gm: fx.GraphModule) -> fx.GraphModule
         if len(indices) != 1 or len(masks) != 1:
             continue
         mask, h, v = masks[0].meta.get("val"), data.meta.get("val"), values.meta.get("val")
-        if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and isinstance(v, torch.Tensor)
-                and tuple(mask.shape) == tuple(h.shape)):
+        if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and isinstance(v, torch.Tensor)):
+            continue
+        if tuple(mask.shape) != tuple(h.shape):
+            # A mask of the leading dims and a value for every element it selects
+            # (BERT/MAE's ``x[mask] = self.mask_token``, ``mask [B, T]``): the mask
+            # broadcast over the trailing dims, which the value fills alike.
+            trailing = h.dim() - mask.dim()
+            if not (0 < trailing and tuple(mask.shape) == tuple(h.shape[:mask.dim()]) and v.dim() <= trailing
+                    and all(statically_known_true(a == 1) or statically_known_true(a == b)
+                            for a, b in zip(reversed(v.shape), reversed(h.shape)))):
+                continue
+            with gm.graph.inserting_before(node):
+                wide = masks[0]
+                for _ in range(trailing):
+                    wide = _call(gm, torch.ops.aten.unsqueeze.default, (wide, -1), node)
+                if v.dtype != h.dtype:
+                    values = _call(gm, torch.ops.aten._to_copy.default, (values,), node, {"dtype": h.dtype})
+                _replace(gm, node, _call(gm, torch.ops.aten.where.self, (wide, values, data), node))
             continue
         if v.dim() != 0:
             values = _of_the_whole(gm, values, data, masks[0])

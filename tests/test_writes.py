@@ -582,6 +582,33 @@ def test_a_masked_fill_by_a_parameter_is_exact():
     assert ref.per_sample["s"].abs().min() > 0
 
 
+class MaskTokenAtMaskedPositions(nn.Module):
+    """BERT/MAE's ``x[mask] = self.mask_token``: a per-sample boolean mask of the
+    leading dims ``[B, T]``, a trainable token for every position it selects (of the
+    token's width, or one value broadcast over it, or the leading dims ``[B, T, H, w]``
+    masked as ``[B, T]``)."""
+
+    def __init__(self, token_shape: tuple[int, ...], heads: int = 0):
+        super().__init__()
+        self.heads = heads
+        self.mask_token = nn.Parameter(torch.randn(token_shape))
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = x.clone() if not self.heads else x.unflatten(-1, (self.heads, -1)).clone()
+        h[x.detach()[..., 0] > 0.3] = self.mask_token
+        return self.lin(h.flatten(2)).mean(1)
+
+
+@pytest.mark.parametrize("token_shape, heads", [((6,), 0), ((1,), 0), ((), 0), ((3,), 2), ((2, 1), 2)],
+                         ids=["token", "one-value", "scalar", "per-head-token", "per-head-value"])
+def test_a_mask_token_at_masked_positions_is_exact(token_shape, heads):
+    """As ``torch.where(mask[..., None], token, h)``: the per-sample VJP of the token
+    failed with vmap's "cannot batch indexing with a boolean mask"."""
+    model = MaskTokenAtMaskedPositions(token_shape, heads).double()
+    assert_exact_at_two_batch_sizes(model, fxdp.transform(model, grad_sample=True, compiler="eager"), 5, 6)
+
+
 def assert_exact_at_two_batch_sizes(model: nn.Module, call, *shape: int) -> None:
     """``call`` (``model`` made per-sample) gives ``model``'s output and, for the trainable
     parameters, the reference's per-sample gradients, at batch sizes ``B`` and ``B + 1``."""
