@@ -188,7 +188,7 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
         return (f"{stale.name} is a view of a tensor that this op later fills with per-sample data in "
                 "place, and it is read after the write; take the view after the write")
     for alias, d in dims.items():
-        batch[alias] = BatchDim(d)
+        batch[alias] = written.at(d)  # merged rows stay merged (``[B·T, n]``)
     return None
 
 

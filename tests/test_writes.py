@@ -609,6 +609,40 @@ def test_a_mask_token_at_masked_positions_is_exact(token_shape, heads):
     assert_exact_at_two_batch_sizes(model, fxdp.transform(model, grad_sample=True, compiler="eager"), 5, 6)
 
 
+class FilledOverMergedRows(nn.Module):
+    """A tensor made for the batch merged with the sequence, ``[B·T, n]``, filled column
+    block by column block: by hand, or ``nn.AdaptiveLogSoftmaxWithLoss.log_prob`` on
+    the flattened tokens (a language model's adaptive softmax)."""
+
+    def __init__(self, adaptive: bool):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.adaptive = adaptive
+        if adaptive:
+            self.out = nn.AdaptiveLogSoftmaxWithLoss(6, 8, cutoffs=[3, 5], div_value=2.0)
+        else:
+            self.out = nn.Linear(6, 3)
+
+    def forward(self, x):  # [B, T, 6]
+        flat = self.lin(x).reshape(-1, 6)
+        if self.adaptive:
+            return self.out.log_prob(flat).reshape(x.shape[0], -1)
+        out = flat.new_empty((flat.shape[0], 5))
+        out[:, :3] = self.out(flat)
+        out[:, 3:] = flat[:, :2]
+        return out.reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["by-hand", "adaptive-log-softmax"])
+def test_a_tensor_of_merged_rows_filled_in_place_is_exact(adaptive):
+    """The write gave the filled tensor a batch dim of ``B`` rows, dropping the merged
+    sequence, and its next slice was refused ("its output's batch dim has 15 rows where
+    the batch has 3")."""
+    torch.manual_seed(0)
+    model = FilledOverMergedRows(adaptive).double()
+    assert_exact_at_two_batch_sizes(model, fxdp.transform(model, grad_sample=True, compiler="eager"), 5, 6)
+
+
 def assert_exact_at_two_batch_sizes(model: nn.Module, call, *shape: int) -> None:
     """``call`` (``model`` made per-sample) gives ``model``'s output and, for the trainable
     parameters, the reference's per-sample gradients, at batch sizes ``B`` and ``B + 1``."""
