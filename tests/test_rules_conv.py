@@ -523,6 +523,55 @@ def test_refuses_batch_in_channels():
         fxdp.transform(BatchAsChannels(), compiler="eager")(torch.randn(4, 5, 5))
 
 
+class ModulatedConv(nn.Module):
+    """StyleGAN2's modulated convolution: weights scaled per sample by a style (and
+    demodulated), the batch folded into the channels and the groups; ``up`` is its
+    upsampling form, a grouped ``conv_transpose2d``. ``mixed`` convolves the whole batch
+    with every sample's weights (no groups): that mixes samples."""
+
+    def __init__(self, form: str, c: int = 3, e: int = 2):
+        super().__init__()
+        self.form = form
+        self.weight = nn.Parameter(torch.randn(e, c, 3, 3))
+        self.bias = nn.Parameter(torch.randn(e))
+        self.style = nn.Linear(c, c)
+
+    def forward(self, x):
+        n, c, h, w_ = x.shape
+        w = self.weight[None] * (self.style(x.mean((2, 3))) + 1)[:, None, :, None, None]
+        w = w * torch.rsqrt(w.pow(2).sum((2, 3, 4), keepdim=True) + 1e-8)
+        e = w.shape[1]
+        if self.form == "mixed":
+            return F.conv2d(x, w.reshape(n * e, c, 3, 3), padding=1)
+        if self.form == "up":
+            y = F.conv_transpose2d(x.reshape(1, n * c, h, w_), w.transpose(1, 2).reshape(n * c, e, 3, 3),
+                                   stride=2, padding=1, groups=n)
+        else:
+            y = F.conv2d(x.reshape(1, n * c, h, w_), w.reshape(n * e, c, 3, 3), padding=1, groups=n)
+        return y.view(n, e, *y.shape[2:]) + self.bias[None, :, None, None]
+
+
+@pytest.mark.parametrize("form", ["same", "up"])
+def test_modulated_convolution_with_the_samples_as_groups(form):
+    """It was refused ("the convolution's weight is batched"): each group is one
+    sample's. A second batch size, where ``groups`` is the symbolic ``B``, too."""
+    torch.manual_seed(0)
+    model = ModulatedConv(form).double()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for batch in (3, 5):
+        x = torch.randn(batch, 3, 5, 5, dtype=torch.float64)
+        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+        for p in model.parameters():
+            p.grad_sample = None
+        dp(x).pow(2).sum().backward()
+        assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
+
+
+def test_a_batched_weight_over_the_whole_batch_is_refused():
+    with pytest.raises(fxdp.UnsupportedError, match="weight is batched"):
+        fxdp.transform(ModulatedConv("mixed").double(), compiler="eager")(torch.randn(3, 3, 5, 5, dtype=torch.float64))
+
+
 def test_is_supported():
     for cls in (C1, C2, C3, T1, T2, T3, nn.LazyConv2d):
         assert fxdp.is_supported(cls), cls

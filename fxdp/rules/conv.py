@@ -119,7 +119,8 @@ def conv_config(args: Sequence[Any], *, layout: str = "conv") -> dict:
         "stride": stride,
         "padding": pairs,
         "dilation": dilation,
-        "groups": int(groups),
+        # A graph value where it is the batch size (``groups=B``, see _samples_as_groups).
+        "groups": _meta(groups) if isinstance(groups, fx.Node) else int(groups),
         "transposed": transposed,
         "output_padding": _ints(output_padding, n),
     }
@@ -596,7 +597,39 @@ def _make_input_grad(parse):
     return input_grad
 
 
+def _samples_as_groups(args_batch, args_meta, config) -> BatchDim | None:
+    """StyleGAN2's modulated convolution: each sample's own weights, the batch folded
+    into the channels and the groups, ``conv2d(x.reshape(1, B·C, H, W), w.reshape(B·E,
+    C, k, k), groups=B)``. Every group lies within one sample when ``groups`` is a
+    multiple of ``B`` and the input's and weight's batched rows are whole samples: the
+    output's channels are then ``B`` blocks, sample by sample. Its upsampling form,
+    ``conv_transpose2d`` with ``groups=B`` and the weight ``[B·C, E, k, k]``, too."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    x_batch, w_batch = args_batch[0], args_batch[1]
+    b_batch = args_batch[2] if len(args_batch) > 2 else None
+    if not (isinstance(x_batch, BatchDim) and x_batch.dim == 1 and isinstance(w_batch, BatchDim)
+            and w_batch.dim == 0 and statically_known_true(x_batch.outer == 1)
+            and statically_known_true(w_batch.outer == 1)):
+        return None
+    if b_batch is not None and not (isinstance(b_batch, BatchDim) and b_batch.dim == 0
+                                    and b_batch.same_as(w_batch)):
+        return None
+    samples, groups, weight = args_meta[0].shape[1] // x_batch.inner, config["groups"], args_meta[1]
+    if not (statically_known_true(groups % samples == 0)
+            and statically_known_true(weight.shape[0] == samples * w_batch.inner)):
+        return None
+    if config["transposed"]:  # the weight's rows are input channels: [B·C, E/groups, k, k]
+        if b_batch is not None or not statically_known_true(w_batch.inner == x_batch.inner):
+            return None
+        return BatchDim(1, inner=groups // samples * weight.shape[1])
+    return BatchDim(1, inner=w_batch.inner)
+
+
 def _batch_rule(args_batch, args_meta, out_meta, config):
+    grouped = _samples_as_groups(args_batch, args_meta, config)
+    if grouped is not None:
+        return grouped
     for i, what in ((1, "weight"), (2, "bias")):
         b = args_batch[i] if len(args_batch) > i else None
         if isinstance(b, BatchDim) and b.dim is not None:
