@@ -335,6 +335,12 @@ def _upstream(grad: fx.Node):
             stack.extend(node.all_input_nodes)
 
 
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` calls an ATen op that writes into one of its arguments."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
 def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                           decompositions: dict | None = None,
                           clip_norm_key: int | None = None) -> tuple[fx.GraphModule, BackwardPlan]:
@@ -571,6 +577,13 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
     fake_mode = fake_mode_of([a for a in fake_args if isinstance(a, torch.Tensor)])
     with holding() as opaque_calls:
         new_gm = make_fx_traced(rewritten, fake_args, fake_mode=fake_mode, decompositions=decompositions)
+        if any(_mutates(n) for n in new_gm.graph.nodes):
+            # A derivative formula that writes in place (householder_product's writes into
+            # views of its intermediates), traced into a per-sample VJP: Inductor's
+            # scheduler cannot order writes into views of values it computes. Written
+            # out of place, as AOTAutograd hands it every other graph.
+            new_gm = make_fx_traced(torch.func.functionalize(fx.Interpreter(new_gm).run, remove="mutations"),
+                                    fake_args, fake_mode=fake_mode)
     new_gm.graph.eliminate_dead_code()
     out = next(n for n in reversed(new_gm.graph.nodes) if n.op == "output")
     num_grads = len(output_node.args[0])

@@ -365,3 +365,31 @@ def test_writes_at_shared_positions_only(case: str):
               "positions_from_the_batch": "its index vector comes from the batch"}[case]
     assert [p.op for p in problems] == ["aten.index_add.default"] and reason in problems[0].reason, problems
 
+
+
+class Orthogonal(nn.Module):
+    """``parametrizations.orthogonal``: a parameter transform whose derivative formulas
+    write in place (``householder_product``'s into views of its intermediates)."""
+
+    def __init__(self, orthogonal_map: str):
+        super().__init__()
+        self.lin = nn.utils.parametrizations.orthogonal(nn.Linear(D, D), orthogonal_map=orthogonal_map)
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, x):
+        return self.head(self.lin(x).mean(1))
+
+
+@pytest.mark.parametrize("orthogonal_map", ["householder", "cayley", "matrix_exp"])
+def test_inductor_transform_whose_derivative_writes_in_place(orthogonal_map: str):
+    """The per-sample VJP of the transform traced those writes into the backward graph,
+    and Inductor's scheduler failed on them (``KeyError: 'op15'``); the rewritten
+    backward is now functionalised where it writes in place."""
+    torch.manual_seed(0)
+    model = Orthogonal(orthogonal_map).double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    ref = reference(model, (x,), lambda out, i: _loss(out).sum())
+    dp_model = fxdp.transform(model, grad_sample=True, loss_reduction="sum")
+    _loss(dp_model(x)).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "p.grad_sample")
