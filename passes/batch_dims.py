@@ -1790,7 +1790,9 @@ def batch_dim_pass(
     equal to the length, a causal mask ``full((T, T))`` stays shared while a learned
     start token's ``x.new_zeros(B, 1, d) + start`` is batched. A model that works
     either way is read as before; and with a static ``B`` (the first compile) a feature
-    size equal to ``B`` is no batch dim unless the model needs it to be.
+    size equal to ``B`` is no batch dim unless the model needs it to be. Where every reading
+    finds problems, a later reading's are named instead of the first's when they are
+    some of them (the others came from reading those tensors as shared).
 
     Args:
         gm: The canonical ATen graph.
@@ -1807,8 +1809,11 @@ def batch_dim_pass(
     if (analysis.problems or analysis.sized_normaliser) and analysis.sized_by_batch:
         for reading in ("all", "unambiguous"):
             retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=reading)
-            if not retried.problems:
+            if not retried.problems or set(retried.problems) < set(analysis.problems):
+                # Refused either way, for some of the same reasons: name only those, not
+                # the ones this reading of the same tensors explains away.
                 analysis = retried
+            if not retried.problems:
                 break
     for node in gm.graph.nodes:
         node.meta["fxdp_batch"] = analysis.batch.get(node)

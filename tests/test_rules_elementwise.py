@@ -856,6 +856,36 @@ def test_a_shared_mask_and_a_per_sample_token_both_sized_like_the_batch(batch_si
     _against_the_loop(model, torch.randn(batch_size + 2, T, width, dtype=torch.float64), dp=dp)
 
 
+class RefusedBesideACellState(nn.Module):
+    """An ``LSTMCell`` loop from a zero state ``x.new_zeros(B, H)`` with ``H == B`` (the
+    shared reading mixes its rows into the weights' uses), then a parameter multiplied
+    into an FFT's complex spectrum, which fxdp refuses in every reading."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.LSTMCell(D, B)
+        self.filter = nn.Parameter(torch.randn(T // 2 + 1, B))
+
+    def forward(self, x):  # [B, T, D]
+        h = c = x.new_zeros(x.shape[0], self.cell.hidden_size)
+        steps = []
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+            steps.append(h)
+        spectrum = torch.fft.rfft(torch.stack(steps, 1), dim=1) * self.filter
+        return torch.fft.irfft(spectrum, n=x.shape[1], dim=1)
+
+
+def test_a_refusal_names_only_what_no_reading_explains():
+    """The cell's weights were listed too ("a size other than 1 along the batch dim"):
+    the reading with the zero state shared named them, though reading it per-sample
+    leaves only the FFT."""
+    with pytest.raises(fxdp.UnsupportedError) as refused:
+        fxdp.transform(RefusedBesideACellState().double(), compiler="eager")(torch.randn(B, T, D, dtype=torch.float64))
+    message = str(refused.value)
+    assert "complex values" in message and "cell" not in message, message
+
+
 class ExpandedThenBroadcast(nn.Module):
     """A shared table expanded to the batch, then divided by a shared operand that
     broadcasts one of the table's size-1 dims (timm XCiT's Fourier positions, Funnel's
