@@ -1786,13 +1786,13 @@ def batch_dim_pass(
     analysis run again with it batched along its dim of size ``B`` (each row is what
     its sample would get alone), and that reading is kept if it has none. Failing that,
     only the tensors with a single dim of size ``B`` (or a ``new_zeros`` of a batched
-    tensor's batch dim) are batched: with a static ``B``
-    equal to the length, a causal mask ``full((T, T))`` stays shared while a learned
-    start token's ``x.new_zeros(B, 1, d) + start`` is batched. A model that works
-    either way is read as before; and with a static ``B`` (the first compile) a feature
-    size equal to ``B`` is no batch dim unless the model needs it to be. Where every reading
-    finds problems, a later reading's are named instead of the first's when they are
-    some of them (the others came from reading those tensors as shared).
+    tensor's batch dim) are batched: with a static ``B`` equal to the length, a causal
+    mask ``full((T, T))`` stays shared while a learned start token's
+    ``x.new_zeros(B, 1, d) + start`` is batched. A model that works either way is read
+    as before; and with a static ``B`` (the first compile) a feature size equal to ``B``
+    is no batch dim unless the model needs it to be. Where every reading finds problems,
+    a later reading's are named instead of the first's when they are some of them (the
+    others came from reading those tensors as shared).
 
     Args:
         gm: The canonical ATen graph.

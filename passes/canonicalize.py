@@ -298,12 +298,13 @@ def _attention_with_learned_mask(query, key, value, attn_mask=None, dropout_p=0.
                                  scale=None, enable_gqa=False):
     """``scaled_dot_product_attention`` with a mask that carries a gradient (a learned
     relative-position bias, ALiBi slopes) is its math kernel's ops, the kernel PyTorch
-    itself picks for such a mask on the CPU (the fused CPU kernel has no derivative for
-    the mask; CUDA's memory-efficient one has, but its per-sample replay would be the
-    generic one, B runs of the op for a mask expanded to the batch): the parameter then reaches the scores through an
-    addition, whose per-sample gradient is a sum of the scores' gradient, and a dropout
-    of the attention weights is an ordinary dropout of a batched value (the fused
-    kernel's draw could not be replayed per sample). Any other call stays fused."""
+    itself picks for such a mask on the CPU. The parameter then reaches the scores
+    through an addition, whose per-sample gradient is a sum of the scores' gradient,
+    and a dropout of the attention weights is an ordinary dropout of a batched value.
+    The fused CPU kernel has no derivative for the mask, and its dropout's draw could not
+    be replayed per sample; CUDA's memory-efficient one has a derivative, but its
+    per-sample replay would be the generic one (``B`` runs of the op for a mask
+    expanded to the batch). Any other call stays fused."""
     if not (isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad):
         return NotImplemented
     return torch.ops.aten._scaled_dot_product_attention_math(

@@ -569,7 +569,8 @@ def test_modulated_convolution_with_the_samples_as_groups(form):
 
 def test_a_batched_weight_over_the_whole_batch_is_refused():
     with pytest.raises(fxdp.UnsupportedError, match="weight is batched"):
-        fxdp.transform(ModulatedConv("mixed").double(), compiler="eager")(torch.randn(3, 3, 5, 5, dtype=torch.float64))
+        dp = fxdp.transform(ModulatedConv("mixed").double(), compiler="eager")
+        dp(torch.randn(3, 3, 5, 5, dtype=torch.float64))
 
 
 def test_is_supported():

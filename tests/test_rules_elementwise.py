@@ -881,7 +881,8 @@ def test_a_refusal_names_only_what_no_reading_explains():
     the reading with the zero state shared named them, though reading it per-sample
     leaves only the FFT."""
     with pytest.raises(fxdp.UnsupportedError) as refused:
-        fxdp.transform(RefusedBesideACellState().double(), compiler="eager")(torch.randn(B, T, D, dtype=torch.float64))
+        dp = fxdp.transform(RefusedBesideACellState().double(), compiler="eager")
+        dp(torch.randn(B, T, D, dtype=torch.float64))
     message = str(refused.value)
     assert "complex values" in message and "cell" not in message, message
 
@@ -1296,8 +1297,8 @@ def test_a_learned_attention_mask_with_dropout(kind: str):
     torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-12)
     out.pow(2).sum().backward()
     names = [n for n, _ in eager.named_parameters()]
-    per_sample = [torch.autograd.grad(expected_out[i].pow(2).sum(), list(eager.parameters()), retain_graph=True)
-                  for i in range(B)]
+    per_sample = [torch.autograd.grad(expected_out[i].pow(2).sum(), list(eager.parameters()),
+                                      retain_graph=True) for i in range(B)]
     expected = {n: torch.stack([g[j] for g in per_sample]) for j, n in enumerate(names)}
     assert_close_all(_params(model, "grad_sample"), expected, tolerance(torch.float64), "grad_sample")
 
