@@ -2192,8 +2192,8 @@ def _batched_as_broadcast(node: fx.Node, plan: "Broadcast", sources: dict) -> tu
     ``plan`` makes them. Every input but the parameter-only values is batched: along a
     new leading dim where the expand adds one (in ``buffer * p`` broadcast from ``[d]``
     to ``[B, d]``, the buffer reads as ``[1, d]`` batched at 0, and the parameter ``[d]``
-    does not span the batch), else along its dim 0 (``wpe(arange(T)[None])``'s
-    ``[1, T]`` positions).
+    does not span the batch), where the output has it for a pointwise op's operand of
+    fewer dims, else along its dim 0 (``wpe(arange(T)[None])``'s ``[1, T]`` positions).
     """
     added = plan.ndim - _meta(node).dim()
     as_batched, metas = [], []
@@ -2202,6 +2202,11 @@ def _batched_as_broadcast(node: fx.Node, plan: "Broadcast", sources: dict) -> tu
         if isinstance(a, fx.Node) and a not in sources:
             if added > 0 and isinstance(meta, torch.Tensor):
                 meta = meta.reshape((1,) * added + tuple(meta.shape))
+                as_batched.append(BatchDim(plan.batch_dim))
+            elif _is_pointwise(node.target) and isinstance(meta, torch.Tensor) and meta.dim() < plan.ndim:
+                # It broadcasts to the output's trailing dims (``rel[None] + ones(T, T)``
+                # with ``rel [H, T, T]``): batched where the output is, padded to reach it.
+                meta = meta.reshape((1,) * (plan.ndim - meta.dim()) + tuple(meta.shape))
                 as_batched.append(BatchDim(plan.batch_dim))
             else:
                 as_batched.append(BatchDim(0))

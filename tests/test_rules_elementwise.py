@@ -887,6 +887,32 @@ def test_a_refusal_names_only_what_no_reading_explains():
     assert "complex values" in message and "cell" not in message, message
 
 
+class BiasPlusAConstant(nn.Module):
+    """A per-head bias table plus a shared constant of fewer dims, ``rel[None] +
+    ones(T, T)`` (T5's position bias plus a causal or padding term), added to the
+    scores: the sum is broadcast over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(D, D)
+        self.rel = nn.Parameter(torch.randn(H, T, T))
+
+    def forward(self, x):  # [B, T, D]
+        q = self.q(x)
+        bias = self.rel[None] + torch.ones(x.shape[1], x.shape[1], dtype=x.dtype).triu(1)
+        return ((q @ q.transpose(1, 2))[:, None] + bias).softmax(-1).sum(1) @ q
+
+
+@pytest.mark.parametrize("batch_size", [B, T], ids=["B", "B-equals-T"])
+def test_a_bias_plus_a_constant_of_fewer_dims(batch_size):
+    """It was refused ("the parameter has a size other than 1 along the batch dim"): the
+    check of the sum's broadcast took the constant's dim 0 for the batch."""
+    torch.manual_seed(0)
+    model = BiasPlusAConstant().double()
+    dp = _against_the_loop(model, torch.randn(batch_size, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(batch_size + 2, T, D, dtype=torch.float64), dp=dp)
+
+
 class ExpandedThenBroadcast(nn.Module):
     """A shared table expanded to the batch, then divided by a shared operand that
     broadcasts one of the table's size-1 dims (timm XCiT's Fourier positions, Funnel's
