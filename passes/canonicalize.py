@@ -893,7 +893,7 @@ def legacy_empty_cat_pass(gm: fx.GraphModule) -> fx.GraphModule:
 
 def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """A ``repeat`` that only copies size-1 dims is an ``expand`` (then a view), and so
-    is ``expand_as``.
+    are ``expand_as`` and a ``repeat_interleave`` of a size-1 dim.
 
     ``nn.MultiheadAttention(add_bias_kv=True)`` writes ``bias_k.repeat(1, bsz, 1)``;
     as an expand it is a parameter expanded to the batch, which the batch analysis
@@ -909,6 +909,16 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
             with gm.graph.inserting_before(node):
                 sizes = _expand_sizes(gm, node)
             node.target, node.args = aten.expand.default, (node.args[0], sizes)
+            continue
+        if node.op == "call_function" and node.target is aten.repeat_interleave.self_int:
+            # ``p[None].repeat_interleave(B, 0)`` (Perceiver's latents): copies of a size-1
+            # dim, an expand.
+            src, repeats, dim = node.args[0], node.args[1], named_arg(node, "dim", None)
+            shape = src.meta["val"].shape
+            if dim is not None and isinstance(shape[dim], int) and shape[dim] == 1:
+                sizes = [-1] * len(shape)
+                sizes[dim % len(shape)] = repeats
+                node.target, node.args, node.kwargs = aten.expand.default, (src, sizes), {}
             continue
         if node.op != "call_function" or node.target is not aten.repeat.default:
             continue

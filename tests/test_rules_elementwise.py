@@ -913,6 +913,37 @@ def test_a_bias_plus_a_constant_of_fewer_dims(batch_size):
     _against_the_loop(model, torch.randn(batch_size + 2, T, D, dtype=torch.float64), dp=dp)
 
 
+class LatentsCopiedToTheBatch(nn.Module):
+    """Perceiver's latent array copied to every sample: ``expand``, ``repeat`` or
+    ``repeat_interleave`` of a size-1 dim, then mixed with the data."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.latents = nn.Parameter(torch.randn(2, D))
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):  # [B, T, D]
+        n = x.shape[0]
+        if self.how == "expand":
+            latents = self.latents[None].expand(n, -1, -1)
+        elif self.how == "repeat":
+            latents = self.latents.repeat(n, 1, 1)
+        else:
+            latents = self.latents[None].repeat_interleave(n, 0)
+        return latents + latents * self.lin(x).mean(1, keepdim=True)
+
+
+@pytest.mark.parametrize("how", ["expand", "repeat", "repeat_interleave"])
+def test_latents_copied_to_the_batch(how):
+    """``repeat_interleave`` was refused ("the parameter has a size other than 1 along
+    the batch dim"); it is now the expand it amounts to, as ``repeat`` is."""
+    torch.manual_seed(0)
+    model = LatentsCopiedToTheBatch(how).double()
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), dp=dp)
+
+
 class ExpandedThenBroadcast(nn.Module):
     """A shared table expanded to the batch, then divided by a shared operand that
     broadcasts one of the table's size-1 dims (timm XCiT's Fourier positions, Funnel's
