@@ -690,6 +690,33 @@ def test_bags_of_2d_ids_over_batch_sizes(weighted: bool):
     _check_over_sizes(WeightedBags(weighted).double(), [(B, 6), (B + 1, 6), (B + 3, 6)])
 
 
+class FlatBagsOfTheModel(nn.Module):
+    """DLRM's sparse features: ``[B, K]`` ids flattened, with offsets the model makes,
+    ``arange(0, B·K, K)`` or ``arange(B) * K``."""
+
+    def __init__(self, how: str, k: int = 5):
+        super().__init__()
+        self.how, self.k = how, k
+        self.table = nn.Parameter(torch.randn(30, 4))
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, ids):
+        n = ids.shape[0]
+        if self.how == "step":
+            offsets = torch.arange(0, n * self.k, self.k, device=ids.device)
+        else:
+            offsets = torch.arange(n, device=ids.device) * self.k
+        return self.head(F.embedding_bag(ids.reshape(-1), self.table, offsets, mode="sum"))
+
+
+@pytest.mark.parametrize("how", ["step", "times_k"])
+def test_flat_bags_with_offsets_of_the_model(how: str):
+    """``arange(B) * K`` was refused ("its bags (offsets shared by all samples) may hold
+    the ids of several samples"): it is ``arange(0, B·K, K)``, bags of ``K`` ids."""
+    torch.manual_seed(0)
+    _check_over_sizes(FlatBagsOfTheModel(how).double(), [(B, 5), (B + 1, 5), (B + 3, 5)])
+
+
 @pytest.mark.parametrize("to_device", [False, True])
 def test_gpt2_position_rows_over_many_sequence_lengths(to_device: bool):
     """Hugging Face GPT-2 looks positions up as ``wpe(arange(T)[None])``: a ``[1, T, d]``

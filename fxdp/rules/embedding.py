@@ -23,7 +23,7 @@ gradient divides by each id's frequency in the whole batch), as is
 ``embedding_bag`` comes in two layouts:
 
 - ``"regular"``: the offsets are ``arange(0, N, K)`` (what ``F.embedding_bag`` makes
-  of a 2-D input ``[B, K]``): the indices are batched, each sample owns ``P`` whole
+  of a 2-D input ``[B, K]``; or the model's own ``arange(B) * K``): the indices are batched, each sample owns ``P`` whole
   bags of ``K`` ids, its output rows ``[B, P, d]``;
 - ``"offsets"``: 1-D indices shared by the graph and offsets batched (pass
   ``in_dims=(None, 0)``): bag ``n`` (``offsets[n]`` to the next offset) is sample ``n``.
@@ -386,15 +386,39 @@ embedding_bag_weight = ParamRule(
 )
 
 
-def _regular_offsets(indices: Any, offsets: Any) -> bool:
-    """Whether the offsets are ``arange(0, N, K)`` with ``K`` dividing ``N``, the ``N``
-    indices' count: bags of ``K`` ids each, as F.embedding_bag lowers a 2-D input."""
-    if not isinstance(offsets, fx.Node) or offsets.target is not aten.arange.start_step:
-        return False
+def _arange(node: Any) -> tuple[Any, Any, Any] | None:
+    """``(start, end, step)`` of an ``arange`` node, or of one times a number
+    (``arange(B) * K`` is ``arange(0, B·K, K)``); ``None`` for anything else."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.target in (aten.mul.Tensor, aten.mul.Scalar) and len(node.args) == 2:
+        inner, factor = node.args
+        if isinstance(factor, fx.Node) and not isinstance(inner, fx.Node):
+            inner, factor = factor, inner
+        found = _arange(inner)
+        if found is None or isinstance(factor, fx.Node) or not isinstance(factor, int):
+            return None
+        return tuple(v * factor for v in found)
     # On a graph compiled for any batch size, ``end`` is a symbolic size (a node).
-    start, end, step = (_meta(a) for a in offsets.args[:3])
+    if node.target is aten.arange.start_step:
+        return tuple(_meta(a) for a in node.args[:3])
+    if node.target is aten.arange.start:
+        return _meta(node.args[0]), _meta(node.args[1]), 1
+    if node.target is aten.arange.default:
+        return 0, _meta(node.args[0]), 1
+    return None
+
+
+def _regular_offsets(indices: Any, offsets: Any) -> bool:
+    """Whether the offsets are ``arange(0, N, K)`` (or ``arange(N // K) * K``) with
+    ``K`` dividing ``N``, the ``N`` indices' count: bags of ``K`` ids each, as
+    F.embedding_bag lowers a 2-D input."""
+    found = _arange(offsets)
+    if found is None:
+        return False
+    start, end, step = found
     num_ids = _meta(indices).shape[0]
-    return bool(start == 0) and bool(end == num_ids) and bool(end % step == 0)
+    return bool(start == 0) and bool(end == num_ids) and bool(step > 0) and bool(end % step == 0)
 
 
 def _bag_config(args) -> dict:
