@@ -23,8 +23,8 @@ gradient divides by each id's frequency in the whole batch), as is
 ``embedding_bag`` comes in two layouts:
 
 - ``"regular"``: the offsets are ``arange(0, N, K)`` (what ``F.embedding_bag`` makes
-  of a 2-D input ``[B, K]``; or the model's own ``arange(B) * K``): the indices are batched, each sample owns ``P`` whole
-  bags of ``K`` ids, its output rows ``[B, P, d]``;
+  of a 2-D input ``[B, K]``; or the model's own ``arange(B) * K``): the indices are
+  batched, each sample owns ``P`` whole bags of ``K`` ids, its output rows ``[B, P, d]``;
 - ``"offsets"``: 1-D indices shared by the graph and offsets batched (pass
   ``in_dims=(None, 0)``): bag ``n`` (``offsets[n]`` to the next offset) is sample ``n``.
 """
@@ -396,7 +396,7 @@ def _arange(node: Any) -> tuple[Any, Any, Any] | None:
         if isinstance(factor, fx.Node) and not isinstance(inner, fx.Node):
             inner, factor = factor, inner
         found = _arange(inner)
-        if found is None or isinstance(factor, fx.Node) or not isinstance(factor, int):
+        if found is None or not isinstance(factor, int):
             return None
         return tuple(v * factor for v in found)
     # On a graph compiled for any batch size, ``end`` is a symbolic size (a node).
