@@ -633,32 +633,28 @@ def masked_fill_by_index_put_as_where_pass(gm: fx.GraphModule) -> fx.GraphModule
         mask, h, v = masks[0].meta.get("val"), data.meta.get("val"), values.meta.get("val")
         if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and isinstance(v, torch.Tensor)):
             continue
-        if tuple(mask.shape) != tuple(h.shape):
+        trailing = h.dim() - mask.dim()
+        if trailing < 0 or tuple(mask.shape) != tuple(h.shape[:mask.dim()]):
+            continue
+        if trailing:
             # A mask of the leading dims and a value for every element it selects
             # (BERT/MAE's ``x[mask] = self.mask_token``, ``mask [B, T]``): the mask
             # broadcast over the trailing dims, which the value fills alike.
-            trailing = h.dim() - mask.dim()
-            if not (0 < trailing and tuple(mask.shape) == tuple(h.shape[:mask.dim()]) and v.dim() <= trailing
-                    and all(statically_known_true(a == 1) or statically_known_true(a == b)
-                            for a, b in zip(reversed(v.shape), reversed(h.shape)))):
+            if not (v.dim() <= trailing and all(statically_known_true(a == 1) or statically_known_true(a == b)
+                                                for a, b in zip(reversed(v.shape), reversed(h.shape)))):
                 continue
-            with gm.graph.inserting_before(node):
-                wide = masks[0]
-                for _ in range(trailing):
-                    wide = _call(gm, torch.ops.aten.unsqueeze.default, (wide, -1), node)
-                if v.dtype != h.dtype:
-                    values = _call(gm, torch.ops.aten._to_copy.default, (values,), node, {"dtype": h.dtype})
-                _replace(gm, node, _call(gm, torch.ops.aten.where.self, (wide, values, data), node))
-            continue
-        if v.dim() != 0:
+        elif v.dim() != 0:
             values = _of_the_whole(gm, values, data, masks[0])
             if values is None:
                 continue
             v = values.meta["val"]
         with gm.graph.inserting_before(node):
+            wide = masks[0]
+            for _ in range(trailing):
+                wide = _call(gm, torch.ops.aten.unsqueeze.default, (wide, -1), node)
             if v.dtype != h.dtype:
                 values = _call(gm, torch.ops.aten._to_copy.default, (values,), node, {"dtype": h.dtype})
-            _replace(gm, node, _call(gm, torch.ops.aten.where.self, (masks[0], values, data), node))
+            _replace(gm, node, _call(gm, torch.ops.aten.where.self, (wide, values, data), node))
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -37,6 +37,7 @@ from fxdp.clip_norm import max_grad_norm
 from fxdp.markers import USES, UseInfo
 from fxdp.opaque import holding, run_opaque, symbolic_batch
 from fxdp.options import Options
+from fxdp.passes.writes import writes_in_place
 from fxdp.registry import GRAD, ghost_inner
 
 __all__ = ["BackwardPlan", "backward_rewrite_pass", "unmarked_gradients", "constant_gradients", "MARKER",
@@ -335,12 +336,6 @@ def _upstream(grad: fx.Node):
             stack.extend(node.all_input_nodes)
 
 
-def _mutates(node: fx.Node) -> bool:
-    """Whether ``node`` calls an ATen op that writes into one of its arguments."""
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and schema.is_mutable
-
-
 def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                           decompositions: dict | None = None,
                           clip_norm_key: int | None = None) -> tuple[fx.GraphModule, BackwardPlan]:
@@ -577,7 +572,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
     fake_mode = fake_mode_of([a for a in fake_args if isinstance(a, torch.Tensor)])
     with holding() as opaque_calls:
         new_gm = make_fx_traced(rewritten, fake_args, fake_mode=fake_mode, decompositions=decompositions)
-        if any(_mutates(n) for n in new_gm.graph.nodes):
+        if any(writes_in_place(n.target) for n in new_gm.graph.nodes):
             # A derivative formula that writes in place (householder_product's writes into
             # views of its intermediates), traced into a per-sample VJP: Inductor's
             # scheduler cannot order writes into views of values it computes. Written
