@@ -315,10 +315,11 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     def inner_compile(g, inputs, **kwargs):
         if kwargs.get("is_backward"):
-            return backward_compiler(g, inputs, lambda g2, i2: compile_fx_inner(
-                clone_overlapping_write_targets(writes_into_temporaries_as_functions(g2)), i2, **kwargs))
+            return backward_compiler(g, inputs, lambda g2, i2: compile_fx_inner(pin_conv_operands_of_two_layouts(
+                clone_overlapping_write_targets(writes_into_temporaries_as_functions(g2)), backward=True), i2, **kwargs))
         forward_observer(g)
-        return compile_fx_inner(clone_overlapping_write_targets(g), inputs, **kwargs)
+        return compile_fx_inner(pin_conv_operands_of_two_layouts(clone_overlapping_write_targets(g), backward=False),
+                                inputs, **kwargs)
 
     from torch._inductor import config as inductor_config
 
@@ -399,6 +400,46 @@ def clone_overlapping_write_targets(gm: fx.GraphModule) -> fx.GraphModule:
             # Only the value: the target's tensor_meta would give the clone its stride 0.
             clone.meta["val"] = target.meta["val"].clone()
             node.replace_input_with(target, clone)
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def pin_conv_operands_of_two_layouts(gm: fx.GraphModule, backward: bool) -> fx.GraphModule:
+    """``gm`` with each activation a convolution reads copied first (``mul(x, 1)``) where
+    its channels-first and channels-last strides address the same elements (one channel,
+    or one spatial position), unless it is a forward input, for Inductor.
+
+    Works around a PyTorch bug (torch 2.13, ``layout_optimization=False``, which
+    :func:`inductor_compile` sets): such a tensor's real strides can differ from the ones
+    Inductor planned in the size-1 dim, which ``assert_size_stride`` does not check; the
+    convolution reading it picks its output's memory format from those strides, and the
+    planned and real outputs then differ where it counts (``AssertionError: expected
+    size 2==2, stride 6==1``). A one-channel 1x1 conv feeding another conv was enough;
+    plain ``torch.compile`` fails the same way under that setting. Inductor writes the
+    copy itself, in the layout it planned. The copy is of a one-channel or one-position
+    tensor, so it costs next to nothing; ``clone`` would not do, Inductor drops it."""
+    import math
+
+    aten = torch.ops.aten
+    read = {aten.convolution.default: (0,), aten.convolution_backward.default: (0, 1)}
+
+    def two_layouts(t: Any) -> bool:
+        return (isinstance(t, torch.Tensor) and t.dim() >= 3 and t.numel() > 0
+                and (t.shape[1] == 1 or math.prod(t.shape[2:]) == 1))
+
+    changed = False
+    for node in list(gm.graph.nodes):
+        for i in read.get(node.target, ()) if node.op == "call_function" else ():
+            x = node.args[i]
+            if (not isinstance(x, fx.Node) or (x.op == "placeholder" and not backward)
+                    or not two_layouts(x.meta.get("val"))):
+                continue
+            with gm.graph.inserting_before(node):
+                copy = gm.graph.call_function(aten.mul.Tensor, (x, 1))
+            copy.meta["val"] = x.meta["val"].clone()
+            node.update_arg(i, copy)
             changed = True
     if changed:
         gm.recompile()

@@ -723,6 +723,38 @@ def test_inductor_depthwise_per_sample_grads_keep_the_batch_size_symbolic(layer:
     assert counters["stats"]["unique_graphs"] == 2
 
 
+class OneChannelBottleneck(nn.Module):
+    """A depthwise block narrowing to one channel, then a conv reading it."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.dw = nn.Conv2d(channels, channels, 3, 2, 1, groups=channels, bias=False)
+        self.norm = nn.GroupNorm(1, channels)
+        self.proj = nn.Conv2d(channels, 1, 1, bias=False)
+        self.head = nn.Conv2d(1, 2, 1)
+
+    def forward(self, x):
+        return self.head(self.proj(F.hardswish(self.norm(self.dw(x)))))
+
+
+@pytest.mark.parametrize("channels", [2, 3])
+def test_inductor_a_conv_reading_one_channel(channels):
+    """A one-channel activation has the same elements at channels-first and
+    channels-last strides. Inductor (``layout_optimization=False``, torch 2.13) planned
+    one and the kernel wrote the other; the next convolution chose its output's layout
+    from them and the planned strides failed Inductor's check (``expected size 2==2,
+    stride 6==1``). Plain ``torch.compile`` fails the same way under that setting."""
+    torch.manual_seed(0)
+    model = OneChannelBottleneck(channels)
+    x = torch.randn(3, channels, 4, 5).to(memory_format=torch.channels_last)
+    ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    model.zero_grad(set_to_none=True)
+    dp = fxdp.transform(model, max_grad_norm=0.5, grad_sample=True, loss_reduction="sum", compiler="inductor")
+    dp(x).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-3, "inductor: grad_sample")
+    assert_close_all(_params(model, "grad"), ref.grad("sum", 0.5), 1e-3, "inductor: clipped grad")
+
+
 def test_fastest_route_times_each_route_once_per_key():
     """``fastest_route`` runs every route on a key's first call and keeps the fastest
     run's result and name; later calls run that route only; ``forced_route`` wins, and
