@@ -183,8 +183,13 @@ _NAMED_FOR: list[Callable[[Any], bool]] = []
 
 
 def name_function_calls(is_fxdp_backend: Callable[[Any], bool]) -> None:
-    """Have Dynamo capture for fxdp as ``capture_config`` has it, in three of its
+    """Have Dynamo capture for fxdp as ``capture_config`` has it, in four of its
     settings, when it captures for a backend that ``is_fxdp_backend`` recognises:
+
+    - trace ``nn.RNN``/``nn.GRU``/``nn.LSTM`` modules as ``allow_rnn`` does. Without
+      it Dynamo refuses them, and where one is a ``forward``'s first call it skips the
+      whole ``forward``: the model ran eagerly, unclipped, and no fxdp code ran that
+      could notice;
 
     - record each ``torch.autograd.Function`` call's class on its higher-order op
       (``meta["fxdp_function"]``, see ``_name_function_call``);
@@ -203,6 +208,7 @@ def name_function_calls(is_fxdp_backend: Callable[[Any], bool]) -> None:
 
 
 def _install_capture_hooks() -> None:
+    from torch._dynamo.variables.builder import VariableBuilder
     from torch._dynamo.variables.misc import AutogradFunctionVariable, GetAttrVariable, LoggingLoggerVariable
 
     apply = AutogradFunctionVariable.call_apply
@@ -221,8 +227,16 @@ def _install_capture_hooks() -> None:
 
         return call_method
 
+    def wrap_module(self, value):
+        if _compiles_for(self.tx, _NAMED_FOR) and not torch._dynamo.config.allow_rnn:
+            with torch._dynamo.config.patch(allow_rnn=True):
+                return module_wrapper(self, value)
+        return module_wrapper(self, value)
+
     apply_and_name._fxdp_naming = True  # type: ignore[attr-defined]
     AutogradFunctionVariable.call_apply = apply_and_name
+    module_wrapper = VariableBuilder.wrap_module
+    VariableBuilder.wrap_module = wrap_module
     logger_call, attribute_call = LoggingLoggerVariable.call_method, GetAttrVariable.call_method
     LoggingLoggerVariable.call_method = for_fxdp(logger_call, _logged_at_capture(logger_call))
     GetAttrVariable.call_method = for_fxdp(attribute_call, _named_at_capture(attribute_call))

@@ -639,6 +639,40 @@ def test_a_string_method_of_a_class_name_in_a_compiled_model():
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) >= 1
 
 
+class RecurrentFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("how", ["entry-point", "object"])
+def test_a_compiled_model_whose_first_call_is_an_rnn_is_clipped(how):
+    """Dynamo refuses an RNN module unless ``allow_rnn`` is on; with the RNN a
+    ``forward``'s first call it then skips the whole ``forward``, and the model trained
+    eagerly with ordinary, unclipped gradients, no fxdp code having run. Captured for
+    fxdp an RNN is traced, as under ``fxdp.transform``, whatever the setting; another
+    backend still skips the frame."""
+    assert not torch._dynamo.config.allow_rnn
+    torch.manual_seed(0)
+    model = RecurrentFirst().to(DTYPE)
+    options = {"max_grad_norm": 0.1, "grad_sample": True, "loss_reduction": "sum", "compiler": "eager"}
+    compiled = (torch.compile(model, backend="fxdp", options=options) if how == "entry-point"
+                else torch.compile(model, backend=fxdp.backend(**options)))
+    x = randn(3, 5, 4)
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    compiled(x).pow(2).sum().backward()
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+    assert_close_all(grads(model), ref.grad("sum", 0.1), TOL, "p.grad")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.compile(RecurrentFirst().to(DTYPE), backend="eager")(x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
 def test_a_value_read_inside_the_forward_is_refused():
     """``.item()`` between two layers splits the forward into two graphs, each of which
     would clip its own parameters: the graph after the read is refused, and says why."""
