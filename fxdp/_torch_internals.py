@@ -233,6 +233,7 @@ def _install_capture_hooks() -> None:
                 return module_wrapper(self, value)
         return module_wrapper(self, value)
 
+    refuse_skipped_frames_that_train()
     apply_and_name._fxdp_naming = True  # type: ignore[attr-defined]
     AutogradFunctionVariable.call_apply = apply_and_name
     module_wrapper = VariableBuilder.wrap_module
@@ -242,10 +243,88 @@ def _install_capture_hooks() -> None:
     GetAttrVariable.call_method = for_fxdp(attribute_call, _named_at_capture(attribute_call))
 
 
-def _compiles_for(tx: Any, recognisers: list[Callable[[Any], bool]]) -> bool:
-    """Whether the backend Dynamo captures for (``tx.output.compiler_fn``, through its
-    debug wrappers) is one that a recogniser accepts."""
-    backend = getattr(getattr(tx, "output", None), "compiler_fn", None)
+def refuse_skipped_frames_that_train() -> None:
+    """Make Dynamo raise where it would skip a frame, compiling for fxdp, whose code
+    uses trainable parameters that no other compiled frame reaches.
+
+    Dynamo skips a whole function it cannot resume after a graph break (one inside a
+    ``for``/``while`` loop or a ``try`` block) and runs it eagerly. The parameters its
+    code reads through ``self``, directly or through ``torch.nn``'s own modules (whose
+    code Dynamo never compiles on its own), then got ordinary, unclipped gradients, and
+    where that was the whole ``forward`` no fxdp code ran that could notice. A module
+    of the user's own reached from there is compiled as a frame of its own and left to
+    the backend's checks; so is a skip with gradients off (an evaluation), where the
+    eager run is harmless: that skip is for the one call, so that a training call of
+    the same code is checked too. ``fullgraph=True`` (``fxdp.transform``) raises Dynamo's own
+    error anyway."""
+    from torch._dynamo.convert_frame import ConvertFrameAssert
+    from torch._dynamo.exc import Unsupported
+    from torch._dynamo.types import ConvertFrameReturn, FrameAction, FrameExecStrategy
+
+    convert = ConvertFrameAssert.__call__
+    if getattr(convert, "_fxdp_guard", False):
+        return
+
+    def __call__(self, frame, cache_entry, hooks, frame_state, *, skip=0):
+        try:
+            return convert(self, frame, cache_entry, hooks, frame_state, skip=skip + 1)
+        except Unsupported as error:
+            if self._one_graph or not _backend_recognised(self._torchdynamo_orig_backend, _NAMED_FOR):
+                raise
+            names = _parameters_run_eagerly(frame)
+            if not names:
+                raise
+            if not torch.is_grad_enabled():
+                # Eagerly this time, but not for good (Dynamo's default): a training call
+                # of the same code must come back here.
+                return ConvertFrameReturn(FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT),
+                                          apply_to_code=False, skip_reason=str(error))
+            from fxdp.errors import UnsupportedError
+
+            code = frame.f_code
+            reason = str(error.__cause__ or error).strip().splitlines()[0]
+            raise UnsupportedError(
+                f"fxdp: Dynamo cannot compile {code.co_qualname} ({code.co_filename}:{code.co_firstlineno}) "
+                f"and would run it eagerly, outside any fxdp graph: {', '.join(names)} would get "
+                f"ordinary, unclipped gradients. Dynamo's reason: {str(error).strip().splitlines()[0]}"
+                + (f" ({reason})" if reason not in str(error) else "")
+                + ". A graph break inside a for/while loop or a try block makes Dynamo skip the "
+                "whole function: remove the break (torch._dynamo.explain shows it) or use "
+                "fxdp.transform, which compiles with fullgraph=True.") from error
+
+    __call__._fxdp_guard = True  # type: ignore[attr-defined]
+    ConvertFrameAssert.__call__ = __call__
+
+
+def _parameters_run_eagerly(frame: Any) -> list[str]:
+    """The trainable parameters that a skipped frame's code names through its first
+    argument, a module (``self.fc``, ``self.layers``), with those of ``torch.nn``'s modules under them,
+    down to the first module of other code (a frame of its own)."""
+    code = frame.f_code
+    owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+    if not isinstance(owner, torch.nn.Module):
+        return []
+
+    def library(module: torch.nn.Module, prefix: str) -> list[str]:
+        if not type(module).__module__.startswith("torch.nn."):
+            return []
+        found = [f"{prefix}.{n}" for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        for child_name, child in module.named_children():
+            found += library(child, f"{prefix}.{child_name}")
+        return found
+
+    names: list[str] = []
+    for name in dict.fromkeys(code.co_names):
+        param = owner._parameters.get(name)
+        if param is not None and param.requires_grad:
+            names.append(name)
+        elif name in owner._modules and owner._modules[name] is not None:
+            names += library(owner._modules[name], name)
+    return names
+
+
+def _backend_recognised(backend: Any, recognisers: list[Callable[[Any], bool]]) -> bool:
+    """Whether ``backend`` (through Dynamo's debug wrappers) is one a recogniser accepts."""
     for _ in range(8):
         if backend is None:
             return False
@@ -253,6 +332,12 @@ def _compiles_for(tx: Any, recognisers: list[Callable[[Any], bool]]) -> bool:
             return True
         backend = getattr(backend, "compiler_fn", None) or getattr(backend, "__wrapped__", None)
     return False
+
+
+def _compiles_for(tx: Any, recognisers: list[Callable[[Any], bool]]) -> bool:
+    """Whether the backend Dynamo captures for (``tx.output.compiler_fn``, through its
+    debug wrappers) is one that a recogniser accepts."""
+    return _backend_recognised(getattr(getattr(tx, "output", None), "compiler_fn", None), recognisers)
 
 
 def _node_of(variable: Any) -> fx.Node | None:
@@ -732,10 +817,12 @@ def in_optimizer() -> bool:
 def _first_resume() -> bool:
     """Whether the resume function Dynamo compiles now is called by the function itself,
     not by a resume function (after an earlier break): its caller is the first frame
-    outside torch on the stack above Dynamo's ``_compile``."""
+    outside torch (and this module's wrappers of it) on the stack above Dynamo's
+    ``_compile``."""
     torch_dir = os.path.dirname(torch.__file__)
     frame = _frame_running("_compile", "convert_frame.py")
-    while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+    while frame is not None and (frame.f_code.co_filename.startswith(torch_dir)
+                                 or frame.f_code.co_filename == __file__):
         frame = frame.f_back
     return frame is not None and not frame.f_code.co_name.startswith("torch_dynamo_resume_in_")
 

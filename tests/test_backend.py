@@ -308,10 +308,17 @@ def test_graphs_compiled_one_by_one_under_clipping_raise(how, joined):
 _LOCK = threading.Lock()
 
 
+def _locked(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with _LOCK:
+        pass
+    return layer(x)
+
+
 class EagerInside(nn.Module):
-    """A submodule whose forward Dynamo cannot compile after its ``with`` of a lock (as
-    transformers 5's output capturing does on a model's first call): it runs eagerly,
-    and only the module around it is compiled."""
+    """A layer called by a function Dynamo cannot compile after its ``with`` of a lock
+    (as transformers 5's output capturing does on a model's first call): it runs
+    eagerly, and only the module around it is compiled. (The function reads no
+    parameter of a module by name: one that did is refused when it is skipped.)"""
 
     def __init__(self):
         super().__init__()
@@ -319,12 +326,7 @@ class EagerInside(nn.Module):
         self.head = nn.Linear(8, 3)
 
     def forward(self, x):
-        return self.head(torch.tanh(self._inner(x)))
-
-    def _inner(self, x):
-        with _LOCK:
-            pass
-        return self.inner(x)
+        return self.head(torch.tanh(_locked(self.inner, x)))
 
 
 def test_parameters_run_eagerly_before_a_clipping_graph_are_refused():
@@ -380,7 +382,10 @@ def test_a_submodule_dynamo_runs_eagerly_under_clipping_is_refused(how, compiled
     """Dynamo runs the submodule eagerly, without any backend: its parameters got the
     ordinary gradient, the rest was clipped with its own norms only (0.16 off), and
     ``per_sample_norms`` looked fine; with every parameter in it nothing was clipped.
-    The graph after the break (or the one that ends at it) is refused instead."""
+    A submodule whose frame Dynamo skips (a break inside ``try``) is refused when it is
+    skipped, naming its parameters; for one run eagerly on purpose
+    (``torch.compiler.disable``) the graph after the break (or the one that ends at
+    it) is refused."""
     model = SkippedSubmodule(how).to(DTYPE)
     backend = fxdp.backend(max_grad_norm=0.1, compiler="eager")
     forward = torch.compile(model, backend=backend) if compiled == "model" else model
@@ -388,9 +393,51 @@ def test_a_submodule_dynamo_runs_eagerly_under_clipping_is_refused(how, compiled
     def step(x):
         mean_sq_loss(forward(x)).backward()
 
-    with refused("fxdp cannot clip globally across a graph break"):
+    message = ("Dynamo cannot compile TryExceptBranch.forward .*: lin.weight, lin.bias would get ordinary, "
+               "unclipped gradients" if how == "try_except" else "fxdp cannot clip globally across a graph break")
+    with refused(message):
         (step if compiled == "model" else torch.compile(step, backend=backend))(randn(3, 4))
     assert all(p.grad is None for p in model.parameters())
+
+
+class PrintsInALoop(nn.Module):
+    """A ``forward`` that Dynamo skips whole: a break inside a ``for`` loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+            _LOGGED.append(x.abs().max().item())
+        return x
+
+
+_LOGGED: list[float] = []
+
+
+@pytest.mark.parametrize("first", ["train", "evaluate"])
+def test_a_forward_dynamo_skips_whole_is_refused(first):
+    """With a break inside a loop Dynamo skipped the whole ``forward``: no graph reached
+    the backend, the model trained eagerly, unclipped, and nothing said so. Refused
+    when Dynamo skips it, naming the parameters its code reaches. An evaluation under
+    ``no_grad()`` still runs eagerly, and a training call after it is refused too."""
+    torch._dynamo.reset()
+    model = PrintsInALoop().to(DTYPE)
+    compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=0.1, compiler="eager"))
+    if first == "evaluate":
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(compiled(randn(3, 4)), model(randn(3, 4)))
+    with refused(r"Dynamo cannot compile PrintsInALoop.forward \(.*test_backend.py:\d+\) and would run it eagerly, "
+                 r"outside any fxdp graph: layers.0.weight, layers.0.bias, layers.2.weight, layers.2.bias would "
+                 r"get ordinary, unclipped gradients. Dynamo's reason: .*item"):
+        mean_sq_loss(compiled(randn(3, 4))).backward()
+    assert all(p.grad is None for p in model.parameters())
+    torch._dynamo.reset()
+    plain = torch.compile(PrintsInALoop().to(DTYPE), backend="eager")
+    mean_sq_loss(plain(randn(3, 4))).backward()  # another backend keeps Dynamo's skip
 
 
 def test_a_train_step_may_log_after_its_backward():
