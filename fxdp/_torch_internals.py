@@ -208,6 +208,7 @@ def name_function_calls(is_fxdp_backend: Callable[[Any], bool]) -> None:
 
 
 def _install_capture_hooks() -> None:
+    from torch._dynamo.variables import ConstantVariable, SetAttrBuiltinVariable, TensorVariable
     from torch._dynamo.variables.builder import VariableBuilder
     from torch._dynamo.variables.misc import AutogradFunctionVariable, GetAttrVariable, LoggingLoggerVariable
 
@@ -233,7 +234,21 @@ def _install_capture_hooks() -> None:
                 return module_wrapper(self, value)
         return module_wrapper(self, value)
 
+    def requires_grad_(self, tx, requires_grad=True):
+        if _gradient_asked_of_a_computed_value(tx, self, requires_grad):
+            return self
+        return method_requires_grad(self, tx, requires_grad)
+
+    def set_attribute(self, tx, obj, name_var, val):
+        if (name_var.is_python_constant() and name_var.as_python_constant() == "requires_grad"
+                and _gradient_asked_of_a_computed_value(tx, obj, val)):
+            return ConstantVariable.create(None)
+        return set_attribute_call(self, tx, obj, name_var, val)
+
     refuse_skipped_frames_that_train()
+    method_requires_grad, set_attribute_call = TensorVariable.method_requires_grad_, SetAttrBuiltinVariable._call_setattr
+    TensorVariable.method_requires_grad_ = requires_grad_
+    SetAttrBuiltinVariable._call_setattr = set_attribute
     apply_and_name._fxdp_naming = True  # type: ignore[attr-defined]
     AutogradFunctionVariable.call_apply = apply_and_name
     module_wrapper = VariableBuilder.wrap_module
@@ -241,6 +256,22 @@ def _install_capture_hooks() -> None:
     logger_call, attribute_call = LoggingLoggerVariable.call_method, GetAttrVariable.call_method
     LoggingLoggerVariable.call_method = for_fxdp(logger_call, _logged_at_capture(logger_call))
     GetAttrVariable.call_method = for_fxdp(attribute_call, _named_at_capture(attribute_call))
+
+
+def _gradient_asked_of_a_computed_value(tx: Any, tensor: Any, requires_grad: Any) -> bool:
+    """Whether, capturing for fxdp, ``tensor.requires_grad_()`` (or ``tensor.requires_grad
+    = True``) asks for the gradient of a tensor the forward computed: a call fxdp's
+    capture drops. It only makes autograd compute that value's gradient, which nothing
+    outside the forward can read and no parameter's gradient depends on; Dynamo cannot
+    capture it (wav2vec2's feature encoder sets it on the audio for gradient
+    checkpointing; Hugging Face's ``enable_input_require_grads`` on the input
+    embeddings). A graph input's flag is the caller's, and stays Dynamo's to refuse."""
+    from torch._dynamo.variables import ConstantVariable, TensorVariable
+
+    wanted = requires_grad is True or (isinstance(requires_grad, ConstantVariable)
+                                       and requires_grad.as_python_constant() is True)
+    return (wanted and isinstance(tensor, TensorVariable) and tensor.source is None
+            and (_NAMING.capturing or _compiles_for(tx, _NAMED_FOR)))
 
 
 def refuse_skipped_frames_that_train() -> None:
@@ -880,15 +911,6 @@ def backend_error(error: BaseException) -> BaseException | None:
             "fxdp cannot trace packed sequences (torch.nn.utils.rnn.pack_padded_sequence). Pad "
             "the batch instead, run the RNN on the padded tensor and read each sample's last "
             "real step with a mask, e.g. (out * mask[..., None]).sum(1)")
-    if isinstance(error, torch._dynamo.exc.Unsupported) and "requires_grad_()" in str(error):
-        return UnsupportedError(
-            "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "
-            "Dynamo cannot capture a requires_grad_() on a tensor computed inside it that the "
-            "output depends on. Hugging Face's gradient checkpointing (and peft on a checkpointed "
-            "model) registers such a hook on the input embeddings (enable_input_require_grads), "
-            "which only reentrant checkpointing needs: call model.gradient_checkpointing_enable("
-            "gradient_checkpointing_kwargs={'use_reentrant': False}) after get_peft_model, then "
-            "model.disable_input_require_grads(). Dynamo's reason: " + str(error))
     if isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
         return UnsupportedError(
             "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "

@@ -342,16 +342,45 @@ def test_module_tensor_attributes_are_shared(path):
     assert_close_all(grads(model), ref.grad("sum", 1.0), TOL, "p.grad")
 
 
-def test_requires_grad_on_an_intermediate_names_the_hugging_face_hook():
-    """Hugging Face's gradient checkpointing hooks the input embeddings to call
-    ``requires_grad_(True)`` on their output (``enable_input_require_grads``); Dynamo
-    refuses it in one graph, and the error says how to checkpoint without it."""
-    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
-    model[0].weight.requires_grad_(False)
-    model[0].register_forward_hook(lambda module, args, out: out.requires_grad_(True))
-    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
-    with pytest.raises(fxdp.UnsupportedError, match="disable_input_require_grads"):
-        dp(torch.randint(0, 10, (3, 5))).sum().backward()
+class AsksForAValuesGradient(nn.Module):
+    """wav2vec2's feature encoder: ``h.requires_grad = True`` on the audio, for gradient
+    checkpointing; Hugging Face's ``enable_input_require_grads`` hooks the input
+    embeddings to call ``requires_grad_(True)`` on their output."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.embed = nn.Embedding(10, 4)
+        self.embed.weight.requires_grad_(False)
+        self.conv = nn.Conv1d(1, 3, 3, 2)
+        self.fc = nn.Linear(4, 2)
+        if how == "hook":
+            self.embed.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+
+    def forward(self, ids, audio):
+        h = audio[:, None]
+        if self.how == "attribute":
+            h.requires_grad = True
+        features = self.conv(h).mean((1, 2))
+        return self.fc(self.embed(ids)).sum(1) * features[:, None]
+
+
+@pytest.mark.parametrize("path", ["transform", "backend"])
+@pytest.mark.parametrize("how", ["attribute", "hook"])
+def test_a_gradient_asked_of_a_computed_value_is_dropped(how, path):
+    """``requires_grad`` set on a value the forward computed only asks autograd for that
+    value's gradient, which no parameter's depends on. Dynamo cannot capture it, and
+    fxdp refused such models; the capture now drops it, and they are exact."""
+    model = AsksForAValuesGradient(how).to(DTYPE)
+    ids, audio = torch.randint(0, 10, (3, 5)), randn(3, 9)
+    ref = reference(model, [ids, audio], per_sample_sq_loss)
+    options = dict(max_grad_norm=0.5, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp = fxdp.transform(model, **options) if path == "transform" else torch.compile(
+        model, backend=fxdp.backend(**options))
+    dp(ids, audio).pow(2).sum().backward()
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+    assert_close_all(grads(model), ref.grad("sum", 0.5), TOL, "p.grad")
 
 
 @pytest.mark.parametrize("category", [None, FutureWarning])
