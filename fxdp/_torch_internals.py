@@ -911,6 +911,14 @@ def backend_error(error: BaseException) -> BaseException | None:
             "fxdp cannot trace packed sequences (torch.nn.utils.rnn.pack_padded_sequence). Pad "
             "the batch instead, run the RNN on the padded tensor and read each sample's last "
             "real step with a mask, e.g. (out * mask[..., None]).sum(1)")
+    if isinstance(error, torch._dynamo.exc.Unsupported) and "enter a `lock` context manager" in str(error):
+        return UnsupportedError(
+            "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "
+            "Dynamo cannot capture a `with` of a threading lock in it. transformers 5 takes one "
+            "on a model's first call that asks for hidden states or attentions (its own heads "
+            "may ask), to install its output-capturing hooks: call the model once before the "
+            "transformed model's first call, e.g. under torch.no_grad() on one sample. "
+            f"Dynamo's reason: {error}")
     if isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
         return UnsupportedError(
             "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "

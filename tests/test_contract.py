@@ -11,6 +11,7 @@ import inspect
 import logging
 import math
 import re
+import threading
 import warnings
 from collections import Counter
 
@@ -380,6 +381,41 @@ def test_a_gradient_asked_of_a_computed_value_is_dropped(how, path):
         model, backend=fxdp.backend(**options))
     dp(ids, audio).pow(2).sum().backward()
     assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+    assert_close_all(grads(model), ref.grad("sum", 0.5), TOL, "p.grad")
+
+
+_HOOKS_LOCK = threading.Lock()
+
+
+class InstallsHooksOnItsFirstCall(nn.Module):
+    """transformers 5's output capturing: on the first call that asks for hidden states,
+    hooks are installed under a threading lock."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3)
+        self.installed = False
+
+    def forward(self, x):
+        if not self.installed:
+            with _HOOKS_LOCK:
+                self.installed = True
+        return self.fc(x)
+
+
+def test_a_lock_taken_on_the_first_call_says_to_call_the_model_once():
+    """Dynamo cannot enter a lock; the error says how to get past a first call's one."""
+    model = InstallsHooksOnItsFirstCall().to(DTYPE)
+    x = randn(3, 4)
+    dp = fxdp.transform(model, max_grad_norm=0.5, loss_reduction="sum", compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="call the model once before the transformed model's first call"):
+        dp(x).pow(2).sum().backward()
+    with torch.no_grad():
+        model(x[:1])
+    ref = reference(model, [x], per_sample_sq_loss)
+    model.zero_grad()
+    fxdp.transform(model, max_grad_norm=0.5, loss_reduction="sum", compiler="eager")(x).pow(2).sum().backward()
     assert_close_all(grads(model), ref.grad("sum", 0.5), TOL, "p.grad")
 
 
