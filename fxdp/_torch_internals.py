@@ -96,6 +96,8 @@ def capture_config():
     - A string method of a class's name (``type(w).__module__.startswith("torchao.")``,
       which peft's DoRA asks of every weight) is answered from the name itself; Dynamo
       cannot call methods on the attribute as it keeps it.
+    - ``requires_grad`` set on a value the forward computed is dropped (see
+      ``_gradient_asked_of_a_computed_value``).
     - ``optimize_ddp`` is off: under ``DistributedDataParallel`` Dynamo's DDPOptimizer
       would split the graph at DDP's gradient buckets (the first holds 1 MB, so nearly
       every model), and clipping needs the whole model in one graph. The split would
@@ -183,14 +185,15 @@ _NAMED_FOR: list[Callable[[Any], bool]] = []
 
 
 def name_function_calls(is_fxdp_backend: Callable[[Any], bool]) -> None:
-    """Have Dynamo capture for fxdp as ``capture_config`` has it, in four of its
+    """Have Dynamo capture for fxdp as ``capture_config`` has it, in five of its
     settings, when it captures for a backend that ``is_fxdp_backend`` recognises:
 
     - trace ``nn.RNN``/``nn.GRU``/``nn.LSTM`` modules as ``allow_rnn`` does. Without
       it Dynamo refuses them, and where one is a ``forward``'s first call it skips the
       whole ``forward``: the model ran eagerly, unclipped, and no fxdp code ran that
       could notice;
-
+    - drop ``requires_grad`` asked of a value the forward computed (see
+      ``_gradient_asked_of_a_computed_value``);
     - record each ``torch.autograd.Function`` call's class on its higher-order op
       (``meta["fxdp_function"]``, see ``_name_function_call``);
     - log a ``logging.Logger`` call with constant arguments once, when the graph is
@@ -246,7 +249,8 @@ def _install_capture_hooks() -> None:
         return set_attribute_call(self, tx, obj, name_var, val)
 
     refuse_skipped_frames_that_train()
-    method_requires_grad, set_attribute_call = TensorVariable.method_requires_grad_, SetAttrBuiltinVariable._call_setattr
+    method_requires_grad = TensorVariable.method_requires_grad_
+    set_attribute_call = SetAttrBuiltinVariable._call_setattr
     TensorVariable.method_requires_grad_ = requires_grad_
     SetAttrBuiltinVariable._call_setattr = set_attribute
     apply_and_name._fxdp_naming = True  # type: ignore[attr-defined]
@@ -286,8 +290,8 @@ def refuse_skipped_frames_that_train() -> None:
     of the user's own reached from there is compiled as a frame of its own and left to
     the backend's checks; so is a skip with gradients off (an evaluation), where the
     eager run is harmless: that skip is for the one call, so that a training call of
-    the same code is checked too. ``fullgraph=True`` (``fxdp.transform``) raises Dynamo's own
-    error anyway."""
+    the same code is checked too. ``fullgraph=True`` (``fxdp.transform``) raises
+    Dynamo's own error anyway."""
     from torch._dynamo.convert_frame import ConvertFrameAssert
     from torch._dynamo.exc import Unsupported
     from torch._dynamo.types import ConvertFrameReturn, FrameAction, FrameExecStrategy
@@ -313,14 +317,13 @@ def refuse_skipped_frames_that_train() -> None:
             from fxdp.errors import UnsupportedError
 
             code = frame.f_code
-            reason = str(error.__cause__ or error).strip().splitlines()[0]
+            reasons = (str(e).strip().splitlines()[0] for e in (error, error.__cause__) if e is not None and str(e))
             raise UnsupportedError(
                 f"fxdp: Dynamo cannot compile {code.co_qualname} ({code.co_filename}:{code.co_firstlineno}) "
                 f"and would run it eagerly, outside any fxdp graph: {', '.join(names)} would get "
-                f"ordinary, unclipped gradients. Dynamo's reason: {str(error).strip().splitlines()[0]}"
-                + (f" ({reason})" if reason not in str(error) else "")
-                + ". A graph break inside a for/while loop or a try block makes Dynamo skip the "
-                "whole function: remove the break (torch._dynamo.explain shows it) or use "
+                f"ordinary, unclipped gradients. Dynamo's reason: {'; '.join(dict.fromkeys(reasons))}. "
+                "A graph break inside a for/while loop or a try block makes Dynamo skip the whole "
+                "function: remove the break (torch._dynamo.explain shows it) or use "
                 "fxdp.transform, which compiles with fullgraph=True.") from error
 
     __call__._fxdp_guard = True  # type: ignore[attr-defined]
@@ -329,8 +332,8 @@ def refuse_skipped_frames_that_train() -> None:
 
 def _parameters_run_eagerly(frame: Any) -> list[str]:
     """The trainable parameters that a skipped frame's code names through its first
-    argument, a module (``self.fc``, ``self.layers``), with those of ``torch.nn``'s modules under them,
-    down to the first module of other code (a frame of its own)."""
+    argument, a module (``self.fc``, ``self.layers``), with those of ``torch.nn``'s
+    modules under them, down to the first module of other code (a frame of its own)."""
     code = frame.f_code
     owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
     if not isinstance(owner, torch.nn.Module):
@@ -445,8 +448,9 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     def inner_compile(g, inputs, **kwargs):
         if kwargs.get("is_backward"):
-            return backward_compiler(g, inputs, lambda g2, i2: compile_fx_inner(pin_conv_operands_of_two_layouts(
-                clone_overlapping_write_targets(writes_into_temporaries_as_functions(g2)), backward=True), i2, **kwargs))
+            return backward_compiler(g, inputs, lambda g2, i2: compile_fx_inner(
+                pin_conv_operands_of_two_layouts(clone_overlapping_write_targets(
+                    writes_into_temporaries_as_functions(g2)), backward=True), i2, **kwargs))
         forward_observer(g)
         return compile_fx_inner(pin_conv_operands_of_two_layouts(clone_overlapping_write_targets(g), backward=False),
                                 inputs, **kwargs)
