@@ -262,6 +262,36 @@ def _install_capture_hooks() -> None:
     GetAttrVariable.call_method = for_fxdp(attribute_call, _named_at_capture(attribute_call))
 
 
+def compile_modules_in_place(is_fxdp_backend: Callable[[Any], bool]) -> None:
+    """Make ``module.compile(backend=...)`` (``nn.Module.compile``) with an fxdp backend
+    compile the module's call, also where its ``forward`` is ``torch.nn``'s own code.
+
+    ``nn.Module.compile`` compiles ``self._call_impl``, and Dynamo skips ``torch.nn``'s
+    frames: ``nn.Sequential(...).compile(backend=...)`` compiled nothing, with any
+    backend, and with fxdp's the model trained eagerly, unclipped, and no fxdp code ran
+    that could notice. ``torch.compile(module)`` calls such a module through a frame of
+    its own that Dynamo traces (``wrap_inline``); so does this, for fxdp's backends
+    only. Other backends keep PyTorch's behaviour."""
+    compile_module = torch.nn.Module.compile
+    if getattr(compile_module, "_fxdp", False):
+        return
+
+    def compile(self, *args, **kwargs):
+        backend = kwargs.get("backend")
+        if not (backend == "fxdp" or (backend is not None and is_fxdp_backend(backend))):
+            return compile_module(self, *args, **kwargs)
+        call = self._call_impl
+
+        def call_module(*call_args, **call_kwargs):
+            return call(*call_args, **call_kwargs)
+
+        self._compiled_call_impl = torch.compile(call_module, *args, **kwargs)
+
+    compile.__doc__ = compile_module.__doc__
+    compile._fxdp = True  # type: ignore[attr-defined]
+    torch.nn.Module.compile = compile
+
+
 def _gradient_asked_of_a_computed_value(tx: Any, tensor: Any, requires_grad: Any) -> bool:
     """Whether, capturing for fxdp, ``tensor.requires_grad_()`` (or ``tensor.requires_grad
     = True``) asks for the gradient of a tensor the forward computed: a call fxdp's
@@ -339,22 +369,28 @@ def _parameters_run_eagerly(frame: Any) -> list[str]:
     if not isinstance(owner, torch.nn.Module):
         return []
 
-    def library(module: torch.nn.Module, prefix: str) -> list[str]:
-        if not type(module).__module__.startswith("torch.nn."):
-            return []
-        found = [f"{prefix}.{n}" for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-        for child_name, child in module.named_children():
-            found += library(child, f"{prefix}.{child_name}")
-        return found
-
     names: list[str] = []
     for name in dict.fromkeys(code.co_names):
         param = owner._parameters.get(name)
         if param is not None and param.requires_grad:
             names.append(name)
         elif name in owner._modules and owner._modules[name] is not None:
-            names += library(owner._modules[name], name)
+            names += _library_parameters(owner._modules[name], name)
     return names
+
+
+def _library_parameters(module: torch.nn.Module, prefix: str) -> list[str]:
+    """The trainable parameters of ``module``, if it is one of ``torch.nn``'s own, and of
+    ``torch.nn``'s modules under it, down to the first module of other code, named under
+    ``prefix``: what runs eagerly with it, as Dynamo compiles no frame of ``torch.nn`` on
+    its own (a module of other code has a ``forward`` of its own that Dynamo compiles)."""
+    if not type(module).__module__.startswith("torch.nn."):
+        return []
+    dot = f"{prefix}." if prefix else ""
+    found = [f"{dot}{n}" for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+    for child_name, child in module.named_children():
+        found += _library_parameters(child, f"{dot}{child_name}")
+    return found
 
 
 def _backend_recognised(backend: Any, recognisers: list[Callable[[Any], bool]]) -> bool:

@@ -190,3 +190,4 @@ def entry_point_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], optio
 
 # Dynamo records a torch.autograd.Function's class for these backends (to find its rule).
 internals.name_function_calls(lambda fn: isinstance(fn, Backend) or fn is entry_point_backend)
+internals.compile_modules_in_place(lambda fn: isinstance(fn, Backend) or fn is entry_point_backend)

@@ -400,6 +400,34 @@ def test_a_submodule_dynamo_runs_eagerly_under_clipping_is_refused(how, compiled
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("how", ["object", "entry-point"])
+def test_a_torch_nn_module_compiled_in_place_is_clipped(how):
+    """``nn.Sequential(...).compile(backend=...)`` (the in-place ``nn.Module.compile``)
+    compiled nothing, as Dynamo skips torch.nn's own frames: the model trained eagerly,
+    unclipped, with no fxdp code running. With an fxdp backend the module's call is now
+    compiled as ``torch.compile(seq)`` compiles it; another backend keeps PyTorch's
+    behaviour."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).to(DTYPE)
+    x = randn(3, 4)
+    ref = reference(seq, [x], per_sample_sq_loss)
+    options = {"max_grad_norm": 0.1, "grad_sample": True, "compiler": "eager"}
+    if how == "object":
+        seq.compile(backend=fxdp.backend(**options))
+    else:
+        seq.compile(backend="fxdp", options=options)
+    mean_sq_loss(seq(x)).backward()
+    assert_close_all(grads(seq), ref.grad("mean", 0.1), TOL, "p.grad")
+    assert_close_all(grad_samples(seq), ref.per_sample, TOL, "p.grad_sample")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    other = nn.Sequential(nn.Linear(4, 3)).to(DTYPE)
+    other.compile(backend="eager")
+    other(x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
 class PrintsInALoop(nn.Module):
     """A ``forward`` that Dynamo skips whole: a break inside a ``for`` loop."""
 
