@@ -338,12 +338,26 @@ for _op, _idx in [
     (aten.softmax.int, 1), (aten._softmax.default, 1), (aten.log_softmax.int, 1),
     (aten._log_softmax.default, 1), (aten.cumsum.default, 1), (aten.cumprod.default, 1),
     (aten.index_select.default, 1), (aten.gather.default, 1), (aten.flip.default, 1),
-    (aten.roll.default, 2), (aten.narrow.default, 1), (aten._safe_softmax.default, 1),
+    (aten.narrow.default, 1), (aten._safe_softmax.default, 1),
     (aten.logcumsumexp.default, 1),
     # ``torch.fft``'s kernels (``rfft``, ``irfft``, ``fftn``, ...) along their ``dim`` list
     (aten._fft_r2c.default, 1), (aten._fft_c2r.default, 1), (aten._fft_c2c.default, 1),
 ]:
     PROPAGATION[_op] = _dim_op(_arg_dim(_idx))
+def _rolled_dims(node: fx.Node, ndim: int) -> list[int]:
+    """The dims ``roll`` moves elements along: a shift of 0 moves none (``roll(x, 0, 0)``,
+    a shift set to 0 by a config); with no dims the flattened tensor rolls, every dim."""
+    shifts = node.args[1]
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
+    shifts = list(shifts) if isinstance(shifts, (list, tuple)) else [shifts]
+    dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+    moved = [not (isinstance(shift, int) and shift == 0) for shift in shifts]
+    if not dims:
+        return list(range(ndim)) if any(moved) else []
+    return [dim for dim, move in zip(dims, moved) if move]
+
+
+PROPAGATION[aten.roll.default] = _dim_op(_rolled_dims)
 # ``rot90`` turns the plane of dims (0, 1) unless told otherwise.
 PROPAGATION[aten.rot90.default] = _dim_op(lambda node, ndim: list(node.args[2]) if len(node.args) > 2 else [0, 1])
 

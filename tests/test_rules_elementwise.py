@@ -1759,6 +1759,31 @@ def test_diagonal_and_layer_norm_across_the_batch_dim_are_refused():
     assert "mixes samples: the batch is one of the dims it normalises over" in _reasons(model, x)
 
 
+class Rolled(nn.Module):
+    def __init__(self, shifts, dims):
+        super().__init__()
+        self.shifts, self.dims = shifts, dims
+        self.inp = nn.Linear(D, D)
+
+    def forward(self, x):
+        return torch.roll(self.inp(x), self.shifts, self.dims)
+
+
+@pytest.mark.parametrize("shifts,dims", [(0, 0), ((0, 2), (0, 1)), (1, 1), (0, None)],
+                         ids=["zero-along-batch", "zero-along-batch-and-one-along-time", "along-time", "flat-zero"])
+def test_a_roll_by_zero_along_the_batch_dim_moves_nothing(shifts, dims):
+    """``roll`` by 0 (a shift a config sets to 0) moves no element, also along the batch
+    dim, where any other shift mixes samples."""
+    torch.manual_seed(0)
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    _against_the_loop(Rolled(shifts, dims if dims is not None else ()).double(), x)
+
+
+@pytest.mark.parametrize("shifts,dims", [(1, 0), ((0, 1), (1, 0)), (2, ())], ids=["batch", "batch-second", "flat"])
+def test_a_roll_that_moves_samples_is_refused(shifts, dims):
+    assert "mixes samples" in _reasons(Rolled(shifts, dims), torch.randn(B, T, D))
+
+
 class FractionalPool(nn.Module):
     """A conv, then a fractional max pool with its random offsets given per sample."""
 
