@@ -781,8 +781,9 @@ def _clears_gradients_only(code: Any, line: int, frame_globals: dict, frame_loca
                            closure: Any) -> bool:
     """Whether line ``line`` of ``code`` is the statement ``<receiver>.zero_grad(...)`` of a
     torch optimizer or module (``opt.zero_grad()``, ``Optimizer.zero_grad`` being a
-    function Dynamo must not trace), read in the frame's variables. It sets ``.grad`` to
-    ``None`` or zero: no value is read, nothing computed that a gradient flows through."""
+    function Dynamo must not trace) or of a known wrapper of one (``_CLEARING_WRAPPERS``),
+    read in the frame's variables. It sets ``.grad`` to ``None`` or zero: no value is
+    read, nothing computed that a gradient flows through."""
     import builtins
 
     loads = _statement_receiver(code, line, "zero_grad")
@@ -797,8 +798,18 @@ def _clears_gradients_only(code: Any, line: int, frame_globals: dict, frame_loca
             value = closure[code.co_freevars.index(first.argval)].cell_contents
     for load in loads[1:]:
         value = missing if value is missing else getattr(value, load.argval, missing)
-    return value is not missing and getattr(type(value), "zero_grad", None) in (
-        torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad)
+    zero_grad = getattr(type(value), "zero_grad", None)
+    return value is not missing and (zero_grad in (torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad) or (
+        getattr(zero_grad, "__module__", None), getattr(zero_grad, "__qualname__", None)) in _CLEARING_WRAPPERS)
+
+
+# Other libraries' optimizer wrappers whose ``zero_grad`` clears gradients (and their own
+# per-sample state) and then calls the wrapped optimizer's: known by name, as fxdp
+# imports neither.
+_CLEARING_WRAPPERS = {
+    ("opacus.optimizers.optimizer", "DPOptimizer.zero_grad"),  # p.grad_sample, p.summed_grad
+    ("accelerate.optimizer", "AcceleratedOptimizer.zero_grad"),
+}
 
 
 def breaks_at_zero_grad(gm: fx.GraphModule) -> bool:

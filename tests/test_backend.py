@@ -560,20 +560,40 @@ class Trainer:
         self.model, self.opt = model, opt
 
 
-@pytest.mark.parametrize("zero", ["opt", "opt_set_to_none_false", "attribute", "after_a_cast", "model"])
+class AcceleratedOptimizer:
+    """accelerate's wrapper, as far as fxdp knows it: its ``zero_grad`` by name."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @torch.compiler.disable
+    def zero_grad(self, set_to_none=None):
+        self.optimizer.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+
+
+AcceleratedOptimizer.zero_grad.__module__ = "accelerate.optimizer"
+
+
+@pytest.mark.parametrize("zero", ["opt", "opt_set_to_none_false", "attribute", "after_a_cast", "model",
+                                  "opacus_dp_optimizer", "accelerate"])
 def test_a_train_step_may_zero_the_gradients_first(zero):
     """``opt.zero_grad()`` at the top of a compiled step (the usual order: zero, forward,
     backward, step) breaks the graph, as Dynamo must not trace ``Optimizer.zero_grad``.
     It was refused as a break before the forward where any code could have run eagerly;
     a torch optimizer's (or module's) ``zero_grad`` only clears ``.grad``, so the step
     is now clipped exactly, at two batch sizes, and its update matches the microbatch
-    loop's."""
+    loop's. So do the ``zero_grad`` of Opacus's ``DPOptimizer`` (it also drops
+    ``p.grad_sample``) and of accelerate's ``AcceleratedOptimizer`` wrapped around it."""
     import copy
+
+    from opacus.optimizers import DPOptimizer
 
     model = MLP().to(DTYPE)
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     trainer = Trainer(model, opt)
+    wrapper = (DPOptimizer(opt, noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=5)
+               if zero == "opacus_dp_optimizer" else AcceleratedOptimizer(opt))
 
     @torch.compile(backend=fxdp.backend(max_grad_norm=0.5, compiler="eager"))
     def step(x):
@@ -586,6 +606,8 @@ def test_a_train_step_may_zero_the_gradients_first(zero):
         elif zero == "after_a_cast":
             x = x * 2
             opt.zero_grad()
+        elif zero in ("opacus_dp_optimizer", "accelerate"):
+            wrapper.zero_grad()
         else:
             model.zero_grad()
         loss = mean_sq_loss(model(x))
