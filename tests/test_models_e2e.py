@@ -406,8 +406,9 @@ def test_packed_sequence_argument_is_refused():
 
 
 class RequiresGradMidForward(torch.nn.Module):
-    """wav2vec2's feature encoder: ``hidden.requires_grad = True`` in train mode, which
-    Dynamo cannot put in a graph."""
+    """``x.requires_grad_()`` on the forward's own argument (the caller's tensor), which
+    Dynamo cannot put in a graph. (On a value the forward computes, as wav2vec2's feature
+    encoder sets it, fxdp's capture drops it.)"""
 
     def __init__(self):
         super().__init__()
@@ -415,10 +416,9 @@ class RequiresGradMidForward(torch.nn.Module):
         self.fc = torch.nn.Linear(4, 2)
 
     def forward(self, x):
-        h = x[:, None]
         if self.training:
-            h.requires_grad = True
-        return self.fc(self.conv(h).transpose(1, 2))
+            x.requires_grad_()
+        return self.fc(self.conv(x[:, None]).transpose(1, 2))
 
 
 def test_code_dynamo_cannot_capture_in_one_graph_is_an_fxdp_error_quoting_dynamo():
