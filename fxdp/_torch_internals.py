@@ -565,11 +565,7 @@ def clone_overlapping_write_targets(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         target = node.args[0]
         if isinstance(target, fx.Node) and overlaps_itself(target.meta.get("val")):
-            with gm.graph.inserting_before(node):
-                clone = gm.graph.call_function(aten.clone.default, (target,))
-            # Only the value: the target's tensor_meta would give the clone its stride 0.
-            clone.meta["val"] = target.meta["val"].clone()
-            node.replace_input_with(target, clone)
+            _read_through_copy(gm, node, target, aten.clone.default, (target,))
             changed = True
     if changed:
         gm.recompile()
@@ -603,17 +599,23 @@ def pin_conv_operands_of_two_layouts(gm: fx.GraphModule, backward: bool) -> fx.G
     for node in list(gm.graph.nodes):
         for i in read.get(node.target, ()) if node.op == "call_function" else ():
             x = node.args[i]
-            if (not isinstance(x, fx.Node) or (x.op == "placeholder" and not backward)
-                    or not two_layouts(x.meta.get("val"))):
-                continue
-            with gm.graph.inserting_before(node):
-                copy = gm.graph.call_function(aten.mul.Tensor, (x, 1))
-            copy.meta["val"] = x.meta["val"].clone()
-            node.update_arg(i, copy)
-            changed = True
+            if (isinstance(x, fx.Node) and (x.op != "placeholder" or backward)
+                    and two_layouts(x.meta.get("val"))):
+                _read_through_copy(gm, node, x, aten.mul.Tensor, (x, 1))
+                changed = True
     if changed:
         gm.recompile()
     return gm
+
+
+def _read_through_copy(gm: fx.GraphModule, node: fx.Node, value: fx.Node, op: Any, args: tuple) -> None:
+    """``node`` reading ``op(*args)``, a copy of ``value`` inserted before it, instead of
+    ``value``. The copy gets only ``value``'s fake value: its ``tensor_meta`` strides
+    would tell Inductor to lay the copy out as ``value`` (a broadcast's stride 0)."""
+    with gm.graph.inserting_before(node):
+        copy = gm.graph.call_function(op, args)
+    copy.meta["val"] = value.meta["val"].clone()
+    node.replace_input_with(value, copy)
 
 
 def views_as_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
