@@ -344,6 +344,8 @@ for _op, _idx in [
     (aten._fft_r2c.default, 1), (aten._fft_c2r.default, 1), (aten._fft_c2c.default, 1),
 ]:
     PROPAGATION[_op] = _dim_op(_arg_dim(_idx))
+
+
 def _rolled_dims(node: fx.Node, ndim: int) -> list[int]:
     """The dims ``roll`` moves elements along: a shift of 0 moves none (``roll(x, 0, 0)``,
     a shift set to 0 by a config); with no dims the flattened tensor rolls, every dim."""
