@@ -485,8 +485,7 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
     def inner_compile(g, inputs, **kwargs):
         if kwargs.get("is_backward"):
             return backward_compiler(g, inputs, lambda g2, i2: compile_fx_inner(
-                pin_conv_operands_of_two_layouts(clone_overlapping_write_targets(
-                    writes_into_temporaries_as_functions(g2)), backward=True), i2, **kwargs))
+                pin_conv_operands_of_two_layouts(clone_overlapping_write_targets(g2), backward=True), i2, **kwargs))
         forward_observer(g)
         return compile_fx_inner(pin_conv_operands_of_two_layouts(clone_overlapping_write_targets(g), backward=False),
                                 inputs, **kwargs)
@@ -501,41 +500,6 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
     with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False), \
             inductor_config.patch(layout_optimization=False):
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
-
-
-def writes_into_temporaries_as_functions(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with each in-place op on a value the graph computed (not a view, read by
-    nothing after the write but through the op's result) replaced by its out-of-place
-    twin, for Inductor::
-
-        copy_ = aten.copy_.default(scatter_add, where)  ->  copy = aten.copy.default(scatter_add, where)
-
-    The rewritten backward is traced without functionalisation, so a rule's per-sample
-    VJP keeps the writes of ATen's backward formulas (``scatter_reduce``'s mean
-    ``N.masked_fill_(N == 0, 1)`` under ``vmap`` became that ``copy_``). Inductor
-    compiles the graphs AOTAutograd hands it, which are functional; with one thread it
-    compiled that write wrong (torch 2.13: per-sample gradients 0.3 off)."""
-    from fxdp.passes.writes import is_view
-    from fxdp.registry import out_of_place
-
-    def fresh(node: Any) -> bool:  # an op's own new tensor: no view, no piece, no written input
-        schema = getattr(node.target, "_schema", None) if isinstance(node, fx.Node) else None
-        return schema is not None and len(schema.returns) == 1 and schema.returns[0].alias_info is None
-
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    changed = False
-    for node in list(gm.graph.nodes):
-        twin = out_of_place(node.target) if node.op == "call_function" else None
-        target = node.args[0] if twin is not None and node.args else None
-        if not (fresh(target) and all(u is node or (order[u] < order[node] and not is_view(u))
-                                      for u in target.users)):
-            continue
-        order[_replace_by_call(gm, node, twin, node.args, node.kwargs)] = order[node]
-        changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
 
 
 def clone_overlapping_write_targets(gm: fx.GraphModule) -> fx.GraphModule:

@@ -188,8 +188,12 @@ def entry_point_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], optio
     return Backend(Options.from_kwargs({"grad_sample": True, **(options or {})}))(gm, example_inputs)
 
 
+def _is_fxdp_backend(fn: Any) -> bool:
+    return isinstance(fn, Backend) or fn is entry_point_backend
+
+
 # Dynamo captures for these backends as for fxdp.transform (RNNs, autograd.Function
 # classes, a dropped requires_grad, ...), and module.compile(backend=...) with one of them
 # compiles the module's call.
-internals.name_function_calls(lambda fn: isinstance(fn, Backend) or fn is entry_point_backend)
-internals.compile_modules_in_place(lambda fn: isinstance(fn, Backend) or fn is entry_point_backend)
+internals.name_function_calls(_is_fxdp_backend)
+internals.compile_modules_in_place(_is_fxdp_backend)

@@ -573,10 +573,11 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
     with holding() as opaque_calls:
         new_gm = make_fx_traced(rewritten, fake_args, fake_mode=fake_mode, decompositions=decompositions)
         if any(writes_in_place(n.target) for n in new_gm.graph.nodes):
-            # A derivative formula that writes in place (householder_product's writes into
-            # views of its intermediates), traced into a per-sample VJP: Inductor's
-            # scheduler cannot order writes into views of values it computes. Written
-            # out of place, as AOTAutograd hands it every other graph.
+            # A derivative formula that writes in place, traced into a per-sample VJP
+            # (householder_product's writes into views of its intermediates: Inductor's
+            # scheduler cannot order them; scatter_reduce's mean ``masked_fill_`` of its
+            # counts: Inductor on one thread compiled it wrong). Written out of place, as
+            # AOTAutograd hands Inductor every other graph.
             new_gm = make_fx_traced(torch.func.functionalize(fx.Interpreter(new_gm).run, remove="mutations"),
                                     fake_args, fake_mode=fake_mode)
     new_gm.graph.eliminate_dead_code()

@@ -752,7 +752,7 @@ def test_a_write_in_a_per_sample_vjp_is_compiled_right_by_inductor():
     """The per-sample VJP of ``v`` traces ATen's backward of the mean, with its in-place
     ``masked_fill_`` of the counts, into the rewritten backward; Inductor, on one thread,
     compiled that write wrong (the counts one too large: ``v``'s per-sample gradients
-    0.3 off). The write is now handed to Inductor as its out-of-place twin."""
+    0.3 off). The rewritten backward is now functionalised where it writes in place."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
