@@ -292,6 +292,61 @@ def compile_modules_in_place(is_fxdp_backend: Callable[[Any], bool]) -> None:
     torch.nn.Module.compile = compile
 
 
+def compile_library_modules_under_ddp(is_fxdp_backend: Callable[[Any], bool]) -> None:
+    """Make ``torch.compile(DistributedDataParallel(module))`` with an fxdp backend compile
+    ``module`` also where its ``forward`` is ``torch.nn``'s own code (``nn.Sequential``).
+
+    Dynamo skips DDP's ``forward`` and compiles the module DDP calls as a frame of its
+    own; a ``torch.nn`` module's ``forward`` is skipped too, with any backend, and with
+    fxdp's the model trained eagerly, unclipped, and no fxdp code ran that could notice.
+    Compiling for an fxdp backend, DDP now calls such a module through a frame Dynamo
+    traces, as ``torch.compile(module)`` does (``wrap_inline``); DDP's own work around
+    the call (its active-module marker, which Dynamo's DDPOptimizer reads) is kept.
+    Other backends, and modules of other code, keep PyTorch's behaviour."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # a build without torch.distributed
+        return
+    from torch._dynamo import trace_rules
+    from torch._dynamo.decorators import skip
+
+    run_forward = DistributedDataParallel._run_ddp_forward
+    if getattr(run_forward, "_fxdp", False):
+        return
+
+    def _run_ddp_forward(self, *inputs, **kwargs):
+        callback = torch._C._dynamo.eval_frame.get_eval_frame_callback()
+        if not (callback and _callback_compiles_for(callback, is_fxdp_backend)
+                and trace_rules.check(self.module.forward)):
+            return run_forward(self, *inputs, **kwargs)
+        if self._use_python_reducer:
+            return _call_traced(self.module, inputs, kwargs)
+        with self._inside_ddp_forward():
+            return _call_traced(self.module, inputs, kwargs)
+
+    # Dynamo skips this frame, as it skips DDP's own, and compiles the frames it calls.
+    _run_ddp_forward = skip(_run_ddp_forward)
+    _run_ddp_forward._fxdp = True  # type: ignore[attr-defined]
+    DistributedDataParallel._run_ddp_forward = _run_ddp_forward
+
+
+def _call_traced(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``module(*args, **kwargs)`` in a frame of fxdp's code, which Dynamo compiles."""
+    return module(*args, **kwargs)
+
+
+def _callback_compiles_for(callback: Any, is_fxdp_backend: Callable[[Any], bool]) -> bool:
+    """Whether Dynamo's frame callback (its wrappers around the backend, down the
+    ``_torchdynamo_orig_backend`` chain) compiles for a backend ``is_fxdp_backend`` accepts."""
+    for _ in range(8):
+        if callback is None:
+            return False
+        if _backend_recognised(callback, [is_fxdp_backend]):
+            return True
+        callback = getattr(callback, "_torchdynamo_orig_backend", None)
+    return False
+
+
 def _gradient_asked_of_a_computed_value(tx: Any, tensor: Any, requires_grad: Any) -> bool:
     """Whether, capturing for fxdp, ``tensor.requires_grad_()`` (or ``tensor.requires_grad
     = True``) asks for the gradient of a tensor the forward computed: a call fxdp's

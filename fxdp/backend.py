@@ -193,7 +193,8 @@ def _is_fxdp_backend(fn: Any) -> bool:
 
 
 # Dynamo captures for these backends as for fxdp.transform (RNNs, autograd.Function
-# classes, a dropped requires_grad, ...), and module.compile(backend=...) with one of them
-# compiles the module's call.
+# classes, a dropped requires_grad, ...); module.compile(backend=...) with one of them
+# compiles the module's call, and so does DDP's call of a torch.nn module under one.
 internals.name_function_calls(_is_fxdp_backend)
 internals.compile_modules_in_place(_is_fxdp_backend)
+internals.compile_library_modules_under_ddp(_is_fxdp_backend)

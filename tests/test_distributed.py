@@ -29,7 +29,8 @@ WIDE = {"width": 256, "depth": 5}  # float64 Linear(256, 256)s of 0.5 MB: DDP's 
 
 class _Net(nn.Module):
     """A model class of the user's own: Dynamo compiles its forward under DDP's, which it
-    skips (an ``nn.Sequential`` there would run uncompiled; see the user guide)."""
+    skips. ``_library_model`` gives the same layers as one ``nn.Sequential``, whose
+    ``forward`` is ``torch.nn``'s own code."""
 
     def __init__(self, width: int = 16, depth: int = 1):
         super().__init__()
@@ -46,9 +47,18 @@ def _model(**sizes: int) -> nn.Module:
     return _Net(**sizes).double()
 
 
+def _library_model(model: _Net) -> nn.Sequential:
+    """``model``'s layers (the same parameters) as one ``torch.nn`` module."""
+    return nn.Sequential(*model.body, model.head)
+
+
 def _wrap(model: nn.Module, clip: float, how: str) -> nn.Module:
     if how == "transform":
         return DistributedDataParallel(fxdp.transform(model, max_grad_norm=clip, compiler="eager"))
+    if how == "backend-torch.nn":
+        # Dynamo skips DDP's forward and torch.nn's: without fxdp's hook this compiled
+        # nothing and trained unclipped.
+        model = _library_model(model)
     return torch.compile(DistributedDataParallel(model),
                          backend=fxdp.backend(max_grad_norm=clip, compiler="eager"))
 
@@ -108,7 +118,8 @@ def _rank_buckets(rank: int, init_file: str, clip: float, out_dir: str) -> None:
 
 # transform on a model DDP's buckets would split (it compiles with optimize_ddp off); the
 # backend on one that fits DDP's first bucket (the split is the next test's)
-@pytest.mark.parametrize("how,sizes", [("transform", WIDE), ("backend", {})], ids=["transform", "backend"])
+@pytest.mark.parametrize("how,sizes", [("transform", WIDE), ("backend", {}), ("backend-torch.nn", {})],
+                         ids=["transform", "backend", "backend-torch.nn"])
 def test_ddp_averages_the_ranks_clipped_gradients(how, sizes):
     model = _model(**sizes)
     x, y = _data()
