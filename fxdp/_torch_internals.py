@@ -5,6 +5,7 @@ A torch upgrade touches this module only. Verified on torch 2.13.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import re
 import sys
@@ -416,22 +417,38 @@ def refuse_skipped_frames_that_train() -> None:
 
 
 def _parameters_run_eagerly(frame: Any) -> list[str]:
-    """The trainable parameters that a skipped frame's code names through its first
-    argument, a module (``self.fc``, ``self.layers``), with those of ``torch.nn``'s
-    modules under them, down to the first module of other code (a frame of its own)."""
+    """The trainable parameters that a skipped frame's code reaches through the modules
+    it is given or names: its arguments (the first one ``self``) and the globals its code
+    reads. A ``torch.nn`` module there runs eagerly with all of its own (``model(x)`` of
+    an ``nn.Sequential``); of a module of other code, whose ``forward`` Dynamo compiles
+    as a frame of its own, only the parameters and ``torch.nn`` submodules the code
+    names (``self.fc``, ``self.layers``), with those of ``torch.nn``'s modules under them,
+    down to the first module of other code."""
     code = frame.f_code
-    owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-    if not isinstance(owner, torch.nn.Module):
-        return []
-
+    arguments = code.co_argcount + code.co_kwonlyargcount
+    arguments += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    owners = {name: frame.f_locals.get(name) for name in code.co_varnames[:arguments]}
+    owners.update((name, frame.f_globals[name]) for name in code.co_names if name in frame.f_globals)
     names: list[str] = []
-    for name in dict.fromkeys(code.co_names):
-        param = owner._parameters.get(name)
-        if param is not None and param.requires_grad:
-            names.append(name)
-        elif name in owner._modules and owner._modules[name] is not None:
-            names += _library_parameters(owner._modules[name], name)
-    return names
+    for owner_name, owner in owners.items():
+        if not isinstance(owner, torch.nn.Module):
+            continue
+        prefix = "" if owner_name == "self" else owner_name
+        if _library_module(owner):
+            names += _library_parameters(owner, prefix)
+            continue
+        dot = f"{prefix}." if prefix else ""
+        for name in dict.fromkeys(code.co_names):
+            param = owner._parameters.get(name)
+            if param is not None and param.requires_grad:
+                names.append(f"{dot}{name}")
+            elif name in owner._modules and owner._modules[name] is not None:
+                names += _library_parameters(owner._modules[name], f"{dot}{name}")
+    return list(dict.fromkeys(names))
+
+
+def _library_module(module: torch.nn.Module) -> bool:
+    return type(module).__module__.startswith("torch.nn.")
 
 
 def _library_parameters(module: torch.nn.Module, prefix: str) -> list[str]:
@@ -439,7 +456,7 @@ def _library_parameters(module: torch.nn.Module, prefix: str) -> list[str]:
     ``torch.nn``'s modules under it, down to the first module of other code, named under
     ``prefix``: what runs eagerly with it, as Dynamo compiles no frame of ``torch.nn`` on
     its own (a module of other code has a ``forward`` of its own that Dynamo compiles)."""
-    if not type(module).__module__.startswith("torch.nn."):
+    if not _library_module(module):
         return []
     dot = f"{prefix}." if prefix else ""
     found = [f"{dot}{n}" for n, p in module.named_parameters(recurse=False) if p.requires_grad]

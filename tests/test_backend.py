@@ -316,9 +316,8 @@ def _locked(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class EagerInside(nn.Module):
     """A layer called by a function Dynamo cannot compile after its ``with`` of a lock
-    (as transformers 5's output capturing does on a model's first call): it runs
-    eagerly, and only the module around it is compiled. (The function reads no
-    parameter of a module by name: one that did is refused when it is skipped.)"""
+    (as transformers 5's output capturing does on a model's first call): it would run
+    eagerly, and only the module around it be compiled."""
 
     def __init__(self):
         super().__init__()
@@ -330,14 +329,17 @@ class EagerInside(nn.Module):
 
 
 def test_parameters_run_eagerly_before_a_clipping_graph_are_refused():
-    """The head's graph gets an input whose gradient reaches parameters Dynamo ran
+    """The head's graph would get an input whose gradient reaches parameters Dynamo ran
     eagerly: they would get the ordinary gradient, the head one clipped with its own
-    norms only (0.09 off, no error). Refused when the graph compiles, nothing written:
-    the graph resumes after the break where the eager part ran."""
+    norms only (0.09 off, no error). Refused where Dynamo skips the function that calls
+    the layer it is given, nothing written. (Where no skipped frame shows the layer, the
+    graph after the eager part is refused when it compiles: ``disabled_body`` below.)"""
     model = EagerInside().to(DTYPE)
     step = torch.compile(lambda x: mean_sq_loss(model(x)), backend=fxdp.backend(max_grad_norm=0.1,
                                                                                 compiler="eager"))
-    with refused(r"broke the graph because: a break at .*test_backend.py:\d+, before this graph"):
+    with refused(r"Dynamo cannot compile _locked \(.*test_backend.py:\d+\) and would run it eagerly, outside any "
+                 r"fxdp graph: layer.weight, layer.bias would get ordinary, unclipped gradients. Dynamo's reason: "
+                 r"Unsupported context manager"):
         step(randn(3, 4)).backward()
     assert all(p.grad is None for p in model.parameters())
 
@@ -466,6 +468,49 @@ def test_a_forward_dynamo_skips_whole_is_refused(first):
     torch._dynamo.reset()
     plain = torch.compile(PrintsInALoop().to(DTYPE), backend="eager")
     mean_sq_loss(plain(randn(3, 4))).backward()  # another backend keeps Dynamo's skip
+
+
+_SEQUENTIAL: nn.Module | None = None  # the model a step function reads as a global
+
+
+@pytest.mark.parametrize("reached", ["argument", "global"])
+def test_a_skipped_function_calling_a_torch_nn_model_is_refused(reached):
+    """A compiled step function that Dynamo skips whole (a break in its loop) ran a
+    ``torch.nn`` model it was given, or read as a global, eagerly: Dynamo skips
+    ``torch.nn``'s ``forward`` too, so the model trained unclipped and nothing said so."""
+    global _SEQUENTIAL
+    torch._dynamo.reset()
+    _SEQUENTIAL = seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).to(DTYPE)
+    backend = fxdp.backend(max_grad_norm=0.1, compiler="eager")
+
+    def logged_loss(model, x):
+        total = 0
+        for _ in range(2):
+            out = model(x)
+            _LOGGED.append(out.abs().max().item())
+            total = total + mean_sq_loss(out)
+        return total
+
+    if reached == "argument":
+        step = torch.compile(logged_loss, backend=backend)
+        call, name = (lambda x: step(seq, x)), "logged_loss"
+    else:
+        @torch.compile(backend=backend)
+        def step_on_global(x):
+            total = 0
+            for _ in range(2):
+                out = _SEQUENTIAL(x)
+                _LOGGED.append(out.abs().max().item())
+                total = total + mean_sq_loss(out)
+            return total
+
+        call, name = step_on_global, "step_on_global"
+    prefix = "model" if reached == "argument" else "_SEQUENTIAL"
+    with refused(rf"Dynamo cannot compile .*{name} \(.*\) and would run it eagerly, outside any fxdp graph: "
+                 rf"{prefix}.0.weight, {prefix}.0.bias, {prefix}.2.weight, {prefix}.2.bias would get ordinary"):
+        call(randn(3, 4)).backward()
+    assert all(p.grad is None for p in seq.parameters())
+    _SEQUENTIAL = None
 
 
 def test_a_train_step_may_log_after_its_backward():
