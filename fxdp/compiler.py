@@ -526,6 +526,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             stacklevel=2,
         )
     loss_normaliser_pass(canon, analysis)
+    own_rows_pass(canon, analysis)
     tagged, counts = tag_pass(canon, analysis, param_names, excluded)
     # Each trainable parameter's gradient output is at its forward input's index.
     guarded = {i: param_names[n] for i, n in enumerate(n for n in tagged.graph.nodes if n.op == "placeholder")
@@ -690,6 +691,56 @@ def fxdp_same_kept_targets(target: torch.Tensor, ignore_index: int, dim: int,
         "batch, so no sample has a loss of its own. Use reduction='sum' (loss_reduction='sum') and "
         "divide by a fixed number yourself (Hugging Face causal-LM models: pass num_items_in_batch; heads that "
         "ignore it: compute the loss outside the model)."))
+
+
+def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
+    """Guard each gather of rows along a merged batch dim by per-sample indices (the
+    analysis's ``own_rows``, ``flat[arange(B)[:, None] * T + pos]``): every index must
+    fall among its own sample's rows, which the graph cannot prove (``pos`` is data).
+    ``B`` is read from a batched input::
+
+        fxdp_indices_in_own_rows = fxdp_indices_in_own_rows(view_2, 0, view_1, 0, x, 0)
+    """
+    if not analysis.own_rows:
+        return gm
+    reference = next(((n, b.dim) for n, b in analysis.batch.items() if n.op == "placeholder"
+                      and isinstance(b, BatchDim) and isinstance(b.dim, int) and b.plain), None)
+    for gather in analysis.own_rows:
+        if reference is None:
+            raise UnsupportedError(
+                "fxdp cannot make this model per-sample:", [Problem(
+                    str(gather.node.target), module_path_of(gather.node), "",
+                    "it gathers rows of several samples merged into one dim by indices the samples "
+                    "computed, and fxdp finds no input to read the batch size from (to check that each "
+                    "index stays among its own sample's rows): index each sample's own rows instead "
+                    "(x[torch.arange(B)[:, None], pos] on x of shape [B, T, ...])",
+                    source_of(gather.node))])
+        with gm.graph.inserting_before(gather.node):
+            gm.graph.call_function(fxdp_indices_in_own_rows, (
+                gather.index, gather.index_dim, gather.data, gather.data_dim, *reference))
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def fxdp_indices_in_own_rows(index: torch.Tensor, index_dim: int, data: torch.Tensor, data_dim: int,
+                             reference: torch.Tensor, reference_dim: int) -> None:
+    """Assert that the indices into ``data``'s dim ``data_dim``, which holds the samples'
+    rows one sample after the other, fall among their own sample's rows; ``index``'s
+    rows along ``index_dim`` belong to the samples in turn, the samples counted by
+    ``reference.shape[reference_dim]``."""
+    samples = reference.shape[reference_dim]
+    if samples == 0:
+        return
+    size, count = data.shape[data_dim], index.shape[index_dim]
+    shape = [1] * index.dim()
+    shape[index_dim] = count
+    owner = (torch.arange(count, device=index.device) // (count // samples)).view(shape)
+    wrapped = torch.where(index < 0, index + size, index)  # x[-1] reads the last row
+    torch._assert_async((wrapped // (size // samples) == owner).all(), (
+        "fxdp: an index into rows of several samples merged into one dim (x.reshape(B * T, ...)"
+        "[arange(B)[:, None] * T + pos]) falls outside its own sample's rows: the samples would read "
+        "each other's values. Keep each sample's indices within its own rows (0 <= pos < T)."))
 
 
 class _Handover:

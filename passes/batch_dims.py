@@ -121,6 +121,8 @@ class BatchAnalysis:
             ``loss_normaliser_pass`` checks at run time.
         sized_normaliser: The loss is divided by the sum of a shared mask built from
             ``B`` (read batched, it is a ``normalisers`` entry: see ``batch_dim_pass``).
+        own_rows: Each gather of rows along a merged batch dim by indices the samples
+            computed (see ``OwnRows``), which ``own_rows_pass`` checks at run time.
     """
 
     batch: dict[fx.Node, Any]
@@ -136,6 +138,7 @@ class BatchAnalysis:
     loss_divided_by_batch_size: bool = False
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = dataclasses.field(default_factory=list)
     sized_normaliser: bool = False
+    own_rows: list["OwnRows"] = dataclasses.field(default_factory=list)
 
 
 def op_name(target: Any) -> str:
@@ -373,6 +376,51 @@ for _op in (aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_
     PROPAGATION[_op] = _dim_op(lambda node, ndim: [ndim - 2, ndim - 1])
 
 
+@dataclasses.dataclass(frozen=True)
+class OwnRows:
+    """A gather of rows along a merged batch dim by per-sample indices, where every index
+    must fall among its own sample's rows: ``flat[arange(B)[:, None] * T + pos]`` on
+    ``flat = h.reshape(B * T, d)``, the flattened batched gather written by hand.
+
+    Attributes:
+        node: The op (``index_select``, ``gather`` or ``index.Tensor``).
+        index: The index tensor, batched along its dim ``index_dim``.
+        data: The tensor gathered from, whose dim ``data_dim`` merges the samples' rows.
+    """
+
+    node: fx.Node
+    index: fx.Node
+    index_dim: int
+    data: fx.Node
+    data_dim: int
+
+
+# The gathers of the propagation running now (``_propagate`` empties it first).
+_OWN_ROWS: list[OwnRows] = []
+
+
+def _gathered_from_own_rows(node: fx.Node, b: Any, index: fx.Node, ib: Any, out_dim: int) -> BatchDim | None:
+    """The batch of ``node``, which gathers rows of its first argument along that
+    argument's batch dim ``b`` at the integer ``index`` (batched as ``ib``), if each
+    index may be read as one of its own sample's rows; ``None`` otherwise.
+
+    Sample ``s`` holds rows ``[s·R, (s+1)·R)`` of the data (``R = b.inner``, any ``R``),
+    and the index's rows along its batch dim belong to the samples in turn. Where each
+    index lies among its own sample's rows the gather keeps samples apart, and its
+    output is batched as the index (along ``out_dim``). Nothing in the graph proves it
+    (``pos`` is data): ``own_rows_pass`` checks it at run time, and the gathers are
+    recorded for it in ``_OWN_ROWS``."""
+    data = node.args[0]
+    # With one row per sample (nothing merged) only ``arange(B)`` keeps samples apart.
+    if not (isinstance(b, BatchDim) and isinstance(b.dim, int) and bool(b.outer == 1) and not bool(b.inner == 1)
+            and isinstance(ib, BatchDim) and isinstance(ib.dim, int) and bool(ib.outer == 1)
+            and isinstance(index, fx.Node) and isinstance(data, fx.Node)
+            and _meta(index).dtype in (torch.int64, torch.int32, torch.int16, torch.int8)):
+        return None
+    _OWN_ROWS.append(OwnRows(node, index, ib.dim, data, b.dim))
+    return BatchDim(out_dim, ib.inner)
+
+
 @_register(aten.gather.default, aten.index_select.default, aten.narrow.default)
 def _indexing_along(node, arg_batch):
     b = arg_batch[0]
@@ -388,6 +436,18 @@ def _indexing_along(node, arg_batch):
             return index
         raise MixesSamples("it gathers shared data along another dim than the batch of its indices "
                            "(each sample would read the row at its own position in the batch)")
+    if (node.target is not aten.narrow.default and isinstance(b, BatchDim) and isinstance(b.dim, int)
+            and b.dim == _norm_dim(node.args[1], _meta(node.args[0]).dim())):
+        # Rows of the batch dim picked by per-sample indices (``index_select`` of a flat
+        # ``[B·T, d]`` at ``arange(B) * T + pos``; ``gather`` along it).
+        if node.target is aten.index_select.default and isinstance(index, BatchDim) and index.dim == 0:
+            own = _gathered_from_own_rows(node, b, node.args[2], index, b.dim)
+        elif node.target is aten.gather.default and isinstance(index, BatchDim) and index.dim == b.dim:
+            own = _gathered_from_own_rows(node, b, node.args[2], index, b.dim)
+        else:
+            own = None
+        if own is not None:
+            return own
     if (node.target is aten.gather.default and isinstance(b, BatchDim) and isinstance(b.dim, int)
             and not bool(_meta(node).shape[b.dim] == _meta(node.args[0]).shape[b.dim])):
         # The output has the index's shape, which may cover the first rows only.
@@ -1409,6 +1469,14 @@ def _index(node, arg_batch):
     dims, broadcast = _advanced_index_layout(indices)
     if isinstance(b, BatchDim) and b.dim is not None:
         if b.dim < len(indices) and indices[b.dim] is not None and dims.get(b.dim) == b.dim:
+            tensors = [i for i, ix in enumerate(indices) if ix is not None]
+            ib = index_batches[b.dim]
+            if tensors == [b.dim] and arange_dim(indices[b.dim]) is None and isinstance(ib, BatchDim):
+                # ``flat[arange(B)[:, None] * T + pos]``: rows picked by per-sample indices.
+                own = _gathered_from_own_rows(node, b, indices[b.dim], ib, b.dim + ib.dim if isinstance(ib.dim, int)
+                                              else b.dim)
+                if own is not None:
+                    return own
             return _index_batch_by_arange(node, b, index_batches)
         if b.dim in dims:
             raise MixesSamples("it indexes the batch dim with a tensor (a boolean mask over it and "
@@ -1852,6 +1920,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = []
     sized_normaliser = False
     divided_by_batch_size = False
+    _OWN_ROWS.clear()
     single = isinstance(batch_size, int) and batch_size in (0, 1)
     checks_only = _checks_only(gm)
 
@@ -2011,7 +2080,8 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                          loss_divided_by_batch_size=divided_by_batch_size,
                          broadcasts=broadcasts, param_only=sources, single=single,
                          empty=single and batch_size == 0, sized_by_batch=sized_by_batch,
-                         normalisers=normalisers, sized_normaliser=sized_normaliser)
+                         normalisers=normalisers, sized_normaliser=sized_normaliser,
+                         own_rows=[g for g in _OWN_ROWS if isinstance(batch.get(g.node), BatchDim)])
 
 
 _ASSERTIONS = {aten._assert_scalar.default, aten._assert_async.default, aten._assert_async.msg,

@@ -2175,6 +2175,61 @@ def test_batch_indexed_by_anything_but_arange_is_refused(rows, why):
     assert "mixes samples" in reasons and why in reasons, reasons
 
 
+class _FlatGather(nn.Module):
+    """Rows picked from the flattened batch by per-sample offsets: ``h.reshape(B * T, d)``
+    at ``arange(B)[:, None] * T + pos`` (a batched gather written by hand, as
+    ``torch_gather``-style helpers, span pooling and pointer heads do)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.head = nn.Linear(D, 2)
+        self.how = how
+
+    def forward(self, x, pos):
+        batch, length, d = x.shape
+        flat = self.fc(x).reshape(batch * length, d)
+        index = torch.arange(batch)[:, None] * length + pos  # [B, k]
+        if self.how == "index_select":
+            picked = flat.index_select(0, index.reshape(-1)).view(batch, -1, d)
+        elif self.how == "index":
+            picked = flat[index]  # [B, k, d]
+        elif self.how == "gather":
+            picked = flat.gather(0, index.reshape(-1, 1).expand(-1, d)).view(batch, -1, d)
+        else:  # from the end: negative indices count from the last row of the whole batch
+            picked = flat[index - batch * length]
+        return torch.tanh(self.head(picked)).sum(1)
+
+
+@pytest.mark.parametrize("how", ["index_select", "index", "gather", "negative"])
+def test_rows_of_the_flattened_batch_picked_by_per_sample_offsets(how):
+    """Each index lies among its own sample's rows, which the graph checks at run time:
+    exact, also at a new batch size (``B`` symbolic) and with a row read twice."""
+    torch.manual_seed(0)
+    model = _FlatGather(how).double()
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64), torch.tensor([[4, 0], [2, 2], [0, 3]]))
+    dp = _against_the_loop(model, torch.randn(B + 1, T + 2, D, dtype=torch.float64),
+                           torch.randint(0, T + 2, (B + 1, 3)), dp=dp)
+    crossing = torch.tensor([[4, 0], [2, T + 1], [0, 3]])  # sample 1 would read sample 2's row 1
+    with pytest.raises(fxdp.UnsupportedError, match="falls outside its own sample's rows"):
+        dp(torch.randn(B, T, D, dtype=torch.float64), crossing).sum().backward()
+
+
+def test_rows_of_the_flattened_batch_picked_by_shared_indices_are_refused():
+    """The same rows of the flattened batch for every call (``flat[[0, 5]]``) belong to
+    whichever samples hold them: refused, as before."""
+    class SharedRows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, 2)
+
+        def forward(self, x):
+            return self.fc(x).flatten(0, 1)[torch.tensor([0, 5])]
+
+    reasons = "\n".join(str(p) for p in fxdp.validate(SharedRows().double(), torch.randn(B, T, D, dtype=torch.float64)))
+    assert "mixes samples" in reasons, reasons
+
+
 class _OneHot(nn.Module):
     def __init__(self):
         super().__init__()
