@@ -694,9 +694,11 @@ def fxdp_same_kept_targets(target: torch.Tensor, ignore_index: int, dim: int,
 
 
 def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
-    """Guard each gather of rows along a merged batch dim by per-sample indices (the
-    analysis's ``own_rows``, ``flat[arange(B)[:, None] * T + pos]``): every index must
-    fall among its own sample's rows, which the graph cannot prove (``pos`` is data).
+    """Guard each gather of rows along a merged batch dim by per-sample indices, and each
+    scatter into such rows (the analysis's ``own_rows``: ``flat[arange(B)[:, None] * T +
+    pos]``, ``zeros(B * S).scatter_add(0, arange(B)[:, None] * S + segment, v)``): every
+    index must fall among its own sample's rows, which the graph cannot prove (``pos`` is
+    data).
     ``B`` is read from a batched input::
 
         fxdp_indices_in_own_rows = fxdp_indices_in_own_rows(view_2, 0, view_1, 0, x, 0)
@@ -710,8 +712,8 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
             raise UnsupportedError(
                 "fxdp cannot make this model per-sample:", [Problem(
                     str(gather.node.target), module_path_of(gather.node), "",
-                    "it gathers rows of several samples merged into one dim by indices the samples "
-                    "computed, and fxdp finds no input to read the batch size from (to check that each "
+                    "it gathers (or writes) rows of several samples merged into one dim by indices the "
+                    "samples computed, and fxdp finds no input to read the batch size from (to check that each "
                     "index stays among its own sample's rows): index each sample's own rows instead "
                     "(x[torch.arange(B)[:, None], pos] on x of shape [B, T, ...])",
                     source_of(gather.node))])
@@ -739,8 +741,9 @@ def fxdp_indices_in_own_rows(index: torch.Tensor, index_dim: int, data: torch.Te
     wrapped = torch.where(index < 0, index + size, index)  # x[-1] reads the last row
     torch._assert_async((wrapped // (size // samples) == owner).all(), (
         "fxdp: an index into rows of several samples merged into one dim (x.reshape(B * T, ...)"
-        "[arange(B)[:, None] * T + pos]) falls outside its own sample's rows: the samples would read "
-        "each other's values. Keep each sample's indices within its own rows (0 <= pos < T)."))
+        "[arange(B)[:, None] * T + pos], or a scatter into zeros(B * S, ...) at arange(B)[:, None] * S + "
+        "segment) falls outside its own sample's rows: the samples would read or write each other's rows. "
+        "Keep each sample's indices within its own rows (0 <= pos < T)."))
 
 
 class _Handover:

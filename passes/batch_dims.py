@@ -122,7 +122,8 @@ class BatchAnalysis:
         sized_normaliser: The loss is divided by the sum of a shared mask built from
             ``B`` (read batched, it is a ``normalisers`` entry: see ``batch_dim_pass``).
         own_rows: Each gather of rows along a merged batch dim by indices the samples
-            computed (see ``OwnRows``), which ``own_rows_pass`` checks at run time.
+            computed, or write into such rows (see ``OwnRows``), which ``own_rows_pass``
+            checks at run time.
     """
 
     batch: dict[fx.Node, Any]
@@ -378,14 +379,18 @@ for _op in (aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_
 
 @dataclasses.dataclass(frozen=True)
 class OwnRows:
-    """A gather of rows along a merged batch dim by per-sample indices, where every index
-    must fall among its own sample's rows: ``flat[arange(B)[:, None] * T + pos]`` on
-    ``flat = h.reshape(B * T, d)``, the flattened batched gather written by hand.
+    """A gather of rows along a merged batch dim by per-sample indices, or a write into
+    such rows, where every index must fall among its own sample's rows: ``flat[arange(B)
+    [:, None] * T + pos]`` on ``flat = h.reshape(B * T, d)``, the flattened batched gather
+    written by hand; ``zeros(B * S, d).scatter_add(0, arange(B)[:, None] * S + segment, v)``,
+    segment pooling over a flattened batch.
 
     Attributes:
-        node: The op (``index_select``, ``gather`` or ``index.Tensor``).
+        node: The op (``index_select``, ``gather``, ``index.Tensor``; ``scatter``,
+            ``scatter_add``, ``scatter_reduce``, ``index_add``, ``index_copy``, ...).
         index: The index tensor, batched along its dim ``index_dim``.
-        data: The tensor gathered from, whose dim ``data_dim`` merges the samples' rows.
+        data: The tensor gathered from or written into (``self``), whose dim
+            ``data_dim`` merges the samples' rows.
     """
 
     node: fx.Node
@@ -1397,8 +1402,51 @@ def _one_hot(node, arg_batch):
            aten.scatter_add_.default, aten.scatter_reduce_.two)
 def _scatter(node, arg_batch):
     """``self.scatter(dim, index, src)`` writes along ``dim`` at each position of the other
-    dims (index and src have self's rank): samples stay apart unless ``dim`` is the batch."""
-    return _written_along(node, arg_batch, (0, 2, 3), "scatters")
+    dims (index and src have self's rank): samples stay apart unless ``dim`` is the batch,
+    or the samples' rows are merged there and each writes into its own (see
+    ``_scattered_into_own_rows``)."""
+    own = _scattered_into_own_rows(node, arg_batch, 2, None)
+    return own if own is not None else _written_along(node, arg_batch, (0, 2, 3), "scatters")
+
+
+def _scattered_into_own_rows(node: fx.Node, arg_batch: list, index_at: int, index_dim: int | None) -> BatchDim | None:
+    """The batch of a write along ``dim`` (``node.args[1]``) into rows of ``self`` merged
+    from the samples' (``zeros(B * S).scatter_reduce(0, arange(B)[:, None] * S + segment,
+    values)``, segment pooling over a flattened batch), if each source row may be read as
+    writing among its own sample's rows; ``None`` otherwise.
+
+    The index (at ``index_at``, batched along its dim ``index_dim``: ``dim`` for
+    ``scatter``'s, ``0`` for ``index_add``'s vector) and the source hold the samples' rows
+    in turn along ``dim``; ``self``, shared or batched along ``dim``, holds ``S`` rows per
+    sample, as the output. Where each index lies among its own sample's rows samples stay
+    apart; ``own_rows_pass`` checks that at run time (see ``_gathered_from_own_rows``)."""
+    out = _meta(node)
+    dim = _norm_dim(node.args[1], out.dim())
+    index = node.args[index_at] if len(node.args) > index_at else None
+    ib = arg_batch[index_at] if len(arg_batch) > index_at else None
+    if index_dim is None:
+        index_dim = dim
+    if not (isinstance(ib, BatchDim) and ib.dim == index_dim and bool(ib.outer == 1)
+            and isinstance(index, fx.Node) and isinstance(node.args[0], fx.Node)):
+        return None
+    for i, b in enumerate(arg_batch):
+        if i in (1, index_at) or not isinstance(b, BatchDim):
+            continue
+        if b.dim != dim or not bool(b.outer == 1) or (i != 0 and not _equal_sizes(b.inner, ib.inner)):
+            return None  # batched along another dim, or rows other than the index's
+    samples = _meta(index).shape[index_dim] // ib.inner
+    rows = out.shape[dim] // samples
+    self_batch = arg_batch[0]
+    if isinstance(self_batch, BatchDim) and not _equal_sizes(self_batch.inner, rows):
+        return None
+    if bool(rows == 1):
+        return None  # one row per sample: only arange(B) keeps samples apart
+    _OWN_ROWS.append(OwnRows(node, index, index_dim, node.args[0], dim))
+    return BatchDim(dim, rows)
+
+
+def _equal_sizes(a: Any, b: Any) -> bool:
+    return bool(a == b)
 
 
 def _written_along(node: fx.Node, arg_batch: list, operands: tuple, verb: str) -> Any:
@@ -1432,6 +1480,9 @@ def _index_along(node, arg_batch):
     ``index``: every sample at the same positions, so samples stay apart unless ``dim``
     is the batch dim or the positions come from the samples."""
     index = arg_batch[2] if len(arg_batch) > 2 else None
+    own = _scattered_into_own_rows(node, arg_batch, 2, 0) if _meta(node.args[2]).dim() == 1 else None
+    if own is not None:
+        return own
     if isinstance(index, BatchDim) and index.dim is not None:
         raise MixesSamples("its index vector comes from the batch: the samples' positions are written "
                            "into one tensor")

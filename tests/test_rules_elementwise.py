@@ -2215,6 +2215,49 @@ def test_rows_of_the_flattened_batch_picked_by_per_sample_offsets(how):
         dp(torch.randn(B, T, D, dtype=torch.float64), crossing).sum().backward()
 
 
+class _SegmentPool(nn.Module):
+    """Segment pooling over a flattened batch (TAPAS's ``segment_reduce``, graph pooling):
+    each sample's positions pooled into its own ``S`` rows of ``zeros(B * S, d)``, at
+    ``arange(B)[:, None] * S + segment``."""
+
+    SEGMENTS = 3
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.head = nn.Linear(D, 2)
+        self.how = how
+
+    def forward(self, x, segment):
+        batch, length, d = x.shape
+        h = torch.tanh(self.fc(x)).reshape(batch * length, d)
+        index = (torch.arange(batch)[:, None] * self.SEGMENTS + segment).reshape(-1)
+        rows = torch.zeros(batch * self.SEGMENTS, d, dtype=x.dtype)
+        if self.how == "index_add":
+            pooled = rows.index_add(0, index, h)
+        elif self.how == "scatter_add":
+            pooled = rows.scatter_add(0, index[:, None].expand(-1, d), h)
+        else:
+            pooled = rows.scatter_reduce(0, index[:, None].expand(-1, d), h, reduce=self.how, include_self=False)
+        return self.head(pooled.view(batch, self.SEGMENTS, d)).flatten(1)
+
+
+@pytest.mark.parametrize("how", ["index_add", "scatter_add", "mean", "amax"])
+def test_segments_pooled_into_each_samples_own_rows_of_a_flattened_batch(how):
+    """Each sample writes into its own rows only, which the graph checks at run time:
+    exact, also at a new batch size, and a segment past the sample's own is refused."""
+    torch.manual_seed(0)
+    model = _SegmentPool(how).double()
+    segments = _SegmentPool.SEGMENTS
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, segments, (B, T)))
+    dp = _against_the_loop(model, torch.randn(B + 1, T + 1, D, dtype=torch.float64),
+                           torch.randint(0, segments, (B + 1, T + 1)), dp=dp)
+    crossing = torch.randint(0, segments, (B, T))
+    crossing[1, 0] = segments  # sample 1 would write into sample 2's first row
+    with pytest.raises(fxdp.UnsupportedError, match="falls outside its own sample's rows"):
+        dp(torch.randn(B, T, D, dtype=torch.float64), crossing).sum().backward()
+
+
 def test_rows_of_the_flattened_batch_picked_by_shared_indices_are_refused():
     """The same rows of the flattened batch for every call (``flat[[0, 5]]``) belong to
     whichever samples hold them: refused, as before."""
