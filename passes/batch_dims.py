@@ -1426,6 +1426,12 @@ def _scattered_into_own_rows(node: fx.Node, arg_batch: list, index_at: int, inde
     ib = arg_batch[index_at] if len(arg_batch) > index_at else None
     if index_dim is None:
         index_dim = dim
+    source = arg_batch[index_at + 1] if len(arg_batch) > index_at + 1 else None
+    if (ib is None and isinstance(index, fx.Node) and isinstance(source, BatchDim) and source.dim == dim
+            and bool(_meta(index).shape[index_dim] == _meta(node.args[index_at + 1]).shape[dim])):
+        # The same positions every call (built from sizes: TAPAS's range of segments offset
+        # by arange(B)), one per source row: the source says whose row each one writes.
+        ib = source.at(index_dim)
     if not (isinstance(ib, BatchDim) and ib.dim == index_dim and bool(ib.outer == 1)
             and isinstance(index, fx.Node) and isinstance(node.args[0], fx.Node)):
         return None

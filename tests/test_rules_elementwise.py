@@ -2231,9 +2231,13 @@ class _SegmentPool(nn.Module):
     def forward(self, x, segment):
         batch, length, d = x.shape
         h = torch.tanh(self.fc(x)).reshape(batch * length, d)
+        if self.how == "fixed_segments":
+            # Segments built from sizes alone (TAPAS's range of columns per cell): the same
+            # positions every call, offset by arange(B); the source says whose row is whose.
+            segment = (torch.arange(length) % self.SEGMENTS).repeat(batch, 1)
         index = (torch.arange(batch)[:, None] * self.SEGMENTS + segment).reshape(-1)
         rows = torch.zeros(batch * self.SEGMENTS, d, dtype=x.dtype)
-        if self.how == "index_add":
+        if self.how in ("index_add", "fixed_segments"):
             pooled = rows.index_add(0, index, h)
         elif self.how == "scatter_add":
             pooled = rows.scatter_add(0, index[:, None].expand(-1, d), h)
@@ -2242,7 +2246,7 @@ class _SegmentPool(nn.Module):
         return self.head(pooled.view(batch, self.SEGMENTS, d)).flatten(1)
 
 
-@pytest.mark.parametrize("how", ["index_add", "scatter_add", "mean", "amax"])
+@pytest.mark.parametrize("how", ["index_add", "scatter_add", "mean", "amax", "fixed_segments"])
 def test_segments_pooled_into_each_samples_own_rows_of_a_flattened_batch(how):
     """Each sample writes into its own rows only, which the graph checks at run time:
     exact, also at a new batch size, and a segment past the sample's own is refused."""
@@ -2252,6 +2256,8 @@ def test_segments_pooled_into_each_samples_own_rows_of_a_flattened_batch(how):
     dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, segments, (B, T)))
     dp = _against_the_loop(model, torch.randn(B + 1, T + 1, D, dtype=torch.float64),
                            torch.randint(0, segments, (B + 1, T + 1)), dp=dp)
+    if how == "fixed_segments":
+        return  # its segments are always in range
     crossing = torch.randint(0, segments, (B, T))
     crossing[1, 0] = segments  # sample 1 would write into sample 2's first row
     with pytest.raises(fxdp.UnsupportedError, match="falls outside its own sample's rows"):
