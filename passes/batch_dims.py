@@ -1417,8 +1417,8 @@ def _scattered_into_own_rows(node: fx.Node, arg_batch: list, index_at: int, inde
 
     The index (at ``index_at``, batched along its dim ``index_dim``: ``dim`` for
     ``scatter``'s, ``0`` for ``index_add``'s vector) and the source hold the samples' rows
-    in turn along ``dim``; ``self``, shared or batched along ``dim``, holds ``S`` rows per
-    sample, as the output. Where each index lies among its own sample's rows samples stay
+    in turn along ``dim``; ``self``, batched along ``dim`` or created by the forward
+    (``zeros``), holds ``S`` rows per sample, as the output. Where each index lies among its own sample's rows samples stay
     apart; ``own_rows_pass`` checks that at run time (see ``_gathered_from_own_rows``)."""
     out = _meta(node)
     dim = _norm_dim(node.args[1], out.dim())
@@ -1445,6 +1445,8 @@ def _scattered_into_own_rows(node: fx.Node, arg_batch: list, index_at: int, inde
     self_batch = arg_batch[0]
     if isinstance(self_batch, BatchDim) and not _equal_sizes(self_batch.inner, rows):
         return None
+    if self_batch is None and not _created(node.args[0]):
+        return None  # a table of the model's (a buffer): every sample writes into the one table
     if bool(rows == 1):
         return None  # one row per sample: only arange(B) keeps samples apart
     _OWN_ROWS.append(OwnRows(node, index, index_dim, node.args[0], dim))
@@ -1453,6 +1455,12 @@ def _scattered_into_own_rows(node: fx.Node, arg_batch: list, index_at: int, inde
 
 def _equal_sizes(a: Any, b: Any) -> bool:
     return bool(a == b)
+
+
+def _created(node: Any) -> bool:
+    """Whether ``node`` is a tensor the forward creates from sizes (``zeros(B * S, d)``),
+    not a table of the model's that every sample would write into."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CREATION
 
 
 def _written_along(node: fx.Node, arg_batch: list, operands: tuple, verb: str) -> Any:
@@ -1631,6 +1639,9 @@ def _index_put(node, arg_batch):
     b, indices, index_batches = arg_batch[0], node.args[1], arg_batch[1]
     values, vb = node.args[2], arg_batch[2]
     batched_indices = [ib for ib in index_batches if isinstance(ib, BatchDim)]
+    own = _written_into_own_rows(node, b, indices, index_batches, vb)
+    if own is not None:
+        return own
     if not isinstance(b, BatchDim) or b.dim is None:
         if isinstance(vb, BatchDim) or batched_indices:
             raise MixesSamples("it writes batched values, or at batched positions, into a tensor "
@@ -1669,6 +1680,48 @@ def _index_put(node, arg_batch):
             raise MixesSamples("its batched values do not line up with the batch dim of the rows "
                                "they are written into")
     return b
+
+
+def _written_into_own_rows(node: fx.Node, b: Any, indices: Sequence[Any], index_batches: Sequence[Any],
+                           vb: Any) -> BatchDim | None:
+    """The batch of ``x[i] = v`` (``index_put``, ``+=`` with ``accumulate``) where one index
+    tensor ``i``, batched, picks rows of ``x``'s dim ``d`` that merges the samples' rows
+    (``x.view(B * T, d)[arange(B)[:, None] * T + pos] = v``), or of a shared ``x`` the
+    forward creates with ``S`` rows per sample (``zeros(B * S, d)[arange(B)[:, None] * S +
+    seg] += v``),
+    and ``v`` is batched as the rows it is written into: each sample then writes into its
+    own rows, if each index lies among them, which ``own_rows_pass`` checks at run time
+    (see ``_gathered_from_own_rows``). ``None`` where this is not such a write."""
+    tensors = [i for i, ix in enumerate(indices) if ix is not None]
+    if len(tensors) != 1:
+        return None
+    d = tensors[0]
+    index, ib = indices[d], index_batches[d]
+    data = _meta(node.args[0])
+    if not (isinstance(index, fx.Node) and _meta(index).dtype not in (torch.bool, torch.uint8)
+            and isinstance(ib, BatchDim) and isinstance(ib.dim, int) and bool(ib.outer == 1)
+            and isinstance(vb, BatchDim) and isinstance(vb.dim, int) and arange_dim(index) is None):
+        return None
+    if isinstance(b, BatchDim) and b.dim == d:
+        region = _gathered_from_own_rows(node, b, index, ib, d + ib.dim)
+        layout = b
+    elif b is None and _created(node.args[0]):
+        samples = _meta(index).shape[ib.dim] // ib.inner
+        rows = data.shape[d] // samples
+        if bool(rows == 1):
+            return None
+        region = _gathered_from_own_rows(node, BatchDim(d, rows), index, ib, d + ib.dim)
+        layout = BatchDim(d, rows)
+    else:
+        return None
+    if region is None:
+        return None
+    at = region.dim + _meta(node.args[2]).dim() - (data.dim() - 1 + _meta(index).dim())
+    if vb.dim != at or not vb.at(region.dim).same_as(region):
+        _OWN_ROWS.pop()
+        raise MixesSamples("its batched values do not line up with the batch dim of the rows "
+                           "they are written into")
+    return layout
 
 
 _CREATION = {

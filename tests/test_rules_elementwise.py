@@ -2264,6 +2264,48 @@ def test_segments_pooled_into_each_samples_own_rows_of_a_flattened_batch(how):
         dp(torch.randn(B, T, D, dtype=torch.float64), crossing).sum().backward()
 
 
+class _FlatWrite(nn.Module):
+    """``x[i] = v`` at per-sample offsets: into a flattened batch (``flat[arange(B)[:, None]
+    * T + pos] = v``), or accumulated into ``S`` rows per sample of shared zeros."""
+
+    SEGMENTS = 3
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.head = nn.Linear(D, 2)
+        self.how = how
+
+    def forward(self, x, pos):
+        batch, length, d = x.shape
+        h = torch.tanh(self.fc(x))
+        if self.how == "into_the_batch":
+            flat = h.reshape(batch * length, d).clone()
+            index = torch.arange(batch)[:, None] * length + pos
+            flat[index] = flat[index] * 2 + 1
+            out = flat.view(batch, length, d)
+        else:
+            index = torch.arange(batch)[:, None] * self.SEGMENTS + pos
+            rows = torch.zeros(batch * self.SEGMENTS, d, dtype=x.dtype)
+            out = rows.index_put((index,), h, accumulate=True).view(batch, self.SEGMENTS, d)
+        return self.head(out).flatten(1)
+
+
+@pytest.mark.parametrize("how", ["into_the_batch", "accumulated"])
+def test_rows_of_the_flattened_batch_written_at_per_sample_offsets(how):
+    torch.manual_seed(0)
+    model = _FlatWrite(how).double()
+    span = T if how == "into_the_batch" else _FlatWrite.SEGMENTS
+    positions = (B, 2) if how == "into_the_batch" else (B, T)
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64),
+                           torch.stack([torch.randperm(span)[:positions[1]] for _ in range(B)])
+                           if how == "into_the_batch" else torch.randint(0, span, positions))
+    crossing = torch.zeros(positions, dtype=torch.long)
+    crossing[1, 0] = span  # sample 1 would write into sample 2's first row
+    with pytest.raises(fxdp.UnsupportedError, match="falls outside its own sample's rows"):
+        dp(torch.randn(B, T, D, dtype=torch.float64), crossing).sum().backward()
+
+
 def test_rows_of_the_flattened_batch_picked_by_shared_indices_are_refused():
     """The same rows of the flattened batch for every call (``flat[[0, 5]]``) belong to
     whichever samples hold them: refused, as before."""
