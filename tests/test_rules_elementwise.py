@@ -2306,6 +2306,24 @@ def test_rows_of_the_flattened_batch_written_at_per_sample_offsets(how):
         dp(torch.randn(B, T, D, dtype=torch.float64), crossing).sum().backward()
 
 
+@pytest.mark.parametrize("pool", [_FlatGather("index"), _SegmentPool("mean")], ids=["gather", "segment_mean"])
+def test_rows_of_the_flattened_batch_under_inductor(pool):
+    """The run-time check and the merged rows compiled by Inductor (float32)."""
+    torch.manual_seed(0)
+    x = torch.randn(B, T, D)
+    positions = torch.tensor([[4, 0], [2, 2], [0, 3]]) if isinstance(pool, _FlatGather) else torch.randint(0, 3, (B, T))
+    ref = reference(pool, (x, positions), lambda out, i: out.pow(2).sum())
+    max_grad_norm = _clip_between(ref.norms)
+    dp = fxdp.transform(pool, grad_sample=True, max_grad_norm=max_grad_norm, loss_reduction="sum")
+    dp(x, positions).pow(2).sum().backward()
+    assert_close_all(_params(pool, "grad_sample"), ref.per_sample, 1e-4, "grad_sample")
+    assert_close_all(_params(pool, "grad"), ref.grad("sum", max_grad_norm), 1e-4, "clipped grad")
+    crossing = positions.clone()
+    crossing[0, 0] = 99 if isinstance(pool, _FlatGather) else 3
+    with pytest.raises(fxdp.UnsupportedError, match="falls outside its own sample's rows"):
+        dp(x, crossing).sum().backward()
+
+
 def test_rows_of_the_flattened_batch_picked_by_shared_indices_are_refused():
     """The same rows of the flattened batch for every call (``flat[[0, 5]]``) belong to
     whichever samples hold them: refused, as before."""
