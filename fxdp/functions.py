@@ -252,6 +252,7 @@ def function_batch(node: fx.Node, arg_batch: list, batch_size: Any) -> list:
     canon, fwd, output = _body_analysis(call.fwd, [_meta(a) for a in operands], operand_batch, batch_size)
     if fwd.problems:
         raise _refusal(call, "forward", fwd.problems)
+    _refuse_unchecked_rows(call, "forward", fwd)
     out_nodes, saved_nodes = output.args[0]
     out_batch, saved_batch = _batch_of(list(out_nodes), fwd), _batch_of(list(saved_nodes), fwd)
     node.meta["fxdp_function_losses"] = _mean_class_losses(call, canon, fwd)
@@ -265,6 +266,7 @@ def function_batch(node: fx.Node, arg_batch: list, batch_size: Any) -> list:
     _, back, back_output = _body_analysis(bwd, bwd_args, grad_batch + saved_batch, batch_size)
     if back.problems:
         raise _refusal(call, "backward", back.problems)
+    _refuse_unchecked_rows(call, "backward", back)
     for i, g in enumerate(back_output.args[0]):
         if i in keep and isinstance(g, fx.Node) and not isinstance(back.batch.get(g), BatchDim):
             from fxdp.passes.batch_dims import MixesSamples
@@ -272,6 +274,19 @@ def function_batch(node: fx.Node, arg_batch: list, batch_size: Any) -> list:
                                "is not computed per sample")
     node.meta["fxdp_function_batch"] = (out_batch, saved_batch)
     return out_batch
+
+
+def _refuse_unchecked_rows(call: FunctionCall, where: str, analysis) -> None:
+    """Rows of a flattened batch picked (or written) by per-sample offsets keep samples
+    apart only under a run-time check (``own_rows_pass``), which fxdp inserts in the
+    model's graph but not in a Function's body."""
+    if analysis.own_rows:
+        from fxdp.passes.batch_dims import MixesSamples
+
+        raise MixesSamples(
+            f"in {call.name}.{where}, {analysis.own_rows[0].node.target} picks or writes rows of several "
+            "samples merged into one dim by per-sample indices, which fxdp checks at run time outside a "
+            "torch.autograd.Function only (do that indexing outside it)")
 
 
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,

@@ -400,8 +400,8 @@ class OwnRows:
     data_dim: int
 
 
-# The gathers of the propagation running now (``_propagate`` empties it first).
-_OWN_ROWS: list[OwnRows] = []
+# The gathers and writes of each propagation running now, innermost last (``_propagate``).
+_OWN_ROWS: list[list[OwnRows]] = []
 
 
 def _gathered_from_own_rows(node: fx.Node, b: Any, index: fx.Node, ib: Any, out_dim: int) -> BatchDim | None:
@@ -422,7 +422,7 @@ def _gathered_from_own_rows(node: fx.Node, b: Any, index: fx.Node, ib: Any, out_
             and isinstance(index, fx.Node) and isinstance(data, fx.Node)
             and _meta(index).dtype in (torch.int64, torch.int32, torch.int16, torch.int8)):
         return None
-    _OWN_ROWS.append(OwnRows(node, index, ib.dim, data, b.dim))
+    _OWN_ROWS[-1].append(OwnRows(node, index, ib.dim, data, b.dim))
     return BatchDim(out_dim, ib.inner)
 
 
@@ -1418,8 +1418,9 @@ def _scattered_into_own_rows(node: fx.Node, arg_batch: list, index_at: int, inde
     The index (at ``index_at``, batched along its dim ``index_dim``: ``dim`` for
     ``scatter``'s, ``0`` for ``index_add``'s vector) and the source hold the samples' rows
     in turn along ``dim``; ``self``, batched along ``dim`` or created by the forward
-    (``zeros``), holds ``S`` rows per sample, as the output. Where each index lies among its own sample's rows samples stay
-    apart; ``own_rows_pass`` checks that at run time (see ``_gathered_from_own_rows``)."""
+    (``zeros``), holds ``S`` rows per sample, as the output. Where each index lies among
+    its own sample's rows samples stay apart; ``own_rows_pass`` checks that at run time
+    (see ``_gathered_from_own_rows``)."""
     out = _meta(node)
     dim = _norm_dim(node.args[1], out.dim())
     index = node.args[index_at] if len(node.args) > index_at else None
@@ -1438,23 +1439,19 @@ def _scattered_into_own_rows(node: fx.Node, arg_batch: list, index_at: int, inde
     for i, b in enumerate(arg_batch):
         if i in (1, index_at) or not isinstance(b, BatchDim):
             continue
-        if b.dim != dim or not bool(b.outer == 1) or (i != 0 and not _equal_sizes(b.inner, ib.inner)):
+        if b.dim != dim or not bool(b.outer == 1) or (i != 0 and not bool(b.inner == ib.inner)):
             return None  # batched along another dim, or rows other than the index's
     samples = _meta(index).shape[index_dim] // ib.inner
     rows = out.shape[dim] // samples
     self_batch = arg_batch[0]
-    if isinstance(self_batch, BatchDim) and not _equal_sizes(self_batch.inner, rows):
+    if isinstance(self_batch, BatchDim) and not bool(self_batch.inner == rows):
         return None
     if self_batch is None and not _created(node.args[0]):
         return None  # a table of the model's (a buffer): every sample writes into the one table
     if bool(rows == 1):
         return None  # one row per sample: only arange(B) keeps samples apart
-    _OWN_ROWS.append(OwnRows(node, index, index_dim, node.args[0], dim))
+    _OWN_ROWS[-1].append(OwnRows(node, index, index_dim, node.args[0], dim))
     return BatchDim(dim, rows)
-
-
-def _equal_sizes(a: Any, b: Any) -> bool:
-    return bool(a == b)
 
 
 def _created(node: Any) -> bool:
@@ -1538,8 +1535,7 @@ def _index(node, arg_batch):
             ib = index_batches[b.dim]
             if tensors == [b.dim] and arange_dim(indices[b.dim]) is None and isinstance(ib, BatchDim):
                 # ``flat[arange(B)[:, None] * T + pos]``: rows picked by per-sample indices.
-                own = _gathered_from_own_rows(node, b, indices[b.dim], ib, b.dim + ib.dim if isinstance(ib.dim, int)
-                                              else b.dim)
+                own = _gathered_from_own_rows(node, b, indices[b.dim], ib, b.dim + (ib.dim or 0))
                 if own is not None:
                     return own
             return _index_batch_by_arange(node, b, index_batches)
@@ -1688,10 +1684,10 @@ def _written_into_own_rows(node: fx.Node, b: Any, indices: Sequence[Any], index_
     tensor ``i``, batched, picks rows of ``x``'s dim ``d`` that merges the samples' rows
     (``x.view(B * T, d)[arange(B)[:, None] * T + pos] = v``), or of a shared ``x`` the
     forward creates with ``S`` rows per sample (``zeros(B * S, d)[arange(B)[:, None] * S +
-    seg] += v``),
-    and ``v`` is batched as the rows it is written into: each sample then writes into its
-    own rows, if each index lies among them, which ``own_rows_pass`` checks at run time
-    (see ``_gathered_from_own_rows``). ``None`` where this is not such a write."""
+    seg] += v``), and ``v`` is batched as the rows it is written into: each sample then
+    writes into its own rows, if each index lies among them, which ``own_rows_pass``
+    checks at run time (see ``_gathered_from_own_rows``). ``None`` where this is not such
+    a write."""
     tensors = [i for i, ix in enumerate(indices) if ix is not None]
     if len(tensors) != 1:
         return None
@@ -1718,7 +1714,6 @@ def _written_into_own_rows(node: fx.Node, b: Any, indices: Sequence[Any], index_
         return None
     at = region.dim + _meta(node.args[2]).dim() - (data.dim() - 1 + _meta(index).dim())
     if vb.dim != at or not vb.at(region.dim).same_as(region):
-        _OWN_ROWS.pop()
         raise MixesSamples("its batched values do not line up with the batch dim of the rows "
                            "they are written into")
     return layout
@@ -2018,6 +2013,17 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                sized_batched: str) -> BatchAnalysis:
     """``batch_dim_pass`` with the tensors built from ``B`` shared (``"none"``), batched
     (``"all"``), or batched where a single dim has size ``B`` (``"unambiguous"``)."""
+    _OWN_ROWS.append([])  # this propagation's (a Function's body is analysed inside another)
+    try:
+        analysis = _propagate_rules(gm, placeholder_batch, param_names, batch_size, sized_batched)
+    finally:
+        own_rows = _OWN_ROWS.pop()
+    analysis.own_rows = [g for g in own_rows if isinstance(analysis.batch.get(g.node), BatchDim)]
+    return analysis
+
+
+def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any,
+                     sized_batched: str) -> BatchAnalysis:
     sized_by_batch: list[fx.Node] = []
     expanded_params: dict[fx.Node, BatchDim] = {}  # read batched: see _classify_parameter_uses
     batch: dict[fx.Node, Any] = {}
@@ -2030,7 +2036,6 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = []
     sized_normaliser = False
     divided_by_batch_size = False
-    _OWN_ROWS.clear()
     single = isinstance(batch_size, int) and batch_size in (0, 1)
     checks_only = _checks_only(gm)
 
@@ -2190,8 +2195,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
                          loss_divided_by_batch_size=divided_by_batch_size,
                          broadcasts=broadcasts, param_only=sources, single=single,
                          empty=single and batch_size == 0, sized_by_batch=sized_by_batch,
-                         normalisers=normalisers, sized_normaliser=sized_normaliser,
-                         own_rows=[g for g in _OWN_ROWS if isinstance(batch.get(g.node), BatchDim)])
+                         normalisers=normalisers, sized_normaliser=sized_normaliser)
 
 
 _ASSERTIONS = {aten._assert_scalar.default, aten._assert_async.default, aten._assert_async.msg,

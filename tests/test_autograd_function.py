@@ -492,6 +492,35 @@ def test_function_that_mixes_samples_is_refused(function, where: str, op: str):
         fxdp.transform(model, grad_sample=True, compiler="eager")(x)
 
 
+class LargestRowPerSample(torch.autograd.Function):
+    """Each sample's largest row picked from the flattened batch (``flat[arange(B) * T +
+    pos]``): fxdp checks such indices at run time in the model's graph, not in a
+    Function's body."""
+
+    @staticmethod
+    def forward(ctx, h):
+        batch, length, d = h.shape
+        pos = h[:, :, 0].argmax(1)
+        ctx.save_for_backward(pos)
+        ctx.shape = h.shape
+        return h.reshape(batch * length, d)[torch.arange(batch) * length + pos]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (pos,) = ctx.saved_tensors
+        batch, length, d = ctx.shape
+        return grad.new_zeros(batch, length, d).index_put((torch.arange(batch), pos), grad)
+
+
+def test_rows_of_a_flattened_batch_inside_a_function_are_refused():
+    torch.manual_seed(0)
+    model = Model(lambda m, h: LargestRowPerSample.apply(h.view(h.shape[0], 2, -1)), {}).double()
+    model.head = nn.Linear(D // 2, 3).double()
+    problems = fxdp.validate(model, _batch((5, D), torch.float64))
+    assert [p.op for p in problems] == ["torch.autograd.Function LargestRowPerSample"], problems
+    assert "in LargestRowPerSample.forward" in problems[0].reason and "run time" in problems[0].reason, problems
+
+
 def test_refusal_names_the_module_and_an_op_without_propagation():
     class Block(nn.Module):
         def forward(self, h):
