@@ -426,6 +426,18 @@ def _gathered_from_own_rows(node: fx.Node, b: Any, index: fx.Node, ib: Any, out_
     return BatchDim(out_dim, ib.inner)
 
 
+@_register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def _softmax_backward(node, arg_batch):
+    """The gradient through ``softmax``/``log_softmax`` along ``dim`` from the output's
+    gradient and the output (a Function's backward written with it: DeBERTa's and SEW-D's
+    ``XSoftmax``): elementwise in the two, mixing along ``dim``, which must not be the
+    batch dim."""
+    b = _pointwise(node, arg_batch[:2] + [None] * (len(arg_batch) - 2))
+    if isinstance(b, BatchDim) and isinstance(b.dim, int) and b.dim == _norm_dim(node.args[2], _meta(node).dim()):
+        raise MixesSamples("it works along the batch dim")
+    return b
+
+
 @_register(aten.gather.default, aten.index_select.default, aten.narrow.default)
 def _indexing_along(node, arg_batch):
     b = arg_batch[0]

@@ -171,6 +171,22 @@ class ScaleAndReturnIt(torch.autograd.Function):
         return grad * scale, (grad * x).reshape(-1, x.shape[-1]).sum(0) + 2 * grad_twice
 
 
+class MaskedSoftmax(torch.autograd.Function):
+    """DeBERTa's and SEW-D's ``XSoftmax``: a softmax over the last dim with masked entries,
+    whose backward calls ``torch._softmax_backward_data``."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        out = torch.softmax(x.masked_fill(~mask, torch.finfo(x.dtype).min), -1).masked_fill(~mask, 0)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, out, -1, out.dtype), None
+
+
 # -- the models ----------------------------------------------------------------------------------
 
 class Model(nn.Module):
@@ -222,6 +238,7 @@ CASES = [
     Case("quantised-weight", lambda m, h: torch.nn.functional.linear(h, RoundSTE.apply(m.weight), m.bias),
          {"weight": (D, D), "bias": (D,)}),
     Case("weight-through-saving-function", lambda m, h: h * Swish.apply(m.scale), {"scale": (D,)}),
+    Case("softmax-backward-data", lambda m, h: MaskedSoftmax.apply(h, torch.arange(D) % 3 != 0) * h),
 ]
 
 
