@@ -255,6 +255,11 @@ _EXTRA_POINTWISE = [
     aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default, aten.random_.default,
     getattr(aten.random_, "from"), aten.random_.to,
     aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor,
+    # Activations' gradients from the output's gradient and the input (or output), untagged
+    # (a Function's backward may call them).
+    aten.hardtanh_backward.default, aten.leaky_relu_backward.default, aten.elu_backward.default,
+    aten.softplus_backward.default, aten.hardswish_backward.default, aten.hardsigmoid_backward.default,
+    aten.mish_backward.default,
 ]
 
 

@@ -187,6 +187,42 @@ class MaskedSoftmax(torch.autograd.Function):
         return torch._softmax_backward_data(grad, out, -1, out.dtype), None
 
 
+# An activation, and the ATen op for its gradient (``grad``, the input): what a
+# Function's hand-written backward may call.
+ACTIVATION_GRADIENTS = {
+    "hardtanh": (lambda x: torch.nn.functional.hardtanh(x, -0.5, 0.5),
+                 lambda g, x: torch.ops.aten.hardtanh_backward(g, x, -0.5, 0.5)),
+    "leaky_relu": (lambda x: torch.nn.functional.leaky_relu(x, 0.1),
+                   lambda g, x: torch.ops.aten.leaky_relu_backward(g, x, 0.1, False)),
+    "elu": (torch.nn.functional.elu, lambda g, x: torch.ops.aten.elu_backward(g, 1.0, 1.0, 1.0, False, x)),
+    "softplus": (torch.nn.functional.softplus, lambda g, x: torch.ops.aten.softplus_backward(g, x, 1.0, 20.0)),
+    "hardswish": (torch.nn.functional.hardswish, torch.ops.aten.hardswish_backward),
+    "hardsigmoid": (torch.nn.functional.hardsigmoid, torch.ops.aten.hardsigmoid_backward),
+    "mish": (torch.nn.functional.mish, torch.ops.aten.mish_backward),
+}
+
+
+class ActivationByATen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name):
+        ctx.save_for_backward(x)
+        ctx.name = name
+        return ACTIVATION_GRADIENTS[name][0](x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return ACTIVATION_GRADIENTS[ctx.name][1](grad, x), None
+
+
+@pytest.mark.parametrize("name", list(ACTIVATION_GRADIENTS))
+def test_backward_written_with_an_activations_aten_gradient(name):
+    torch.manual_seed(0)
+    model = Model(lambda m, h: ActivationByATen.apply(h, name) * h, {}).double()
+    dp_model = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    _check(model, dp_model, _batch((5, 3, D), torch.float64), mode="grad_sample", reduction="sum")
+
+
 # -- the models ----------------------------------------------------------------------------------
 
 class Model(nn.Module):
