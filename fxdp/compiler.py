@@ -695,11 +695,10 @@ def fxdp_same_kept_targets(target: torch.Tensor, ignore_index: int, dim: int,
 
 def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     """Guard each gather of rows along a merged batch dim by per-sample indices, and each
-    scatter into such rows (the analysis's ``own_rows``: ``flat[arange(B)[:, None] * T +
+    write into such rows (the analysis's ``own_rows``: ``flat[arange(B)[:, None] * T +
     pos]``, ``zeros(B * S).scatter_add(0, arange(B)[:, None] * S + segment, v)``): every
     index must fall among its own sample's rows, which the graph cannot prove (``pos`` is
-    data).
-    ``B`` is read from a batched input::
+    data). ``B`` is read from a batched input::
 
         fxdp_indices_in_own_rows = fxdp_indices_in_own_rows(view_2, 0, view_1, 0, x, 0)
     """
