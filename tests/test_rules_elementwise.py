@@ -1523,6 +1523,17 @@ def _against_the_loop(model: nn.Module, *args: torch.Tensor, dp: fxdp.DPModule |
     return dp
 
 
+def _against_the_loop_under_inductor(model: nn.Module, *args: torch.Tensor) -> fxdp.DPModule:
+    """``_against_the_loop`` in float32, compiled by Inductor (fxdp's default compiler)."""
+    ref = reference(model, args, lambda out, i: out.pow(2).sum())
+    max_grad_norm = _clip_between(ref.norms)
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=max_grad_norm, loss_reduction="sum")
+    dp(*args).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-4, "grad_sample")
+    assert_close_all(_params(model, "grad"), ref.grad("sum", max_grad_norm), 1e-4, "clipped grad")
+    return dp
+
+
 class VectorNorms(nn.Module):
     """``F.normalize`` (``linalg_vector_norm(h, 2.0, [-1], True)``) and an integer ``ord``
     with the reduced dims after it, ``linalg_vector_norm(h, 2, dim=0)``: the op's
@@ -2175,16 +2186,23 @@ def test_batch_indexed_by_anything_but_arange_is_refused(rows, why):
     assert "mixes samples" in reasons and why in reasons, reasons
 
 
-class _FlatGather(nn.Module):
-    """Rows picked from the flattened batch by per-sample offsets: ``h.reshape(B * T, d)``
-    at ``arange(B)[:, None] * T + pos`` (a batched gather written by hand, as
-    ``torch_gather``-style helpers, span pooling and pointer heads do)."""
+class _FlatRows(nn.Module):
+    """``fc``, then rows of the flattened batch picked or written as ``how`` says, then
+    ``head``."""
+
+    SEGMENTS = 3
 
     def __init__(self, how: str):
         super().__init__()
         self.fc = nn.Linear(D, D)
         self.head = nn.Linear(D, 2)
         self.how = how
+
+
+class _FlatGather(_FlatRows):
+    """Rows picked from the flattened batch by per-sample offsets: ``h.reshape(B * T, d)``
+    at ``arange(B)[:, None] * T + pos`` (a batched gather written by hand, as
+    ``torch_gather``-style helpers, span pooling and pointer heads do)."""
 
     def forward(self, x, pos):
         batch, length, d = x.shape
@@ -2215,18 +2233,10 @@ def test_rows_of_the_flattened_batch_picked_by_per_sample_offsets(how):
         dp(torch.randn(B, T, D, dtype=torch.float64), crossing).sum().backward()
 
 
-class _SegmentPool(nn.Module):
+class _SegmentPool(_FlatRows):
     """Segment pooling over a flattened batch (TAPAS's ``segment_reduce``, graph pooling):
     each sample's positions pooled into its own ``S`` rows of ``zeros(B * S, d)``, at
     ``arange(B)[:, None] * S + segment``."""
-
-    SEGMENTS = 3
-
-    def __init__(self, how: str):
-        super().__init__()
-        self.fc = nn.Linear(D, D)
-        self.head = nn.Linear(D, 2)
-        self.how = how
 
     def forward(self, x, segment):
         batch, length, d = x.shape
@@ -2264,17 +2274,9 @@ def test_segments_pooled_into_each_samples_own_rows_of_a_flattened_batch(how):
         dp(torch.randn(B, T, D, dtype=torch.float64), crossing).sum().backward()
 
 
-class _FlatWrite(nn.Module):
+class _FlatWrite(_FlatRows):
     """``x[i] = v`` at per-sample offsets: into a flattened batch (``flat[arange(B)[:, None]
     * T + pos] = v``), or accumulated into ``S`` rows per sample of shared zeros."""
-
-    SEGMENTS = 3
-
-    def __init__(self, how: str):
-        super().__init__()
-        self.fc = nn.Linear(D, D)
-        self.head = nn.Linear(D, 2)
-        self.how = how
 
     def forward(self, x, pos):
         batch, length, d = x.shape
@@ -2312,12 +2314,7 @@ def test_rows_of_the_flattened_batch_under_inductor(pool):
     torch.manual_seed(0)
     x = torch.randn(B, T, D)
     positions = torch.tensor([[4, 0], [2, 2], [0, 3]]) if isinstance(pool, _FlatGather) else torch.randint(0, 3, (B, T))
-    ref = reference(pool, (x, positions), lambda out, i: out.pow(2).sum())
-    max_grad_norm = _clip_between(ref.norms)
-    dp = fxdp.transform(pool, grad_sample=True, max_grad_norm=max_grad_norm, loss_reduction="sum")
-    dp(x, positions).pow(2).sum().backward()
-    assert_close_all(_params(pool, "grad_sample"), ref.per_sample, 1e-4, "grad_sample")
-    assert_close_all(_params(pool, "grad"), ref.grad("sum", max_grad_norm), 1e-4, "clipped grad")
+    dp = _against_the_loop_under_inductor(pool, x, positions)
     crossing = positions.clone()
     crossing[0, 0] = 99 if isinstance(pool, _FlatGather) else 3
     with pytest.raises(fxdp.UnsupportedError, match="falls outside its own sample's rows"):
@@ -2621,12 +2618,7 @@ def test_a_padding_mask_written_before_a_sum_under_inductor():
     torch.manual_seed(0)
     model = MaskedMeanPool()
     x, keep = torch.randn(4, 6, 8), torch.arange(6)[None] < torch.tensor([6, 3, 5, 2])[:, None]
-    ref = reference(model, (x, keep), lambda out, i: out.pow(2).sum())
-    max_grad_norm = _clip_between(ref.norms)
-    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=max_grad_norm, loss_reduction="sum")
-    dp(x, keep).pow(2).sum().backward()
-    assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-4, "grad_sample")
-    assert_close_all(_params(model, "grad"), ref.grad("sum", max_grad_norm), 1e-4, "clipped grad")
+    _against_the_loop_under_inductor(model, x, keep)
 
 
 class WritesAcross(nn.Module):
