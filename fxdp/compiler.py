@@ -575,7 +575,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
         else:
             compiled = internals.eager_compile(tagged, example_inputs, backward_compiler,
                                                lambda g: record._stage("forward", g))
-    return _forward_runner(compiled, record, devices, handover)
+    # A parameter frozen since an earlier step gets no grad sample now (transform clears
+    # the model's; the backend sees this graph's).
+    frozen = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)
+              and not t.requires_grad] if options.grad_sample else []
+    return _forward_runner(compiled, record, devices, handover, frozen)
 
 
 CLASS_LOSSES = {
@@ -762,11 +766,14 @@ class _Handover:
 
 
 def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices: list[str],
-                    handover: _Handover) -> Callable:
+                    handover: _Handover, frozen: Sequence[int] = ()) -> Callable:
     def run(*args):
         RUN_STATE.ran = True
         if handover.positions:
             handover.params = {i: args[i] for i in handover.positions}
+        for i in frozen:
+            if getattr(args[i], "grad_sample", None) is not None:
+                args[i].grad_sample = None
         with no_autocast(autocast_devices):
             return compiled(*args)
 

@@ -1109,9 +1109,13 @@ def test_frozen_parameters_get_nothing_and_stay_out_of_norms():
     assert {p.name for p in dp.explain().plans} == set(ref.names)
 
 
-def test_a_parameter_frozen_between_steps_keeps_no_grad_sample():
+@pytest.mark.parametrize("entry", ["transform", "backend"])
+def test_a_parameter_frozen_between_steps_keeps_no_grad_sample(entry):
+    """Its grad sample of the earlier step (another batch) is dropped, by either entry point."""
+    torch._dynamo.reset()
     model = mlp()
-    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    dp = (fxdp.transform(model, grad_sample=True, compiler="eager") if entry == "transform"
+          else torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager")))
     mean_sq_loss(dp(randn(6, 4))).backward()
     assert model[0].weight.grad_sample.shape[0] == 6
     model[0].weight.requires_grad_(False)
