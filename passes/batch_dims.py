@@ -1354,7 +1354,12 @@ def _records_running_statistics(node: fx.Node) -> str | None:
 def _batch_norm(node, arg_batch):
     training = named_arg(node, "training", False)
     if training and isinstance(arg_batch[0], BatchDim) and arg_batch[0].dim is not None:
+        without_statistics = (node.target is aten._native_batch_norm_legit.no_stats
+                              or (len(node.args) > 3 and node.args[3] is None))
         raise _MixesButKeepsLayout(
+            "BatchNorm in training mode normalises over the batch, and so does one without running "
+            "statistics (track_running_stats=False) in eval mode: replace it with GroupNorm/LayerNorm"
+            if without_statistics else
             "BatchNorm in training mode normalises over the batch (and its running statistics "
             "leak data); replace it with GroupNorm/LayerNorm or call .eval() on it",
             _batch_first_only(node, arg_batch[:1]),

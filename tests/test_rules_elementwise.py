@@ -1485,6 +1485,15 @@ def test_an_unused_batch_norm_in_training_is_still_refused():
     assert "BatchNorm in training mode" in _reasons(Unused(), torch.randn(B, D))
 
 
+def test_batch_norm_without_running_statistics_in_eval_mode_is_refused_as_such():
+    """``track_running_stats=False`` normalises over the batch in eval mode too: the
+    message must not tell the user to call ``.eval()``, which it already is in."""
+    model = nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D, track_running_stats=False), nn.Linear(D, 2)).eval()
+    reasons = _reasons(model, torch.randn(B, D))
+    assert "without running statistics (track_running_stats=False) in eval mode" in reasons, reasons
+    assert ".eval()" not in reasons, reasons
+
+
 def test_gather_of_shared_rows_by_position_in_the_batch_is_refused():
     """``gather(table, 1, ids)`` with ``table [B, V]`` shared: sample ``i`` would read row
     ``i``, its position in the batch, which it does not have alone."""
