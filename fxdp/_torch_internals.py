@@ -267,30 +267,34 @@ def compile_modules_in_place(is_fxdp_backend: Callable[[Any], bool]) -> None:
     """Make ``module.compile(backend=...)`` (``nn.Module.compile``) with an fxdp backend
     compile the module's call, also where its ``forward`` is ``torch.nn``'s own code.
 
-    ``nn.Module.compile`` compiles ``self._call_impl``, and Dynamo skips ``torch.nn``'s
-    frames: ``nn.Sequential(...).compile(backend=...)`` compiled nothing, with any
-    backend, and with fxdp's the model trained eagerly, unclipped, and no fxdp code ran
-    that could notice. ``torch.compile(module)`` calls such a module through a frame of
-    its own that Dynamo traces (``wrap_inline``); so does this, for fxdp's backends
-    only. Other backends keep PyTorch's behaviour."""
-    compile_module = torch.nn.Module.compile
-    if getattr(compile_module, "_fxdp", False):
+    ``nn.Module.compile`` hands ``torch.compile`` the bound ``self._call_impl``, and
+    Dynamo skips ``torch.nn``'s frames: ``nn.Sequential(...).compile(backend=...)``
+    compiled nothing, with any backend, and with fxdp's the model trained eagerly,
+    unclipped, and no fxdp code ran that could notice. ``torch.compile(module)`` calls
+    such a module through a frame of its own that Dynamo traces (``wrap_inline``); so
+    does ``torch.compile``'s context here, given a module's ``_call_impl`` to compile for
+    an fxdp backend. The context is built after Dynamo looked the backend up, so this
+    holds also where ``backend="fxdp"`` imports fxdp within that very call. Other
+    backends keep PyTorch's behaviour."""
+    from torch._dynamo.eval_frame import OptimizeContext
+
+    wrap = OptimizeContext.__call__
+    if getattr(wrap, "_fxdp", False):
         return
 
-    def compile(self, *args, **kwargs):
-        backend = kwargs.get("backend")
-        if not (backend == "fxdp" or (backend is not None and is_fxdp_backend(backend))):
-            return compile_module(self, *args, **kwargs)
-        call = self._call_impl
+    def __call__(self, fn):
+        if (isinstance(fn, types.MethodType) and fn.__func__ is torch.nn.Module._call_impl
+                and _callback_compiles_for(self.callback, is_fxdp_backend)):
+            call = fn
 
-        def call_module(*call_args, **call_kwargs):
-            return call(*call_args, **call_kwargs)
+            def call_module(*args, **kwargs):
+                return call(*args, **kwargs)
 
-        self._compiled_call_impl = torch.compile(call_module, *args, **kwargs)
+            return wrap(self, call_module)
+        return wrap(self, fn)
 
-    compile.__doc__ = compile_module.__doc__
-    compile._fxdp = True  # type: ignore[attr-defined]
-    torch.nn.Module.compile = compile
+    __call__._fxdp = True  # type: ignore[attr-defined]
+    OptimizeContext.__call__ = __call__
 
 
 def compile_library_modules_under_ddp(is_fxdp_backend: Callable[[Any], bool]) -> None:

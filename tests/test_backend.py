@@ -74,12 +74,21 @@ _ENTRY_POINT_SCRIPT = textwrap.dedent("""
 
     x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
+    # model.compile(backend="fxdp") first: the entry point imports fxdp within that call,
+    # which must still compile the torch.nn module's call (Dynamo skips torch.nn's frames).
+    model = make(2)
+    ref = reference(model, [x], loss_fn)
+    assert "fxdp" not in sys.modules, "the test must not import fxdp itself"
+    model.compile(backend="fxdp", options={"max_grad_norm": 1.0, "compiler": "eager"})
+    assert "fxdp" in sys.modules, "the entry point loads fxdp"
+    model(x).pow(2).sum(1).mean().backward()
+    assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean", 1.0), 1e-9, "clipped grad")
+    torch._dynamo.reset()
+
     # backend="fxdp" alone: fxdp.backend(grad_sample=True), transform's defaults (Inductor).
     model = make(0)
     ref = reference(model, [x], loss_fn)
-    assert "fxdp" not in sys.modules, "the test must not import fxdp itself"
     compiled = torch.compile(model, backend="fxdp")
-    assert "fxdp" in sys.modules, "the entry point loads fxdp"
     compiled(x).pow(2).sum(1).mean().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, 1e-9, "grad_sample")
     assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean"), 1e-9, "grad")
