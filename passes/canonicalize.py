@@ -418,6 +418,18 @@ def _batch_norm_eval_as_affine(input, weight, bias, running_mean, running_var, t
     return out.to(input.dtype)
 
 
+def _instance_norm_eval_as_affine(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
+                                  cudnn_enabled):
+    """InstanceNorm with running statistics (eval mode, ``track_running_stats=True``) as
+    the per-channel affine map it is, as ``_batch_norm_eval_as_affine``: its weight and
+    bias then meet the elementwise rules. With the input's own statistics it stays whole
+    (its rule)."""
+    if use_input_stats or running_mean is None or running_var is None or (weight is None and bias is None):
+        return NotImplemented
+    return _batch_norm_eval_as_affine(input, weight, bias, running_mean, running_var, False, momentum, eps,
+                                      cudnn_enabled)
+
+
 def _einsum_as_products(equation, operands, **kwargs):
     """``aten.einsum`` as ATen's own implementation runs it: permutes, views and
     ``bmm``/``mul``/``sum``. Its tensors come as one list argument, which the tag pass
@@ -465,6 +477,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         torch.ops.aten.index_fill.int_Tensor: _index_fill_as_where,
         torch.ops.aten.index_fill_.int_Tensor: _index_fill__as_where,
         torch.ops.aten.batch_norm.default: _batch_norm_eval_as_affine,
+        torch.ops.aten.instance_norm.default: _instance_norm_eval_as_affine,
         torch.ops.aten.scaled_dot_product_attention.default: _attention_with_learned_mask,
         torch.ops.aten.avg_pool2d.default: _avg_pool_with_full_sizes(2),
         torch.ops.aten.avg_pool3d.default: _avg_pool_with_full_sizes(3),

@@ -106,13 +106,13 @@ class SharedTable(nn.Module):
         return self.out(torch.tanh(self.inp(x) + self.norm(self.table)))
 
 
-def _eval_instance_norm() -> nn.Module:
-    model = ChannelSandwich(nn.InstanceNorm1d(C, affine=True, track_running_stats=True), spatial=1)
+def _eval_instance_norm(spatial: int = 1) -> nn.Module:
+    norm = (nn.InstanceNorm2d if spatial == 2 else nn.InstanceNorm1d)(C, affine=True, track_running_stats=True)
+    model = ChannelSandwich(norm, spatial=spatial)
     with torch.no_grad():
-        model.norm.running_mean.uniform_(-1, 1)
-        model.norm.running_var.uniform_(0.5, 2)
-    model.norm.eval()
-    model.norm.weight.requires_grad_(False)  # the weight needs x̂ from running statistics: refused
+        norm.running_mean.uniform_(-1, 1)
+        norm.running_var.uniform_(0.5, 2)
+    norm.eval()
     return model
 
 
@@ -163,9 +163,11 @@ CASES = [
          rules=("group_norm.weight",)),
     Case("instancenorm-batch-merged-inside", lambda: MergedRowsSandwich(nn.InstanceNorm1d(C, affine=True), outer=True),
          (B, 3, 2, 5), rules=("instance_norm.weight", "instance_norm.bias")),
-    Case("instancenorm1d-eval-running-stats", _eval_instance_norm, (B, 2, 6), rules=("instance_norm.bias",)),
-    # BatchNorm with running statistics is the per-channel affine map it is: the
-    # elementwise rules, not the generic per-sample VJP.
+    # BatchNorm and InstanceNorm with running statistics are the per-channel affine map
+    # they are: the elementwise rules, not the generic per-sample VJP.
+    Case("instancenorm1d-eval-running-stats", _eval_instance_norm, (B, 2, 6), rules=("mul.other", "add.other")),
+    Case("instancenorm2d-eval-running-stats", lambda: _eval_instance_norm(2), (B, 2, 3, 3),
+         rules=("mul.other", "add.other")),
     Case("batchnorm2d-eval", lambda: _eval_batch_norm(2), (B, 2, 3, 3), rules=("mul.other", "add.other")),
     Case("batchnorm1d-eval-sequence", lambda: _eval_batch_norm(1, eps=1e-3), (B, 2, 5), rules=("mul.other",)),
     Case("batchnorm1d-eval-flat", lambda: _eval_batch_norm(0), (B, 2), rules=("mul.other", "add.other")),
@@ -343,13 +345,6 @@ def _reasons(model: nn.Module, x: torch.Tensor, **options) -> str:
 def test_instance_norm_tracking_running_stats_is_refused():
     model = ChannelSandwich(nn.InstanceNorm2d(C, affine=True, track_running_stats=True), 2)
     assert "running buffers" in _reasons(model, torch.randn(B, 2, 3, 3))
-
-
-def test_instance_norm_eval_weight_is_refused():
-    model = ChannelSandwich(nn.InstanceNorm1d(C, affine=True, track_running_stats=True), 1).eval()
-    reasons = _reasons(model, torch.randn(B, 2, 5))
-    assert "norm.weight" in reasons and "running statistics" in reasons
-    assert "norm.bias" not in reasons
 
 
 def test_layer_norm_over_the_batch_is_refused():

@@ -385,21 +385,14 @@ def _group_norm_input_grad(args, grad_out, index):
 
 
 def _instance_norm_input_grad(args, grad_out, index):
+    """With the input's own statistics, group norm with one channel per group (with
+    running statistics, eval mode, canonicalisation writes the op as its affine map)."""
     x, weight, bias = args[0], _arg(args, 1), _arg(args, 2)
     eps = float(_arg(args, 7, _DEFAULT_EPS))
     which = {0: 0, 1: 1, 2: 2}[index]
-    if args[5]:  # use_input_stats: group norm with one channel per group
-        if which == 0:
-            return _group_norm_input_gradient(x, grad_out, weight, x.shape[1], eps)
-        return _native_group_norm_grad(x, grad_out, weight, bias, x.shape[1], eps, which)
-    # Running statistics: an affine map per channel.
-    view = (1, -1, *([1] * (x.dim() - 2)))
-    scale = torch.rsqrt(args[4] + eps).reshape(view)
     if which == 0:
-        return grad_out * scale * (1 if weight is None else weight.reshape(view))
-    if which == 1:
-        return _channel_sums(grad_out * (x - args[3].reshape(view)) * scale).sum(0)
-    return _channel_sums(grad_out).sum(0)
+        return _group_norm_input_gradient(x, grad_out, weight, x.shape[1], eps)
+    return _native_group_norm_grad(x, grad_out, weight, bias, x.shape[1], eps, which)
 
 
 def _batch_first_rule(args_batch, args_meta, out_meta, config):
@@ -428,14 +421,6 @@ def _instance_norm_batch_rule(args_batch, args_meta, out_meta, config):
     return b
 
 
-def _instance_norm_check(args_batch, args_meta, index):
-    reason = _check_batched_input(args_batch, args_meta, index)
-    if reason is None and index == 1 and not args_meta[5]:
-        return ("the weight of an InstanceNorm that uses running statistics (eval mode) has no "
-                "per-sample rule; train it in train mode with track_running_stats=False or freeze it")
-    return reason
-
-
 GROUP_NORM = register_rule(OpRule(
     op=aten.group_norm.default,
     params={2: group_norm_weight, 3: group_norm_bias},
@@ -451,7 +436,7 @@ INSTANCE_NORM = register_rule(OpRule(
     input_grad=_instance_norm_input_grad,
     batch_rule=_instance_norm_batch_rule,
     config=_instance_norm_config,
-    check=_instance_norm_check,
+    check=_check_batched_input,
 ))
 
 
