@@ -284,7 +284,7 @@ def compile_modules_in_place(is_fxdp_backend: Callable[[Any], bool]) -> None:
 
     def __call__(self, fn):
         if (isinstance(fn, types.MethodType) and fn.__func__ is torch.nn.Module._call_impl
-                and _callback_compiles_for(self.callback, is_fxdp_backend)):
+                and _backend_recognised(self.callback, [is_fxdp_backend])):
             call = fn
 
             def call_module(*args, **kwargs):
@@ -321,7 +321,7 @@ def compile_library_modules_under_ddp(is_fxdp_backend: Callable[[Any], bool]) ->
 
     def _run_ddp_forward(self, *inputs, **kwargs):
         callback = torch._C._dynamo.eval_frame.get_eval_frame_callback()
-        if not (callback and _callback_compiles_for(callback, is_fxdp_backend)
+        if not (callback and _backend_recognised(callback, [is_fxdp_backend])
                 and trace_rules.check(self.module.forward)):
             return run_forward(self, *inputs, **kwargs)
         if self._use_python_reducer:
@@ -338,18 +338,6 @@ def compile_library_modules_under_ddp(is_fxdp_backend: Callable[[Any], bool]) ->
 def _call_traced(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     """``module(*args, **kwargs)`` in a frame of fxdp's code, which Dynamo compiles."""
     return module(*args, **kwargs)
-
-
-def _callback_compiles_for(callback: Any, is_fxdp_backend: Callable[[Any], bool]) -> bool:
-    """Whether Dynamo's frame callback (its wrappers around the backend, down the
-    ``_torchdynamo_orig_backend`` chain) compiles for a backend ``is_fxdp_backend`` accepts."""
-    for _ in range(8):
-        if callback is None:
-            return False
-        if _backend_recognised(callback, [is_fxdp_backend]):
-            return True
-        callback = getattr(callback, "_torchdynamo_orig_backend", None)
-    return False
 
 
 def _gradient_asked_of_a_computed_value(tx: Any, tensor: Any, requires_grad: Any) -> bool:
@@ -470,13 +458,15 @@ def _library_parameters(module: torch.nn.Module, prefix: str) -> list[str]:
 
 
 def _backend_recognised(backend: Any, recognisers: list[Callable[[Any], bool]]) -> bool:
-    """Whether ``backend`` (through Dynamo's debug wrappers) is one a recogniser accepts."""
+    """Whether ``backend`` is one a recogniser accepts, through Dynamo's wrappers around
+    it: its debug wrappers, and a frame callback's chain of converters down to it."""
     for _ in range(8):
         if backend is None:
             return False
         if any(recognise(backend) for recognise in recognisers):
             return True
-        backend = getattr(backend, "compiler_fn", None) or getattr(backend, "__wrapped__", None)
+        backend = (getattr(backend, "compiler_fn", None) or getattr(backend, "__wrapped__", None)
+                   or getattr(backend, "_torchdynamo_orig_backend", None))
     return False
 
 

@@ -588,6 +588,13 @@ CLASS_LOSSES = {
 }
 
 
+def _batched_input(analysis) -> tuple[fx.Node, int] | None:
+    """An input of the graph with one sample per row of its batch dim, and that dim: what
+    the run-time checks read ``B`` from."""
+    return next(((n, b.dim) for n, b in analysis.batch.items() if n.op == "placeholder"
+                 and isinstance(b, BatchDim) and isinstance(b.dim, int) and b.plain), None)
+
+
 def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     """Guard a mean over the batch that skips ``ignore_index`` targets.
 
@@ -609,8 +616,7 @@ def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     from fxdp.functions import FUNCTION_APPLY
     from fxdp.passes.batch_dims import Loss
 
-    reference = next(((n, b.dim) for n, b in analysis.batch.items() if n.op == "placeholder"
-                      and isinstance(b, BatchDim) and isinstance(b.dim, int) and b.plain), None)
+    reference = _batched_input(analysis)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -708,8 +714,7 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     """
     if not analysis.own_rows:
         return gm
-    reference = next(((n, b.dim) for n, b in analysis.batch.items() if n.op == "placeholder"
-                      and isinstance(b, BatchDim) and isinstance(b.dim, int) and b.plain), None)
+    reference = _batched_input(analysis)
     for gather in analysis.own_rows:
         if reference is None:
             raise UnsupportedError(

@@ -462,12 +462,9 @@ def _indexing_along(node, arg_batch):
             and b.dim == _norm_dim(node.args[1], _meta(node.args[0]).dim())):
         # Rows of the batch dim picked by per-sample indices (``index_select`` of a flat
         # ``[B·T, d]`` at ``arange(B) * T + pos``; ``gather`` along it).
-        if node.target is aten.index_select.default and isinstance(index, BatchDim) and index.dim == 0:
-            own = _gathered_from_own_rows(node, b, node.args[2], index, b.dim)
-        elif node.target is aten.gather.default and isinstance(index, BatchDim) and index.dim == b.dim:
-            own = _gathered_from_own_rows(node, b, node.args[2], index, b.dim)
-        else:
-            own = None
+        rows_at = 0 if node.target is aten.index_select.default else b.dim  # the index's batch dim
+        own = (_gathered_from_own_rows(node, b, node.args[2], index, b.dim)
+               if isinstance(index, BatchDim) and index.dim == rows_at else None)
         if own is not None:
             return own
     if (node.target is aten.gather.default and isinstance(b, BatchDim) and isinstance(b.dim, int)
