@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import os
 import re
 import sys
@@ -718,6 +719,63 @@ def inline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
         erase_unused(gm, bodies)
         gm.recompile()
     return gm
+
+
+def vmap_regions_as_aten(gm: fx.GraphModule, fake_mode) -> fx.GraphModule:
+    """Replace each ``torch.func.vmap`` of a Dynamo graph by the ATen ops it runs.
+
+    Dynamo inlines a vmap as its body between ``_vmap_increment_nesting`` and
+    ``_vmap_decrement_nesting``, the inputs wrapped by ``_add_batch_dim`` and the outputs
+    unwrapped by ``_remove_batch_dim``: the ops between see one slice of a hidden dim,
+    and ``make_fx(pre_dispatch=True)`` (whose tracer sits above functorch's batching)
+    would keep the wrapped tensors as constants. Traced below the batching, as
+    AOTAutograd traces it, the region is plain ATen code on whole tensors (vmap's
+    batching rules at work), which the batch analysis follows like any other; it runs as
+    a submodule of ``gm``, called where the region was."""
+    nodes = list(gm.graph.nodes)
+    regions, depth, start = [], 0, 0
+    for i, node in enumerate(nodes):
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if name == "_vmap_increment_nesting":
+            start = i if depth == 0 else start
+            depth += 1
+        elif name == "_vmap_decrement_nesting" and depth:
+            depth -= 1
+            if depth == 0:
+                regions.append(nodes[start:i + 1])
+    for k, region in enumerate(regions):
+        _region_as_aten(gm, region, f"_fxdp_vmap_{k}", fake_mode)
+    if regions:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _region_as_aten(gm: fx.GraphModule, region: list[fx.Node], name: str, fake_mode) -> None:
+    inside = set(region)
+    inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
+    outputs = [n for n in region if any(u not in inside for u in n.users)]
+    graph, env = fx.Graph(), {}
+    for a in inputs:
+        env[a] = graph.placeholder(a.name)
+        env[a].meta.update(a.meta)
+    for n in region:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(tuple(env[o] for o in outputs))
+    body = fx.GraphModule(gm, graph)
+    examples = [a.meta["example_value"] if "example_value" in a.meta else getattr(gm, a.target)
+                for a in inputs]
+    gm.add_submodule(name, make_fx_traced(fx.Interpreter(body).run, examples, fake_mode=fake_mode))
+    first = next((n for n in region if n.meta.get("stack_trace")), region[0])
+    with gm.graph.inserting_before(region[0]):
+        call = gm.graph.call_module(name, tuple(inputs))
+        call.meta.update({k: v for k, v in first.meta.items() if k != "example_value"})
+        for i, out in enumerate(outputs):
+            value = gm.graph.call_function(operator.getitem, (call, i))
+            value.meta.update(out.meta)
+            out.replace_all_uses_with(value)
+    for n in reversed(region):
+        gm.graph.erase_node(n)
 
 
 def erase_unused(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> None:

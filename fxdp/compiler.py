@@ -340,22 +340,12 @@ def _size_rule_note(name: str, fake: torch.Tensor, dim: int, batched: bool, batc
 
 
 def refuse_unfollowable(gm: fx.GraphModule) -> None:
-    """Raise if the forward runs what fxdp cannot make per-sample as a whole:
-    ``torch.func.vmap`` (Dynamo inlines it between ``_vmap_increment_nesting`` and
-    ``_vmap_decrement_nesting``, as in the ``associative_scan`` that Hugging Face's Mamba
-    uses under compilation), whose ops see one slice of a hidden batch dim that neither
-    the re-trace nor the batch analysis can follow; or a backward (``loss.backward()``
-    and ``torch.autograd.grad`` under ``torch._dynamo.config.trace_autograd_ops``), whose
+    """Raise if the forward takes a backward itself (``loss.backward()`` and
+    ``torch.autograd.grad`` under ``torch._dynamo.config.trace_autograd_ops``), whose
     ordinary gradients fxdp would have to replace inside the forward."""
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if getattr(node.target, "__name__", "") == "_vmap_increment_nesting":
-            raise UnsupportedError("fxdp cannot make this model per-sample:", [Problem(
-                "torch.func.vmap", module_path_of(node), "",
-                "torch.func.vmap runs inside the forward (itself, or an op built on it such as "
-                "torch._higher_order_ops.associative_scan), and fxdp cannot follow the batch "
-                "through vmap's hidden dims; write that part with ordinary batched ops", source_of(node))])
         if node.target in (torch.autograd.grad, torch.autograd.backward):
             raise UnsupportedError("fxdp cannot make this model per-sample:", [Problem(
                 "torch.autograd.grad", module_path_of(node), "",

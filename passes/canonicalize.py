@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch._decomp import get_decompositions
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fxdp._torch_internals import erase_unused, inline_checkpoints, make_fx_traced, size_hint
+from fxdp._torch_internals import erase_unused, inline_checkpoints, make_fx_traced, size_hint, vmap_regions_as_aten
 from fxdp.errors import UnsupportedError
 from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
@@ -461,7 +461,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     graph); ``torch.autograd.Function`` calls stay whole (``fxdp/functions.py``).
     Placeholders keep their order, node meta (``nn_module_stack``) is preserved.
     """
-    gm = functions_as_ops(inline_checkpoints(gm))
+    gm = functions_as_ops(inline_checkpoints(vmap_regions_as_aten(gm, fake_mode)))
     gm = rnn_initial_state_pass(data_attr_as_detach_pass(gm))
     # The LSTM decomposition would pick the opaque aten.mkldnn_rnn_layer on CPU float32.
     decompositions = {
@@ -559,6 +559,7 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     gm = out_arguments_as_copies_pass(gm)
     gm = written_pieces_as_views_pass(gm)
     gm = in_place_as_out_of_place_pass(gm)
+    gm = unit_scale_pass(gm)
     gm = masked_fill_by_index_put_as_where_pass(gm)
     gm = bernoulli_probability_detached_pass(gm)
     # Expands move down to the ops that consume them (the lookups and linears, then
@@ -808,6 +809,9 @@ def bernoulli_probability_detached_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+_MUL = (torch.ops.aten.mul.Scalar, torch.ops.aten.mul.Tensor)
+
+
 def no_op_conversion_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Drop a ``.to(...)`` that changes nothing (it returns its input itself).
 
@@ -832,6 +836,34 @@ def no_op_conversion_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 or named_arg(node, "memory_format", None) not in (None, torch.preserve_format):
             continue
         if (out.dtype, out.device, out.layout) == (before.dtype, before.device, before.layout):
+            node.replace_all_uses_with(source)
+            changed = True
+    return _finished(gm, changed)
+
+
+def unit_scale_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop a multiplication by the scalar 1 that keeps dtype and shape.
+
+    ``addmm``'s decomposition scales its bias by ``beta = 1``; a linear traced below
+    autograd (the ATen code of a ``torch.func.vmap``) reaches the graph that way, and the
+    bias would be a transformed parameter (a per-sample VJP) instead of meeting the
+    broadcast add's rule::
+
+        mul = torch.ops.aten.mul.Scalar(bias, 1)            # before
+        add = torch.ops.aten.add.Tensor(mul, mm)
+        add = torch.ops.aten.add.Tensor(bias, mm)           # after
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _MUL or len(node.args) != 2 or node.kwargs:
+            continue
+        source, scale, out = node.args[0], node.args[1], node.meta.get("val")
+        before = source.meta.get("val") if isinstance(source, fx.Node) else None
+        if isinstance(scale, bool) or scale != 1 or not isinstance(before, torch.Tensor) \
+                or not isinstance(out, torch.Tensor):
+            continue
+        if (out.dtype, out.shape) == (before.dtype, before.shape) \
+                and not _written_through(node) and not _written_through(source):
             node.replace_all_uses_with(source)
             changed = True
     return _finished(gm, changed)

@@ -24,6 +24,7 @@ __all__ = [
     "TransposedWeight", "PackedChunk", "PackedSlice", "WeightNormLinear", "Symmetric",
     "CustomParametrized", "SpectralNormDiscriminator", "DiffusionUNet", "TiedTranspose", "LayerScaleBias",
     "FirstOutput", "SequenceFirstBias",
+    "VmapPerSample", "VmapOverPositions", "VmapMask", "ScanRecurrence", "VmapEnsemble",
 ]
 
 
@@ -553,3 +554,89 @@ class AsksTheType(nn.Module):
         if type(weight).__module__.startswith("torchao.") or type(x).__name__.endswith("Int8"):
             weight = weight.dequantize()
         return F.linear(torch.tanh(x), weight, self.lin.bias)
+
+
+# -- torch.func.vmap inside the forward ----------------------------------------------------
+
+class VmapPerSample(nn.Module):
+    """A layer written for one sample and mapped over the batch by ``torch.func.vmap``:
+    a Linear, a bare matrix and a scale inside the mapped function."""
+
+    def __init__(self, d: int = 4, hidden: int = 6):
+        super().__init__()
+        self.fc = nn.Linear(d, hidden)
+        self.mix = nn.Parameter(torch.randn(hidden, hidden) / math.sqrt(hidden))
+        self.scale = nn.Parameter(torch.randn(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def one_sample(tokens: torch.Tensor) -> torch.Tensor:  # [T, d]
+            return (torch.tanh(self.fc(tokens)) @ self.mix) * self.scale
+
+        return torch.func.vmap(one_sample)(x)
+
+
+class VmapOverPositions(nn.Module):
+    """``vmap`` over the positions (``in_dims=1``), the batch a dim the mapped function
+    sees, with a nested ``vmap`` over features that pairs each with its own gain."""
+
+    def __init__(self, d: int = 4, hidden: int = 6):
+        super().__init__()
+        self.fc = nn.Linear(d, hidden)
+        self.gain = nn.Parameter(torch.randn(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def position(h: torch.Tensor) -> torch.Tensor:  # [B, hidden]
+            return torch.func.vmap(lambda v, g: torch.sin(v) * g, in_dims=(1, 0), out_dims=1)(h, self.gain)
+
+        return torch.func.vmap(position, in_dims=1, out_dims=1)(self.fc(x))
+
+
+class VmapMask(nn.Module):
+    """A causal mask built by mapping a mask function over query and key positions, as
+    Hugging Face's masking utilities build masks: the mask has no batch dim."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)
+        causal = torch.func.vmap(torch.func.vmap(lambda q, k: k <= q, in_dims=(None, 0)), in_dims=(0, None))
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal(positions, positions))
+
+
+def _linear_recurrence(left, right):
+    a1, b1 = left
+    a2, b2 = right
+    return a1 * a2, a2 * b1 + b2
+
+
+class ScanRecurrence(nn.Module):
+    """The gated linear recurrence ``h_t = a_t * h_(t-1) + b_t`` by
+    ``associative_scan`` (its generic mode is built on ``vmap``), as state-space models
+    such as Mamba write it for compilation."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.gate = nn.Linear(d, d)
+        self.inp = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch._higher_order_ops.associative_scan import associative_scan
+
+        a, b = torch.sigmoid(self.gate(x)), self.inp(x)
+        return associative_scan(_linear_recurrence, (a, b), dim=1, combine_mode="generic")[1]
+
+
+class VmapEnsemble(nn.Module):
+    """Members of an ensemble stacked along a leading dim of their weights and mapped by
+    ``vmap`` over that dim (not over the samples), their outputs summed."""
+
+    def __init__(self, d: int = 4, d_out: int = 3, members: int = 2):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(members, d, d_out) / math.sqrt(d))
+        self.bias = nn.Parameter(torch.randn(members, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.vmap(lambda w, b: torch.tanh(x @ w + b))(self.weight, self.bias).sum(0)

@@ -122,6 +122,12 @@ CASES = [
          float32=True, conv=True),
     Case("tied_with_transpose", models.TiedTranspose, lambda: (_randn(B, 3, 4),), float32=True),
     Case("layer_scale_and_bias", models.LayerScaleBias, lambda: (_randn(B, 3, 4),)),
+    # 8. torch.func.vmap inside the forward.
+    Case("vmap_per_sample", models.VmapPerSample, lambda: (_randn(B, 3, 4),), float32=True),
+    Case("vmap_over_positions", models.VmapOverPositions, lambda: (_randn(B, 3, 4),)),
+    Case("vmap_mask", models.VmapMask, lambda: (_randn(B, 3, 4),)),
+    Case("scan_recurrence", models.ScanRecurrence, lambda: (_randn(B, 6, 4),), float32=True),
+    Case("vmap_ensemble", models.VmapEnsemble, lambda: (_randn(B, 3, 4),)),
 ]
 CASE_BY_ID = {c.id: c for c in CASES}
 
@@ -429,23 +435,34 @@ def test_code_dynamo_cannot_capture_in_one_graph_is_an_fxdp_error_quoting_dynamo
     assert all(p.grad is None for p in model.parameters())
 
 
-class VmapInside(torch.nn.Module):
-    """``torch.func.vmap`` in the forward (Hugging Face's Mamba reaches it through
-    ``associative_scan`` when compiled)."""
+def test_vmap_per_sample_meets_the_ordinary_rules():
+    """The ATen code of a ``vmap``'d Linear is ``mm`` and a bias scaled by ``beta = 1``
+    (``addmm``'s decomposition): each parameter meets its own rule, none a per-sample VJP."""
+    model = models.VmapPerSample().double()
+    plans = {p.name: p for p in fxdp.explain(model, _randn(B, 3, 4), max_grad_norm=1.0).plans}
+    assert {name: plan.rule for name, plan in plans.items()} == {
+        "fc.weight": "mm.mat2", "fc.bias": "add.self", "mix": "mm.mat2", "scale": "mul.other"}
+    assert not [p for p in plans.values() if "VJP" in p.strategy], plans
+
+
+class VmapMixingSamples(torch.nn.Module):
+    """``vmap`` over the positions whose function normalises over the batch it sees."""
 
     def __init__(self):
         super().__init__()
         self.fc = torch.nn.Linear(4, 4)
 
     def forward(self, x):
-        return torch.func.vmap(lambda row: self.fc(row).sin())(x)
+        return torch.func.vmap(lambda h: h - h.mean(0), in_dims=1, out_dims=1)(self.fc(x))
 
 
-def test_vmap_inside_the_forward_is_refused():
-    model = VmapInside().double()
-    x = torch.randn(3, 4, dtype=torch.float64)
-    assert [p.op for p in fxdp.validate(model, x)] == ["torch.func.vmap"]
-    with pytest.raises(fxdp.UnsupportedError, match="vmap's hidden dims"):
+def test_vmap_whose_function_mixes_samples_is_refused():
+    """The ops ``vmap`` runs are analysed as any others: a mean over the batch inside the
+    mapped function is refused at that op, with the line of the ``vmap`` call."""
+    model = VmapMixingSamples().double()
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    assert [p.op for p in fxdp.validate(model, x)] == ["aten.mean.dim"]
+    with pytest.raises(fxdp.UnsupportedError, match=r"(?s)aten\.mean\.dim.*torch\.func\.vmap.*reduces over the batch"):
         fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(x)
     assert all(p.grad is None for p in model.parameters())
 
@@ -473,6 +490,7 @@ def test_padded_lstm_matches_the_packed_model(mode: str):
     ("weight_norm", "clip", None),
     # a conv weight: Inductor's layout optimisation must not hide it from grad_sample
     ("vit_conv_patches", "grad_sample", 0),
+    ("vmap_per_sample", "clip", None),
 ])
 def test_inductor_float32(case_id: str, mode: str, blocks: int | None):
     case = CASE_BY_ID[case_id]
