@@ -24,7 +24,7 @@ __all__ = [
     "TransposedWeight", "PackedChunk", "PackedSlice", "WeightNormLinear", "Symmetric",
     "CustomParametrized", "SpectralNormDiscriminator", "DiffusionUNet", "TiedTranspose", "LayerScaleBias",
     "FirstOutput", "SequenceFirstBias",
-    "VmapPerSample", "VmapOverPositions", "VmapMask", "ScanRecurrence", "VmapEnsemble",
+    "VmapPerSample", "VmapOverPositions", "VmapMask", "VmapSegmentMask", "ScanRecurrence", "VmapEnsemble",
 ]
 
 
@@ -604,6 +604,31 @@ class VmapMask(nn.Module):
         causal = torch.func.vmap(torch.func.vmap(lambda q, k: k <= q, in_dims=(None, 0)), in_dims=(0, None))
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal(positions, positions))
+
+
+class VmapSegmentMask(nn.Module):
+    """Attention within the segments of each sample (packed sequences): a mask function of
+    ``(sample, query, key)`` indices that reads the per-sample ``segment`` ids, mapped by
+    ``vmap`` over the three index grids, as Hugging Face's ``packed_sequence_mask_function``
+    (its ``TransformGetItemToIndex`` lets the function index by the mapped 0-d indices)."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+        def same_segment(b, q, k):
+            return segment[b, q] == segment[b, k]
+
+        grid = torch.func.vmap(torch.func.vmap(torch.func.vmap(same_segment, in_dims=(None, None, 0)),
+                                               in_dims=(None, 0, None)), in_dims=(0, None, None))
+        samples, positions = torch.arange(x.shape[0]), torch.arange(x.shape[1])
+        with TransformGetItemToIndex():
+            mask = grid(samples, positions, positions)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def _linear_recurrence(left, right):

@@ -126,6 +126,8 @@ CASES = [
     Case("vmap_per_sample", models.VmapPerSample, lambda: (_randn(B, 3, 4),), float32=True),
     Case("vmap_over_positions", models.VmapOverPositions, lambda: (_randn(B, 3, 4),)),
     Case("vmap_mask", models.VmapMask, lambda: (_randn(B, 3, 4),)),
+    Case("vmap_segment_mask", models.VmapSegmentMask,
+         lambda: (_randn(B, 4, 4), torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0], [0, 1, 2, 3]]))),
     Case("scan_recurrence", models.ScanRecurrence, lambda: (_randn(B, 6, 4),), float32=True),
     Case("vmap_ensemble", models.VmapEnsemble, lambda: (_randn(B, 3, 4),)),
 ]
