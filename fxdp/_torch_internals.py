@@ -412,20 +412,19 @@ def refuse_skipped_frames_that_train() -> None:
 def _parameters_run_eagerly(frame: Any) -> list[str]:
     """The trainable parameters that a skipped frame's code reaches through the modules
     it is given or names: its arguments (the first one ``self``) and the globals its code
-    reads. A ``torch.nn`` module there runs eagerly with all of its own (``model(x)`` of
-    an ``nn.Sequential``); of a module of other code, whose ``forward`` Dynamo compiles
-    as a frame of its own, only the parameters and ``torch.nn`` submodules the code
-    names (``self.fc``, ``self.layers``), with those of ``torch.nn``'s modules under them,
-    down to the first module of other code."""
+    reads, and modules one step from those (see ``_modules_held``). A ``torch.nn`` module
+    there runs eagerly with all of its own (``model(x)`` of an ``nn.Sequential``); of a
+    module of other code, whose ``forward`` Dynamo compiles as a frame of its own, only
+    the parameters and ``torch.nn`` submodules the code names (``self.fc``,
+    ``self.layers``), with those of ``torch.nn``'s modules under them, down to the first
+    module of other code."""
     code = frame.f_code
     arguments = code.co_argcount + code.co_kwonlyargcount
     arguments += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
     owners = {name: frame.f_locals.get(name) for name in code.co_varnames[:arguments]}
     owners.update((name, frame.f_globals[name]) for name in code.co_names if name in frame.f_globals)
     names: list[str] = []
-    for owner_name, owner in owners.items():
-        if not isinstance(owner, torch.nn.Module):
-            continue
+    for owner_name, owner in _modules_held(owners, code.co_names):
         prefix = "" if owner_name == "self" else owner_name
         if _library_module(owner):
             names += _library_parameters(owner, prefix)
@@ -438,6 +437,25 @@ def _parameters_run_eagerly(frame: Any) -> list[str]:
             elif name in owner._modules and owner._modules[name] is not None:
                 names += _library_parameters(owner._modules[name], f"{dot}{name}")
     return list(dict.fromkeys(names))
+
+
+def _modules_held(owners: dict[str, Any], attributes: Sequence[str]):
+    """``(name, module)`` for each module among ``owners``, each module in a list, tuple
+    or dict among them (``step(models, x)`` calling ``models[0](x)``), and each module an
+    object among them holds under an attribute name the code reads (``trainer.model``;
+    read from the object's ``__dict__``: no property runs)."""
+    for name, owner in owners.items():
+        if isinstance(owner, torch.nn.Module):
+            yield name, owner
+        elif isinstance(owner, (list, tuple)):
+            yield from ((f"{name}[{i}]", m) for i, m in enumerate(owner) if isinstance(m, torch.nn.Module))
+        elif isinstance(owner, dict):
+            yield from ((f"{name}[{k!r}]", m) for k, m in owner.items() if isinstance(m, torch.nn.Module))
+        else:
+            held = getattr(owner, "__dict__", None)
+            if isinstance(held, dict):
+                yield from ((f"{name}.{a}", held[a]) for a in dict.fromkeys(attributes)
+                            if isinstance(held.get(a), torch.nn.Module))
 
 
 def _library_module(module: torch.nn.Module) -> bool:

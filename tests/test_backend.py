@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 
 import pytest
 import torch
@@ -482,11 +483,12 @@ def test_a_forward_dynamo_skips_whole_is_refused(first):
 _SEQUENTIAL: nn.Module | None = None  # the model a step function reads as a global
 
 
-@pytest.mark.parametrize("reached", ["argument", "global"])
+@pytest.mark.parametrize("reached", ["argument", "global", "list", "attribute"])
 def test_a_skipped_function_calling_a_torch_nn_model_is_refused(reached):
     """A compiled step function that Dynamo skips whole (a break in its loop) ran a
-    ``torch.nn`` model it was given, or read as a global, eagerly: Dynamo skips
-    ``torch.nn``'s ``forward`` too, so the model trained unclipped and nothing said so."""
+    ``torch.nn`` model it was given (itself, in a list, or held by an object it was
+    given), or read as a global, eagerly: Dynamo skips ``torch.nn``'s ``forward`` too, so
+    the model trained unclipped and nothing said so."""
     global _SEQUENTIAL
     torch._dynamo.reset()
     _SEQUENTIAL = seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).to(DTYPE)
@@ -500,9 +502,32 @@ def test_a_skipped_function_calling_a_torch_nn_model_is_refused(reached):
             total = total + mean_sq_loss(out)
         return total
 
+    def logged_loss_of_first(models, x):
+        total = 0
+        for _ in range(2):
+            out = models[0](x)
+            _LOGGED.append(out.abs().max().item())
+            total = total + mean_sq_loss(out)
+        return total
+
+    def logged_loss_of_held(trainer, x):
+        total = 0
+        for _ in range(2):
+            out = trainer.model(x)
+            _LOGGED.append(out.abs().max().item())
+            total = total + mean_sq_loss(out)
+        return total
+
     if reached == "argument":
         step = torch.compile(logged_loss, backend=backend)
-        call, name = (lambda x: step(seq, x)), "logged_loss"
+        call, name, prefix = (lambda x: step(seq, x)), "logged_loss", "model"
+    elif reached == "list":
+        step = torch.compile(logged_loss_of_first, backend=backend)
+        call, name, prefix = (lambda x: step([seq], x)), "logged_loss_of_first", r"models\[0\]"
+    elif reached == "attribute":
+        step = torch.compile(logged_loss_of_held, backend=backend)
+        holder = types.SimpleNamespace(model=seq)
+        call, name, prefix = (lambda x: step(holder, x)), "logged_loss_of_held", "trainer.model"
     else:
         @torch.compile(backend=backend)
         def step_on_global(x):
@@ -513,8 +538,7 @@ def test_a_skipped_function_calling_a_torch_nn_model_is_refused(reached):
                 total = total + mean_sq_loss(out)
             return total
 
-        call, name = step_on_global, "step_on_global"
-    prefix = "model" if reached == "argument" else "_SEQUENTIAL"
+        call, name, prefix = step_on_global, "step_on_global", "_SEQUENTIAL"
     with refused(rf"Dynamo cannot compile .*{name} \(.*\) and would run it eagerly, outside any fxdp graph: "
                  rf"{prefix}.0.weight, {prefix}.0.bias, {prefix}.2.weight, {prefix}.2.bias would get ordinary"):
         call(randn(3, 4)).backward()
