@@ -411,8 +411,8 @@ def refuse_skipped_frames_that_train() -> None:
 
 def _parameters_run_eagerly(frame: Any) -> list[str]:
     """The trainable parameters that a skipped frame's code reaches through the modules
-    it is given or names: its arguments (the first one ``self``) and the globals its code
-    reads, and modules one step from those (see ``_modules_held``). A ``torch.nn`` module
+    it is given or names: its arguments (the first one ``self``), the variables it closes
+    over and the globals its code reads, and modules one step from those (see ``_modules_held``). A ``torch.nn`` module
     there runs eagerly with all of its own (``model(x)`` of an ``nn.Sequential``); of a
     module of other code, whose ``forward`` Dynamo compiles as a frame of its own, only
     the parameters and ``torch.nn`` submodules the code names (``self.fc``,
@@ -421,7 +421,7 @@ def _parameters_run_eagerly(frame: Any) -> list[str]:
     code = frame.f_code
     arguments = code.co_argcount + code.co_kwonlyargcount
     arguments += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
-    owners = {name: frame.f_locals.get(name) for name in code.co_varnames[:arguments]}
+    owners = {name: frame.f_locals.get(name) for name in (*code.co_varnames[:arguments], *code.co_freevars)}
     owners.update((name, frame.f_globals[name]) for name in code.co_names if name in frame.f_globals)
     names: list[str] = []
     for owner_name, owner in _modules_held(owners, code.co_names):

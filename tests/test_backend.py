@@ -483,11 +483,11 @@ def test_a_forward_dynamo_skips_whole_is_refused(first):
 _SEQUENTIAL: nn.Module | None = None  # the model a step function reads as a global
 
 
-@pytest.mark.parametrize("reached", ["argument", "global", "list", "attribute"])
+@pytest.mark.parametrize("reached", ["argument", "global", "list", "attribute", "closure"])
 def test_a_skipped_function_calling_a_torch_nn_model_is_refused(reached):
     """A compiled step function that Dynamo skips whole (a break in its loop) ran a
     ``torch.nn`` model it was given (itself, in a list, or held by an object it was
-    given), or read as a global, eagerly: Dynamo skips ``torch.nn``'s ``forward`` too, so
+    given), closed over, or read as a global, eagerly: Dynamo skips ``torch.nn``'s ``forward`` too, so
     the model trained unclipped and nothing said so."""
     global _SEQUENTIAL
     torch._dynamo.reset()
@@ -528,6 +528,17 @@ def test_a_skipped_function_calling_a_torch_nn_model_is_refused(reached):
         step = torch.compile(logged_loss_of_held, backend=backend)
         holder = types.SimpleNamespace(model=seq)
         call, name, prefix = (lambda x: step(holder, x)), "logged_loss_of_held", "trainer.model"
+    elif reached == "closure":
+        @torch.compile(backend=backend)
+        def step_on_closure(x):
+            total = 0
+            for _ in range(2):
+                out = seq(x)
+                _LOGGED.append(out.abs().max().item())
+                total = total + mean_sq_loss(out)
+            return total
+
+        call, name, prefix = step_on_closure, "step_on_closure", "seq"
     else:
         @torch.compile(backend=backend)
         def step_on_global(x):
