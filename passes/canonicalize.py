@@ -842,7 +842,8 @@ def no_op_conversion_pass(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def unit_scale_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop a multiplication by the scalar 1 that keeps dtype and shape.
+    """Drop a multiplication by the scalar 1 that keeps dtype, shape and strides (a
+    strided input's product is contiguous: a later ``view`` may need that).
 
     ``addmm``'s decomposition scales its bias by ``beta = 1``; a linear traced below
     autograd (the ATen code of a ``torch.func.vmap``) reaches the graph that way, and the
@@ -859,11 +860,13 @@ def unit_scale_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         source, scale, out = node.args[0], node.args[1], node.meta.get("val")
         before = source.meta.get("val") if isinstance(source, fx.Node) else None
-        if isinstance(scale, bool) or scale != 1 or not isinstance(before, torch.Tensor) \
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale != 1 \
+                or not isinstance(before, torch.Tensor) \
                 or not isinstance(out, torch.Tensor):
             continue
-        if (out.dtype, out.shape) == (before.dtype, before.shape) \
-                and not _written_through(node) and not _written_through(source):
+        same_layout = out.dtype == before.dtype and out.dim() == before.dim() and all(
+            statically_known_true(a == b) for a, b in zip((*out.shape, *out.stride()), (*before.shape, *before.stride())))
+        if same_layout and not _written_through(node) and not _written_through(source):
             node.replace_all_uses_with(source)
             changed = True
     return _finished(gm, changed)

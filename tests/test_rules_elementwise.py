@@ -233,6 +233,11 @@ CASES = [
     Case("merged-batch", around(lambda m, h: (h.reshape(-1, D) * m.gamma).view(h.shape), gamma=(D,)), (B, T, D),
          rules=("mul.other",)),
     Case("used-twice", around(lambda m, h: h * m.g + m.g, g=(D,)), (B, T, D), rules=("mul.other", "add.other")),
+    # A product by 1 is dropped (the bias of addmm's decomposition, beta = 1), unless it
+    # copies a strided value into the contiguous one a later view needs.
+    Case("times-one", around(lambda m, h: h * (m.g * 1), g=(D,)), (B, T, D), rules=("mul.other",)),
+    Case("strided-times-one", around(lambda m, h: (h[:, ::2] * 1).view(h.shape[0], -1) * m.g, g=(3 * D,),
+                                     d_out=3 * D), (B, T, D), rules=("mul.other",)),
     # One parameter as two arguments of one op: both uses are per-sample (the second was
     # once taken as an ordinary gradient, leaving the norms short).
     Case("twice-in-one-addcmul", around(lambda m, h: torch.addcmul(m.g, h, m.g), g=(D,)), (B, T, D),
