@@ -739,30 +739,51 @@ def inline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def vmap_regions_as_aten(gm: fx.GraphModule, fake_mode) -> fx.GraphModule:
-    """Replace each ``torch.func.vmap`` of a Dynamo graph by the ATen ops it runs.
+def nodes_with_bodies(gm: fx.GraphModule):
+    """The nodes of ``gm`` and of the graphs it holds as submodules (the bodies of
+    higher-order ops: a checkpointed region, a ``wrap``)."""
+    yield from gm.graph.nodes
+    for body in gm.children():
+        if isinstance(body, fx.GraphModule):
+            yield from nodes_with_bodies(body)
 
-    Dynamo inlines a vmap as its body between ``_vmap_increment_nesting`` and
-    ``_vmap_decrement_nesting``, the inputs wrapped by ``_add_batch_dim`` and the outputs
-    unwrapped by ``_remove_batch_dim``: the ops between see one slice of a hidden dim,
-    and ``make_fx(pre_dispatch=True)`` (whose tracer sits above functorch's batching)
-    would keep the wrapped tensors as constants. Traced below the batching, as
-    AOTAutograd traces it, the region is plain ATen code on whole tensors (vmap's
-    batching rules at work), which the batch analysis follows like any other; it runs as
-    a submodule of ``gm``, called where the region was."""
+
+_TRANSFORM_ENTER = ("_vmap_increment_nesting", "_grad_increment_nesting")
+_TRANSFORM_EXIT = ("_vmap_decrement_nesting", "_grad_decrement_nesting")
+FORWARD_MODE_AD = ("_jvp_increment_nesting", "_enter_dual_level", "_make_dual")
+
+
+def transform_regions_as_aten(gm: fx.GraphModule, fake_mode) -> fx.GraphModule:
+    """Replace each ``torch.func`` transform of a Dynamo graph (``vmap``, ``grad``,
+    ``jacrev``, …) by the ATen ops it runs.
+
+    Dynamo inlines a transform as its function's ops between ``_vmap_increment_nesting``
+    (``_grad_increment_nesting``) and the matching ``_decrement_nesting``, the inputs
+    wrapped (``_add_batch_dim``, ``_wrap_for_grad``): the ops between see one slice of a
+    hidden batch dim, or values of a nested autograd level, and
+    ``make_fx(pre_dispatch=True)`` (whose tracer sits above functorch) would keep the
+    wrapped tensors as constants. Traced below functorch, as AOTAutograd traces it, the
+    region is plain ATen code on whole tensors (vmap's batching rules, grad's backward
+    formulas at work), which the batch analysis follows like any other; it runs as a
+    submodule of ``gm``, called where the region was. Bodies of higher-order ops (a
+    checkpointed region) are done first. Forward-mode AD (``FORWARD_MODE_AD``) is
+    refused before this (``refuse_unfollowable``)."""
+    for body in list(gm.children()):
+        if isinstance(body, fx.GraphModule):
+            transform_regions_as_aten(body, fake_mode)
     nodes = list(gm.graph.nodes)
     regions, depth, start = [], 0, 0
     for i, node in enumerate(nodes):
         name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
-        if name == "_vmap_increment_nesting":
+        if name in _TRANSFORM_ENTER:
             start = i if depth == 0 else start
             depth += 1
-        elif name == "_vmap_decrement_nesting" and depth:
+        elif name in _TRANSFORM_EXIT and depth:
             depth -= 1
             if depth == 0:
                 regions.append(nodes[start:i + 1])
     for k, region in enumerate(regions):
-        _region_as_aten(gm, region, f"_fxdp_vmap_{k}", fake_mode)
+        _region_as_aten(gm, region, f"_fxdp_transform_{k}", fake_mode)
     if regions:
         gm.graph.lint()
         gm.recompile()

@@ -342,10 +342,24 @@ def _size_rule_note(name: str, fake: torch.Tensor, dim: int, batched: bool, batc
 def refuse_unfollowable(gm: fx.GraphModule) -> None:
     """Raise if the forward takes a backward itself (``loss.backward()`` and
     ``torch.autograd.grad`` under ``torch._dynamo.config.trace_autograd_ops``), whose
-    ordinary gradients fxdp would have to replace inside the forward."""
-    for node in gm.graph.nodes:
+    ordinary gradients fxdp would have to replace inside the forward, or runs
+    forward-mode AD (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``),
+    whose tangent formulas traced below functorch carry zero tensors and meta-device
+    copies that the analysis does not follow."""
+    nodes = list(internals.nodes_with_bodies(gm))
+    for i, node in enumerate(nodes):
         if node.op != "call_function":
             continue
+        if getattr(node.target, "__name__", "") in internals.FORWARD_MODE_AD:
+            # The transform's own calls carry no line of the model's code; the first op
+            # of its function does.
+            node = next((n for n in nodes[i:] if n.meta.get("stack_trace")), node)
+            raise UnsupportedError("fxdp cannot make this model per-sample:", [Problem(
+                "torch.func.jvp", module_path_of(node), "",
+                "forward-mode AD (torch.func.jvp, torch.func.jacfwd, torch.func.hessian, "
+                "torch.autograd.forward_ad) runs inside the forward, which fxdp does not "
+                "support; torch.func.vmap, torch.func.grad and torch.func.jacrev work",
+                source_of(node))])
         if node.target in (torch.autograd.grad, torch.autograd.backward):
             raise UnsupportedError("fxdp cannot make this model per-sample:", [Problem(
                 "torch.autograd.grad", module_path_of(node), "",

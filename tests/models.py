@@ -25,6 +25,7 @@ __all__ = [
     "CustomParametrized", "SpectralNormDiscriminator", "DiffusionUNet", "TiedTranspose", "LayerScaleBias",
     "FirstOutput", "SequenceFirstBias",
     "VmapPerSample", "VmapOverPositions", "VmapMask", "VmapSegmentMask", "ScanRecurrence", "VmapEnsemble",
+    "EnergyForces", "VmapJacobian", "CheckpointedVmap",
 ]
 
 
@@ -665,3 +666,49 @@ class VmapEnsemble(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.func.vmap(lambda w, b: torch.tanh(x @ w + b))(self.weight, self.bias).sum(0)
+
+
+class EnergyForces(nn.Module):
+    """A learned energy whose forces (its gradient with respect to the positions) are
+    the output, each sample's by ``vmap(torch.func.grad(energy))``: the loss on the
+    forces differentiates the gradient again (molecular dynamics potentials)."""
+
+    def __init__(self, d: int = 4, hidden: int = 6):
+        super().__init__()
+        self.fc = nn.Linear(d, hidden)
+        self.out = nn.Parameter(torch.randn(hidden) / math.sqrt(hidden))
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        def energy(r: torch.Tensor) -> torch.Tensor:  # [atoms, d] -> []
+            return (torch.tanh(self.fc(r)) * self.out).sum()
+
+        return -torch.func.vmap(torch.func.grad(energy))(positions)
+
+
+class VmapJacobian(nn.Module):
+    """Each sample's Jacobian of a layer by ``vmap(jacrev(...))``, reduced to its trace
+    (a divergence, as continuous normalising flows use)."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.gain = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        jacobian = torch.func.vmap(torch.func.jacrev(lambda v: torch.tanh(self.fc(v)) * self.gain))(x)
+        return torch.cat([jacobian.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True), torch.tanh(self.fc(x))], -1)
+
+
+class CheckpointedVmap(nn.Module):
+    """A ``vmap`` inside an activation-checkpointed function."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.gain = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def block(h: torch.Tensor) -> torch.Tensor:
+            return torch.func.vmap(lambda row: torch.sin(self.fc(row)) * self.gain)(h)
+
+        return checkpoint_utils.checkpoint(block, x, use_reentrant=False)

@@ -130,6 +130,9 @@ CASES = [
          lambda: (_randn(B, 4, 4), torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0], [0, 1, 2, 3]]))),
     Case("scan_recurrence", models.ScanRecurrence, lambda: (_randn(B, 6, 4),), float32=True),
     Case("vmap_ensemble", models.VmapEnsemble, lambda: (_randn(B, 3, 4),)),
+    Case("energy_forces", models.EnergyForces, lambda: (_randn(B, 3, 4),), float32=True),
+    Case("vmap_jacobian", models.VmapJacobian, lambda: (_randn(B, 4),)),
+    Case("checkpointed_vmap", models.CheckpointedVmap, lambda: (_randn(B, 3, 4),)),
 ]
 CASE_BY_ID = {c.id: c for c in CASES}
 
@@ -445,6 +448,28 @@ def test_vmap_per_sample_meets_the_ordinary_rules():
     assert {name: plan.rule for name, plan in plans.items()} == {
         "fc.weight": "mm.mat2", "fc.bias": "add.self", "mix": "mm.mat2", "scale": "mul.other"}
     assert not [p for p in plans.values() if "VJP" in p.strategy], plans
+
+
+class JvpInside(torch.nn.Module):
+    """A directional derivative of a layer by ``torch.func.jvp`` (forward-mode AD)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.func.jvp(lambda v: torch.tanh(self.fc(v)), (x,), (torch.ones_like(x),))[1]
+
+
+def test_forward_mode_ad_inside_the_forward_is_refused():
+    """Traced below functorch, jvp's tangent formulas carry zero tensors and meta-device
+    copies the analysis does not follow: refused by name, at the line of the ``jvp``."""
+    model = JvpInside().double()
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    assert [p.op for p in fxdp.validate(model, x)] == ["torch.func.jvp"]
+    with pytest.raises(fxdp.UnsupportedError, match=r"(?s)test_models_e2e.py:\d+: return torch.func.jvp.*forward-mode AD.*does not support"):
+        fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(x)
+    assert all(p.grad is None for p in model.parameters())
 
 
 class VmapMixingSamples(torch.nn.Module):
