@@ -412,12 +412,12 @@ def refuse_skipped_frames_that_train() -> None:
 def _parameters_run_eagerly(frame: Any) -> list[str]:
     """The trainable parameters that a skipped frame's code reaches through the modules
     it is given or names: its arguments (the first one ``self``), the variables it closes
-    over and the globals its code reads, and modules one step from those (see ``_modules_held``). A ``torch.nn`` module
-    there runs eagerly with all of its own (``model(x)`` of an ``nn.Sequential``); of a
-    module of other code, whose ``forward`` Dynamo compiles as a frame of its own, only
-    the parameters and ``torch.nn`` submodules the code names (``self.fc``,
-    ``self.layers``), with those of ``torch.nn``'s modules under them, down to the first
-    module of other code."""
+    over and the globals its code reads, and modules one step from those
+    (``_modules_held``). A ``torch.nn`` module there runs eagerly with all of its own
+    (``model(x)`` of an ``nn.Sequential``); of a module of other code, whose ``forward``
+    Dynamo compiles as a frame of its own, only the parameters and ``torch.nn``
+    submodules the code names (``self.fc``, ``self.layers``), with those of ``torch.nn``'s
+    modules under them, down to the first module of other code."""
     code = frame.f_code
     arguments = code.co_argcount + code.co_kwonlyargcount
     arguments += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
@@ -791,6 +791,8 @@ def transform_regions_as_aten(gm: fx.GraphModule, fake_mode) -> fx.GraphModule:
 
 
 def _region_as_aten(gm: fx.GraphModule, region: list[fx.Node], name: str, fake_mode) -> None:
+    """``region`` (consecutive nodes of ``gm``) traced without pre-dispatch into the
+    submodule ``name``, whose call replaces it; its inputs' fake values are Dynamo's."""
     inside = set(region)
     inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
     outputs = [n for n in region if any(u not in inside for u in n.users)]

@@ -458,7 +458,8 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     ``aten.lstm`` and the recurrent cells become per-step linears, ``aten.einsum`` and
     ``aten.bilinear`` matrix products; autocast's casts become ops (``passes/autocast.py``);
     activation-checkpointed regions are inlined (their ops become ordinary ops of the
-    graph); ``torch.autograd.Function`` calls stay whole (``fxdp/functions.py``).
+    graph), ``torch.func`` transforms become the ATen code they run
+    (``transform_regions_as_aten``); ``torch.autograd.Function`` calls stay whole (``fxdp/functions.py``).
     Placeholders keep their order, node meta (``nn_module_stack``) is preserved.
     """
     gm = functions_as_ops(inline_checkpoints(transform_regions_as_aten(gm, fake_mode)))
@@ -809,9 +810,6 @@ def bernoulli_probability_detached_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-_MUL = (torch.ops.aten.mul.Scalar, torch.ops.aten.mul.Tensor)
-
-
 def no_op_conversion_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Drop a ``.to(...)`` that changes nothing (it returns its input itself).
 
@@ -839,6 +837,9 @@ def no_op_conversion_pass(gm: fx.GraphModule) -> fx.GraphModule:
             node.replace_all_uses_with(source)
             changed = True
     return _finished(gm, changed)
+
+
+_MUL = (torch.ops.aten.mul.Scalar, torch.ops.aten.mul.Tensor)
 
 
 def unit_scale_pass(gm: fx.GraphModule) -> fx.GraphModule:
