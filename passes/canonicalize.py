@@ -865,8 +865,9 @@ def unit_scale_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 or not isinstance(before, torch.Tensor) \
                 or not isinstance(out, torch.Tensor):
             continue
-        same_layout = out.dtype == before.dtype and out.dim() == before.dim() and all(
-            statically_known_true(a == b) for a, b in zip((*out.shape, *out.stride()), (*before.shape, *before.stride())))
+        sizes = zip((*out.shape, *out.stride()), (*before.shape, *before.stride()))
+        same_layout = out.dtype == before.dtype and out.dim() == before.dim() \
+            and all(statically_known_true(a == b) for a, b in sizes)
         if same_layout and not _written_through(node) and not _written_through(source):
             node.replace_all_uses_with(source)
             changed = True
