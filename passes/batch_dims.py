@@ -814,6 +814,11 @@ def _repeat(node, arg_batch):
     return BatchDim(d, b.inner, b.outer * counts[d])
 
 
+_PER_SAMPLE_LOOP = (" (a loop over the samples or chunks of them, f(x[i]) or f(x[i:i + k]) concatenated "
+                    "again, or torch.func.vmap(f, chunk_size=k), does this: run f on the whole batch, or "
+                    "map it over the samples with torch.func.vmap(f))")
+
+
 @_register(aten.select.int)
 def _select(node, arg_batch):
     b = arg_batch[0]
@@ -821,7 +826,7 @@ def _select(node, arg_batch):
         return b
     d = _norm_dim(node.args[1], _meta(node.args[0]).dim())
     if d == b.dim:
-        raise MixesSamples("it selects one row of the batch")
+        raise MixesSamples("it selects one row of the batch" + _PER_SAMPLE_LOOP)
     return b.at(b.dim - 1 if d < b.dim else b.dim)
 
 
@@ -838,7 +843,7 @@ def _slice(node, arg_batch):
         step = node.args[4] if len(node.args) > 4 else 1
         blocks = _whole_blocks(b, x.shape[d], [(start, _meta(node).shape[d])]) if step == 1 else None
         if blocks is None:
-            raise MixesSamples("it slices the batch dim")
+            raise MixesSamples("it slices the batch dim" + _PER_SAMPLE_LOOP)
         return blocks[0]
     return b
 

@@ -472,6 +472,26 @@ def test_forward_mode_ad_inside_the_forward_is_refused():
     assert all(p.grad is None for p in model.parameters())
 
 
+class LoopOverSamples(torch.nn.Module):
+    """Attention run sample by sample and concatenated again (diffusers' Mochi
+    attention processor does this)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(4, 12)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return torch.cat([F.scaled_dot_product_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1])
+                          for i in range(x.shape[0])])
+
+
+def test_a_loop_over_the_samples_is_refused_with_the_vmap_that_replaces_it():
+    model = LoopOverSamples().double()
+    with pytest.raises(fxdp.UnsupportedError, match=r"slices the batch dim \(a loop over the samples.*torch\.func\.vmap\(f\)\)"):
+        fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(torch.randn(3, 2, 4, dtype=torch.float64))
+
+
 class VmapMixingSamples(torch.nn.Module):
     """``vmap`` over the positions whose function normalises over the batch it sees."""
 
