@@ -49,6 +49,18 @@ class _MixesButKeepsLayout(MixesSamples):
         self.batch = batch
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Values of one sample alone, taken out of the batch (``x[i]``, ``x[i:i + 1]``, a
+    piece of ``x.unbind(0)``, with a static ``B``): what a loop over the samples works
+    on. Any op on pieces of one sample (and shared values) keeps them that sample's; the
+    pieces of all samples concatenated in order along a dim of size 1 are a batch again
+    (``torch.cat([f(x[i:i + 1]) for i in range(B)])``). No parameter may be used on
+    one: fxdp makes parameter uses per-sample on whole batches."""
+
+    sample: int
+
+
 @dataclasses.dataclass
 class Loss:
     """A reduction over the batch to a scalar: the loss inside the graph."""
@@ -814,9 +826,10 @@ def _repeat(node, arg_batch):
     return BatchDim(d, b.inner, b.outer * counts[d])
 
 
-_PER_SAMPLE_LOOP = (" (a loop over the samples or chunks of them, f(x[i]) or f(x[i:i + k]) concatenated "
-                    "again, or torch.func.vmap(f, chunk_size=k), does this: run f on the whole batch, or "
-                    "map it over the samples with torch.func.vmap(f))")
+_PER_SAMPLE_LOOP = (" (a loop over chunks of samples, f(x[i:i + k]) concatenated again, or "
+                    "torch.func.vmap(f, chunk_size=k), does this: run f on the whole batch, or map it over "
+                    "the samples with torch.func.vmap(f); a loop over single samples, f(x[i:i + 1]), works "
+                    "where f uses no parameter)")
 
 
 @_register(aten.select.int)
@@ -826,6 +839,9 @@ def _select(node, arg_batch):
         return b
     d = _norm_dim(node.args[1], _meta(node.args[0]).dim())
     if d == b.dim:
+        size, index = _meta(node.args[0]).shape[d], node.args[2]
+        if b.plain and isinstance(size, int) and isinstance(index, int):
+            return Piece(index % size)
         raise MixesSamples("it selects one row of the batch" + _PER_SAMPLE_LOOP)
     return b.at(b.dim - 1 if d < b.dim else b.dim)
 
@@ -842,6 +858,9 @@ def _slice(node, arg_batch):
         start = start.meta.get("val") if isinstance(start, fx.Node) else start  # a symbolic size
         step = node.args[4] if len(node.args) > 4 else 1
         blocks = _whole_blocks(b, x.shape[d], [(start, _meta(node).shape[d])]) if step == 1 else None
+        if blocks is None and b.plain and isinstance(x.shape[d], int) and isinstance(start, int) \
+                and _meta(node).shape[d] == 1:
+            return Piece(start % x.shape[d])
         if blocks is None:
             raise MixesSamples("it slices the batch dim" + _PER_SAMPLE_LOOP)
         return blocks[0]
@@ -880,8 +899,10 @@ def _split(node, arg_batch):
             pieces.append((start, out.shape[d]))
             start = start + out.shape[d]
         blocks = _whole_blocks(b, _meta(node.args[0]).shape[d], pieces)
+        if blocks is None and b.plain and all(isinstance(s, int) and s == 1 for _, s in pieces):
+            return [Piece(i) for i in range(n)]
         if blocks is None:
-            raise MixesSamples("it splits the batch dim")
+            raise MixesSamples("it splits the batch dim" + _PER_SAMPLE_LOOP)
         return blocks
     return [b] * n
 
@@ -893,6 +914,8 @@ def _unbind(node, arg_batch):
     if not isinstance(b, BatchDim) or b.dim is None:
         return [b] * n
     d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, _meta(node.args[0]).dim())
+    if d == b.dim and b.plain and isinstance(n, int):
+        return [Piece(i) for i in range(n)]
     if d == b.dim:
         raise MixesSamples("it unbinds the batch dim")
     return [b.at(b.dim - 1 if d < b.dim else b.dim)] * n
@@ -1966,7 +1989,58 @@ def _arg_batch(value: Any, batch: dict) -> Any:
 def _any_batched(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_any_batched(v) for v in value)
-    return isinstance(value, (BatchDim, Loss, _Unknown))
+    return isinstance(value, (BatchDim, Loss, _Unknown, Piece))
+
+
+def _any_piece(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_any_piece(v) for v in value)
+    return isinstance(value, Piece)
+
+
+def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter: bool) -> Any:
+    """The layout of an op on ``Piece``s (see there): the pieces of every sample
+    concatenated in order are a batch again; any other op on pieces of one sample gives
+    that sample's."""
+    if node.target is aten.cat.default:
+        joined = _pieces_joined(node, arg_batch[0], batch_size)
+        if joined is not None:
+            return joined
+    flat = list(_flat(arg_batch))
+    samples = {b.sample for b in flat if isinstance(b, Piece)}
+    if len(samples) > 1 or any(isinstance(b, (BatchDim, Loss)) for b in flat):
+        raise MixesSamples("it combines the values of one sample taken out of the batch (x[i], "
+                           "x[i:i + 1]) with other samples' (only all samples' pieces concatenated in "
+                           "their order are a batch again)")
+    if uses_parameter:
+        raise _NoPropagation(
+            "it uses a parameter on the values of one sample taken out of the batch (x[i], x[i:i + 1], "
+            "a loop over the samples): fxdp makes parameter uses per-sample on whole batches; apply the "
+            "layer to the whole batch, or map it over the samples with torch.func.vmap")
+    out, piece = _meta(node), Piece(samples.pop())
+    return [piece] * len(out) if isinstance(out, (list, tuple)) else piece
+
+
+def _pieces_joined(node: fx.Node, batches: list, batch_size: Any) -> BatchDim | None:
+    """``cat`` of ``Piece(0)``, …, ``Piece(B - 1)`` in order, each of size 1 along the
+    dim they are concatenated along: that dim is the batch."""
+    d = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), _meta(node).dim())
+    sizes = [_meta(t).shape[d] if _meta(t).dim() > d else None for t in node.args[0]]
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    # A loop over ``range(x.shape[0])`` made Dynamo specialise ``B`` to its count.
+    if statically_known_true(len(batches) == batch_size) and all(
+            isinstance(b, Piece) and b.sample == i and size == 1 for i, (b, size) in enumerate(zip(batches, sizes))):
+        return BatchDim(d)
+    return None
+
+
+def _flat(value: Any):
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flat(v)
+    else:
+        yield value
 
 
 def _any_unknown(value: Any) -> bool:
@@ -2159,7 +2233,10 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 out = _meta(node)
                 batch[node] = [WHOLE] * len(out) if isinstance(out, (list, tuple)) else WHOLE
                 continue
-            if target is FUNCTION_APPLY:
+            if _any_piece(arg_batch) or _any_piece(list(node.kwargs.values())):
+                batch[node] = _piece_batch(node, arg_batch + [_arg_batch(v, batch) for v in node.kwargs.values()],
+                                           batch_size, bool(paramish))
+            elif target is FUNCTION_APPLY:
                 batch[node] = function_batch(node, arg_batch, batch_size)
             elif rule is not None:
                 metas = [_meta(a) for a in node.args]

@@ -25,7 +25,7 @@ __all__ = [
     "CustomParametrized", "SpectralNormDiscriminator", "DiffusionUNet", "TiedTranspose", "LayerScaleBias",
     "FirstOutput", "SequenceFirstBias",
     "VmapPerSample", "VmapOverPositions", "VmapMask", "VmapSegmentMask", "ScanRecurrence", "VmapEnsemble",
-    "EnergyForces", "VmapJacobian", "CheckpointedVmap",
+    "EnergyForces", "VmapJacobian", "CheckpointedVmap", "PerSampleLoop",
 ]
 
 
@@ -712,3 +712,31 @@ class CheckpointedVmap(nn.Module):
             return torch.func.vmap(lambda row: torch.sin(self.fc(row)) * self.gain)(h)
 
         return checkpoint_utils.checkpoint(block, x, use_reentrant=False)
+
+
+# -- loops over the samples ----------------------------------------------------------------
+
+class PerSampleLoop(nn.Module):
+    """Parameter-free code run on each sample alone and its results put together again:
+    attention per sample (diffusers' Mochi attention processor: ``q[i:i + 1]`` …
+    ``torch.cat``), a row ``h[i]`` centred and stacked, ``for row in h.unbind(0)``,
+    ``h.split(1)``; the projections before and after see the whole batch."""
+
+    def __init__(self, kind: str, d: int = 4):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        if self.kind == "slice":
+            h = torch.cat([F.scaled_dot_product_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1])
+                           for i in range(x.shape[0])])
+        elif self.kind == "select":
+            h = torch.stack([torch.softmax(q[i] @ k[i].T, -1) @ (v[i] - v[i].mean(0)) for i in range(x.shape[0])])
+        elif self.kind == "unbind":
+            h = torch.stack([torch.tanh(row).cumsum(0) for row in (q * v).unbind(0)])
+        else:
+            h = torch.cat([piece.flip(1) * k.shape[1] for piece in (q + v).split(1)])
+        return self.out(h)

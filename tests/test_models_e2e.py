@@ -133,6 +133,11 @@ CASES = [
     Case("energy_forces", models.EnergyForces, lambda: (_randn(B, 3, 4),), float32=True),
     Case("vmap_jacobian", models.VmapJacobian, lambda: (_randn(B, 4),)),
     Case("checkpointed_vmap", models.CheckpointedVmap, lambda: (_randn(B, 3, 4),)),
+    # 9. Loops over the samples (each piece of one sample, concatenated again in order).
+    Case("loop_over_samples_slices", lambda: models.PerSampleLoop("slice"), lambda: (_randn(B, 3, 4),), float32=True),
+    Case("loop_over_samples_rows", lambda: models.PerSampleLoop("select"), lambda: (_randn(B, 3, 4),)),
+    Case("loop_over_samples_unbind", lambda: models.PerSampleLoop("unbind"), lambda: (_randn(B, 3, 4),)),
+    Case("loop_over_samples_split", lambda: models.PerSampleLoop("split"), lambda: (_randn(B, 3, 4),)),
 ]
 CASE_BY_ID = {c.id: c for c in CASES}
 
@@ -472,9 +477,23 @@ def test_forward_mode_ad_inside_the_forward_is_refused():
     assert all(p.grad is None for p in model.parameters())
 
 
-class LoopOverSamples(torch.nn.Module):
-    """Attention run sample by sample and concatenated again (diffusers' Mochi
-    attention processor does this)."""
+def test_a_loop_over_the_samples_under_the_backend_at_two_batch_sizes():
+    """The loop's count is the batch size, so Dynamo specialises ``B``: each size is its
+    own graph, each exact."""
+    torch.manual_seed(0)
+    model = models.PerSampleLoop("slice").double()
+    compiled = torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager"))
+    for batch_size in (3, 5):
+        x = _randn(batch_size, 3, 4, seed=batch_size)
+        ref = reference(copy.deepcopy(model), (x,), lambda out, i: per_sample_loss(out, 0).sum())
+        model.zero_grad(set_to_none=True)
+        per_sample_loss(compiled(x), 0).mean().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), f"grad_sample at B = {batch_size}")
+
+
+class LoopOverChunks(torch.nn.Module):
+    """Attention run on chunks of two samples and concatenated again."""
 
     def __init__(self):
         super().__init__()
@@ -482,14 +501,46 @@ class LoopOverSamples(torch.nn.Module):
 
     def forward(self, x):
         q, k, v = self.qkv(x).chunk(3, -1)
-        return torch.cat([F.scaled_dot_product_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1])
-                          for i in range(x.shape[0])])
+        return torch.cat([F.scaled_dot_product_attention(q[i:i + 2], k[i:i + 2], v[i:i + 2])
+                          for i in range(0, x.shape[0], 2)])
 
 
-def test_a_loop_over_the_samples_is_refused_with_the_vmap_that_replaces_it():
-    model = LoopOverSamples().double()
-    with pytest.raises(fxdp.UnsupportedError, match=r"slices the batch dim \(a loop over the samples.*torch\.func\.vmap\(f\)\)"):
+def test_a_loop_over_chunks_of_samples_is_refused_with_the_vmap_that_replaces_it():
+    model = LoopOverChunks().double()
+    with pytest.raises(fxdp.UnsupportedError, match=r"slices the batch dim \(a loop over chunks.*torch\.func\.vmap\(f\)"):
+        fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(torch.randn(4, 2, 4, dtype=torch.float64))
+
+
+class PiecesMixed(torch.nn.Module):
+    """Per-sample loops that mix the samples' pieces, or use a parameter on one."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.kind = kind
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.kind == "reversed":
+            return torch.cat([h[i:i + 1] for i in reversed(range(x.shape[0]))])
+        if self.kind == "first-added":
+            return torch.cat([h[i:i + 1] + h[0:1] for i in range(x.shape[0])])
+        return torch.cat([self.fc(h[i:i + 1]) for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("reversed", "combines the values of one sample taken out of the batch"),
+    ("first-added", "combines the values of one sample taken out of the batch"),
+    ("parameter", "uses a parameter on the values of one sample taken out of the batch"),
+])
+def test_a_loop_over_the_samples_that_mixes_their_pieces_is_refused(kind, reason):
+    """The pieces of every sample are a batch again only when concatenated in their order
+    along a dim of size 1, and no parameter may be used on one (fxdp's rules work on
+    whole batches)."""
+    model = PiecesMixed(kind).double()
+    with pytest.raises(fxdp.UnsupportedError, match=reason):
         fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(torch.randn(3, 2, 4, dtype=torch.float64))
+    assert all(p.grad is None for p in model.parameters())
 
 
 class VmapMixingSamples(torch.nn.Module):
