@@ -11,6 +11,7 @@ without a per-sample rule.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import os
 import re
@@ -304,6 +305,13 @@ def _reshape(node: fx.Node, arg_batch: list) -> Any:
     if bool(batch == 0):
         # no samples: any layout is right; keep the dim where the sizes still say it is
         return b if b.dim < len(dst) else BatchDim(0)
+    if any(bool(size == 0) for size in src):
+        # No values, so nothing to mix: the batch dim is the one with the same sizes
+        # before it and itself (Wan's [B, 0, d] text beyond its 512 tokens, unflattened).
+        for j, size in enumerate(dst):
+            if bool(math.prod(dst[:j]) == math.prod(src[:b.dim])) and bool(size == src[b.dim]):
+                return b.at(j)
+        raise MixesSamples("it reshapes the batch dim of an empty tensor into several dims")
     stride = b.inner
     for size in src[b.dim + 1:]:
         stride = stride * size

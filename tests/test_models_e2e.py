@@ -492,6 +492,32 @@ def test_a_loop_over_the_samples_under_the_backend_at_two_batch_sizes():
                          tolerance(torch.float64), f"grad_sample at B = {batch_size}")
 
 
+class EmptyContext(torch.nn.Module):
+    """Keys from a context that may have no rows, unflattened into heads (diffusers'
+    Wan image-to-video model slices its text beyond 512 tokens: ``[B, 0, d]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(4, 4)
+        self.k = torch.nn.Linear(4, 4)
+
+    def forward(self, x, context):
+        keys = torch.cat([self.k(context).unflatten(2, (2, 2)), self.k(x).unflatten(2, (2, 2))], 1)
+        return (self.q(x).unflatten(2, (2, 2)) * keys.sum(1, keepdim=True)).flatten(2)
+
+
+@pytest.mark.parametrize("rows", [0, 2])
+def test_a_view_of_an_empty_batched_tensor(rows):
+    """``unflatten`` of the ``[B, 0, d]`` keys crashed the analysis (a modulo by zero)."""
+    torch.manual_seed(0)
+    model = EmptyContext().double()
+    x, context = _randn(B, 3, 4), _randn(B, rows, 4, seed=2)
+    ref = reference(copy.deepcopy(model), (x, context), lambda out, i: per_sample_loss(out, 0).sum())
+    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+    per_sample_loss(dp_model(x, context), 0).mean().backward()
+    check_step(model, dp_model, ref, grad_sample=True, clip=None, tol=tolerance(torch.float64))
+
+
 class LoopOverChunks(torch.nn.Module):
     """Attention run on chunks of two samples and concatenated again."""
 
