@@ -720,7 +720,8 @@ class PerSampleLoop(nn.Module):
     """Parameter-free code run on each sample alone and its results put together again:
     attention per sample (diffusers' Mochi attention processor: ``q[i:i + 1]`` …
     ``torch.cat``), a row ``h[i]`` centred and stacked, ``for row in h.unbind(0)``,
-    ``h.split(1)``; the projections before and after see the whole batch."""
+    ``h.split(1)``, rows written into a buffer (``h[i] = f(q[i])``); the projections
+    before and after see the whole batch."""
 
     def __init__(self, kind: str, d: int = 4):
         super().__init__()
@@ -737,6 +738,10 @@ class PerSampleLoop(nn.Module):
             h = torch.stack([torch.softmax(q[i] @ k[i].T, -1) @ (v[i] - v[i].mean(0)) for i in range(x.shape[0])])
         elif self.kind == "unbind":
             h = torch.stack([torch.tanh(row).cumsum(0) for row in (q * v).unbind(0)])
-        else:
+        elif self.kind == "split":
             h = torch.cat([piece.flip(1) * k.shape[1] for piece in (q + v).split(1)])
+        else:  # each sample's rows written into a buffer of the batch's shape
+            h = torch.zeros_like(q)
+            for i in range(x.shape[0]):
+                h[i] = torch.softmax(q[i], -1) * v[i]
         return self.out(h)

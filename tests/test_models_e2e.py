@@ -138,6 +138,7 @@ CASES = [
     Case("loop_over_samples_rows", lambda: models.PerSampleLoop("select"), lambda: (_randn(B, 3, 4),)),
     Case("loop_over_samples_unbind", lambda: models.PerSampleLoop("unbind"), lambda: (_randn(B, 3, 4),)),
     Case("loop_over_samples_split", lambda: models.PerSampleLoop("split"), lambda: (_randn(B, 3, 4),)),
+    Case("loop_over_samples_written", lambda: models.PerSampleLoop("write"), lambda: (_randn(B, 3, 4),)),
 ]
 CASE_BY_ID = {c.id: c for c in CASES}
 
@@ -551,12 +552,22 @@ class PiecesMixed(torch.nn.Module):
             return torch.cat([h[i:i + 1] for i in reversed(range(x.shape[0]))])
         if self.kind == "first-added":
             return torch.cat([h[i:i + 1] + h[0:1] for i in range(x.shape[0])])
+        if self.kind in ("written-swapped", "accumulated"):
+            out = torch.zeros_like(h)
+            for i in range(x.shape[0]):
+                if self.kind == "accumulated":
+                    out[0] += h[i]
+                else:
+                    out[i] = h[x.shape[0] - 1 - i]
+            return out
         return torch.cat([self.fc(h[i:i + 1]) for i in range(x.shape[0])])
 
 
 @pytest.mark.parametrize("kind, reason", [
     ("reversed", "combines the values of one sample taken out of the batch"),
     ("first-added", "combines the values of one sample taken out of the batch"),
+    ("written-swapped", "combines the values of one sample taken out of the batch"),
+    ("accumulated", "combines the values of one sample taken out of the batch"),
     ("parameter", "uses a parameter on the values of one sample taken out of the batch"),
 ])
 def test_a_loop_over_the_samples_that_mixes_their_pieces_is_refused(kind, reason):
