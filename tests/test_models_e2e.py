@@ -467,17 +467,6 @@ class JvpInside(torch.nn.Module):
         return torch.func.jvp(lambda v: torch.tanh(self.fc(v)), (x,), (torch.ones_like(x),))[1]
 
 
-def test_forward_mode_ad_inside_the_forward_is_refused():
-    """Traced below functorch, jvp's tangent formulas carry zero tensors and meta-device
-    copies the analysis does not follow: refused by name, at the line of the ``jvp``."""
-    model = JvpInside().double()
-    x = torch.randn(3, 2, 4, dtype=torch.float64)
-    assert [p.op for p in fxdp.validate(model, x)] == ["torch.func.jvp"]
-    with pytest.raises(fxdp.UnsupportedError, match=r"(?s)test_models_e2e.py:\d+: return torch.func.jvp.*forward-mode AD.*does not support"):
-        fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(x)
-    assert all(p.grad is None for p in model.parameters())
-
-
 def test_a_loop_over_the_samples_under_the_backend_at_two_batch_sizes():
     """The loop's count is the batch size, so Dynamo specialises ``B``: each size is its
     own graph, each exact."""
@@ -591,13 +580,20 @@ class VmapMixingSamples(torch.nn.Module):
         return torch.func.vmap(lambda h: h - h.mean(0), in_dims=1, out_dims=1)(self.fc(x))
 
 
-def test_vmap_whose_function_mixes_samples_is_refused():
-    """The ops ``vmap`` runs are analysed as any others: a mean over the batch inside the
-    mapped function is refused at that op, with the line of the ``vmap`` call."""
-    model = VmapMixingSamples().double()
+@pytest.mark.parametrize("model_class, op, match", [
+    # The ops vmap runs are analysed as any others: a mean over the batch inside the
+    # mapped function is refused at that op, with the line of the vmap call.
+    ("VmapMixingSamples", "aten.mean.dim", r"(?s)aten\.mean\.dim.*torch\.func\.vmap.*reduces over the batch"),
+    # Traced below functorch, jvp's tangent formulas carry zero tensors and meta-device
+    # copies the analysis does not follow: refused by name, at the line of the jvp.
+    ("JvpInside", "torch.func.jvp",
+     r"(?s)test_models_e2e.py:\d+: return torch.func.jvp.*forward-mode AD.*does not support"),
+])
+def test_refused_inside_a_torch_func_transform(model_class, op, match):
+    model = globals()[model_class]().double()
     x = torch.randn(3, 2, 4, dtype=torch.float64)
-    assert [p.op for p in fxdp.validate(model, x)] == ["aten.mean.dim"]
-    with pytest.raises(fxdp.UnsupportedError, match=r"(?s)aten\.mean\.dim.*torch\.func\.vmap.*reduces over the batch"):
+    assert [p.op for p in fxdp.validate(model, x)] == [op]
+    with pytest.raises(fxdp.UnsupportedError, match=match):
         fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(x)
     assert all(p.grad is None for p in model.parameters())
 
