@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["retrack", "BatchDim", "WHOLE", "SHARED", "RAW", "batch_major", "batch_major_all", "batch_size_of",
+__all__ = ["retrack", "BatchDim", "Piece", "WHOLE", "SHARED", "RAW", "batch_major", "batch_major_all", "batch_size_of",
            "broadcast_batch", "from_batch_major", "scale_batch"]
 
 
@@ -52,6 +52,18 @@ class BatchDim:
         extra = "" if _equal(self.inner, 1) else f", inner={self.inner}"
         extra += "" if _equal(self.outer, 1) else f", outer={self.outer}"
         return f"BatchDim({self.dim}{extra})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Values of one sample alone, taken out of the batch (``x[i]``, ``x[i:i + 1]``, a
+    piece of ``x.unbind(0)``, with a static ``B``): what a loop over the samples works
+    on. Any op on pieces of one sample (and shared values) keeps them that sample's; the
+    pieces of all samples concatenated in order along a dim of size 1 are a batch again
+    (``torch.cat([f(x[i:i + 1]) for i in range(B)])``). No parameter may be used on
+    one: fxdp makes parameter uses per-sample on whole batches."""
+
+    sample: int
 
 
 WHOLE = BatchDim(None)

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from fxdp.batching import WHOLE, BatchDim, broadcast_batch
+from fxdp.batching import WHOLE, BatchDim, Piece, broadcast_batch
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad, follow_write, parameter_write
@@ -48,18 +48,6 @@ class _MixesButKeepsLayout(MixesSamples):
     def __init__(self, message: str, batch: Any):
         super().__init__(message)
         self.batch = batch
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Values of one sample alone, taken out of the batch (``x[i]``, ``x[i:i + 1]``, a
-    piece of ``x.unbind(0)``, with a static ``B``): what a loop over the samples works
-    on. Any op on pieces of one sample (and shared values) keeps them that sample's; the
-    pieces of all samples concatenated in order along a dim of size 1 are a batch again
-    (``torch.cat([f(x[i:i + 1]) for i in range(B)])``). No parameter may be used on
-    one: fxdp makes parameter uses per-sample on whole batches."""
-
-    sample: int
 
 
 @dataclasses.dataclass

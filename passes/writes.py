@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxdp.batching import BatchDim
+from fxdp.batching import BatchDim, Piece
 
 __all__ = ["carries_no_gradient", "computed_without_grad", "follow_write", "is_detach", "is_view", "parameter_write",
            "writes_in_place"]
@@ -165,6 +165,12 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
             "and an in-place write is not one: compute it out of place "
             "(w = w * mask, torch.where(mask, 0.0, w), torch.cat)")
     written = batch.get(node)
+    if isinstance(written, Piece) and batch.get(base) is None:
+        # Rows of one sample (a loop's x[i]) in a tensor that every sample reads.
+        return ("it writes one sample's values, taken out of the batch (x[i], x[i:i + 1]), into a "
+                "tensor made inside the model that the analysis holds as shared by all samples: "
+                "start from a tensor of the batch's shape (torch.zeros_like(x)), or concatenate "
+                "the samples' results (torch.cat, torch.stack)")
     if not (isinstance(written, BatchDim) and written.dim is not None):
         return None  # nothing per-sample is written
     held = batch.get(base)

@@ -534,6 +534,7 @@ class PiecesMixed(torch.nn.Module):
         super().__init__()
         self.fc = torch.nn.Linear(4, 4)
         self.kind = kind
+        self.register_buffer("buffer", torch.zeros(3, 2, 4))
 
     def forward(self, x):
         h = self.fc(x)
@@ -541,6 +542,13 @@ class PiecesMixed(torch.nn.Module):
             return torch.cat([h[i:i + 1] for i in reversed(range(x.shape[0]))])
         if self.kind == "first-added":
             return torch.cat([h[i:i + 1] + h[0:1] for i in range(x.shape[0])])
+        if self.kind == "expanded":
+            return h + h[0:1].expand(x.shape[0], -1, -1)
+        if self.kind == "written-into-a-buffer":
+            out = self.buffer.clone()
+            for i in range(x.shape[0]):
+                out[i] = h[i]
+            return self.fc(out) + h
         if self.kind in ("written-swapped", "accumulated"):
             out = torch.zeros_like(h)
             for i in range(x.shape[0]):
@@ -557,6 +565,9 @@ class PiecesMixed(torch.nn.Module):
     ("first-added", "combines the values of one sample taken out of the batch"),
     ("written-swapped", "combines the values of one sample taken out of the batch"),
     ("accumulated", "combines the values of one sample taken out of the batch"),
+    ("expanded", "combines the values of one sample taken out of the batch"),
+    # Read as shared, the buffer's rows would have been constants to every sample.
+    ("written-into-a-buffer", "writes one sample's values, taken out of the batch .* shared by all samples"),
     ("parameter", "uses a parameter on the values of one sample taken out of the batch"),
 ])
 def test_a_loop_over_the_samples_that_mixes_their_pieces_is_refused(kind, reason):
