@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 
 from fxdp.batching import WHOLE, BatchDim, Piece, broadcast_batch
 from fxdp.errors import Problem
@@ -2021,12 +2021,11 @@ def _pieces_joined(node: fx.Node, batches: list, batch_size: Any) -> BatchDim | 
     """``cat`` of ``Piece(0)``, …, ``Piece(B - 1)`` in order, each of size 1 along the
     dim they are concatenated along: that dim is the batch."""
     d = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), _meta(node).dim())
-    sizes = [_meta(t).shape[d] if _meta(t).dim() > d else None for t in node.args[0]]
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
+    sizes = [_meta(t).shape[d] if _meta(t).dim() > d else 0 for t in node.args[0]]
     # A loop over ``range(x.shape[0])`` made Dynamo specialise ``B`` to its count.
     if statically_known_true(len(batches) == batch_size) and all(
-            isinstance(b, Piece) and b.sample == i and size == 1 for i, (b, size) in enumerate(zip(batches, sizes))):
+            isinstance(b, Piece) and b.sample == i and statically_known_true(size == 1)
+            for i, (b, size) in enumerate(zip(batches, sizes))):
         return BatchDim(d)
     return None
 
@@ -2229,9 +2228,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 out = _meta(node)
                 batch[node] = [WHOLE] * len(out) if isinstance(out, (list, tuple)) else WHOLE
                 continue
-            if _any_piece(arg_batch) or _any_piece(list(node.kwargs.values())):
-                batch[node] = _piece_batch(node, arg_batch + [_arg_batch(v, batch) for v in node.kwargs.values()],
-                                           batch_size, bool(paramish))
+            kwarg_batch = [_arg_batch(v, batch) for v in node.kwargs.values()]
+            if _any_piece(arg_batch) or _any_piece(kwarg_batch):
+                batch[node] = _piece_batch(node, arg_batch + kwarg_batch, batch_size, bool(paramish))
             elif target is FUNCTION_APPLY:
                 batch[node] = function_batch(node, arg_batch, batch_size)
             elif rule is not None:
