@@ -1989,9 +1989,7 @@ def _any_batched(value: Any) -> bool:
 
 
 def _any_piece(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return any(_any_piece(v) for v in value)
-    return isinstance(value, Piece)
+    return any(isinstance(b, Piece) for b in _flat(value))
 
 
 def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter: bool) -> Any:
@@ -2161,8 +2159,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         # An argument that only lends its dtype and device (``x.type_as(y)``) holds no data.
         donors = [node.args[i] for i in _DTYPE_DONORS.get(target, ()) if i < len(node.args)]
         arg_batch = [None if any(a is d for d in donors) else _arg_batch(a, batch) for a in node.args]
-        batched = _any_batched(arg_batch) or _any_batched(
-            [_arg_batch(v, batch) for v in node.kwargs.values()])
+        kwarg_batch = [_arg_batch(v, batch) for v in node.kwargs.values()]
+        batched = _any_batched(arg_batch) or _any_batched(kwarg_batch)
         paramish = [a for a in node.all_input_nodes if a in sources and not any(a is d for d in donors)]
         if paramish:
             if not batched and not _is_number(node):
@@ -2228,7 +2226,6 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 out = _meta(node)
                 batch[node] = [WHOLE] * len(out) if isinstance(out, (list, tuple)) else WHOLE
                 continue
-            kwarg_batch = [_arg_batch(v, batch) for v in node.kwargs.values()]
             if _any_piece(arg_batch) or _any_piece(kwarg_batch):
                 batch[node] = _piece_batch(node, arg_batch + kwarg_batch, batch_size, bool(paramish))
             elif target is FUNCTION_APPLY:
