@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["retrack", "BatchDim", "Piece", "WHOLE", "SHARED", "RAW", "batch_major", "batch_major_all", "batch_size_of",
+__all__ = ["retrack", "BatchDim", "Piece", "Rows", "Groups", "Inverse", "unpermute", "WHOLE", "SHARED", "RAW", "batch_major", "batch_major_all", "batch_size_of",
            "broadcast_batch", "from_batch_major", "scale_batch"]
 
 
@@ -64,6 +64,64 @@ class Piece:
     one: fxdp makes parameter uses per-sample on whole batches."""
 
     sample: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rows:
+    """The rows of a batch taken in an order of the whole batch: a mixture of experts
+    sorts the batch's tokens by expert (``expert_ids.sort()``) to run each expert on
+    its rows at once. Row ``r`` along ``dim`` is row ``order[r]`` of a batch with
+    ``inner`` rows per sample (``BatchDim(0, inner)``), so it is sample
+    ``order[r] // inner``'s; ``order`` is the sort's node (its indices). An op that
+    keeps rows apart keeps them each sample's, and putting them back where ``order``
+    says gives the batch again. Position ``r`` itself depends on every sample's keys:
+    it must not meet a shared value along ``dim``.
+
+    Attributes:
+        ids: The values are row ids of a batch with ``ids`` rows per sample (the sort's
+            indices, ``ids = inner``, and ``indices // k``), so indexing such a batch
+            with them gives rows of this order.
+        keys: The values are the sort's own ascending keys (or a cast of them): their
+            counts, summed up, are the group offsets of these rows.
+    """
+
+    dim: int
+    order: Any
+    inner: Any
+    ids: Any = None
+    keys: bool = False
+
+    def same_order(self, other: Any) -> bool:
+        return isinstance(other, Rows) and other.order is self.order and other.dim == self.dim
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Groups:
+    """How many rows of a ``Rows`` order each key has (``histc``/``bincount`` of the
+    sorted keys), or with ``cumulative`` the groups' end offsets: a count over every
+    sample, which only a grouped matmul of those rows may read (row ``r`` is then in
+    group ``keys[r]``, its own key). ``keys`` is the node of the counted keys."""
+
+    order: Any
+    inner: Any
+    keys: Any
+    cumulative: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Inverse:
+    """The inverse of a ``Rows`` order (``inv[order] = arange(S)``): in batch order,
+    each row's position in the sorted rows; indexing those rows with it puts them back
+    (``BatchDim(0, inner)``)."""
+
+    order: Any
+    inner: Any
+
+
+def unpermute(t: torch.Tensor, order: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """``t``, whose rows along ``rows.dim`` are in ``order``, with its rows put back in
+    batch order: then in layout ``BatchDim(rows.dim, rows.inner)``."""
+    return t.new_zeros(t.shape).index_copy(rows.dim, order, t)
 
 
 WHOLE = BatchDim(None)

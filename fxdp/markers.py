@@ -84,6 +84,10 @@ class UseInfo:
         transform: The parameter-only computation between the parameters and the
             op's argument, if any; its inputs follow the rule's operands.
         strategy_hint: "generic" for the per-sample VJP fallback.
+        num_trailing: Marker operands after the transform's inputs that put operands
+            in batch order: a ``Rows`` operand's layout names by ``order`` the one
+            holding its sort's indices, and ``substitutes`` maps a rule operand to the
+            one that replaces it (the sorted keys of a ``Groups`` operand).
     """
 
     use_id: int
@@ -95,6 +99,8 @@ class UseInfo:
     transform: Transform | None = None
     strategy_hint: str | None = None
     source_names: list[str] = dataclasses.field(default_factory=list)
+    num_trailing: int = 0
+    substitutes: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_rule_operands(self) -> int:

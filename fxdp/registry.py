@@ -21,6 +21,7 @@ __all__ = [
     "ghost_inner",
     "GHOST_INNER",
     "lookup",
+    "register_rule_factory",
     "named_arg",
     "is_supported",
     "GRAD",
@@ -174,8 +175,24 @@ def register_rule(rule: OpRule, *, override: bool = False) -> OpRule:
     return rule
 
 
+# Qualified op name -> ``op -> OpRule``: rules for ops a third-party library defines
+# when it is imported (Hugging Face's ``transformers::grouped_mm_fallback``), made on
+# first lookup.
+RULE_FACTORIES: dict[str, Callable[[Any], OpRule]] = {}
+
+
+def register_rule_factory(name: str, factory: Callable[[Any], OpRule]) -> None:
+    """Make ``factory(op)`` the rule of the op named ``name`` ("namespace::op", its
+    default overload) once it exists."""
+    RULE_FACTORIES[name] = factory
+
+
 def lookup(op: Any) -> OpRule | None:
-    return RULES.get(op)
+    rule = RULES.get(op)
+    if rule is None and isinstance(op, torch._ops.OpOverload) and op._overloadname == "default" \
+            and op._schema.name in RULE_FACTORIES:
+        rule = register_rule(RULE_FACTORIES[op._schema.name](op))
+    return rule
 
 
 def is_supported(op_or_module: Any) -> bool:

@@ -22,11 +22,12 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 
-from fxdp.batching import WHOLE, BatchDim, Piece, broadcast_batch
+from fxdp.batching import WHOLE, BatchDim, Groups, Inverse, Piece, Rows, broadcast_batch
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad, follow_write, parameter_write
 from fxdp.registry import lookup, named_arg, out_of_place
+from fxdp.rules.grouped import is_grouped_mm
 
 __all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name", "arange_dim"]
 
@@ -1004,6 +1005,10 @@ def _values_indices(node, arg_batch):
     keep = node.target in (aten.sort.default, aten.sort.stable, aten.topk.default, aten.cummax.default,
                            aten.cummin.default) or bool(named_arg(node, "keepdim", False))
     d = _norm_dim(d, x.dim())
+    if d == b.dim and node.target in (aten.sort.default, aten.sort.stable) and x.dim() == 1 and _equal_one(b.outer):
+        # A mixture of experts' dispatch: the batch's rows sorted by expert (see ``Rows``).
+        descending = bool(named_arg(node, "descending", False))
+        return [Rows(0, node, b.inner, keys=not descending), Rows(0, node, b.inner, ids=b.inner)]
     if d == b.dim and node.target in (aten.sort.default, aten.sort.stable):
         raise MixesSamples(
             "it sorts along the batch dim, so the order it gives each sample's values depends on the "
@@ -1985,7 +1990,7 @@ def _arg_batch(value: Any, batch: dict) -> Any:
 def _any_batched(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_any_batched(v) for v in value)
-    return isinstance(value, (BatchDim, Loss, _Unknown, Piece))
+    return isinstance(value, (BatchDim, Loss, _Unknown, Piece, Rows, Groups, Inverse))
 
 
 def _any_piece(value: Any) -> bool:
@@ -2013,6 +2018,192 @@ def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter
             "layer to the whole batch, or map it over the samples with torch.func.vmap")
     out, piece = _meta(node), Piece(samples.pop())
     return [piece] * len(out) if isinstance(out, (list, tuple)) else piece
+
+
+def _any_sorted(value: Any) -> bool:
+    return any(isinstance(b, (Rows, Groups, Inverse)) for b in _flat(value))
+
+
+def _equal_one(size: Any) -> bool:
+    return statically_known_true(size == 1)
+
+
+_SORTED_ELSEWHERE = (
+    "it combines rows that a sort of the whole batch ordered (a mixture of experts' dispatch) with "
+    "values in another order")
+
+
+def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: Any) -> Any:
+    """The layout of an op on rows sorted across the batch (``Rows``), their counts by
+    key (``Groups``) or the sort's inverse (``Inverse``): a mixture of experts' dispatch
+    as Hugging Face's ``grouped_mm`` experts write it::
+
+        keys, order = expert_ids.sort()          # Rows(keys), Rows(ids)
+        rows = hidden[order // top_k]            # Rows
+        offsets = keys.histc(E, 0, E - 1).cumsum(0)  # Groups
+        out = grouped_mm(rows, w, offsets)       # Rows: row r by expert keys[r]
+        inv = empty_like(order); inv[order] = arange(S)  # Inverse
+        out[inv]                                 # BatchDim(0, inner) again
+
+    Anything else that meets the counts or the inverse, or a sorted row with a value in
+    another order, mixes samples."""
+    target = node.target
+    flat = [b for b in _flat(arg_batch + kwarg_batch) if b is not None]
+    args = node.args
+    if target in _COPIES or target in (aten.to.dtype, aten.to.dtype_layout):
+        b = arg_batch[0]
+        if isinstance(b, (Groups, Inverse)):
+            return b
+        if isinstance(b, Rows):
+            keep_values = target is not aten.detach.default
+            return dataclasses.replace(b, ids=b.ids if keep_values else None, keys=b.keys and keep_values)
+    if target is aten.cumsum.default and isinstance(arg_batch[0], Groups) and not arg_batch[0].cumulative \
+            and _norm_dim(args[1], 1) == 0:
+        return dataclasses.replace(arg_batch[0], cumulative=True)
+    if is_grouped_mm(target):
+        rows, offsets = arg_batch[0], (arg_batch[2] if len(arg_batch) > 2 else None)
+        if (isinstance(rows, Rows) and rows.dim == 0 and isinstance(offsets, Groups) and offsets.cumulative
+                and offsets.order is rows.order and arg_batch[1] is None):
+            return dataclasses.replace(rows, ids=None, keys=False)
+        raise MixesSamples(
+            "a grouped matmul groups rows of the whole batch: fxdp follows it only on rows a sort of "
+            "the batch's keys ordered, with the offsets counted from those sorted keys")
+    if any(isinstance(b, Groups) for b in flat):
+        raise MixesSamples("it reads how many rows of the whole batch each key has, which depends on "
+                           "every sample; only a grouped matmul of the sorted rows may")
+    if target in (aten.histc.default, aten.bincount.default) and isinstance(arg_batch[0], Rows) \
+            and arg_batch[0].keys and _counts_each_key(node):
+        b = arg_batch[0]
+        return Groups(b.order, b.inner, args[0])
+    if target is aten.index.Tensor and len(args[1]) == 1 and args[1][0] is not None:
+        data, ids = arg_batch[0], arg_batch[1][0]
+        if isinstance(ids, Inverse) and isinstance(data, Rows) and data.dim == 0 and data.order is ids.order:
+            return BatchDim(0, ids.inner)  # the sorted rows put back
+        if isinstance(ids, Rows) and ids.ids is not None and _meta(args[1][0]).dim() == 1 and (
+                isinstance(data, BatchDim) and data.dim == 0 and _equal_one(data.outer)
+                and statically_known_true(data.inner == ids.ids)):
+            return Rows(0, ids.order, ids.inner)  # the batch's rows, in the sort's order
+    if any(isinstance(b, Inverse) for b in flat):
+        raise MixesSamples("it reads the position of each row among the rows of the whole batch sorted, "
+                           "which depends on every sample")
+    if target in (aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default) \
+            and len(args[1]) == 1:
+        ids, values = arg_batch[1][0], arg_batch[2]
+        if isinstance(ids, Rows) and ids.ids is not None and statically_known_true(ids.ids == ids.inner) \
+                and _is_arange(args[2], _meta(args[1][0]).shape[0]) \
+                and not (len(args) > 3 and args[3]):
+            return Inverse(ids.order, ids.inner)  # inv[order] = arange(S)
+        written = _written_back(ids, values, arg_batch[0], args[0])
+        if written is not None:
+            return written
+    if target in (aten.index_add.default, aten.index_copy.default, aten.index_add_.default,
+                  aten.index_copy_.default) and _norm_dim(args[1], _meta(args[0]).dim()) == 0:
+        written = _written_back(arg_batch[2], arg_batch[3], arg_batch[0], args[0])
+        if written is not None:
+            return written
+    if target in (aten.floor_divide.default, aten.floor_divide.Scalar) or (
+            target is aten.div.Tensor_mode and named_arg(node, "rounding_mode", None) == "floor"):
+        b, k = arg_batch[0], args[1]
+        if isinstance(b, Rows) and b.ids is not None and isinstance(k, int) and k > 0 \
+                and statically_known_true(b.ids % k == 0):
+            return dataclasses.replace(b, ids=b.ids // k, keys=False)  # row ids of a coarser batch
+    rows = [b for b in flat if isinstance(b, Rows)]
+    first = rows[0]
+    if any(not first.same_order(b) for b in rows) or any(not isinstance(b, Rows) for b in flat):
+        raise MixesSamples(_SORTED_ELSEWHERE)
+    if _is_pointwise(target):
+        _check_shared_along_rows(node, arg_batch, first.dim)
+    # Each sorted row is on its own, as a sample of a plain batch would be.
+    plain = BatchDim(first.dim)
+    as_plain = [_as_plain(b, plain) for b in arg_batch]
+    if rule is not None:
+        out = rule.batch_rule(as_plain, [_meta(a) for a in args], _meta(node), rule.config(args))
+    elif target in PROPAGATION:
+        out = PROPAGATION[target](node, as_plain)
+    elif _is_pointwise(target):
+        out = _pointwise(node, as_plain)
+    else:
+        raise _NoPropagation(
+            f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it keeps samples "
+            "independent; register a rule for it with fxdp.register_rule")
+    return _as_rows(out, first)
+
+
+def _as_plain(b: Any, plain: BatchDim) -> Any:
+    if isinstance(b, (list, tuple)):
+        return type(b)(_as_plain(x, plain) for x in b)
+    return plain.at(b.dim) if isinstance(b, Rows) else b
+
+
+def _as_rows(out: Any, rows: Rows) -> Any:
+    if isinstance(out, (list, tuple)):
+        return type(out)(_as_rows(b, rows) for b in out)
+    if out is None:
+        return None
+    if isinstance(out, BatchDim) and isinstance(out.dim, int) and out.plain:
+        return Rows(out.dim, rows.order, rows.inner)
+    raise MixesSamples("it groups or reduces rows that a sort of the whole batch ordered, which belong to "
+                       "different samples")
+
+
+def _check_shared_along_rows(node: fx.Node, arg_batch: list, dim: int) -> None:
+    """A shared operand of an elementwise op on sorted rows must not vary along them:
+    which sample's row meets its entry ``r`` depends on every sample's keys."""
+    out = _meta(node)
+    for a, b in zip(node.args, arg_batch):
+        m = _meta(a) if isinstance(a, fx.Node) else None
+        if b is not None or not isinstance(m, torch.Tensor):
+            continue
+        at = dim - (out.dim() - m.dim())
+        if 0 <= at < m.dim() and not _equal_one(m.shape[at]):
+            raise MixesSamples(
+                "it meets a shared value that varies along rows a sort of the whole batch ordered, so "
+                "which sample's row meets which entry depends on every sample")
+
+
+def _counts_each_key(node: fx.Node) -> bool:
+    """``histc(keys, bins, min, max)`` puts each integer key ``0 … bins - 1`` in its own
+    bin (the group of a row is then its key); ``bincount`` always does."""
+    if node.target is aten.bincount.default:
+        return True
+    bins = named_arg(node, "bins", 100)
+    low, high = named_arg(node, "min", 0), named_arg(node, "max", 0)
+    if not all(isinstance(v, (int, float)) for v in (bins, low, high)) or high <= low or low != 0:
+        return False
+    return all(min(int((v - low) * bins / (high - low)), bins - 1) == v for v in range(int(bins)))
+
+
+def _is_arange(node: Any, length: Any) -> bool:
+    """``node`` is ``arange(length)`` (start 0, step 1)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if node.target is aten.arange.default:
+        end = node.args[0]
+    elif node.target is aten.arange.start and node.args[0] == 0:
+        end = node.args[1]
+    elif node.target is aten.arange.start_step and node.args[0] == 0 and node.args[2] == 1:
+        end = node.args[1]
+    else:
+        return False
+    return statically_known_true(end == length)
+
+
+_FILLED_LIKE = (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
+
+
+def _written_back(ids: Any, values: Any, into: Any, destination: Any) -> BatchDim | None:
+    """Sorted rows written (or added) at the batch rows their ids name: each lands in
+    its own sample's row, a batch with ``ids.ids`` rows per sample. The destination is
+    shared, that batch, or a tensor filled with a constant in the sorted rows' shape."""
+    if not (isinstance(ids, Rows) and ids.ids is not None and isinstance(values, Rows)
+            and values.order is ids.order and values.dim == 0):
+        return None
+    layout = BatchDim(0, ids.ids)
+    filled = isinstance(destination, fx.Node) and destination.op == "call_function" and (
+        destination.target in _FILLED_LIKE)
+    if into is None or filled or (isinstance(into, BatchDim) and into.same_as(layout)):
+        return layout
+    return None
 
 
 def _pieces_joined(node: fx.Node, batches: list, batch_size: Any) -> BatchDim | None:
@@ -2226,7 +2417,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 out = _meta(node)
                 batch[node] = [WHOLE] * len(out) if isinstance(out, (list, tuple)) else WHOLE
                 continue
-            if _any_piece(arg_batch) or _any_piece(kwarg_batch):
+            if _any_sorted(arg_batch) or _any_sorted(kwarg_batch):
+                batch[node] = _sorted_rows_batch(node, arg_batch, kwarg_batch, rule)
+            elif _any_piece(arg_batch) or _any_piece(kwarg_batch):
                 batch[node] = _piece_batch(node, arg_batch + kwarg_batch, batch_size, bool(paramish))
             elif target is FUNCTION_APPLY:
                 batch[node] = function_batch(node, arg_batch, batch_size)
@@ -2459,6 +2652,15 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, ex
         if index is not None and (target in PROPAGATION or _is_pointwise(target)) and not isinstance(
                 batch.get(node), (list, tuple)) and isinstance(batch.get(node), BatchDim):
             uses.append(UseSite(node, index, kind, sources[value], generic=True))
+            continue
+        if index is not None and _any_sorted(batch.get(node)):
+            problems.append(Problem(
+                op_name(target), path, _names(sources[value], param_names),
+                f"{op_name(target)} uses a parameter on rows a sort of the whole batch ordered (a mixture of "
+                "experts' dispatch); fxdp makes only grouped matmuls (torch._grouped_mm, Hugging Face's "
+                "grouped_mm experts) per-sample there: run the experts' weights through a grouped matmul, "
+                "or route the tokens densely (Hugging Face: experts_implementation=\"batched_mm\")",
+                source_of(node)))
             continue
         problems.append(Problem(
             op_name(target), path, _names(sources[value], param_names),

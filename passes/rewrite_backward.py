@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_hint
-from fxdp.batching import batch_major_all, retrack, scale_batch
+from fxdp.batching import BatchDim, Rows, batch_major_all, retrack, scale_batch, unpermute
 from fxdp.clip_norm import max_grad_norm
 from fxdp.markers import USES, UseInfo
 from fxdp.opaque import holding, run_opaque, symbolic_batch
@@ -406,7 +406,17 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
             use = USES[m.args[2]]
             k = use.num_rule_operands
             values = [None if o is None else env[o] for o in m.args[0][:k]]
-            return batch_major_all(values, [retrack(b, pool) for b in use.operand_batch[:k]])
+            layouts = list(use.operand_batch[:k])
+            if use.num_trailing:
+                # Rows sorted across the batch, put back in batch order (``Rows``).
+                trailing = [env[o] for o in m.args[0][len(m.args[0]) - use.num_trailing:]]
+                for i, j in use.substitutes.items():
+                    values[i] = trailing[j]
+                for i, b in enumerate(layouts):
+                    if isinstance(b, Rows):
+                        values[i] = unpermute(values[i], trailing[b.order], b)
+                        layouts[i] = BatchDim(b.dim, b.inner)
+            return batch_major_all(values, [retrack(b, pool) for b in layouts])
 
         def per_sample_in_param_space(m: fx.Node) -> dict[fx.Node, torch.Tensor]:
             use = USES[m.args[2]]
@@ -416,7 +426,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
             if use.transform is None:
                 return {m.args[1]: psg}
             k, n = use.num_rule_operands, use.transform.num_sources
-            inputs = [env[o] for o in m.args[0][k:]]
+            inputs = [env[o] for o in m.args[0][k: len(m.args[0]) - use.num_trailing]]
             sources, others = inputs[:n], inputs[n:]
 
             mapped = _per_sample_vjp(use.transform.module, sources, others, psg)

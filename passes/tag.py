@@ -16,11 +16,13 @@ backward rewrite can map per-sample gradients back to the parameters.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
 
-from fxdp.batching import RAW, SHARED, WHOLE, BatchDim
+from fxdp.batching import RAW, SHARED, WHOLE, BatchDim, Groups, Rows
 from fxdp.errors import UnsupportedError
 from fxdp.functions import (FUNCTION_APPLY, FunctionInTransform, TaggedFunction, backward_rule, function_call,
                             function_param_rule, registered_operands)
@@ -84,6 +86,17 @@ def _tag_whole_parameters(gm: fx.GraphModule, param_names: dict[fx.Node, str],
         p.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
         counts[rule.name] += 1
     return dict(counts)
+
+
+def _sort_indices(gm: fx.GraphModule, sort: fx.Node) -> fx.Node:
+    """The indices output of a ``sort`` node (made where it was not read)."""
+    for user in sort.users:
+        if user.target is operator.getitem and user.args[1] == 1:
+            return user
+    with gm.graph.inserting_after(sort):
+        indices = gm.graph.call_function(operator.getitem, (sort, 1))
+    indices.meta["val"] = sort.meta["val"][1]
+    return indices
 
 
 def _first_user(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
@@ -320,14 +333,25 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
         for site in sites:
             param_rule = rule.params[site.index]
             operand_batch = []
-            for s in param_rule.operands:
+            trailing: list[fx.Node] = []
+            substitutes = {}
+            for position, s in enumerate(param_rule.operands):
                 value = node if s == GRAD else (node.args[s] if s < len(node.args) else None)
                 b = batch.get(value)
                 if s == GRAD and isinstance(b, (list, tuple)):
                     b = b[0]  # a multi-output op's first (differentiable) output
+                if isinstance(b, Groups):  # the offsets of sorted rows: their keys instead
+                    substitutes[position] = len(trailing)
+                    trailing.append(b.keys)
+                    b = batch.get(b.keys)
                 if s != GRAD and (value in params or value in analysis.param_only) and not site.generic:
                     b = RAW if b is None else b
-                operand_batch.append(b if isinstance(b, type(WHOLE)) else (RAW if site.generic and s != GRAD else shared))
+                operand_batch.append(b if isinstance(b, (BatchDim, Rows))
+                                     else (RAW if site.generic and s != GRAD else shared))
+            for position, b in enumerate(operand_batch):
+                if isinstance(b, Rows):  # put back in batch order by the sort's indices
+                    operand_batch[position] = dataclasses.replace(b, order=len(trailing))
+                    trailing.append(_sort_indices(gm, b.order))
             transform = None
             if site.kind == "transform":
                 transform, inputs = _extract_transform(node.args[site.index], analysis.param_only, params)
@@ -336,6 +360,9 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
                 source_names = [param_names[n] for n in inputs[: transform.num_sources]]
             else:
                 source_names = [param_names[node.args[site.index]]]
+            if trailing:
+                extra_args[site.index] = extra_args.get(site.index, []) + trailing
+                operand_batch += [RAW] * len(trailing)
             if not source_names:
                 raise UnsupportedError(
                     f"fxdp internal error: the parameter-only value {node.args[site.index]} that "
@@ -346,7 +373,7 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
                 module_path=module_path_of(node), operand_batch=operand_batch,
                 config=_config(rule, node, broadcast), transform=transform,
                 strategy_hint="generic" if site.generic else None,
-                source_names=source_names,
+                source_names=source_names, num_trailing=len(trailing), substitutes=substitutes,
             )
             held.append(use)  # until the tagged op holds it
             use_ids[site.index] = use.use_id

@@ -6,6 +6,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The grouped matmul of tests/models.py's float64 experts has torch._grouped_mm's meaning
+# (Hugging Face's fallback op has its rule by name).
+import fxdp  # noqa: E402
+import models  # noqa: E402
+from fxdp.rules.grouped import grouped_mm_rule  # noqa: E402
+
+fxdp.register_rule(grouped_mm_rule(torch.ops.fxdp_tests.loop_grouped_mm.default))
+
 # Hypothesis draws many shapes: a recompile-limit hit must fail loudly, never run eager.
 torch._dynamo.config.fail_on_recompile_limit_hit = True
 

@@ -25,7 +25,7 @@ __all__ = [
     "CustomParametrized", "SpectralNormDiscriminator", "DiffusionUNet", "TiedTranspose", "LayerScaleBias",
     "FirstOutput", "SequenceFirstBias",
     "VmapPerSample", "VmapOverPositions", "VmapMask", "VmapSegmentMask", "ScanRecurrence", "VmapEnsemble",
-    "EnergyForces", "VmapJacobian", "CheckpointedVmap", "PerSampleLoop",
+    "EnergyForces", "VmapJacobian", "CheckpointedVmap", "PerSampleLoop", "SortedExperts", "loop_grouped_mm",
 ]
 
 
@@ -745,3 +745,75 @@ class PerSampleLoop(nn.Module):
             for i in range(x.shape[0]):
                 h[i] = torch.softmax(q[i], -1) * v[i]
         return self.out(h)
+
+
+# -- a mixture of experts that sorts the batch's tokens by expert ---------------------------
+
+@torch.library.custom_op("fxdp_tests::loop_grouped_mm", mutates_args=())
+def loop_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` as a loop over the groups, for any dtype (Hugging Face's
+    ``grouped_mm_fallback``): rows ``offs[e - 1]:offs[e]`` times ``w[e]``; rows past
+    the last offset stay zero."""
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+@loop_grouped_mm.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+def _loop_grouped_mm_backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(w)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        grad_x[start:end] = grad[start:end] @ w[e].T
+        grad_w[e] = x[start:end].T @ grad[start:end]
+        start = end
+    return grad_x, grad_w, None
+
+
+loop_grouped_mm.register_autograd(
+    _loop_grouped_mm_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+class SortedExperts(nn.Module):
+    """A top-k mixture of experts that runs each expert on its tokens at once, as Hugging
+    Face's default ``grouped_mm`` experts do: the batch's tokens flattened, sorted by
+    expert, grouped matmuls with offsets counted from the sorted experts, the results
+    put back by the sort's inverse (``combine="inverse"``) or added into their tokens'
+    rows (``combine="index_add"``). ``torch._grouped_mm`` in bfloat16, a loop over the
+    groups otherwise (``torch.compile`` takes ``_grouped_mm`` in bfloat16 only)."""
+
+    def __init__(self, d: int = 8, hidden: int = 12, experts: int = 3, top_k: int = 2, combine: str = "inverse"):
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, 2 * hidden, d) / d ** 0.5)  # [E, out, in], as HF's
+        self.down = nn.Parameter(torch.randn(experts, hidden, d) / hidden ** 0.5)  # [E, in, out]
+        self.experts, self.top_k, self.combine = experts, top_k, combine
+
+    def _grouped(self, x, w, offs):
+        if w.dtype == torch.bfloat16:
+            return torch._grouped_mm(x, w, offs=offs)
+        return loop_grouped_mm(x, w, offs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(h).softmax(-1).topk(self.top_k)
+        keys, order = chosen.reshape(-1).sort()
+        rows = h[order // self.top_k]
+        offsets = torch.histc(keys.float(), bins=self.experts, min=0, max=self.experts - 1).cumsum(0, dtype=torch.int32)
+        gate, up = self._grouped(rows, self.up.transpose(-2, -1), offsets).chunk(2, dim=-1)
+        out = self._grouped(F.silu(gate) * up, self.down, offsets) * weights.reshape(-1)[order].unsqueeze(-1)
+        if self.combine == "inverse":
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.shape[0], device=order.device)
+            mixed = out[inverse].view(h.shape[0], self.top_k, -1).sum(1)
+        else:
+            mixed = torch.zeros_like(h).index_add(0, order // self.top_k, out)
+        return x + mixed.view(x.shape)

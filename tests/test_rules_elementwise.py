@@ -3043,9 +3043,22 @@ class _SortedDispatch(nn.Module):
         return torch.empty_like(out).index_copy(0, order, out).reshape(x.shape)
 
 
-def test_a_sort_of_the_batch_s_tokens_is_refused_with_dense_routing_as_the_way_out():
-    """Grouping the batch's tokens by expert sorts across samples; the refusal says how
-    to route densely, and how Hugging Face's MoE models do (Mixtral's default experts)."""
+def test_an_expert_weight_gathered_for_sorted_tokens_is_refused_with_the_grouped_matmul_as_the_way_out():
+    """Tokens of the whole batch sorted by expert are followed (``Rows``), and put back
+    in order they are a batch again; a parameter used on them other than by a grouped
+    matmul (here gathered per token) is refused, naming the grouped matmul and dense
+    routing. A sort along the batch of a tensor with more dims stays refused."""
     reasons = _reasons(_SortedDispatch().double(), torch.randn(B, T, D, dtype=torch.float64))
-    assert "it sorts along the batch dim" in reasons
-    assert 'experts_implementation="batched_mm"' in reasons
+    assert "uses a parameter on rows a sort of the whole batch ordered" in reasons
+    assert "grouped matmul" in reasons and 'experts_implementation="batched_mm"' in reasons
+    assert "index_copy" not in reasons  # the sorted rows put back where they came from
+
+    class SortRowsOfMatrix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x):
+            return self.lin(x).sort(0).values
+
+    assert "it sorts along the batch dim" in _reasons(SortRowsOfMatrix().double(), torch.randn(B, D, dtype=torch.float64))

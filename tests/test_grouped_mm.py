@@ -1,0 +1,143 @@
+"""Grouped matmuls on the batch's tokens sorted by expert (``fxdp/rules/grouped.py``,
+``Rows`` in ``fxdp/batching.py``): the rule's maths against an explicit loop over
+samples and groups, ``torch._grouped_mm`` in bfloat16 and Hugging Face's Mixtral with
+its default ``grouped_mm`` experts against the microbatch loop, and the refusals of
+what depends on the order of the whole batch. The float64 and float32 models run in
+``test_models_e2e.py`` (``experts_sorted_*``).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxdp
+from fxdp.registry import lookup
+from models import SortedExperts, loop_grouped_mm
+from reference import assert_close_all, reference, tolerance
+
+B, T, D = 3, 4, 8
+# conftest.py registers the rule of the tests' loop op.
+RULE = lookup(torch.ops.fxdp_tests.loop_grouped_mm.default).params[1]
+
+
+def _rows(groups: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(B, T, 5, generator=g, dtype=torch.float64)
+    x = torch.randn(B, T, 6, generator=g, dtype=torch.float64)
+    keys = torch.randint(0, groups, (B, T), generator=g).to(torch.float32)
+    keys[0, 1] = groups  # a sentinel past the last group: no weight, no gradient
+    return grad, x, keys
+
+
+def _loop_per_sample(grad, x, keys, groups):
+    out = torch.zeros(B, groups, x.shape[-1], grad.shape[-1], dtype=grad.dtype)
+    for b in range(B):
+        for t in range(T):
+            e = int(keys[b, t])
+            if e < groups:
+                out[b, e] += torch.outer(x[b, t], grad[b, t])
+    return out
+
+
+def test_the_rule_s_gradients_and_norms_against_a_loop_over_samples_and_groups():
+    groups = 3
+    grad, x, keys = _rows(groups)
+    expected = _loop_per_sample(grad, x, keys, groups)
+    per_sample = RULE.per_sample_grad(grad, x, keys, groups=groups)
+    torch.testing.assert_close(per_sample, expected)
+    torch.testing.assert_close(RULE.sum_grad(grad, x, keys, groups=groups), expected.sum(0))
+    weights = torch.tensor([0.5, 2.0, -1.0], dtype=torch.float64)
+    torch.testing.assert_close(RULE.weighted_sum_grad(weights, grad, x, keys, groups=groups),
+                               torch.einsum("b,bekn->ekn", weights, expected))
+    torch.testing.assert_close(RULE.ghost_sq_norm(grad, x, keys, groups=groups), expected.pow(2).sum((1, 2, 3)))
+    costs = RULE.costs([tuple(grad.shape), tuple(x.shape), tuple(keys.shape)], groups=groups)
+    assert set(costs) == {"ghost", "instantiate"}
+
+
+def test_torch_grouped_mm_in_bfloat16_against_the_microbatch_loop():
+    """``torch._grouped_mm`` (bfloat16 only under ``torch.compile``) through its rule."""
+    torch.manual_seed(0)
+    model = SortedExperts(d=D, hidden=8).to(torch.bfloat16)
+    x = torch.randn(B, T, D, dtype=torch.bfloat16)
+    ref = reference(model, [x], lambda out, i: out.float().pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x).float().pow(2).sum().backward()
+    got = {n: p.grad_sample.float() for n, p in model.named_parameters()}
+    want = {n: g.float() for n, g in ref.per_sample.items()}
+    assert_close_all(got, want, 3e-2, "grad_sample")
+
+
+def _reasons(model: nn.Module, x: torch.Tensor) -> str:
+    return "\n".join(str(p) for p in fxdp.validate(model, x))
+
+
+class _Dispatch(nn.Module):
+    """Sorted tokens, then one misuse of the order of the whole batch."""
+
+    def __init__(self, misuse: str):
+        super().__init__()
+        self.router = nn.Linear(D, 2, bias=False)
+        self.w = nn.Parameter(torch.randn(2, D, D))
+        self.misuse = misuse
+
+    def forward(self, x):
+        h = x.reshape(-1, D)
+        keys, order = self.router(h).argmax(-1).sort()
+        rows = h[order]
+        offsets = torch.histc(keys.float(), bins=2, min=0, max=1).cumsum(0, dtype=torch.int32)
+        if self.misuse == "positions":  # each row scaled by its place in the sorted batch
+            rows = rows * torch.arange(rows.shape[0], dtype=rows.dtype).unsqueeze(-1)
+        if self.misuse == "offsets":  # fixed groups: a row's expert depends on the other samples'
+            offsets = torch.tensor([h.shape[0] // 2, h.shape[0]], dtype=torch.int32)
+        out = loop_grouped_mm(rows, self.w, offsets)
+        if self.misuse == "counts":
+            out = out * offsets[-1].to(out.dtype)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.shape[0])
+        if self.misuse == "inverse":
+            out = out * inverse.to(out.dtype).unsqueeze(-1)
+        return out[inverse].view(x.shape)
+
+
+@pytest.mark.parametrize("misuse, reason", [
+    ("positions", "varies along rows a sort of the whole batch ordered"),
+    ("offsets", "with the offsets counted from those sorted keys"),
+    ("counts", "how many rows of the whole batch each key has"),
+    ("inverse", "the position of each row among the rows of the whole batch sorted"),
+])
+def test_what_depends_on_the_order_of_the_whole_batch_is_refused(misuse, reason):
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    model = _Dispatch(misuse).double()
+    reasons = _reasons(model, x)
+    assert reason in reasons
+    assert _reasons(_Dispatch("none").double(), x) == ""
+
+
+def test_hugging_face_mixtral_with_its_default_grouped_mm_experts_is_exact():
+    """transformers' default experts sort the batch's tokens by expert and run
+    ``grouped_mm`` (its fallback op under compilation): per-sample gradients and
+    clipping against the microbatch loop run with the eager experts (a loop over
+    experts, an independent implementation)."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (not a test dependency)")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16)
+    model = transformers.MixtralForCausalLM(config).double()
+    assert model.config._experts_implementation == "grouped_mm"
+    ids = torch.randint(0, 40, (B, 6), generator=torch.Generator().manual_seed(1))
+    eager = copy.deepcopy(model)  # its own config
+    eager.set_experts_implementation("eager")
+    assert model.config._experts_implementation == "grouped_mm"
+    ref = reference(eager, [ids], lambda out, i: out.logits.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=1.0, loss_reduction="sum", compiler="eager")
+    dp(ids).logits.pow(2).sum().backward()
+    got = {n: p.grad_sample for n, p in model.named_parameters()}
+    assert_close_all(got, ref.per_sample, tolerance(torch.float64), "grad_sample")
+    torch.testing.assert_close(dp.per_sample_norms, ref.norms)
+    assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("sum", 1.0),
+                     tolerance(torch.float64), "grad")
