@@ -83,6 +83,8 @@ class Rows:
             with them gives rows of this order.
         keys: The values are the sort's own ascending keys (or a cast of them): their
             counts, summed up, are the group offsets of these rows.
+        major: As a marker operand: put back in batch order, also brought to ``[B, …]``
+            (``False``: left in the op's layout, for a rule that does that itself).
     """
 
     dim: int
@@ -90,9 +92,15 @@ class Rows:
     inner: Any
     ids: Any = None
     keys: bool = False
+    major: bool = True
 
     def same_order(self, other: Any) -> bool:
         return isinstance(other, Rows) and other.order is self.order and other.dim == self.dim
+
+    @property
+    def in_batch_order(self) -> BatchDim:
+        """The layout of these rows put back in batch order (``unpermute``)."""
+        return BatchDim(self.dim, self.inner)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

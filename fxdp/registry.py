@@ -46,6 +46,9 @@ class ParamRule:
         operands: What the marker needs: ``GRAD`` or the index of an op argument; an
             index ``len(args) + k`` is the ``k``-th tensor inside the op's list
             arguments (``aten.index``'s indices), passed as it is (not batch-major).
+            Rows a sort of the whole batch ordered (``Rows``) arrive put back in batch
+            order; an argument that counts sorted keys (``Groups``, a grouped matmul's
+            offsets) arrives as those keys, one per row.
         per_sample_grad: ``-> [B, *p.shape]``, each sample's gradient.
         sum_grad: ``-> p.shape``, the gradient summed over the batch. It is linear in
             the output gradient, so ``sum_grad`` of a per-sample-scaled gradient is

@@ -243,6 +243,7 @@ _EXTRA_POINTWISE = [
     aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
     # In-place random fills of a tensor: each element on its own, as ``bernoulli``.
     aten.bernoulli_.Tensor, aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default,
+    aten.uniform.default,
     aten.zero_.default,
     # ``mask_a & mask_b`` (transformers' masking_utils): bitwise_and and friends.
     aten.__and__.Tensor, aten.__and__.Scalar, aten.__or__.Tensor, aten.__or__.Scalar,
@@ -2650,17 +2651,8 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, ex
                 uses.append(UseSite(node, index, kind, sources[value]))
             continue
         if index is not None and (target in PROPAGATION or _is_pointwise(target)) and not isinstance(
-                batch.get(node), (list, tuple)) and isinstance(batch.get(node), BatchDim):
+                batch.get(node), (list, tuple)) and isinstance(batch.get(node), (BatchDim, Rows)):
             uses.append(UseSite(node, index, kind, sources[value], generic=True))
-            continue
-        if index is not None and _any_sorted(batch.get(node)):
-            problems.append(Problem(
-                op_name(target), path, _names(sources[value], param_names),
-                f"{op_name(target)} uses a parameter on rows a sort of the whole batch ordered (a mixture of "
-                "experts' dispatch); fxdp makes only grouped matmuls (torch._grouped_mm, Hugging Face's "
-                "grouped_mm experts) per-sample there: run the experts' weights through a grouped matmul, "
-                "or route the tokens densely (Hugging Face: experts_implementation=\"batched_mm\")",
-                source_of(node)))
             continue
         problems.append(Problem(
             op_name(target), path, _names(sources[value], param_names),

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_hint
-from fxdp.batching import BatchDim, Rows, batch_major_all, retrack, scale_batch, unpermute
+from fxdp.batching import RAW, Rows, batch_major_all, retrack, scale_batch, unpermute
 from fxdp.clip_norm import max_grad_norm
 from fxdp.markers import USES, UseInfo
 from fxdp.opaque import holding, run_opaque, symbolic_batch
@@ -415,7 +415,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                 for i, b in enumerate(layouts):
                     if isinstance(b, Rows):
                         values[i] = unpermute(values[i], trailing[b.order], b)
-                        layouts[i] = BatchDim(b.dim, b.inner)
+                        layouts[i] = b.in_batch_order if b.major else RAW
             return batch_major_all(values, [retrack(b, pool) for b in layouts])
 
         def per_sample_in_param_space(m: fx.Node) -> dict[fx.Node, torch.Tensor]:

@@ -88,6 +88,14 @@ def _tag_whole_parameters(gm: fx.GraphModule, param_names: dict[fx.Node, str],
     return dict(counts)
 
 
+def _generic_layout(b) -> BatchDim:
+    """An argument's layout as the generic rule receives the argument (sorted rows put
+    back in batch order by the marker)."""
+    if isinstance(b, Rows):
+        return b.in_batch_order
+    return b if isinstance(b, BatchDim) else RAW
+
+
 def _sort_indices(gm: fx.GraphModule, sort: fx.Node) -> fx.Node:
     """The indices output of a ``sort`` node (made where it was not read)."""
     for user in sort.users:
@@ -322,10 +330,10 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
         broadcast = analysis.broadcasts.get(node)
         shared = SHARED if broadcast is not None else WHOLE
         if any(s.generic for s in sites):
-            layouts = {i: (batch.get(a) if isinstance(batch.get(a), type(WHOLE)) else RAW)
-                       for i, a in enumerate(node.args) if isinstance(a, fx.Node)}
-            rule = generic_rule(node.target, tuple(node.args), {s.index for s in sites},
-                                layouts, batch.get(node))
+            layouts = {i: _generic_layout(batch.get(a)) for i, a in enumerate(node.args) if isinstance(a, fx.Node)}
+            out_layout = batch.get(node)
+            rule = generic_rule(node.target, tuple(node.args), {s.index for s in sites}, layouts,
+                                out_layout.in_batch_order if isinstance(out_layout, Rows) else out_layout)
         else:
             rule = lookup(node.target)
         use_ids, held = {}, []
@@ -335,8 +343,13 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
             operand_batch = []
             trailing: list[fx.Node] = []
             substitutes = {}
+            listed = [x for a in node.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, fx.Node)]
             for position, s in enumerate(param_rule.operands):
-                value = node if s == GRAD else (node.args[s] if s < len(node.args) else None)
+                if s == GRAD:
+                    value = node
+                else:
+                    value = node.args[s] if s < len(node.args) else (
+                        listed[s - len(node.args)] if s - len(node.args) < len(listed) else None)
                 b = batch.get(value)
                 if s == GRAD and isinstance(b, (list, tuple)):
                     b = b[0]  # a multi-output op's first (differentiable) output
@@ -346,6 +359,10 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
                     b = batch.get(b.keys)
                 if s != GRAD and (value in params or value in analysis.param_only) and not site.generic:
                     b = RAW if b is None else b
+                if s != GRAD and s >= len(node.args):
+                    # A tensor inside a list argument arrives as it is: the rule brings it to
+                    # [B, …] (sorted rows are put back in batch order first).
+                    b = dataclasses.replace(b, major=False) if isinstance(b, Rows) else None
                 operand_batch.append(b if isinstance(b, (BatchDim, Rows))
                                      else (RAW if site.generic and s != GRAD else shared))
             for position, b in enumerate(operand_batch):

@@ -787,15 +787,21 @@ class SortedExperts(nn.Module):
     Face's default ``grouped_mm`` experts do: the batch's tokens flattened, sorted by
     expert, grouped matmuls with offsets counted from the sorted experts, the results
     put back by the sort's inverse (``combine="inverse"``) or added into their tokens'
-    rows (``combine="index_add"``). ``torch._grouped_mm`` in bfloat16, a loop over the
+    rows (``combine="index_add"``); with ``biases``, GPT-OSS's per-expert biases
+    gathered by the sorted experts and an RMSNorm of the experts' rows. ``torch._grouped_mm`` in bfloat16, a loop over the
     groups otherwise (``torch.compile`` takes ``_grouped_mm`` in bfloat16 only)."""
 
-    def __init__(self, d: int = 8, hidden: int = 12, experts: int = 3, top_k: int = 2, combine: str = "inverse"):
+    def __init__(self, d: int = 8, hidden: int = 12, experts: int = 3, top_k: int = 2, combine: str = "inverse",
+                 biases: bool = False):
         super().__init__()
         self.router = nn.Linear(d, experts, bias=False)
         self.up = nn.Parameter(torch.randn(experts, 2 * hidden, d) / d ** 0.5)  # [E, out, in], as HF's
         self.down = nn.Parameter(torch.randn(experts, hidden, d) / hidden ** 0.5)  # [E, in, out]
         self.experts, self.top_k, self.combine = experts, top_k, combine
+        # GPT-OSS's per-expert biases, gathered for the sorted tokens, and a norm after the experts
+        self.up_bias = nn.Parameter(torch.randn(experts, 2 * hidden)) if biases else None
+        self.down_bias = nn.Parameter(torch.randn(experts, d)) if biases else None
+        self.norm = nn.RMSNorm(d) if biases else None
 
     def _grouped(self, x, w, offs):
         if w.dtype == torch.bfloat16:
@@ -808,8 +814,14 @@ class SortedExperts(nn.Module):
         keys, order = chosen.reshape(-1).sort()
         rows = h[order // self.top_k]
         offsets = torch.histc(keys.float(), bins=self.experts, min=0, max=self.experts - 1).cumsum(0, dtype=torch.int32)
-        gate, up = self._grouped(rows, self.up.transpose(-2, -1), offsets).chunk(2, dim=-1)
-        out = self._grouped(F.silu(gate) * up, self.down, offsets) * weights.reshape(-1)[order].unsqueeze(-1)
+        projected = self._grouped(rows, self.up.transpose(-2, -1), offsets)
+        if self.up_bias is not None:
+            projected.add_(self.up_bias[keys])
+        gate, up = projected.chunk(2, dim=-1)
+        out = self._grouped(F.silu(gate) * up, self.down, offsets)
+        if self.down_bias is not None:
+            out = self.norm(out + self.down_bias[keys])
+        out = out * weights.reshape(-1)[order].unsqueeze(-1)
         if self.combine == "inverse":
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.shape[0], device=order.device)

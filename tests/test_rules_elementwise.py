@@ -2837,6 +2837,13 @@ def test_gumbel_softmax_draws_per_element():
     assert fxdp.validate(model, torch.randn(B, D)) == []
 
 
+def test_a_uniform_draw_of_a_fresh_tensor_draws_per_element():
+    """``torch.rand_like(h).uniform_()`` (PhiMoE's router jitter) becomes the functional
+    ``aten.uniform``, elementwise: each sample its own."""
+    model = around(lambda m, h: h * m.s * (torch.rand_like(h).uniform_() > 0.25), s=(D,))()
+    assert fxdp.validate(model, torch.randn(B, D)) == []
+
+
 class LearnedKeepMask(nn.Module):
     """A dropout mask drawn with a trainable keep-probability, ``bernoulli(keep)``: the
     draw has derivative zero, so ``keep`` gets no gradient (its values 0 and 1 make the
@@ -3043,15 +3050,19 @@ class _SortedDispatch(nn.Module):
         return torch.empty_like(out).index_copy(0, order, out).reshape(x.shape)
 
 
-def test_an_expert_weight_gathered_for_sorted_tokens_is_refused_with_the_grouped_matmul_as_the_way_out():
-    """Tokens of the whole batch sorted by expert are followed (``Rows``), and put back
-    in order they are a batch again; a parameter used on them other than by a grouped
-    matmul (here gathered per token) is refused, naming the grouped matmul and dense
-    routing. A sort along the batch of a tensor with more dims stays refused."""
-    reasons = _reasons(_SortedDispatch().double(), torch.randn(B, T, D, dtype=torch.float64))
-    assert "uses a parameter on rows a sort of the whole batch ordered" in reasons
-    assert "grouped matmul" in reasons and 'experts_implementation="batched_mm"' in reasons
-    assert "index_copy" not in reasons  # the sorted rows put back where they came from
+def test_an_expert_weight_gathered_for_sorted_tokens_matches_the_microbatch_loop():
+    """Tokens of the whole batch sorted by expert are followed (``Rows``): an expert's
+    weight gathered per sorted token (``w[expert[order]]``) takes the per-sample VJP on
+    the rows put back in batch order, and the rows written back by the sort's indices
+    are a batch again. A sort along the batch of a tensor with more dims stays refused."""
+    model = _SortedDispatch().double()
+    model.router.requires_grad_(False)  # it only picks the experts (argmax): no gradient
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    assert _reasons(model, x) == ""
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
 
     class SortRowsOfMatrix(nn.Module):
         def __init__(self):
