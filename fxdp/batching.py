@@ -147,8 +147,8 @@ def retrack(batch: BatchDim, values) -> BatchDim:
     """``batch`` with its sizes usable in another trace (the backward's).
 
     ``inner``/``outer`` come from the forward's symbolic shapes. A constant one
-    becomes an int; a symbolic one is rebuilt from the symbols that ``values``
-    (tensors and SymInts the tracer knows) carry as sizes.
+    becomes an int; a symbolic one is rebuilt from the sizes that ``values``
+    (tensors and SymInts the tracer knows) carry: the same expression, or its symbols.
     """
     if batch.dim in (None, "shared", "raw"):
         return batch
@@ -158,12 +158,15 @@ def retrack(batch: BatchDim, values) -> BatchDim:
     for v in values:
         sizes = v.shape if isinstance(v, torch.Tensor) else [v]
         for size in sizes:
-            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+            if isinstance(size, torch.SymInt):
+                # a symbol, or a product of them (sorted rows put back: ``[B, 2·T, d]``)
                 known.setdefault(size.node.expr, size)
 
     def rebuild(expr):
         if expr.is_Integer:
             return int(expr)
+        if expr in known:
+            return known[expr]
         if expr.is_Symbol:
             if expr not in known:
                 raise NotImplementedError(

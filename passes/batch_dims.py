@@ -2186,6 +2186,7 @@ def _is_arange(node: Any, length: Any) -> bool:
         end = node.args[1]
     else:
         return False
+    end = _meta(end) if isinstance(end, fx.Node) else end  # a symbolic size's node
     return statically_known_true(end == length)
 
 

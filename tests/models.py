@@ -767,14 +767,27 @@ def _(x, w, offs):
     return x.new_empty(x.shape[0], w.shape[-1])
 
 
-def _loop_grouped_mm_backward(ctx, grad):
-    x, w, offs = ctx.saved_tensors
+@torch.library.custom_op("fxdp_tests::loop_grouped_mm_backward", mutates_args=())
+def loop_grouped_mm_backward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                             grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both gradients of ``loop_grouped_mm``, an op of its own as the forward's (a
+    traced backward cannot read the offsets as numbers)."""
     grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(w)
     start = 0
     for e, end in enumerate(offs.tolist()):
         grad_x[start:end] = grad[start:end] @ w[e].T
         grad_w[e] = x[start:end].T @ grad[start:end]
         start = end
+    return grad_x, grad_w
+
+
+@loop_grouped_mm_backward.register_fake
+def _(x, w, offs, grad):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _loop_grouped_mm_backward(ctx, grad):
+    grad_x, grad_w = loop_grouped_mm_backward(*ctx.saved_tensors, grad)
     return grad_x, grad_w, None
 
 

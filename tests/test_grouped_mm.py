@@ -141,3 +141,23 @@ def test_hugging_face_mixtral_with_its_default_grouped_mm_experts_is_exact():
     torch.testing.assert_close(dp.per_sample_norms, ref.norms)
     assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("sum", 1.0),
                      tolerance(torch.float64), "grad")
+
+
+def test_under_the_backend_at_several_batch_sizes_and_lengths():
+    """Dynamo makes the batch and the sequence length symbolic after the first shapes: the
+    sorted rows' ``inner`` (``top_k · T``) is then a symbolic product, which the
+    backward rebuilds, also inside the generic VJP of the gathered biases that runs on
+    the real tensors."""
+    torch.manual_seed(0)
+    model = SortedExperts(biases=True).double()
+    model.router.requires_grad_(False)
+    compiled = torch.compile(model, backend=fxdp.backend(grad_sample=True, max_grad_norm=1.0, compiler="eager"))
+    for batch_size, length in ((3, 4), (5, 4), (4, 6), (6, 7)):
+        x = torch.randn(batch_size, length, 8, dtype=torch.float64)
+        ref = reference(copy.deepcopy(model), (x,), lambda out, i: out.pow(2).sum())
+        model.zero_grad(set_to_none=True)
+        compiled(x).pow(2).sum(dim=(1, 2)).mean().backward()
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        what = f"B = {batch_size}, T = {length}"
+        assert_close_all({n: p.grad_sample for n, p in trained}, ref.per_sample, tolerance(torch.float64), what)
+        assert_close_all({n: p.grad for n, p in trained}, ref.grad("mean", 1.0), tolerance(torch.float64), what)

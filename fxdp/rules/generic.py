@@ -30,6 +30,10 @@ def _one_sample(t: torch.Tensor, layout: BatchDim) -> torch.Tensor:
     return t.movedim(0, layout.dim)  # the sample's outer·inner rows, in their order
 
 
+def _symbolic_sizes(layout: BatchDim) -> bool:
+    return isinstance(layout.dim, int) and any(isinstance(s, torch.SymInt) for s in (layout.inner, layout.outer))
+
+
 def _listed_layout(node: Any) -> BatchDim:
     """Batch layout of a tensor inside a list argument (``RAW`` where it is shared)."""
     batch = node.meta.get("fxdp_batch")
@@ -227,8 +231,9 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
     whole_batch = _whole_batch_only(op, args, layouts, out_layout)
 
     def layouts_now_of(known) -> list[BatchDim]:
-        # The layouts' sizes come from the forward's trace: rebuilt from this one's.
-        return [retrack(b, known) for b in layouts_all]
+        # The layouts' sizes come from the forward's trace: rebuilt from this one's (the
+        # output's last).
+        return [retrack(b, known) for b in (*layouts_all, out_layout)]
 
     def make_param_rule(index: int) -> ParamRule:
         in_dims = (0, *[None if b.dim in ("raw", "shared", None) else 0 for b in layouts_all])
@@ -236,24 +241,34 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
         position = tensor_indices.index(index)
 
         def per_sample_grad(g, *tensors, **config):
+            layouts_now = layouts_now_of((g, *tensors))
             if not symbolic_batch(g.shape[0]) or layouts_all[position].dim not in ("raw", "shared", None):
-                return vjps(g, *tensors)
+                return vjps(g, *tensors, layouts_now=layouts_now)
 
             def shapes(g, *tensors):
                 return [g.new_empty((g.shape[0], *tensors[position].shape), dtype=tensors[position].dtype)]
 
-            return run_opaque(lambda *ts: [vjps(*ts)], shapes, (g, *tensors))[0]
+            # Run on the real tensors: a merged dim's symbolic sizes travel as the sizes of
+            # empty tensors, which are numbers there.
+            carried = [b for b in layouts_now if _symbolic_sizes(b)]
+            carriers = [g.new_empty((0, b.inner, b.outer)) for b in carried]
 
-        def vjps(g, *tensors):
+            def compute(g, *rest):
+                sizes = iter(rest[len(tensors):])
+                concrete = [BatchDim(b.dim, *next(sizes).shape[1:]) if _symbolic_sizes(b) else b
+                            for b in layouts_now]
+                return [vjps(g, *rest[:len(tensors)], layouts_now=concrete)]
+
+            return run_opaque(compute, shapes, (g, *tensors, *carriers))[0]
+
+        def vjps(g, *tensors, layouts_now):
             if whole_batch:
-                return masked_vjps(g, *tensors)
+                return masked_vjps(g, *tensors, layouts_now=layouts_now)
             size = g.shape[0]
-            known = (g, *tensors)
             tensors = [*tensors[:len(tensor_indices)],
-                       *[t if b.dim in ("raw", "shared", None) else batch_major(t, retrack(b, known), size)
-                         for t, b in zip(tensors[len(tensor_indices):], listed_layouts)]]
-            layouts_now = layouts_now_of(known)
-            out_now = retrack(out_layout, known)
+                       *[t if b.dim in ("raw", "shared", None) else batch_major(t, b, size)
+                         for t, b in zip(tensors[len(tensor_indices):], layouts_now[len(tensor_indices):-1])]]
+            layouts_now, out_now = layouts_now[:-1], layouts_now[-1]
 
             def one(g_one, *ts):
                 full = rebuild([_one_sample(t, b) for t, b in zip(ts, layouts_now)])
@@ -265,21 +280,20 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
 
             return torch.func.vmap(one, in_dims=in_dims)(g, *tensors)
 
-        def masked_vjps(g, *tensors):
+        def masked_vjps(g, *tensors, layouts_now):
             # The op on the whole batch, once per sample; sample b's gradient is the VJP
             # at the output gradient with every other sample's rows zeroed. Exact, as
             # the samples are independent; it costs B runs of the whole op. The copies
             # run under vmap in the forward, whose backward is ordinary: vmap over a
             # VJP function runs backward formulas under vmap, and cdist's is wrong there.
-            known = (g, *tensors)
-            in_op = [from_batch_major(t, b) for t, b in zip(tensors[:len(tensor_indices)], layouts_now_of(known))]
+            in_op = [from_batch_major(t, b) for t, b in zip(tensors[:len(tensor_indices)], layouts_now)]
             full = rebuild([*in_op, *tensors[len(tensor_indices):]])
 
             size = g.shape[0]
             copies = full[index].detach().expand(size, *full[index].shape)
             _, vjp_fn = torch.func.vjp(torch.func.vmap(_of_argument(compute, full, index)), copies)
             eye = torch.eye(size, dtype=g.dtype, device=g.device).view(size, size, *[1] * (g.dim() - 1))
-            one_sample_each = from_batch_major(eye * g.unsqueeze(0), retrack(out_layout, known), lead=1)
+            one_sample_each = from_batch_major(eye * g.unsqueeze(0), layouts_now[-1], lead=1)
             return vjp_fn(one_sample_each)[0]
 
         def sum_grad(g, *tensors, **config):
