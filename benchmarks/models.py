@@ -18,6 +18,9 @@ case      model                                           batch
 ``gpt_    the same ``TinyGPT`` written the way Opacus      as ``gpt``
 untied``  ghost clipping accepts it: untied head,
           positions looked up per sample
+``moe``   ``SortedMoEStack``: residual top-2 mixtures     ``x [16, 128, 256]``,
+          of 8 experts (hidden 512) run as Hugging        10 classes
+          Face's grouped_mm experts, 4 blocks, mean-pool
 ========  ==============================================  =============================
 
 ``gpt_untied`` exists for the comparison with Opacus, which cannot run ``gpt`` (ghost
@@ -46,6 +49,7 @@ __all__ = [
     "ResidualMLPStack",
     "SmallCNN",
     "TinyGPT",
+    "SortedMoEStack",
     "cross_entropy",
 ]
 
@@ -246,6 +250,102 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+@torch.library.custom_op("fxdp_benchmarks::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows ``offs[e - 1]:offs[e]`` of ``x`` times ``w[e]``, a matmul per group: Hugging
+    Face's ``grouped_mm_fallback``, which its MoE models run on a CPU under
+    ``torch.compile`` (``torch._grouped_mm`` compiles in bfloat16 only)."""
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+@grouped_mm.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("fxdp_benchmarks::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                        grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(w)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        grad_x[start:end] = grad[start:end] @ w[e].T
+        grad_w[e] = x[start:end].T @ grad[start:end]
+        start = end
+    return grad_x, grad_w
+
+
+@grouped_mm_backward.register_fake
+def _(x, w, offs, grad):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _grouped_mm_grads(ctx, grad):
+    return (*grouped_mm_backward(*ctx.saved_tensors, grad), None)
+
+
+grouped_mm.register_autograd(_grouped_mm_grads, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+class _SortedMoE(nn.Module):
+    """Top-k experts as Hugging Face's default ``grouped_mm`` experts run them: the
+    batch's tokens sorted by expert, a grouped matmul per projection, the rows put back
+    by the sort's inverse and summed over the k choices."""
+
+    def __init__(self, d: int, hidden: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(experts, d, 2 * hidden) / math.sqrt(d))
+        self.down = nn.Parameter(torch.randn(experts, hidden, d) / math.sqrt(hidden))
+        self.experts, self.top_k = experts, top_k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(h).softmax(-1).topk(self.top_k)
+        keys, order = chosen.reshape(-1).sort()
+        rows = h[order // self.top_k]
+        offsets = torch.histc(keys.float(), bins=self.experts, min=0, max=self.experts - 1)
+        offsets = offsets.cumsum(0, dtype=torch.int32)
+        gate, up = grouped_mm(rows, self.gate_up, offsets).chunk(2, dim=-1)
+        out = grouped_mm(F.silu(gate) * up, self.down, offsets)
+        out = out * (weights / weights.sum(-1, keepdim=True)).reshape(-1)[order].unsqueeze(-1)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.shape[0], device=order.device)
+        return out[inverse].view(h.shape[0], self.top_k, -1).sum(1).view(x.shape)
+
+
+class SortedMoEStack(nn.Module):
+    """Residual pre-norm mixture-of-experts blocks over a sequence, mean-pooled to a
+    linear head: ``ResidualMLPStack`` with each MLP a mixture of experts.
+
+    Args:
+        d: Model width.
+        hidden: Width inside each expert.
+        experts: Experts per block.
+        top_k: Experts each token is routed to.
+        blocks: Number of residual blocks.
+        num_classes: Number of output logits.
+    """
+
+    def __init__(self, d: int = 256, hidden: int = 512, experts: int = 8, top_k: int = 2, blocks: int = 4,
+                 num_classes: int = 10) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(blocks))
+        self.blocks = nn.ModuleList(_SortedMoE(d, hidden, experts, top_k) for _ in range(blocks))
+        self.head = nn.Linear(d, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps ``x [B, T, d]`` to logits ``[B, num_classes]``."""
+        for norm, block in zip(self.norms, self.blocks):
+            x = x + block(norm(x))
+        return self.head(x.mean(dim=1))
+
+
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy over the batch, and over the tokens for ``[B, T, V]`` logits.
 
@@ -341,6 +441,13 @@ CASES: dict[str, BenchmarkCase] = {
             make_batch=_token_batch(16, 128, 4096),
             batch_size=16,
             per_token=True,
+        ),
+        BenchmarkCase(
+            name="moe",
+            description="top-2 of 8 experts d=256 h=512 sorted (grouped_mm) x4, B=16 T=128",
+            build=SortedMoEStack,
+            make_batch=_classification_batch((16, 128, 256)),
+            batch_size=16,
         ),
     )
 }

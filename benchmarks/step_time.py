@@ -131,6 +131,19 @@ LEARNING_RATE = 1e-3
 KEEP_ALL = 2**40
 
 
+def _import_fxdp():
+    """fxdp, with the rule of the ``moe`` case's grouped matmul (the op Hugging Face's
+    fallback is, under another name) registered."""
+    import fxdp
+    from fxdp.registry import lookup
+    from fxdp.rules.grouped import grouped_mm_rule
+
+    op = torch.ops.fxdp_benchmarks.grouped_mm.default
+    if lookup(op) is None:
+        fxdp.register_rule(grouped_mm_rule(op))
+    return fxdp
+
+
 class _Trainer(abc.ABC):
     """One variant's training step on one model.
 
@@ -196,7 +209,7 @@ class _FxdpClippedTrainer(_Trainer):
     ) -> None:
         super().__init__(model, case)
         self.noise = noise
-        import fxdp
+        fxdp = _import_fxdp()
 
         self.dp_model = fxdp.transform(
             model,
@@ -228,7 +241,7 @@ class _FxdpClippedTrainer(_Trainer):
 class _FxdpGradSampleTrainer(_Trainer):
     def __init__(self, model: nn.Module, case: BenchmarkCase) -> None:
         super().__init__(model, case)
-        import fxdp
+        fxdp = _import_fxdp()
 
         self.dp_model = fxdp.transform(model, grad_sample=True)
         self.optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)

@@ -638,6 +638,7 @@ def test_padded_lstm_matches_the_packed_model(mode: str):
     ("vit_conv_patches", "grad_sample", 0),
     ("vmap_per_sample", "clip", None),
     ("loop_over_samples_slices", "clip", None),
+    ("experts_sorted_with_biases", "grad_sample", None),
 ])
 def test_inductor_float32(case_id: str, mode: str, blocks: int | None):
     case = CASE_BY_ID[case_id]
