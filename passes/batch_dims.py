@@ -2130,6 +2130,13 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
     return _as_rows(out, first)
 
 
+def _as_rules_see(b: Any) -> Any:
+    """A layout as rules see it: sorted rows reach their markers put back in batch order."""
+    if isinstance(b, (list, tuple)):
+        return type(b)(_as_rules_see(x) for x in b)
+    return b.in_batch_order if isinstance(b, Rows) else b
+
+
 def _as_plain(b: Any, plain: BatchDim) -> Any:
     if isinstance(b, (list, tuple)):
         return type(b)(_as_plain(x, plain) for x in b)
@@ -2289,7 +2296,7 @@ def batch_dim_pass(
             if not retried.problems:
                 break
     for node in gm.graph.nodes:
-        node.meta["fxdp_batch"] = analysis.batch.get(node)
+        node.meta["fxdp_batch"] = _as_rules_see(analysis.batch.get(node))
     return analysis
 
 
@@ -2643,7 +2650,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, ex
             continue
         if rule is not None and index is not None and index in rule.params:
             reason = rule.check(
-                [_arg_batch(a, batch) for a in node.args], [_meta(a) for a in node.args], index
+                [_as_rules_see(_arg_batch(a, batch)) for a in node.args], [_meta(a) for a in node.args], index
             ) if rule.check else None
             if reason:
                 problems.append(Problem(op_name(target), path, _names(sources[value], param_names), reason,

@@ -801,7 +801,7 @@ class SortedExperts(nn.Module):
     expert, grouped matmuls with offsets counted from the sorted experts, the results
     put back by the sort's inverse (``combine="inverse"``) or added into their tokens'
     rows (``combine="index_add"``); with ``biases``, GPT-OSS's per-expert biases
-    gathered by the sorted experts and an RMSNorm of the experts' rows. ``torch._grouped_mm`` in bfloat16, a loop over the
+    gathered by the sorted experts, an RMSNorm and a learned scale of the experts' rows. ``torch._grouped_mm`` in bfloat16, a loop over the
     groups otherwise (``torch.compile`` takes ``_grouped_mm`` in bfloat16 only)."""
 
     def __init__(self, d: int = 8, hidden: int = 12, experts: int = 3, top_k: int = 2, combine: str = "inverse",
@@ -815,6 +815,7 @@ class SortedExperts(nn.Module):
         self.up_bias = nn.Parameter(torch.randn(experts, 2 * hidden)) if biases else None
         self.down_bias = nn.Parameter(torch.randn(experts, d)) if biases else None
         self.norm = nn.RMSNorm(d) if biases else None
+        self.scale = nn.Parameter(torch.rand(d) + 0.5) if biases else None
 
     def _grouped(self, x, w, offs):
         if w.dtype == torch.bfloat16:
@@ -833,7 +834,7 @@ class SortedExperts(nn.Module):
         gate, up = projected.chunk(2, dim=-1)
         out = self._grouped(F.silu(gate) * up, self.down, offsets)
         if self.down_bias is not None:
-            out = self.norm(out + self.down_bias[keys])
+            out = self.norm(out + self.down_bias[keys]) * self.scale
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         if self.combine == "inverse":
             inverse = torch.empty_like(order)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from fxdp.batching import RAW, BatchDim, Rows, batch_major, from_batch_major, retrack
+from fxdp.batching import RAW, BatchDim, batch_major, from_batch_major, retrack
 from fxdp.opaque import run_opaque, symbolic_batch
 from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args, out_of_place
 
@@ -36,9 +36,7 @@ def _symbolic_sizes(layout: BatchDim) -> bool:
 
 def _listed_layout(node: Any) -> BatchDim:
     """Batch layout of a tensor inside a list argument (``RAW`` where it is shared)."""
-    batch = node.meta.get("fxdp_batch")
-    if isinstance(batch, Rows):  # the marker puts them back in batch order
-        return batch.in_batch_order
+    batch = node.meta.get("fxdp_batch")  # sorted rows as the marker puts them back in batch order
     return batch if isinstance(batch, BatchDim) and isinstance(batch.dim, int) else RAW
 
 

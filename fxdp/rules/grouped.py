@@ -128,13 +128,13 @@ def grouped_mm_rule(op: Any) -> OpRule:
             "the batch's keys ordered, with the offsets counted from those sorted keys")
 
     def check(args_batch, args_meta, index):
-        from fxdp.batching import Groups, Rows
+        from fxdp.batching import Groups
 
         if index != 1:
             return f"only the weight (argument 1) of {op} can be a trainable parameter here"
         if args_batch[1] is not None:
             return "the weight itself is batched"
-        if not isinstance(args_batch[0], Rows) or not isinstance(args_batch[2], Groups):
+        if not isinstance(args_batch[2], Groups):  # the analysis checked the rows are the sorted ones
             return ("its rows are not the batch's rows sorted by a key fxdp follows, with offsets "
                     "counted from those sorted keys")
         return None
