@@ -108,10 +108,10 @@ class Groups:
     """How many rows of a ``Rows`` order each key has (``histc``/``bincount`` of the
     sorted keys), or with ``cumulative`` the groups' end offsets: a count over every
     sample, which only a grouped matmul of those rows may read (row ``r`` is then in
-    group ``keys[r]``, its own key). ``keys`` is the node of the counted keys."""
+    group ``keys[r]``, its own key). ``keys`` is the node of the sorted keys (or of the
+    keys the sort sorted, in batch order: their counts are the same)."""
 
     order: Any
-    inner: Any
     keys: Any
     cumulative: bool = False
 

@@ -1023,6 +1023,67 @@ def _values_indices(node, arg_batch):
     return [out, out]
 
 
+@_register(aten.argsort.default, aten.argsort.stable)
+def _argsort(node, arg_batch):
+    """The order that sorts along one dim; along the batch of a 1-D tensor, a mixture
+    of experts' dispatch (``Rows``, as ``sort``'s indices)."""
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    x = _meta(node.args[0])
+    d = _norm_dim(named_arg(node, "dim", -1), x.dim())
+    if d != b.dim:
+        return b
+    if x.dim() == 1 and _equal_one(b.outer):
+        return Rows(0, node, b.inner, ids=b.inner)
+    raise MixesSamples("it sorts along the batch dim, so the order it gives each sample's values depends on the "
+                       "other samples'")
+
+
+@_register(aten.histc.default, aten.bincount.default)
+def _counts(node, arg_batch):
+    """How many of the batch's keys fall in each bin: a count over every sample, which
+    only a grouped matmul of the same keys sorted may read (``Groups``; counting the
+    sorted keys gives the same, see ``_sorted_rows_batch``)."""
+    b = arg_batch[0]
+    if not isinstance(b, BatchDim) or b.dim is None:
+        return b
+    sort = _sort_of(node.args[0])
+    if sort is not None and _counts_each_key(node):
+        # The rule reads each row's key from the sorted tensor, in batch order.
+        return Groups(sort, sort.args[0])
+    raise MixesSamples("it counts values over the whole batch")
+
+
+# Ops that rearrange or cast values without adding or dropping any.
+_SAME_VALUES = _COPIES | {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                          aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                          aten.squeeze.default, aten.permute.default, aten.transpose.int, aten.t.default}
+
+
+def _sort_of(keys: fx.Node) -> fx.Node | None:
+    """An ascending sort (or argsort) along its only dim of the same values as ``keys``
+    (both rearranged or cast from one tensor): its order groups the rows as the counts
+    of ``keys`` do, whatever order the counted values were in."""
+    root = keys
+    while root.op == "call_function" and root.target in _SAME_VALUES and isinstance(root.args[0], fx.Node):
+        root = root.args[0]
+    pending, seen = [root], set()
+    while pending:
+        n = pending.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if user.target in _SAME_VALUES and user.args[0] is n:
+                pending.append(user)
+            elif user.target in (aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable) \
+                    and user.args[0] is n and _meta(n).dim() == 1 and not named_arg(user, "descending", False) \
+                    and statically_known_true(_meta(n).numel() == _meta(keys).numel()):
+                return user
+    return None
+
+
 # mm / bmm / matmul / addmm / baddbmm propagate through their rules in
 # fxdp/rules/matmul.py (a parameter may be either operand).
 
@@ -2075,7 +2136,7 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
     if target in (aten.histc.default, aten.bincount.default) and isinstance(arg_batch[0], Rows) \
             and arg_batch[0].keys and _counts_each_key(node):
         b = arg_batch[0]
-        return Groups(b.order, b.inner, args[0])
+        return Groups(b.order, args[0])
     if target is aten.index.Tensor and len(args[1]) == 1 and args[1][0] is not None:
         data, ids = arg_batch[0], arg_batch[1][0]
         if isinstance(ids, Inverse) and isinstance(data, Rows) and data.dim == 0 and data.order is ids.order:

@@ -97,7 +97,10 @@ def _generic_layout(b) -> BatchDim:
 
 
 def _sort_indices(gm: fx.GraphModule, sort: fx.Node) -> fx.Node:
-    """The indices output of a ``sort`` node (made where it was not read)."""
+    """The indices output of a ``sort`` node (made where it was not read), or an
+    ``argsort``."""
+    if sort.target in (torch.ops.aten.argsort.default, torch.ops.aten.argsort.stable):
+        return sort
     for user in sort.users:
         if user.target is operator.getitem and user.args[1] == 1:
             return user

@@ -801,16 +801,18 @@ class SortedExperts(nn.Module):
     expert, grouped matmuls with offsets counted from the sorted experts, the results
     put back by the sort's inverse (``combine="inverse"``) or added into their tokens'
     rows (``combine="index_add"``); with ``biases``, GPT-OSS's per-expert biases
-    gathered by the sorted experts, an RMSNorm and a learned scale of the experts' rows. ``torch._grouped_mm`` in bfloat16, a loop over the
+    gathered by the sorted experts, an RMSNorm and a learned scale of the experts' rows;
+    with ``dispatch="argsort"``, torchtitan's order: the unsorted experts counted and an
+    ``argsort`` (no biases then). ``torch._grouped_mm`` in bfloat16, a loop over the
     groups otherwise (``torch.compile`` takes ``_grouped_mm`` in bfloat16 only)."""
 
     def __init__(self, d: int = 8, hidden: int = 12, experts: int = 3, top_k: int = 2, combine: str = "inverse",
-                 biases: bool = False):
+                 biases: bool = False, dispatch: str = "sort"):
         super().__init__()
         self.router = nn.Linear(d, experts, bias=False)
         self.up = nn.Parameter(torch.randn(experts, 2 * hidden, d) / d ** 0.5)  # [E, out, in], as HF's
         self.down = nn.Parameter(torch.randn(experts, hidden, d) / hidden ** 0.5)  # [E, in, out]
-        self.experts, self.top_k, self.combine = experts, top_k, combine
+        self.experts, self.top_k, self.combine, self.dispatch = experts, top_k, combine, dispatch
         # GPT-OSS's per-expert biases, gathered for the sorted tokens, and a norm after the experts
         self.up_bias = nn.Parameter(torch.randn(experts, 2 * hidden)) if biases else None
         self.down_bias = nn.Parameter(torch.randn(experts, d)) if biases else None
@@ -825,9 +827,14 @@ class SortedExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
         weights, chosen = self.router(h).softmax(-1).topk(self.top_k)
-        keys, order = chosen.reshape(-1).sort()
+        if self.dispatch == "sort":
+            keys, order = chosen.reshape(-1).sort()
+            offsets = torch.histc(keys.float(), bins=self.experts, min=0, max=self.experts - 1)
+        else:  # torchtitan's: the unsorted experts counted, their order by argsort
+            offsets = torch.histc(chosen.reshape(-1).float(), bins=self.experts, min=0, max=self.experts)
+            order = chosen.reshape(-1).argsort(stable=True)
+        offsets = offsets.cumsum(0, dtype=torch.int32)
         rows = h[order // self.top_k]
-        offsets = torch.histc(keys.float(), bins=self.experts, min=0, max=self.experts - 1).cumsum(0, dtype=torch.int32)
         projected = self._grouped(rows, self.up.transpose(-2, -1), offsets)
         if self.up_bias is not None:
             projected.add_(self.up_bias[keys])

@@ -141,6 +141,8 @@ CASES = [
     Case("loop_over_samples_written", lambda: models.PerSampleLoop("write"), lambda: (_randn(B, 3, 4),)),
     Case("experts_sorted_by_expert", models.SortedExperts, lambda: (_randn(B, 3, 8),), float32=True),
     Case("experts_sorted_added_back", lambda: models.SortedExperts(combine="index_add"), lambda: (_randn(B, 3, 8),)),
+    Case("experts_argsort_dispatch", lambda: models.SortedExperts(combine="index_add", dispatch="argsort"),
+         lambda: (_randn(B, 3, 8),)),
     Case("experts_sorted_with_biases", lambda: models.SortedExperts(biases=True), lambda: (_randn(B, 3, 8),),
          float32=True),
 ]
