@@ -117,6 +117,19 @@ def test_what_depends_on_the_order_of_the_whole_batch_is_refused(misuse, reason)
     assert _reasons(_Dispatch("none").double(), x) == ""
 
 
+def test_counts_of_the_batch_s_values_without_a_sort_are_refused():
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h * torch.histc(h.argmax(-1).float().reshape(-1), bins=D, min=0, max=D)[:1]
+
+    assert "it counts values over the whole batch" in _reasons(Counted().double(), torch.randn(B, T, D, dtype=torch.float64))
+
+
 def test_hugging_face_mixtral_with_its_default_grouped_mm_experts_is_exact():
     """transformers' default experts sort the batch's tokens by expert and run
     ``grouped_mm`` (its fallback op under compilation): per-sample gradients and

@@ -2837,6 +2837,19 @@ def test_gumbel_softmax_draws_per_element():
     assert fxdp.validate(model, torch.randn(B, D)) == []
 
 
+def test_an_argsort_along_the_features_keeps_the_batch():
+    """``h.argsort(-1)`` orders each sample's own values (a gather of its features by
+    rank); along the batch of a 2-D tensor it is refused, as ``sort`` is."""
+    model = around(lambda m, h: torch.gather(h * m.s, -1, h.argsort(-1)), s=(D,))().double()
+    x = torch.randn(B, D, dtype=torch.float64)
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
+    across = around(lambda m, h: torch.gather(h * m.s, 0, h.argsort(0)), s=(D,))().double()
+    assert "it sorts along the batch dim" in _reasons(across, x)
+
+
 def test_a_uniform_draw_of_a_fresh_tensor_draws_per_element():
     """``torch.rand_like(h).uniform_()`` (PhiMoE's router jitter) becomes the functional
     ``aten.uniform``, elementwise: each sample its own."""
