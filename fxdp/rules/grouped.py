@@ -53,8 +53,8 @@ def grouped_mm_rule(op: Any) -> OpRule:
     parameter (register it with ``fxdp.register_rule`` for an op of one's own with
     ``torch._grouped_mm``'s meaning and first three arguments)."""
 
-    def run(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rest: tuple = ()) -> torch.Tensor:
-        return call_with_schema_args(op, (x, w, offs, *rest))
+    def run(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return call_with_schema_args(op, (x, w, offs))
 
     def group_sums(g: torch.Tensor, x: torch.Tensor, key: torch.Tensor, groups: Any) -> torch.Tensor:
         """``[groups, k, o]``: ``Σ_{r: key_r = e} x_rᵀ g_r`` over rows ``[S, k]``,
@@ -93,7 +93,7 @@ def grouped_mm_rule(op: Any) -> OpRule:
         key = keys.long()
         valid = (key >= 0) & (key < groups)
         same = (key.unsqueeze(-1) == key.unsqueeze(-2)) & valid.unsqueeze(-1) & valid.unsqueeze(-2)
-        x, g = x.to(g.dtype), g
+        x = x.to(g.dtype)
         return (torch.matmul(x, x.mT) * torch.matmul(g, g.mT) * same).sum((-1, -2))
 
     def costs(shapes, *, groups):
@@ -116,8 +116,9 @@ def grouped_mm_rule(op: Any) -> OpRule:
     def input_grad(args, grad_out, index):
         if index != 0:
             raise NotImplementedError(f"{op}: only the rows (argument 0) take a gradient besides the weight")
-        # Row r's gradient is g_r w[g(r)]ᵀ: the grouped matmul by the transposed weight.
-        return run(grad_out, args[1].transpose(-2, -1), args[2], tuple(args[3:]))
+        # Row r's gradient is g_r w[g(r)]ᵀ: the grouped matmul by the transposed weight
+        # (a bias, ``torch._grouped_mm``'s fourth argument, has no part in it).
+        return run(grad_out, args[1].transpose(-2, -1), args[2]).to(args[0].dtype)
 
     def batch_rule(args_batch, args_meta, out_meta, config):
         # Sorted rows (``Rows``) are followed by the batch analysis itself.
