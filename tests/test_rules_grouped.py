@@ -24,11 +24,13 @@ B, T, D = 3, 4, 8
 RULE = lookup(torch.ops.fxdp_tests.loop_grouped_mm.default).params[1]
 
 
-def _rows(groups: int, seed: int = 0):
+def _rows(groups: int, rows: int = T, seed: int = 0):
+    """``[B, rows, ·]`` gradients, inputs and keys (from 70 rows the ghost norm's Gram
+    matrices go in blocks, see ``gram_inner``)."""
     g = torch.Generator().manual_seed(seed)
-    grad = torch.randn(B, T, 5, generator=g, dtype=torch.float64)
-    x = torch.randn(B, T, 6, generator=g, dtype=torch.float64)
-    keys = torch.randint(0, groups, (B, T), generator=g).to(torch.float32)
+    grad = torch.randn(B, rows, 5, generator=g, dtype=torch.float64)
+    x = torch.randn(B, rows, 6, generator=g, dtype=torch.float64)
+    keys = torch.randint(0, groups, (B, rows), generator=g).to(torch.float32)
     keys[0, 1] = groups  # a sentinel past the last group: no weight, no gradient
     return grad, x, keys
 
@@ -36,16 +38,17 @@ def _rows(groups: int, seed: int = 0):
 def _loop_per_sample(grad, x, keys, groups):
     out = torch.zeros(B, groups, x.shape[-1], grad.shape[-1], dtype=grad.dtype)
     for b in range(B):
-        for t in range(T):
+        for t in range(keys.shape[1]):
             e = int(keys[b, t])
             if e < groups:
                 out[b, e] += torch.outer(x[b, t], grad[b, t])
     return out
 
 
-def test_the_rule_s_gradients_and_norms_against_a_loop_over_samples_and_groups():
+@pytest.mark.parametrize("rows", [T, 70], ids=["few-rows", "gram-in-blocks"])
+def test_the_rule_s_gradients_and_norms_against_a_loop_over_samples_and_groups(rows: int):
     groups = 3
-    grad, x, keys = _rows(groups)
+    grad, x, keys = _rows(groups, rows=rows)
     expected = _loop_per_sample(grad, x, keys, groups)
     per_sample = RULE.per_sample_grad(grad, x, keys, groups=groups)
     torch.testing.assert_close(per_sample, expected)

@@ -59,8 +59,9 @@ SYMMETRIC_GRAM_MIN_POSITIONS = 64
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def gram_inner(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """``Σ_{t,s} (a_t·a_s)(g_t·g_s)`` per leading index, for ``g [..., T, o]`` and ``a [..., T, i]``.
+def gram_inner(g: torch.Tensor, a: torch.Tensor, pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """``Σ_{t,s} (a_t·a_s)(g_t·g_s)`` per leading index, for ``g [..., T, o]`` and ``a [..., T, i]``;
+    with ``pairs [..., T, T]`` (symmetric), over the pairs it marks only.
 
     The ghost norm's Gram route. Both Gram matrices are symmetric, so for long
     sequences the positions are split in two halves ``1, 2`` and the sum is
@@ -75,14 +76,22 @@ def gram_inner(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     # taken in float32 (a sum of T² products).
     low = g.dtype in _LOW_PRECISION or a.dtype in _LOW_PRECISION
 
-    def inner(rows_g, cols_g, rows_a, cols_a):
+    def inner(rows_g, cols_g, rows_a, cols_a, block=None):
         gram_a = torch.matmul(rows_a, cols_a.transpose(-1, -2))
         gram_g = torch.matmul(rows_g, cols_g.transpose(-1, -2))
         if low:
             gram_a, gram_g = gram_a.float(), gram_g.float()
-        return (gram_a * gram_g).sum((-1, -2))
+        product = gram_a * gram_g
+        return (product if block is None else product * block).sum((-1, -2))
 
     t = g.shape[-2]
+    if pairs is not None:
+        if low or hint(t) < SYMMETRIC_GRAM_MIN_POSITIONS:
+            return inner(g, g, a, a, pairs).to(g.dtype)
+        h = t // 2
+        g1, g2, a1, a2 = g[..., :h, :], g[..., h:, :], a[..., :h, :], a[..., h:, :]
+        return (inner(g1, g1, a1, a1, pairs[..., :h, :h]) + inner(g2, g2, a2, a2, pairs[..., h:, h:])
+                + 2 * inner(g2, g1, a2, a1, pairs[..., h:, :h]))
     if t == 1:
         last_two = (g.dim() - 2, g.dim() - 1)
         g2, a2 = (g.float(), a.float()) if low else (g, a)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args, register_rule, register_rule_factory
-from fxdp.rules._common import hint
+from fxdp.rules._common import gram_cost, gram_inner, hint
 
 __all__ = ["grouped_mm_rule", "is_grouped_mm", "GROUPED_MM_OPS"]
 
@@ -93,13 +93,12 @@ def grouped_mm_rule(op: Any) -> OpRule:
         key = keys.long()
         valid = (key >= 0) & (key < groups)
         same = (key.unsqueeze(-1) == key.unsqueeze(-2)) & valid.unsqueeze(-1) & valid.unsqueeze(-2)
-        x = x.to(g.dtype)
-        return (torch.matmul(x, x.mT) * torch.matmul(g, g.mT) * same).sum((-1, -2))
+        return gram_inner(g, x.to(g.dtype), same.to(g.dtype))
 
     def costs(shapes, *, groups):
         (n, t, o), (_, _, k), _ = shapes
         n, t, o, k, e = (hint(s) for s in (n, t, o, k, groups))
-        ghost = 2.0 * n * t * t * (k + o + 1)
+        ghost = gram_cost(n, t, k, o)
         instantiate = 4.0 * n * t * k * o + 2.0 * n * e * k * o
         return {"ghost": ghost, "instantiate": instantiate}
 
