@@ -6,6 +6,8 @@ after it, as ``x.view(-1, d)`` merges ``[B, T, d]`` into ``[B·T, d]``:
 ``b·inner + r``; with ``outer`` (``[T, B, d] -> [T·B, d]``) the dim has size
 ``outer·B·inner`` and index ``o·B·inner + b·inner + r``. ``WHOLE`` marks a tensor that is entirely one sample (``B == 1``);
 ``SHARED`` a tensor without batch dim that every sample sees whole (it is expanded).
+``Piece`` is one sample's values taken out of the batch; ``Rows``, ``Groups`` and
+``Inverse`` follow a batch's rows sorted across samples (a mixture of experts' dispatch).
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["retrack", "BatchDim", "Piece", "Rows", "Groups", "Inverse", "unpermute", "WHOLE", "SHARED", "RAW", "batch_major", "batch_major_all", "batch_size_of",
-           "broadcast_batch", "from_batch_major", "scale_batch"]
+__all__ = ["retrack", "BatchDim", "Piece", "Rows", "Groups", "Inverse", "unpermute", "WHOLE", "SHARED", "RAW",
+           "batch_major", "batch_major_all", "batch_size_of", "broadcast_batch", "from_batch_major", "scale_batch"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
