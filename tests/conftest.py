@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The grouped matmul of tests/models.py's float64 experts has torch._grouped_mm's meaning
 # (Hugging Face's fallback op has its rule by name).
 import fxdp  # noqa: E402
-import models  # noqa: E402
+import models  # noqa: E402, F401  (defines the loop op registered below)
 from fxdp.rules.grouped import grouped_mm_rule  # noqa: E402
 
 fxdp.register_rule(grouped_mm_rule(torch.ops.fxdp_tests.loop_grouped_mm.default))
