@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# The grouped matmul of tests/models.py's experts (below bfloat16) has torch._grouped_mm's meaning
+# The grouped matmul of tests/models.py's experts (every dtype but bfloat16) has torch._grouped_mm's meaning
 # (Hugging Face's fallback op has its rule by name).
 import fxdp  # noqa: E402
 import models  # noqa: E402, F401  (defines the loop op registered below)
