@@ -29,7 +29,8 @@ from fxdp.passes.writes import carries_no_gradient, computed_without_grad, follo
 from fxdp.registry import lookup, named_arg, out_of_place
 from fxdp.rules.grouped import is_grouped_mm
 
-__all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name", "arange_dim"]
+__all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name", "arange_dim",
+           "rule_layout"]
 
 aten = torch.ops.aten
 
@@ -1006,17 +1007,10 @@ def _values_indices(node, arg_batch):
     keep = node.target in (aten.sort.default, aten.sort.stable, aten.topk.default, aten.cummax.default,
                            aten.cummin.default) or bool(named_arg(node, "keepdim", False))
     d = _norm_dim(d, x.dim())
-    if d == b.dim and node.target in (aten.sort.default, aten.sort.stable) and x.dim() == 1 and _equal_one(b.outer):
-        # A mixture of experts' dispatch: the batch's rows sorted by expert (see ``Rows``).
-        descending = bool(named_arg(node, "descending", False))
-        return [Rows(0, node, b.inner, keys=not descending), Rows(0, node, b.inner, ids=b.inner)]
     if d == b.dim and node.target in (aten.sort.default, aten.sort.stable):
-        raise MixesSamples(
-            "it sorts along the batch dim, so the order it gives each sample's values depends on the "
-            "other samples' (a mixture of experts that groups the batch's tokens by expert does this: "
-            "route the tokens densely instead, with a one-hot or scatter combine; Hugging Face MoE "
-            "models do with experts_implementation=\"batched_mm\" in from_pretrained or their config, "
-            "or model.set_experts_implementation(\"batched_mm\"))")
+        order = _sorted_along_batch(node, b, x)
+        descending = bool(named_arg(node, "descending", False))
+        return [dataclasses.replace(order, ids=None, keys=not descending), order]
     if d == b.dim:
         raise MixesSamples("it works along the batch dim")
     out = b if keep else b.at(b.dim - (1 if d < b.dim else 0))
@@ -1032,12 +1026,20 @@ def _argsort(node, arg_batch):
         return b
     x = _meta(node.args[0])
     d = _norm_dim(named_arg(node, "dim", -1), x.dim())
-    if d != b.dim:
-        return b
+    return b if d != b.dim else _sorted_along_batch(node, b, x)
+
+
+def _sorted_along_batch(node: fx.Node, b: BatchDim, x: torch.Tensor) -> Rows:
+    """The indices of a sort along the batch dim: of a 1-D tensor, a mixture of experts'
+    dispatch (the batch's rows sorted by expert, see ``Rows``); refused otherwise."""
     if x.dim() == 1 and _equal_one(b.outer):
         return Rows(0, node, b.inner, ids=b.inner)
-    raise MixesSamples("it sorts along the batch dim, so the order it gives each sample's values depends on the "
-                       "other samples'")
+    raise MixesSamples(
+        "it sorts along the batch dim, so the order it gives each sample's values depends on the "
+        "other samples' (a mixture of experts that groups the batch's tokens by expert does this: "
+        "route the tokens densely instead, with a one-hot or scatter combine; Hugging Face MoE "
+        "models do with experts_implementation=\"batched_mm\" in from_pretrained or their config, "
+        "or model.set_experts_implementation(\"batched_mm\"))")
 
 
 @_register(aten.histc.default, aten.bincount.default)
@@ -2112,7 +2114,7 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
     target = node.target
     flat = [b for b in _flat(arg_batch + kwarg_batch) if b is not None]
     args = node.args
-    if target in _COPIES or target in (aten.to.dtype, aten.to.dtype_layout):
+    if target in _COPIES:
         b = arg_batch[0]
         if isinstance(b, (Groups, Inverse)):
             return b
@@ -2191,10 +2193,11 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
     return _as_rows(out, first)
 
 
-def _as_rules_see(b: Any) -> Any:
-    """A layout as rules see it: sorted rows reach their markers put back in batch order."""
+def rule_layout(b: Any) -> Any:
+    """A layout as rules see it (and ``meta["fxdp_batch"]`` holds it): sorted rows reach
+    their markers put back in batch order."""
     if isinstance(b, (list, tuple)):
-        return type(b)(_as_rules_see(x) for x in b)
+        return type(b)(rule_layout(x) for x in b)
     return b.in_batch_order if isinstance(b, Rows) else b
 
 
@@ -2357,7 +2360,7 @@ def batch_dim_pass(
             if not retried.problems:
                 break
     for node in gm.graph.nodes:
-        node.meta["fxdp_batch"] = _as_rules_see(analysis.batch.get(node))
+        node.meta["fxdp_batch"] = rule_layout(analysis.batch.get(node))
     return analysis
 
 
@@ -2711,7 +2714,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, ex
             continue
         if rule is not None and index is not None and index in rule.params:
             reason = rule.check(
-                [_as_rules_see(_arg_batch(a, batch)) for a in node.args], [_meta(a) for a in node.args], index
+                [rule_layout(_arg_batch(a, batch)) for a in node.args], [_meta(a) for a in node.args], index
             ) if rule.check else None
             if reason:
                 problems.append(Problem(op_name(target), path, _names(sources[value], param_names), reason,

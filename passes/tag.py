@@ -27,7 +27,7 @@ from fxdp.errors import UnsupportedError
 from fxdp.functions import (FUNCTION_APPLY, FunctionInTransform, TaggedFunction, backward_rule, function_call,
                             function_param_rule, registered_operands)
 from fxdp.markers import USES, TaggedOp, Transform, new_use
-from fxdp.passes.batch_dims import BatchAnalysis, module_path_of, op_name
+from fxdp.passes.batch_dims import BatchAnalysis, module_path_of, op_name, rule_layout
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad
 from fxdp.registry import GRAD, OpRule, ParamRule, lookup, named_arg, schema_args
 from fxdp.rules.generic import generic_rule
@@ -89,10 +89,8 @@ def _tag_whole_parameters(gm: fx.GraphModule, param_names: dict[fx.Node, str],
 
 
 def _generic_layout(b) -> BatchDim:
-    """An argument's layout as the generic rule receives the argument (sorted rows put
-    back in batch order by the marker)."""
-    if isinstance(b, Rows):
-        return b.in_batch_order
+    """An argument's layout as the generic rule receives the argument."""
+    b = rule_layout(b)
     return b if isinstance(b, BatchDim) else RAW
 
 
@@ -334,19 +332,18 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
         shared = SHARED if broadcast is not None else WHOLE
         if any(s.generic for s in sites):
             layouts = {i: _generic_layout(batch.get(a)) for i, a in enumerate(node.args) if isinstance(a, fx.Node)}
-            out_layout = batch.get(node)
             rule = generic_rule(node.target, tuple(node.args), {s.index for s in sites}, layouts,
-                                out_layout.in_batch_order if isinstance(out_layout, Rows) else out_layout)
+                                rule_layout(batch.get(node)))
         else:
             rule = lookup(node.target)
         use_ids, held = {}, []
         extra_args: dict[int, list[fx.Node]] = {}
+        listed = [x for a in node.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, fx.Node)]
         for site in sites:
             param_rule = rule.params[site.index]
             operand_batch = []
             trailing: list[fx.Node] = []
             substitutes = {}
-            listed = [x for a in node.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, fx.Node)]
             for position, s in enumerate(param_rule.operands):
                 if s == GRAD:
                     value = node
