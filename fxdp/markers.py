@@ -211,12 +211,23 @@ def _own(out: Any, inputs: list[torch.Tensor]) -> Any:
     return out.detach()
 
 
+def _copies_summed(grad: torch.Tensor, batch_size: Any, broadcast: Any) -> torch.Tensor:
+    """The gradient of an output expanded to a batch dim that holds several rows per
+    sample (``[B·n, …]``), each sample's rows summed: ``[B, …]``, as if the output had
+    been expanded to ``B`` and each sample's row copied ``n`` times after."""
+    d, shape = broadcast.batch_dim, grad.shape
+    split = (batch_size, -1) if broadcast.merged == "inner" else (-1, batch_size)
+    return grad.reshape(*shape[:d], *split, *shape[d + 1:]).sum(d + 1 if broadcast.merged == "inner" else d)
+
+
 class _Tagged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tagged: "TaggedOp", *args):
         broadcast = tagged.broadcast
         if broadcast is not None:
-            ref, args = args[-1], args[:-1]
+            refs = 2 if broadcast.merged else 1
+            (ref, *sample_ref), args = args[-refs:], args[:-refs]
+            ctx.batch_size = sample_ref[0].shape[broadcast.sample_ref_dim] if sample_ref else None
         num_extras = sum(tagged.extra_args.values())
         if num_extras:
             extras, args = args[len(args) - num_extras:], args[: len(args) - num_extras]
@@ -263,7 +274,10 @@ class _Tagged(torch.autograd.Function):
         grads: list[Any] = [None] * (len(args) + ctx.num_extras)
         input_grad_out = grad_out
         if tagged.broadcast is not None:
-            grads.append(None)  # the reference the batch size was read from
+            # the references the sizes were read from
+            grads += [None] * (2 if tagged.broadcast.merged else 1)
+            if tagged.broadcast.merged:
+                grad_out = _copies_summed(grad_out, ctx.batch_size, tagged.broadcast)
             input_grad_out = grad_out.sum(tuple(range(ctx.added)))
         offsets, start = {}, 0
         for i in sorted(tagged.extra_args):

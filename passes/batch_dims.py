@@ -69,7 +69,8 @@ class Broadcast:
     Attributes:
         batch_dim: Where the batch goes in the expanded output.
         ndim: Rank of the expanded output.
-        ref: A batched value to read ``B`` from at run time.
+        ref: A batched value to read the size of the batch dim from at run time (``B``,
+            or ``B·n`` where ``n`` rows of each sample are merged into it).
         ref_dim: Its batch dim.
     """
 
@@ -77,6 +78,12 @@ class Broadcast:
     ndim: int
     ref: fx.Node
     ref_dim: int
+    # The batch data it meets has several rows per sample merged into that dim
+    # (``BatchDim.inner``, ``outer``): ``"inner"`` or ``"outer"``, and a plain batched
+    # value to read ``B`` from, to sum each sample's copies of the output's gradient.
+    merged: str = ""
+    sample_ref: "fx.Node | None" = None
+    sample_ref_dim: int = 0
 
 
 @dataclasses.dataclass
@@ -2656,7 +2663,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, ex
                 broadcast_values.update(_own_expands(node, batch))
     for node, plan in candidates.items():
         broadcasts[node] = plan
-        batch[node] = BatchDim(plan.batch_dim)
+        batch[node] = batch[plan.ref].at(plan.batch_dim) if plan.merged else BatchDim(plan.batch_dim)
         for i, a in enumerate(node.args):
             if isinstance(a, fx.Node) and a in sources:
                 kind = "broadcast" if a in param_names else "transform"
@@ -2829,19 +2836,30 @@ def _broadcast_plan(node: fx.Node, batch: dict) -> "Broadcast | None":
             return None
         if plan is None:
             plan = candidate
-        elif (plan.batch_dim, plan.ndim) != (candidate.batch_dim, candidate.ndim):
+        elif (plan.batch_dim, plan.ndim, plan.merged) != (candidate.batch_dim, candidate.ndim, candidate.merged) \
+                or not batch[plan.ref].at(0).same_as(batch[candidate.ref].at(0)):
             return None
     return plan
 
 
 def _user_plan(node: fx.Node, out: torch.Tensor, user: fx.Node, batch: dict) -> "Broadcast | None":
-    """The broadcast of ``node``'s output that its pointwise or ``cat`` user needs."""
+    """The broadcast of ``node``'s output that its pointwise or ``cat`` user needs.
+
+    The batch it meets may merge several rows of each sample into its batch dim: the
+    sequence folded into windows ``[B·n, m, d]`` with a memory token
+    ``mem.expand(B·n, -1, -1)`` put in front of each, two views of every sample stacked
+    ``[2·B, …]`` with one ``cls_token`` expanded to them all. Every row is a copy of the
+    output, so sample ``b``'s gradient is the sum over its rows (the marker takes it).
+    """
     is_cat = user.target is aten.cat.default
     if not (_is_pointwise(user.target) or is_cat):
         return None
     b = batch.get(user)
-    if not isinstance(b, BatchDim) or b.dim is None or not b.plain:
+    if not isinstance(b, BatchDim) or not isinstance(b.dim, int):
         return None
+    merged = "" if b.plain else "inner" if _equal_one(b.outer) else "outer" if _equal_one(b.inner) else None
+    if merged is None:
+        return None  # rows merged both ways: B alone does not tell one sample's copies apart
     n = _meta(user).dim()
     added = n - out.dim()
     if is_cat or b.dim >= added:
@@ -2849,11 +2867,18 @@ def _user_plan(node: fx.Node, out: torch.Tensor, user: fx.Node, batch: dict) -> 
             return None
     flat_args = [a for arg in user.args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
     ref = next((a for a in flat_args if isinstance(a, fx.Node) and a is not node
-                and isinstance(batch.get(a), BatchDim) and batch[a].dim is not None
-                and batch[a].plain), None)
+                and isinstance(batch.get(a), BatchDim) and isinstance(batch[a].dim, int)
+                and batch[a].at(b.dim).same_as(b)), None)
     if ref is None:
         return None
-    # the ref's batch dim in its own layout, for reading B at run time
+    sample_ref = None
+    if merged:
+        sample_ref = next((p for p in node.graph.nodes if p.op == "placeholder" and isinstance(batch.get(p), BatchDim)
+                           and isinstance(batch[p].dim, int) and batch[p].plain), None)
+        if sample_ref is None:
+            return None
+    # the refs' batch dims in their own layouts, for reading the sizes at run time
     return Broadcast(batch_dim=b.dim - added if (is_cat or b.dim >= added) else b.dim,
                      ndim=out.dim() if (is_cat or b.dim >= added) else n,
-                     ref=ref, ref_dim=batch[ref].dim)
+                     ref=ref, ref_dim=batch[ref].dim, merged=merged, sample_ref=sample_ref,
+                     sample_ref_dim=batch[sample_ref].dim if merged else 0)

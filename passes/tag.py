@@ -351,6 +351,8 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
                     value = node.args[s] if s < len(node.args) else (
                         listed[s - len(node.args)] if s - len(node.args) < len(listed) else None)
                 b = batch.get(value)
+                if s == GRAD and broadcast is not None:
+                    b = BatchDim(broadcast.batch_dim)  # a merged batch's copies summed (see _Tagged)
                 if s == GRAD and isinstance(b, (list, tuple)):
                     b = b[0]  # a multi-output op's first (differentiable) output
                 if isinstance(b, Groups):  # the offsets of sorted rows: their keys instead
@@ -398,7 +400,8 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
         tagged = TaggedOp(rule, use_ids, broadcast, extra_args={
             i: len(v) for i, v in extra_args.items()})
         flat_extras = [n for i in sorted(extra_args) for n in extra_args[i]]
-        args = tuple(node.args) + tuple(flat_extras) + ((broadcast.ref,) if broadcast is not None else ())
+        refs = () if broadcast is None else (broadcast.ref, broadcast.sample_ref) if broadcast.merged else (broadcast.ref,)
+        args = tuple(node.args) + tuple(flat_extras) + refs
         # The batch-size reference is defined before the first user, maybe after the op.
         anchor = node if broadcast is None else _first_user(gm, node)
         with gm.graph.inserting_before(anchor):

@@ -949,6 +949,63 @@ def test_latents_copied_to_the_batch(how):
     _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), dp=dp)
 
 
+class CopiesForMergedRows(nn.Module):
+    """A parameter copied to a batch dim that holds several rows of each sample: the
+    sequence folded into windows ``[B·n, m, D]`` with memory tokens
+    ``mem.expand(B·n, -1, -1)`` in front of each (x-transformers'
+    ``memory_tokens_interspersed_every``, vit-pytorch's SepViT window tokens); two views
+    of each sample stacked ``cat((v1, v2), 0)`` with one class token expanded to all
+    ``2·B`` rows (LeJEPA); a position table looked up and added to every window."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(D, D)
+        if kind == "positions":
+            self.pos = nn.Embedding(2, D)
+        else:
+            self.mem = nn.Parameter(torch.randn(2, D))
+
+    def forward(self, x):  # [B, 2·2, D]
+        n, t, d = x.shape
+        h = self.lin(x)
+        if self.kind == "windows":
+            h = h.reshape(n * (t // 2), 2, d)
+            h = torch.cat([self.mem.unsqueeze(0).expand(h.shape[0], -1, -1), h], dim=1)
+            return self.lin(torch.tanh(h)).reshape(n, -1, d)
+        if self.kind == "views":
+            h = torch.cat((h, h.flip(1) * 0.5), 0)
+            h = torch.cat([self.mem[:1].unsqueeze(0).expand(h.shape[0], -1, -1), h], dim=1)
+            first, second = self.lin(torch.tanh(h)).chunk(2, 0)
+            return first * second
+        h = h.reshape(n * (t // 2), 2, d) + self.pos(torch.arange(2))  # "positions"
+        return self.lin(torch.tanh(h)).reshape(n, t, d)
+
+
+@pytest.mark.parametrize("kind", ["windows", "views", "positions"])
+def test_parameter_copied_to_a_batch_of_merged_rows(kind):
+    """Each sample's gradient is the sum over its rows' copies; before, the copy was
+    read as shared and its ``cat`` refused ("no per-sample rule")."""
+    torch.manual_seed(0)
+    model = CopiesForMergedRows(kind).double()
+    dp = _against_the_loop(model, torch.randn(B, 4, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, 4, D, dtype=torch.float64), dp=dp)
+    assert dp.explain().rule_counts.get("embedding.weight" if kind == "positions" else "expand.self")
+    _against_the_loop(model, torch.randn(1, 4, D, dtype=torch.float64), dp=dp)
+
+
+def test_parameter_copied_to_a_batch_of_merged_rows_under_inductor():
+    torch.manual_seed(0)
+    model = CopiesForMergedRows("views")
+    dp = _against_the_loop_under_inductor(model, torch.randn(B, 4, D))
+    x = torch.randn(B + 2, 4, D)  # a new batch size: the graph compiled for a dynamic B
+    ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    for p in model.parameters():
+        p.grad = None
+    dp(x).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-4, "grad_sample")
+
+
 class ExpandedThenBroadcast(nn.Module):
     """A shared table expanded to the batch, then divided by a shared operand that
     broadcasts one of the table's size-1 dims (timm XCiT's Fourier positions, Funnel's
