@@ -225,7 +225,7 @@ class _Tagged(torch.autograd.Function):
     def forward(ctx, tagged: "TaggedOp", *args):
         broadcast = tagged.broadcast
         if broadcast is not None:
-            refs = 2 if broadcast.merged else 1
+            refs = len(broadcast.refs)
             (ref, *sample_ref), args = args[-refs:], args[:-refs]
             ctx.batch_size = sample_ref[0].shape[broadcast.sample_ref_dim] if sample_ref else None
         num_extras = sum(tagged.extra_args.values())
@@ -275,7 +275,7 @@ class _Tagged(torch.autograd.Function):
         input_grad_out = grad_out
         if tagged.broadcast is not None:
             # the references the sizes were read from
-            grads += [None] * (2 if tagged.broadcast.merged else 1)
+            grads += [None] * len(tagged.broadcast.refs)
             if tagged.broadcast.merged:
                 grad_out = _copies_summed(grad_out, ctx.batch_size, tagged.broadcast)
             input_grad_out = grad_out.sum(tuple(range(ctx.added)))

@@ -85,6 +85,11 @@ class Broadcast:
     sample_ref: "fx.Node | None" = None
     sample_ref_dim: int = 0
 
+    @property
+    def refs(self) -> tuple:
+        """The values the marker reads the sizes from, passed after the op's arguments."""
+        return (self.ref, self.sample_ref) if self.merged else (self.ref,)
+
 
 @dataclasses.dataclass
 class UseSite:

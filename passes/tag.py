@@ -400,8 +400,7 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
         tagged = TaggedOp(rule, use_ids, broadcast, extra_args={
             i: len(v) for i, v in extra_args.items()})
         flat_extras = [n for i in sorted(extra_args) for n in extra_args[i]]
-        refs = () if broadcast is None else (broadcast.ref, broadcast.sample_ref) if broadcast.merged else (broadcast.ref,)
-        args = tuple(node.args) + tuple(flat_extras) + refs
+        args = tuple(node.args) + tuple(flat_extras) + (broadcast.refs if broadcast is not None else ())
         # The batch-size reference is defined before the first user, maybe after the op.
         anchor = node if broadcast is None else _first_user(gm, node)
         with gm.graph.inserting_before(anchor):
