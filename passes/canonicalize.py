@@ -964,7 +964,7 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
             if dim is not None and isinstance(shape[dim], int) and shape[dim] == 1:
                 sizes = [-1] * len(shape)
                 sizes[dim % len(shape)] = repeats
-                node.target, node.args, node.kwargs = aten.expand.default, (src, sizes), {}
+                _copy_as_expand(gm, node, (src, sizes))
             continue
         if node.op != "call_function" or node.target is not aten.repeat.default:
             continue
@@ -974,15 +974,28 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
         lead = len(reps) - len(shape)
         shape = [1] * lead + shape
         if lead >= 0 and all(bool(r == 1) or bool(s == 1) for r, s in zip(reps, shape)):
-            node.target = aten.expand.default
             # -1 keeps a dim that is not repeated (its size may be symbolic), a size-1
             # dim takes the repeat count (a graph node for a symbolic batch size), and
             # so does a dim expand adds in front.
-            node.args = (src, [r if i < lead or (isinstance(s, int) and s == 1) else -1
-                               for i, (s, r) in enumerate(zip(shape, reps))])
+            _copy_as_expand(gm, node, (src, [r if i < lead or (isinstance(s, int) and s == 1) else -1
+                                             for i, (s, r) in enumerate(zip(shape, reps))]))
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _copy_as_expand(gm: fx.GraphModule, node: fx.Node, args: tuple) -> None:
+    """``node``, a copy of size-1 dims, as the ``expand`` with ``args``; followed by a
+    ``clone`` where an op writes into the copy or a view of it (MAE's
+    ``x_ = mask_token.repeat(B, N, 1); x_[rows, kept] = x``), as the write must not
+    reach the expanded tensor (the parameter itself)."""
+    node.target, node.args, node.kwargs = torch.ops.aten.expand.default, args, {}
+    if not _piece_written(node):
+        return
+    with gm.graph.inserting_after(node):
+        copy = gm.graph.call_function(torch.ops.aten.clone.default, (node,))
+    copy.meta = {**node.meta, "val": node.meta["val"].clone()} if "val" in node.meta else dict(node.meta)
+    node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
 
 
 _EXPANDS = {torch.ops.aten.expand.default, torch.ops.aten.expand_as.default, torch.ops.aten.broadcast_to.default}

@@ -1006,6 +1006,38 @@ def test_parameter_copied_to_a_batch_of_merged_rows_under_inductor():
     assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-4, "grad_sample")
 
 
+class MaskTokensWrittenOver(nn.Module):
+    """MONAI's masked autoencoder: a mask token ``repeat``ed to every position of every
+    sample, then the kept tokens written over it in place at per-sample positions. The
+    repeat is read as an expand of the parameter; the write goes into a copy."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.token = nn.Parameter(torch.randn(1, 1, D))
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, kept):  # x [B, 2, D], kept [B, 2]: positions among 4
+        h = self.lin(x)
+        if self.how == "repeat":
+            full = self.token.repeat(h.shape[0], 4, 1)
+        else:
+            full = self.token.repeat_interleave(h.shape[0], 0).repeat(1, 4, 1)
+        full[torch.arange(h.shape[0]).unsqueeze(-1), kept] = h
+        full[:, 0] += 1.0  # and through a view
+        return self.lin(torch.tanh(full))
+
+
+@pytest.mark.parametrize("how", ["repeat", "repeat_interleave"])
+def test_a_copy_of_a_parameter_written_in_place(how):
+    """Read as a view of the parameter, the write was refused ("it writes in place into
+    a trainable parameter") or crashed Inductor's trace."""
+    torch.manual_seed(0)
+    model = MaskTokensWrittenOver(how).double()
+    kept = torch.stack([torch.randperm(4)[:2] for _ in range(B)])
+    _against_the_loop(model, torch.randn(B, 2, D, dtype=torch.float64), kept)
+
+
 class ExpandedThenBroadcast(nn.Module):
     """A shared table expanded to the batch, then divided by a shared operand that
     broadcasts one of the table's size-1 dims (timm XCiT's Fourier positions, Funnel's
