@@ -25,7 +25,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, s
 from fxdp.batching import WHOLE, BatchDim, Groups, Inverse, Piece, Rows, broadcast_batch
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
-from fxdp.passes.writes import carries_no_gradient, computed_without_grad, follow_write, parameter_write
+from fxdp.passes.writes import (carries_no_gradient, computed_without_grad, follow_write, parameter_write,
+                               reaches_no_gradient)
 from fxdp.registry import lookup, named_arg, out_of_place
 from fxdp.rules.grouped import is_grouped_mm
 
@@ -2081,6 +2082,9 @@ def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter
         joined = _pieces_joined(node, arg_batch[0], batch_size)
         if joined is not None:
             return joined
+    if node.target in (aten.slice_scatter.default, aten.select_scatter.default) \
+            and _writes_its_own_row(node, arg_batch):
+        return arg_batch[0]
     flat = list(_flat(arg_batch))
     samples = {b.sample for b in flat if isinstance(b, Piece)}
     if len(samples) > 1 or any(isinstance(b, (BatchDim, Loss)) for b in flat):
@@ -2094,6 +2098,29 @@ def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter
             "layer to the whole batch, or map it over the samples with torch.func.vmap")
     out, piece = _meta(node), Piece(samples.pop())
     return [piece] * len(out) if isinstance(out, (list, tuple)) else piece
+
+
+def _writes_its_own_row(node: fx.Node, arg_batch: list) -> bool:
+    """Whether a ``slice_scatter``/``select_scatter`` writes one sample's piece into that
+    sample's row of a batch, which stays the batch: ``pad_sequence`` of the samples'
+    sequences (``[h[i, :n_i] for i in range(B)]``), a loop that fills a buffer sized by
+    the batch row by row (``out[i] = f(x[i])``)."""
+    base, src = arg_batch[0], arg_batch[1]
+    if not (isinstance(base, BatchDim) and isinstance(base.dim, int) and base.plain and isinstance(src, Piece)
+            and not _any_batched(arg_batch[2:])):
+        return False
+    size = _meta(node.args[0]).shape
+    if _norm_dim(named_arg(node, "dim", 0), len(size)) != base.dim:
+        return False
+    if node.target is aten.select_scatter.default:
+        start, end, step = named_arg(node, "index", 0), None, 1
+        start = start + size[base.dim] if statically_known_true(start < 0) else start
+        end = start + 1
+    else:
+        start, end, step = (named_arg(node, "start", None) or 0, named_arg(node, "end", None),
+                            named_arg(node, "step", 1))
+    return statically_known_true(start == src.sample) and end is not None \
+        and statically_known_true(end == src.sample + 1) and step == 1
 
 
 def _any_sorted(value: Any) -> bool:
@@ -2405,6 +2432,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     divided_by_batch_size = False
     single = isinstance(batch_size, int) and batch_size in (0, 1)
     checks_only = _checks_only(gm)
+    without_grad, gradient_free = computed_without_grad(gm.graph), {}
 
     previous = None
     for node in gm.graph.nodes:
@@ -2524,7 +2552,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             if isinstance(batch[node], Loss):
                 losses[node] = batch[node].reduction
         except (MixesSamples, ValueError, GuardOnDataDependentSymNode) as e:
-            if node in checks_only:
+            # Where nothing with a gradient depends on it (a run-time check, a statistic the
+            # forward reports), no sample's gradient does: nothing after it is judged.
+            if node in checks_only or reaches_no_gradient(node, without_grad, gradient_free):
                 out = _meta(node)
                 batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
                 continue

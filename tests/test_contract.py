@@ -1847,6 +1847,67 @@ def test_reduction_over_the_batch_inside_the_model_is_refused(kind: str, op: str
     assert all(p.grad is None for p in model.parameters())
 
 
+class Reports(nn.Module):
+    """Reports a statistic of the whole batch that no gradient depends on: the
+    perplexity of a VQ-VAE quantizer's codes (a ``histc`` of the batch's argmax, stored
+    on the module, as MONAI's ``VectorQuantizer`` does), a ``bincount`` returned, a
+    batch mean of detached activations returned, or one computed under ``no_grad``.
+    ``use`` puts the statistic into the value the loss reads instead."""
+
+    def __init__(self, kind: str, use: bool = False):
+        super().__init__()
+        self.kind, self.use = kind, use
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        codes = h.detach().argmax(-1)
+        if self.kind == "perplexity":
+            p = torch.histc(codes.to(h.dtype), bins=3, min=0, max=3) / codes.numel()
+            stat = self.perplexity = torch.exp(-(p * torch.log(p + 1e-10)).sum())
+        elif self.kind == "bincount":
+            stat = torch.bincount(codes, minlength=3)
+        elif self.kind == "detached mean":
+            stat = h.detach().mean(0)
+        else:
+            with torch.no_grad():
+                stat = h.var(0)
+        if self.use:
+            return h * (stat if self.kind != "bincount" else stat.argmax())
+        return h, stat
+
+
+@pytest.mark.parametrize("kind", ["perplexity", "bincount", "detached mean", "no_grad var"])
+def test_a_statistic_of_the_batch_that_only_reports_is_accepted(kind):
+    """No sample's gradient depends on it: the gradients match the loop, and the
+    statistic is the whole batch's, as the model without fxdp gives it."""
+    model = Reports(kind).to(DTYPE)
+    plain = copy.deepcopy(model)
+    dp = fxdp.transform(model, max_grad_norm=1.0, grad_sample=True, compiler="eager")
+    for batch_size in (6, 8):
+        x = randn(batch_size, 4, seed=batch_size)
+        ref = reference(model, [x], lambda out, i: per_sample_sq_loss(out[0], i))
+        model.zero_grad()
+        out, stat = dp(x)
+        mean_sq_loss(out).backward()
+        assert_close_all(grads(model), ref.grad("mean", 1.0), TOL, "p.grad")
+        assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+        expected = plain(x)[1]
+        assert_tensor_close(stat, expected, "the statistic")
+        if kind == "perplexity":
+            assert_tensor_close(model.perplexity, plain.perplexity, "the stored statistic")
+
+
+@pytest.mark.parametrize("kind,op", [("perplexity", "aten.histc.default"), ("bincount", "aten.bincount.default"),
+                                     ("detached mean", "aten.mean.dim"), ("no_grad var", "aten.var.dim")])
+def test_a_statistic_of_the_batch_that_a_gradient_depends_on_is_refused(kind, op):
+    """Scaling, or selecting, the value the loss reads: each sample's gradient would
+    depend on the others'."""
+    problems = fxdp.validate(Reports(kind, use=True).to(DTYPE), randn(6, 4))
+    assert [p.op for p in problems] == [op], problems
+    assert "mixes samples" in problems[0].reason
+
+
 def test_refusal_raises_fxdp_unsupported_error_itself():
     dp = fxdp.transform(Centred().to(DTYPE), compiler="eager")
     with pytest.raises(fxdp.UnsupportedError):

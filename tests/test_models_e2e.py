@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 import fxdp
 import fxdp.compiler
@@ -550,6 +551,8 @@ class PiecesMixed(torch.nn.Module):
             return torch.cat([h[i:i + 1] + h[0:1] for i in range(x.shape[0])])
         if self.kind == "expanded":
             return h + h[0:1].expand(x.shape[0], -1, -1)
+        if self.kind == "padded-reversed":
+            return pad_sequence(list(reversed(h.unbind(0))), batch_first=True)
         if self.kind == "written-into-a-buffer":
             out = self.buffer.clone()
             for i in range(x.shape[0]):
@@ -572,6 +575,7 @@ class PiecesMixed(torch.nn.Module):
     ("written-swapped", "combines the values of one sample taken out of the batch"),
     ("accumulated", "combines the values of one sample taken out of the batch"),
     ("expanded", "combines the values of one sample taken out of the batch"),
+    ("padded-reversed", "combines the values of one sample taken out of the batch"),
     # Read as shared, the buffer's rows would have been constants to every sample.
     ("written-into-a-buffer", "writes one sample's values, taken out of the batch .* shared by all samples"),
     ("parameter", "uses a parameter on the values of one sample taken out of the batch"),
@@ -584,6 +588,66 @@ def test_a_loop_over_the_samples_that_mixes_their_pieces_is_refused(kind, reason
     with pytest.raises(fxdp.UnsupportedError, match=reason):
         fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(torch.randn(3, 2, 4, dtype=torch.float64))
     assert all(p.grad is None for p in model.parameters())
+
+
+class PaddedPieces(torch.nn.Module):
+    """Each sample's first ``lengths[i]`` positions (a list fixed per batch, as a data
+    loader's lengths would be), padded together again: by ``pad_sequence`` (its ATen code
+    writes piece ``i`` into row ``i`` of a buffer sized by the batch, ``slice_scatter``),
+    ``pad_sequence`` of ``unbind(0)`` (``select_scatter``), or a loop that writes each
+    into its row of ``new_zeros(B, T, d)``. ``Masked`` computes the same from the lengths
+    as a tensor, a model whose samples are independent by construction: the reference."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.lengths = kind, []
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.kind == "unbind":
+            return pad_sequence(list(h.unbind(0)), batch_first=True)
+        pieces = [h[i, :self.lengths[i]].tanh() for i in range(x.shape[0])]
+        if self.kind == "pad_sequence":
+            return pad_sequence(pieces, batch_first=True, padding_value=0.5)
+        out = h.new_full((x.shape[0], max(self.lengths), 3), 0.5)
+        for i, piece in enumerate(pieces):
+            out[i, :piece.shape[0]] = piece
+        return out
+
+
+class Masked(torch.nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x, lengths):
+        h = self.fc(x)
+        if self.kind == "unbind":
+            return h
+        kept = (torch.arange(x.shape[1]) < lengths[:, None])[..., None]
+        return torch.where(kept, h.tanh(), 0.5)
+
+
+@pytest.mark.parametrize("kind", ["pad_sequence", "unbind", "written"])
+def test_pieces_written_into_their_own_rows_are_the_batch(kind):
+    torch.manual_seed(0)
+    model = PaddedPieces(kind).double()
+    same = Masked(kind).double()
+    same.load_state_dict(model.state_dict())
+    dp_model = fxdp.transform(model, grad_sample=True, max_grad_norm=0.3, loss_reduction="sum", compiler="eager")
+    for batch_size in (3, 5):
+        x = _randn(batch_size, 4, 4, seed=batch_size)
+        model.lengths = [4] + [1 + i % 4 for i in range(1, batch_size)]
+        ref = reference(same, (x, torch.tensor(model.lengths)), lambda out, i: out.sin().pow(2).sum())
+        model.zero_grad(set_to_none=True)
+        dp_model(x).sin().pow(2).sum().backward()
+        tol = tolerance(torch.float64)
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, tol,
+                         f"grad_sample at B = {batch_size}")
+        assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("sum", 0.3), tol,
+                         f"clipped grad at B = {batch_size}")
 
 
 class VmapMixingSamples(torch.nn.Module):
