@@ -213,11 +213,13 @@ def _own(out: Any, inputs: list[torch.Tensor]) -> Any:
 
 def _copies_summed(grad: torch.Tensor, batch_size: Any, broadcast: Any) -> torch.Tensor:
     """The gradient of an output expanded to a batch dim that holds several rows per
-    sample (``[B·n, …]``), each sample's rows summed: ``[B, …]``, as if the output had
-    been expanded to ``B`` and each sample's row copied ``n`` times after."""
+    sample (``[B·n, …]``, ``[n·B, …]``, ``[k·B·n, …]``), each sample's rows summed:
+    ``[B, …]``, as if the output had been expanded to ``B`` and each sample's row copied
+    after."""
     d, shape = broadcast.batch_dim, grad.shape
-    split = (batch_size, -1) if broadcast.merged == "inner" else (-1, batch_size)
-    return grad.reshape(*shape[:d], *split, *shape[d + 1:]).sum(d + 1 if broadcast.merged == "inner" else d)
+    split, copies = {"inner": ((batch_size, -1), (d + 1,)), "outer": ((-1, batch_size), (d,)),
+                     "both": ((-1, batch_size, broadcast.inner), (d, d + 2))}[broadcast.merged]
+    return grad.reshape(*shape[:d], *split, *shape[d + 1:]).sum(copies)
 
 
 class _Tagged(torch.autograd.Function):

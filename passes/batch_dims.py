@@ -80,11 +80,13 @@ class Broadcast:
     ref: fx.Node
     ref_dim: int
     # The batch data it meets has several rows per sample merged into that dim
-    # (``BatchDim.inner``, ``outer``): ``"inner"`` or ``"outer"``, and a plain batched
-    # value to read ``B`` from, to sum each sample's copies of the output's gradient.
+    # (``BatchDim.inner``, ``outer``): ``"inner"``, ``"outer"`` or ``"both"`` (``outer·B·
+    # inner`` rows, ``inner`` a static count), and a plain batched value to read ``B``
+    # from, to sum each sample's copies of the output's gradient.
     merged: str = ""
     sample_ref: "fx.Node | None" = None
     sample_ref_dim: int = 0
+    inner: int = 1
 
     @property
     def refs(self) -> tuple:
@@ -2883,8 +2885,9 @@ def _user_plan(node: fx.Node, out: torch.Tensor, user: fx.Node, batch: dict) -> 
     The batch it meets may merge several rows of each sample into its batch dim: the
     sequence folded into windows ``[B·n, m, d]`` with a memory token
     ``mem.expand(B·n, -1, -1)`` put in front of each, two views of every sample stacked
-    ``[2·B, …]`` with one ``cls_token`` expanded to them all. Every row is a copy of the
-    output, so sample ``b``'s gradient is the sum over its rows (the marker takes it).
+    ``[2·B, …]`` with one ``cls_token`` expanded to them all, or both (``[2·B·n, …]``,
+    with a static ``n``). Every row is a copy of the output, so sample ``b``'s gradient
+    is the sum over its rows (the marker takes it).
     """
     is_cat = user.target is aten.cat.default
     if not (_is_pointwise(user.target) or is_cat):
@@ -2892,9 +2895,9 @@ def _user_plan(node: fx.Node, out: torch.Tensor, user: fx.Node, batch: dict) -> 
     b = batch.get(user)
     if not isinstance(b, BatchDim) or not isinstance(b.dim, int):
         return None
-    merged = "" if b.plain else "inner" if _equal_one(b.outer) else "outer" if _equal_one(b.inner) else None
-    if merged is None:
-        return None  # rows merged both ways: B alone does not tell one sample's copies apart
+    merged = "" if b.plain else "inner" if _equal_one(b.outer) else "outer" if _equal_one(b.inner) else "both"
+    if merged == "both" and not isinstance(b.inner, int):
+        return None  # B and the dim's size alone do not tell one sample's copies apart
     n = _meta(user).dim()
     added = n - out.dim()
     if is_cat or b.dim >= added:
@@ -2916,4 +2919,5 @@ def _user_plan(node: fx.Node, out: torch.Tensor, user: fx.Node, batch: dict) -> 
     return Broadcast(batch_dim=b.dim - added if (is_cat or b.dim >= added) else b.dim,
                      ndim=out.dim() if (is_cat or b.dim >= added) else n,
                      ref=ref, ref_dim=batch[ref].dim, merged=merged, sample_ref=sample_ref,
-                     sample_ref_dim=batch[sample_ref].dim if merged else 0)
+                     sample_ref_dim=batch[sample_ref].dim if merged else 0,
+                     inner=b.inner if merged == "both" else 1)

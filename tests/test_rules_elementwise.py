@@ -955,7 +955,8 @@ class CopiesForMergedRows(nn.Module):
     ``mem.expand(B·n, -1, -1)`` in front of each (x-transformers'
     ``memory_tokens_interspersed_every``, vit-pytorch's SepViT window tokens); two views
     of each sample stacked ``cat((v1, v2), 0)`` with one class token expanded to all
-    ``2·B`` rows (LeJEPA); a position table looked up and added to every window."""
+    ``2·B`` rows (LeJEPA); both (the views of the windows); a position table looked up
+    and added to every window."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -973,6 +974,12 @@ class CopiesForMergedRows(nn.Module):
             h = h.reshape(n * (t // 2), 2, d)
             h = torch.cat([self.mem.unsqueeze(0).expand(h.shape[0], -1, -1), h], dim=1)
             return self.lin(torch.tanh(h)).reshape(n, -1, d)
+        if self.kind == "views of windows":  # [2·B·2, 2, D]: the batch merged both ways
+            h = h.reshape(n * (t // 2), 2, d)
+            h = torch.cat((h, h.flip(1) * 0.5), 0)
+            h = torch.cat([self.mem.unsqueeze(0).expand(h.shape[0], -1, -1), h], dim=1)
+            first, second = self.lin(torch.tanh(h)).chunk(2, 0)
+            return (first * second).reshape(n, -1, d)
         if self.kind == "views":
             h = torch.cat((h, h.flip(1) * 0.5), 0)
             h = torch.cat([self.mem[:1].unsqueeze(0).expand(h.shape[0], -1, -1), h], dim=1)
@@ -982,7 +989,7 @@ class CopiesForMergedRows(nn.Module):
         return self.lin(torch.tanh(h)).reshape(n, t, d)
 
 
-@pytest.mark.parametrize("kind", ["windows", "views", "positions"])
+@pytest.mark.parametrize("kind", ["windows", "views", "views of windows", "positions"])
 def test_parameter_copied_to_a_batch_of_merged_rows(kind):
     """Each sample's gradient is the sum over its rows' copies; before, the copy was
     read as shared and its ``cat`` refused ("no per-sample rule")."""
