@@ -222,7 +222,8 @@ def _body_analysis(body: fx.GraphModule, args: list, batches: list, batch_size: 
     body = fx.GraphModule(body, copy.deepcopy(body.graph))
     canon = canonicalize_pass(body, args, fake_mode=fake_mode_of([a for a in args if isinstance(a, torch.Tensor)]))
     placeholders = [n for n in canon.graph.nodes if n.op == "placeholder"]
-    analysis = batch_dim_pass(canon, dict(zip(placeholders, batches)), {}, batch_size=batch_size)
+    analysis = batch_dim_pass(canon, dict(zip(placeholders, batches)), {}, batch_size=batch_size,
+                              function_body=True)
     output = next(n for n in canon.graph.nodes if n.op == "output")
     return canon, analysis, output
 

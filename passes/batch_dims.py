@@ -2363,6 +2363,7 @@ def batch_dim_pass(
     param_names: dict[fx.Node, str],
     *,
     batch_size: Any,
+    function_body: bool = False,
 ) -> BatchAnalysis:
     """Propagate batch dims through ``gm`` and collect everything that mixes samples.
 
@@ -2386,14 +2387,20 @@ def batch_dim_pass(
         param_names: Trainable-parameter placeholders and their names.
         batch_size: ``B``; with ``B == 1`` everything derived from the inputs is one
             sample (``WHOLE``) and nothing can mix samples; ``B == 0`` likewise.
+        function_body: ``gm`` is the body of an ``autograd.Function``: its outputs are the
+            Function's, which its backward differentiates, so a value that mixes samples
+            may not reach them (in a forward, one that carries no gradient may: a
+            statistic the forward reports, see ``reaches_no_gradient``).
 
     Returns:
         The analysis; the graph is not changed (nodes get ``meta["fxdp_batch"]``).
     """
-    analysis = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched="none")
+    analysis = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched="none",
+                          function_body=function_body)
     if (analysis.problems or analysis.sized_normaliser) and analysis.sized_by_batch:
         for reading in ("all", "unambiguous"):
-            retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=reading)
+            retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=reading,
+                                 function_body=function_body)
             if not retried.problems or set(retried.problems) < set(analysis.problems):
                 # Refused either way, for some of the same reasons: name only those, not
                 # the ones this reading of the same tensors explains away.
@@ -2406,12 +2413,12 @@ def batch_dim_pass(
 
 
 def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any, *,
-               sized_batched: str) -> BatchAnalysis:
+               sized_batched: str, function_body: bool) -> BatchAnalysis:
     """``batch_dim_pass`` with the tensors built from ``B`` shared (``"none"``), batched
     (``"all"``), or batched where a single dim has size ``B`` (``"unambiguous"``)."""
     _OWN_ROWS.append([])  # this propagation's (a Function's body is analysed inside another)
     try:
-        analysis = _propagate_rules(gm, placeholder_batch, param_names, batch_size, sized_batched)
+        analysis = _propagate_rules(gm, placeholder_batch, param_names, batch_size, sized_batched, function_body)
     finally:
         own_rows = _OWN_ROWS.pop()
     analysis.own_rows = [g for g in own_rows if isinstance(analysis.batch.get(g.node), BatchDim)]
@@ -2419,7 +2426,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
 
 
 def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any,
-                     sized_batched: str) -> BatchAnalysis:
+                     sized_batched: str, function_body: bool) -> BatchAnalysis:
     sized_by_batch: list[fx.Node] = []
     expanded_params: dict[fx.Node, BatchDim] = {}  # read batched: see _classify_parameter_uses
     batch: dict[fx.Node, Any] = {}
@@ -2556,7 +2563,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         except (MixesSamples, ValueError, GuardOnDataDependentSymNode) as e:
             # Where nothing with a gradient depends on it (a run-time check, a statistic the
             # forward reports), no sample's gradient does: nothing after it is judged.
-            if node in checks_only or reaches_no_gradient(node, without_grad, gradient_free):
+            if node in checks_only or (
+                    not function_body and reaches_no_gradient(node, without_grad, gradient_free)):
                 out = _meta(node)
                 batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
                 continue

@@ -144,7 +144,8 @@ def _gradient_free(node: fx.Node, without_grad: set[fx.Node], memo: dict) -> boo
     if node not in memo:
         values = node.meta.get("val")
         values = values if isinstance(values, (list, tuple)) else [values]
-        if not any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values):
+        if "val" in node.meta and not any(
+                isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values):
             memo[node] = True
         elif node.op != "call_function":
             memo[node] = node.op != "placeholder"  # a constant holds no gradient
