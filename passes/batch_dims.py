@@ -25,8 +25,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, s
 from fxdp.batching import WHOLE, BatchDim, Groups, Inverse, Piece, Rows, broadcast_batch
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
-from fxdp.passes.writes import (carries_no_gradient, computed_without_grad, follow_write, parameter_write,
-                               reaches_no_gradient)
+from fxdp.passes.writes import (carries_no_gradient, computed_without_grad, follow_write, is_detach,
+                               parameter_write, written_chain)
 from fxdp.registry import lookup, named_arg, out_of_place
 from fxdp.rules.grouped import is_grouped_mm
 
@@ -908,6 +908,8 @@ def _split(node, arg_batch):
         return [b] * n
     d = _norm_dim(node.args[2] if len(node.args) > 2 else 0, _meta(node.args[0]).dim())
     if d == b.dim:
+        if n == 1:  # the whole batch in one piece (reformer's ``x.chunk(1, dim=0)``)
+            return [b]
         pieces, start = [], 0
         for out in _meta(node):
             pieces.append((start, out.shape[d]))
@@ -2631,6 +2633,74 @@ def _checks_only(gm: fx.GraphModule) -> set[fx.Node]:
         if all(u.target in _ASSERTIONS or u in found for u in node.users):
             found.add(node)
     return found
+
+
+def reaches_no_gradient(node: fx.Node, without_grad: set[fx.Node], memo: dict) -> bool:
+    """Whether everything computed from ``node``'s value carries no gradient, and none of
+    it writes into anything else: a statistic of the whole batch that the forward only
+    reports (the perplexity a VQ-VAE's quantizer computes from a ``histc`` of the batch's
+    codes, pykan's ``x.std(0).detach()`` of each layer's input), which no sample's
+    gradient can depend on.
+
+    A value carries no gradient when it is not floating point (indices, masks), is
+    detached or computed under ``no_grad``, or is computed from such values alone. Every
+    value computed from ``node`` must be of these: an index, a mask or a size read from
+    it that then selects, masks or shapes a value with a gradient makes that value
+    depend on every sample, and so does an in-place write of it into a tensor computed
+    before it. ``node`` itself may carry one (``x.std(0)`` before its ``detach``), but
+    then may not be an output of the graph, which a loss could differentiate. An input
+    may ask for gradients (the graph cannot tell), so a floating one counts as carrying
+    them.
+
+    Args:
+        node: An op the batch analysis finds mixing samples (or cannot follow).
+        without_grad: The nodes run under ``no_grad`` (``computed_without_grad``).
+        memo: Shared by the calls on one graph.
+    """
+    reached, pending = set(), [node]
+    while pending:
+        n = pending.pop()
+        if n not in reached and n.op != "output":
+            reached.add(n)
+            pending.extend(n.users)
+    if any(u.op == "output" for u in node.users) and not _gradient_free(node, without_grad, memo):
+        return False
+    return all((n is node or _gradient_free(n, without_grad, memo)) and _writes_only_into(n, reached)
+               for n in reached)
+
+
+def _writes_only_into(node: fx.Node, values: set[fx.Node]) -> bool:
+    """Whether ``node`` writes into nothing, or in place into one of ``values`` (or a
+    view of one) alone: not a buffer (BatchNorm's running statistics, which its schema
+    does not mark), nor a tensor computed before them, nor through a call fxdp does not
+    see into."""
+    target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator) or _records_running_statistics(node):
+        return False  # an autograd.Function, a wrapped region; BatchNorm's buffers
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    written = [i for i, a in enumerate(target._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    if not written:
+        return True
+    return written == [0] and any(c in values for c in written_chain(node))
+
+
+def _gradient_free(node: fx.Node, without_grad: set[fx.Node], memo: dict) -> bool:
+    """Whether no gradient can flow back through ``node``'s value (see
+    ``reaches_no_gradient``)."""
+    if node not in memo:
+        values = node.meta.get("val")
+        values = values if isinstance(values, (list, tuple)) else [values]
+        if "val" in node.meta and not any(
+                isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values):
+            memo[node] = True
+        elif node.op != "call_function":
+            memo[node] = node.op != "placeholder"  # a constant holds no gradient
+        elif is_detach(node) or node in without_grad:
+            memo[node] = True
+        else:
+            memo[node] = all(_gradient_free(a, without_grad, memo) for a in node.all_input_nodes)
+    return memo[node]
 
 
 _SYMBOLIC_ARITHMETIC = {torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not}

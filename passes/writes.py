@@ -25,7 +25,7 @@ import torch.fx as fx
 from fxdp.batching import BatchDim, Piece
 
 __all__ = ["carries_no_gradient", "computed_without_grad", "follow_write", "is_detach", "is_view", "parameter_write",
-           "reaches_no_gradient", "writes_in_place"]
+           "written_chain", "writes_in_place"]
 
 aten = torch.ops.aten
 
@@ -104,59 +104,7 @@ def carries_no_gradient(node: fx.Node, without_grad: set[fx.Node], _memo: dict |
     return memo[node]
 
 
-def reaches_no_gradient(node: fx.Node, without_grad: set[fx.Node], memo: dict) -> bool:
-    """Whether ``node``'s value and everything computed from it carry no gradient and
-    write into nothing else: a statistic of the whole batch that the forward only
-    reports (the perplexity a VQ-VAE's quantizer computes from a ``histc`` of the
-    batch's codes), which no sample's gradient can depend on.
-
-    A value carries no gradient when it is not floating point (indices, masks), is
-    detached or computed under ``no_grad``, or is computed from such values alone. Every
-    value computed from ``node`` must be of these: an index, a mask or a size read from
-    it that then selects, masks or shapes a value with a gradient makes that value
-    depend on every sample, and so does an in-place write of it into a tensor computed
-    before it. An input may ask for gradients (the graph cannot tell), so a floating
-    one, parameter or not, counts as carrying them.
-
-    Args:
-        node: An op the batch analysis finds mixing samples (or cannot follow).
-        without_grad: The nodes run under ``no_grad`` (``computed_without_grad``).
-        memo: Shared by the calls on one graph.
-    """
-    reached, pending = set(), [node]
-    while pending:
-        n = pending.pop()
-        if n in reached or n.op == "output":
-            continue
-        reached.add(n)
-        if not _gradient_free(n, without_grad, memo):
-            return False
-        chain = _written_chain(n)
-        if chain and not any(c in reached for c in chain):
-            return False
-        pending.extend(n.users)
-    return True
-
-
-def _gradient_free(node: fx.Node, without_grad: set[fx.Node], memo: dict) -> bool:
-    """Whether no gradient can flow back through ``node``'s value (see
-    ``reaches_no_gradient``)."""
-    if node not in memo:
-        values = node.meta.get("val")
-        values = values if isinstance(values, (list, tuple)) else [values]
-        if "val" in node.meta and not any(
-                isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values):
-            memo[node] = True
-        elif node.op != "call_function":
-            memo[node] = node.op != "placeholder"  # a constant holds no gradient
-        elif is_detach(node) or node in without_grad:
-            memo[node] = True
-        else:
-            memo[node] = all(_gradient_free(a, without_grad, memo) for a in node.all_input_nodes)
-    return memo[node]
-
-
-def _written_chain(node: fx.Node) -> list | None:
+def written_chain(node: fx.Node) -> list | None:
     """The view an in-place op writes, its base, ... up to a tensor no view of another
     (``None`` if ``node`` writes nothing in place)."""
     if node.op != "call_function" or not writes_in_place(node.target):
@@ -177,7 +125,7 @@ def parameter_write(node: fx.Node, sources: dict) -> str | None:
         node: An op of the graph.
         sources: Parameter-only values (computed from trainable parameters alone).
     """
-    chain = _written_chain(node)
+    chain = written_chain(node)
     base = chain[-1] if chain else None
     if not (isinstance(base, fx.Node) and base in sources and base.op == "placeholder"):
         return None
@@ -206,7 +154,7 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
     Returns:
         Why the write cannot be followed, or ``None``.
     """
-    chain = _written_chain(node)
+    chain = written_chain(node)
     if chain is None or not isinstance(chain[-1], fx.Node):
         return None
     base = chain[-1]

@@ -1851,8 +1851,10 @@ class Reports(nn.Module):
     """Reports a statistic of the whole batch that no gradient depends on: the
     perplexity of a VQ-VAE quantizer's codes (a ``histc`` of the batch's argmax, stored
     on the module, as MONAI's ``VectorQuantizer`` does), a ``bincount`` returned, a
-    batch mean of detached activations returned, or one computed under ``no_grad``.
-    ``use`` puts the statistic into the value the loss reads instead."""
+    batch mean of detached activations returned, one computed under ``no_grad``, the
+    input's spread detached and stored (pykan). ``use`` puts the statistic into the
+    value the loss reads instead; ``"returned std"`` returns one a loss could
+    differentiate."""
 
     def __init__(self, kind: str, use: bool = False):
         super().__init__()
@@ -1869,15 +1871,19 @@ class Reports(nn.Module):
             stat = torch.bincount(codes, minlength=3)
         elif self.kind == "detached mean":
             stat = h.detach().mean(0)
+        elif self.kind == "input std":  # pykan stores each layer input's
+            stat = self.input_std = x.std(0).detach()
+        elif self.kind == "returned std":
+            stat = x.std(0)
         else:
             with torch.no_grad():
                 stat = h.var(0)
         if self.use:
-            return h * (stat if self.kind != "bincount" else stat.argmax())
+            return h * (stat.argmax() if self.kind == "bincount" else stat.mean())
         return h, stat
 
 
-@pytest.mark.parametrize("kind", ["perplexity", "bincount", "detached mean", "no_grad var"])
+@pytest.mark.parametrize("kind", ["perplexity", "bincount", "detached mean", "no_grad var", "input std"])
 def test_a_statistic_of_the_batch_that_only_reports_is_accepted(kind):
     """No sample's gradient depends on it: the gradients match the loop, and the
     statistic is the whole batch's, as the model without fxdp gives it."""
@@ -1899,11 +1905,13 @@ def test_a_statistic_of_the_batch_that_only_reports_is_accepted(kind):
 
 
 @pytest.mark.parametrize("kind,op", [("perplexity", "aten.histc.default"), ("bincount", "aten.bincount.default"),
-                                     ("detached mean", "aten.mean.dim"), ("no_grad var", "aten.var.dim")])
+                                     ("detached mean", "aten.mean.dim"), ("no_grad var", "aten.var.dim"),
+                                     ("input std", "aten.std.dim"), ("returned std", "aten.std.dim")])
 def test_a_statistic_of_the_batch_that_a_gradient_depends_on_is_refused(kind, op):
     """Scaling, or selecting, the value the loss reads: each sample's gradient would
-    depend on the others'."""
-    problems = fxdp.validate(Reports(kind, use=True).to(DTYPE), randn(6, 4))
+    depend on the others'. A statistic returned with its gradient could be put into the
+    loss."""
+    problems = fxdp.validate(Reports(kind, use=kind != "returned std").to(DTYPE), randn(6, 4))
     assert [p.op for p in problems] == [op], problems
     assert "mixes samples" in problems[0].reason
 

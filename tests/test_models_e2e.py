@@ -534,6 +534,38 @@ def test_a_loop_over_chunks_of_samples_is_refused_with_the_vmap_that_replaces_it
         fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(torch.randn(4, 2, 4, dtype=torch.float64))
 
 
+class OnePiece(torch.nn.Module):
+    """The batch split into a single piece, each piece through a layer and concatenated
+    again: TabNet's ghost BatchNorm when its virtual batch is at least the batch
+    (``x.chunk(1, 0)``), reformer's ``process_inputs_chunk`` with one chunk."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        pieces = x.chunk(1, 0) if self.how == "chunk" else x.split(x.shape[0], 0)
+        return torch.cat([self.fc(piece) for piece in pieces])
+
+
+@pytest.mark.parametrize("how", ["chunk", "split"])
+def test_the_batch_split_into_one_piece_is_the_batch(how):
+    torch.manual_seed(0)
+    model = OnePiece(how).double()
+    dp_model = fxdp.transform(model, grad_sample=True, max_grad_norm=0.5, compiler="eager")
+    for batch_size in (B, B + 2):
+        x = _randn(batch_size, 2, 4, seed=batch_size)
+        ref = reference(copy.deepcopy(model), (x,), lambda out, i: per_sample_loss(out, 0).sum())
+        model.zero_grad(set_to_none=True)
+        per_sample_loss(dp_model(x), 0).mean().backward()
+        tol = tolerance(torch.float64)
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, tol,
+                         f"grad_sample at B = {batch_size}")
+        assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean", 0.5), tol,
+                         f"clipped grad at B = {batch_size}")
+
+
 class PiecesMixed(torch.nn.Module):
     """Per-sample loops that mix the samples' pieces, or use a parameter on one."""
 
