@@ -503,12 +503,15 @@ def _indexing_along(node, arg_batch):
 
 def _broadcast_along(data: Any, dim: int) -> bool:
     """Whether ``data`` is an expand that broadcasts its dim ``dim`` (added, or from
-    size 1): the same row for every index along it."""
-    if not (isinstance(data, fx.Node) and data.op == "call_function" and data.target in (
-            aten.expand.default, aten.broadcast_to.default, aten.expand_as.default)):
-        return False
-    lead = _meta(data).dim() - _meta(data.args[0]).dim()
-    return dim < lead or bool(_meta(data.args[0]).shape[dim - lead] == 1)
+    size 1, also through an expand of an expand: reformer's ``ticker.expand_as(...)``
+    of an ``arange(n)[None].expand_as(buckets)``): the same row for every index along it."""
+    while isinstance(data, fx.Node) and data.op == "call_function" and data.target in (
+            aten.expand.default, aten.broadcast_to.default, aten.expand_as.default):
+        lead = _meta(data).dim() - _meta(data.args[0]).dim()
+        if dim < lead or bool(_meta(data.args[0]).shape[dim - lead] == 1):
+            return True
+        data, dim = data.args[0], dim - lead
+    return False
 
 
 @_register(aten.embedding_renorm_.default)

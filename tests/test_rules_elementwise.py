@@ -1595,6 +1595,33 @@ def test_batch_norm_without_running_statistics_in_eval_mode_is_refused_as_such()
     assert ".eval()" not in reasons, reasons
 
 
+class _SortedByBucket(nn.Module):
+    """reformer's LSH attention: positions ``arange(L)`` expanded to the rows of the
+    batch merged with the heads (``[(B·H), L]``), and expanded again, gathered in the
+    order each row's keys sort to; the rows gathered in that order."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):  # [B, L, D]
+        n, length, _ = x.shape
+        h = self.lin(x).reshape(n, length, 2, D // 2).transpose(1, 2).reshape(n * 2, length, D // 2)
+        keys = h.detach().sum(-1)
+        ticker = torch.arange(length).unsqueeze(0).expand_as(keys).expand_as(keys)
+        order = ticker.gather(-1, keys.sort(-1).indices)
+        return h.gather(1, order.unsqueeze(-1).expand(-1, -1, h.shape[-1])).reshape(n, 2, length, -1)
+
+
+def test_positions_expanded_twice_gathered_in_each_row_s_order():
+    """Refused before ("it gathers shared data along another dim than the batch of its
+    indices"): the broadcast was looked for through one expand only."""
+    torch.manual_seed(0)
+    model = _SortedByBucket().double()
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), dp=dp)
+
+
 def test_gather_of_shared_rows_by_position_in_the_batch_is_refused():
     """``gather(table, 1, ids)`` with ``table [B, V]`` shared: sample ``i`` would read row
     ``i``, its position in the batch, which it does not have alone."""
