@@ -820,9 +820,19 @@ def no_op_conversion_pass(gm: fx.GraphModule) -> fx.GraphModule:
         to = torch.ops.aten.to.dtype_layout(embedding, dtype=torch.float32, device=cpu)  # before
         add = torch.ops.aten.add.Tensor(h, to)
         add = torch.ops.aten.add.Tensor(h, embedding)                                     # after
+
+    A module moved where it already is in the forward (``self.experts.to(x.device)``,
+    st-moe's and soft-moe's ``Experts``) sets each parameter's data to itself,
+    ``aten.set_(p, p)``: dropped too, or it would read as a write into the parameter.
     """
     changed = False
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.set_.source_Tensor \
+                and len(node.args) == 2 and node.args[0] is node.args[1]:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            changed = True
+            continue
         # ``_to_copy`` always copies (an in-place op may write the copy); ``to`` aliases.
         if node.op != "call_function" or node.target not in _TO or not node.args:
             continue

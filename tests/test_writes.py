@@ -289,6 +289,25 @@ def test_a_parameter_written_in_the_forward_is_refused_at_any_batch_size(batch_s
         fxdp.transform(ClampedInTheForward(), compiler="eager")(torch.randn(batch_size, 4)).sum().backward()
 
 
+class MovedWhereItIs(nn.Module):
+    """st-moe's ``Experts``: its submodules moved to the input's device in every forward
+    (Dynamo traces each parameter's ``p.data = p.to(device)`` as ``set_(p, p)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        self.fc.to(x.device)
+        return self.head(torch.tanh(self.fc(x)))
+
+
+@pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
+def test_a_module_moved_where_it_already_is_is_no_write(grad_sample):
+    torch.manual_seed(0)
+    _check(MovedWhereItIs().double(), torch.randn(B, 4, dtype=torch.float64), grad_sample)
+
+
 class BufferUpdatedTwice(nn.Module):
     """A buffer updated by successive in-place ops in one forward (an EMA written
     ``buf.mul_(d).add_(v)``, a step counter), read through a view taken before."""
