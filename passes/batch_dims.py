@@ -751,6 +751,56 @@ def _native_layer_norm(node, arg_batch):
     return b
 
 
+@_register(aten.native_layer_norm_backward.default)
+def _native_layer_norm_backward(node, arg_batch):
+    """The gradients of ``native_layer_norm`` (a gradient the forward takes itself: an
+    inner step of ``vmap(grad(f))``, titans' neural memory): the input's gradient is
+    normalised along the same trailing dims, row by row; the weight's and bias's sum
+    over every other dim, the batch's too, and must not be asked for
+    (``output_mask``) where the rows are batched."""
+    layouts = [b for b in arg_batch[:2] + arg_batch[3:5] if isinstance(b, BatchDim) and b.dim is not None]
+    if not layouts:
+        return [arg_batch[0]] * 3
+    b = layouts[0]
+    for other in layouts[1:]:
+        b = _agreed(b, other)
+    if b.dim >= _meta(node.args[1]).dim() - len(node.args[2]):
+        raise MixesSamples("the batch is one of the dims it normalises over")
+    mask = named_arg(node, "output_mask", [True, True, True])
+    if any(mask[1:]):
+        raise MixesSamples("the gradient of its weight or bias sums over the batch")
+    return [b, None, None]
+
+
+def _foreach(node, arg_batch):
+    """``torch._foreach_*`` elementwise ops (tensordict's arithmetic on a dict of
+    tensors): each output is the op on the tensors at its position in the lists (a
+    single tensor argument goes with every one), batched as they broadcast."""
+    layouts = []
+    for i, out in enumerate(_meta(node)):
+        batches, metas = [], []
+        for arg, b in zip(node.args, arg_batch):
+            if isinstance(arg, (list, tuple)) and arg and isinstance(arg[0], fx.Node):
+                arg, b = arg[i], b[i]
+            if isinstance(arg, fx.Node):
+                batches.append(b)
+                metas.append(_meta(arg))
+        layouts.append(broadcast_batch(batches, metas, out.dim()))
+    return layouts
+
+
+# Out of place only (an in-place one writes its lists, which the analysis does not
+# follow), and not the reductions (``_foreach_norm``, ``_foreach_max``).
+for _name in ("abs", "acos", "add", "addcdiv", "addcmul", "asin", "atan", "ceil", "clamp_max", "clamp_min",
+              "clone", "copy", "cos", "cosh", "div", "erf", "erfc", "exp", "expm1", "floor", "frac", "lerp",
+              "lgamma", "log", "log10", "log1p", "log2", "maximum", "minimum", "mul", "neg", "pow", "reciprocal",
+              "round", "rsqrt", "sigmoid", "sign", "sin", "sinh", "sqrt", "sub", "tan", "tanh", "trunc", "zero"):
+    _packet = getattr(aten, f"_foreach_{_name}", None)
+    for _overload in _packet.overloads() if _packet is not None else ():
+        if not getattr(_packet, _overload)._schema.is_mutable:  # not the ``out=`` ones
+            PROPAGATION[getattr(_packet, _overload)] = _foreach
+
+
 # Matrix functions of the last two dims (``torch.linalg`` decompositions, inverses,
 # determinants, exponentials): every output keeps the leading dims.
 _MATRIX_OPS = [

@@ -3209,3 +3209,66 @@ def test_an_expert_weight_gathered_for_sorted_tokens_matches_the_microbatch_loop
             return self.lin(x).sort(0).values
 
     assert "it sorts along the batch dim" in _reasons(SortRowsOfMatrix().double(), torch.randn(B, D, dtype=torch.float64))
+
+
+class ForeachArithmetic(nn.Module):
+    """tensordict's arithmetic on a dict of batched tensors runs ``torch._foreach_*``:
+    each output is the op on the tensors at its position (titans' neural memory scales
+    its per-sample gradients so)."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.op = op
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, 2)
+
+    def forward(self, x):
+        ha, hb = self.a(x), self.b(x)
+        if self.op == "mul":
+            ha, hb = torch._foreach_mul([ha, hb], 0.5)
+        elif self.op == "add lists":
+            ha, hb = torch._foreach_add([ha, hb], [hb.sum(-1, keepdim=True), ha[..., :2]], alpha=2.0)
+        elif self.op == "addcmul":
+            ha, hb = torch._foreach_addcmul([ha, hb], [ha, hb], [ha.tanh(), hb.tanh()], 0.3)
+        else:
+            ha, hb = torch._foreach_exp([ha, hb])
+        return torch.cat([ha, hb], -1)
+
+
+@pytest.mark.parametrize("op", ["mul", "add lists", "addcmul", "exp"])
+def test_foreach_arithmetic_keeps_each_tensor_s_batch(op):
+    """Refused before: "no batch-dim propagation for aten._foreach_mul.Scalar"."""
+    torch.manual_seed(0)
+    model = ForeachArithmetic(op).double()
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), dp=dp)
+
+
+def test_a_foreach_norm_over_batched_tensors_is_refused():
+    model = around(lambda m, h: h * torch._foreach_norm([h * m.s])[0], s=(D,))()
+    assert "no batch-dim propagation for aten._foreach_norm" in _reasons(model, torch.randn(B, D))
+
+
+class InnerGradientStep(nn.Module):
+    """A gradient step the forward takes itself, per sample (titans' neural memory,
+    test-time training): ``vmap(grad(inner))`` of a loss through a layer norm puts
+    ``native_layer_norm_backward`` into the forward's graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_k, self.to_v = nn.Linear(D, D), nn.Linear(D, D)
+        self.w0 = nn.Parameter(torch.randn(D, D) * 0.3)
+
+    def forward(self, x):  # [B, T, D]
+        def inner_loss(w, k, v):
+            return (F.layer_norm(k @ w, (D,)) - v).pow(2).mean()
+
+        k, v = self.to_k(x), self.to_v(x)
+        g = torch.func.vmap(torch.func.grad(inner_loss), in_dims=(None, 0, 0))(self.w0, k, v)
+        return k @ (self.w0 - 0.1 * g)
+
+
+def test_an_inner_gradient_through_a_layer_norm_per_sample():
+    torch.manual_seed(0)
+    model = InnerGradientStep().double()
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), dp=dp)
