@@ -3272,3 +3272,16 @@ def test_an_inner_gradient_through_a_layer_norm_per_sample():
     model = InnerGradientStep().double()
     dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
     _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), dp=dp)
+
+
+def test_a_layer_norm_weight_gradient_over_the_batch_in_the_forward_is_refused():
+    """``native_layer_norm_backward`` asked for its weight's gradient sums it over every
+    row, the batch's included."""
+    def body(m, h):
+        _, mean, rstd = torch.ops.aten.native_layer_norm(h, [D], m.s, None, 1e-5)
+        grads = torch.ops.aten.native_layer_norm_backward(h.tanh(), h, [D], mean, rstd, m.s, None,
+                                                          [True, True, False])
+        return h * grads[1]
+
+    assert "the gradient of its weight or bias sums over the batch" in _reasons(around(body, s=(D,))(),
+                                                                                 torch.randn(B, D))
