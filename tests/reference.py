@@ -85,20 +85,17 @@ def reference(model: nn.Module, args: Sequence[Any], loss_fn: Callable[..., torc
     kwargs = kwargs or {}
     first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
     batch_size = first.shape[batch_dim]
-    m = copy.deepcopy(model)
-    # Every sample starts from the model's state: a forward that updates buffers (spectral
-    # norm's power iteration) must not carry one sample's update into the next. Each
-    # buffer is put back as it was, not copied into: a forward may replace a buffer by
-    # one of another shape (ConViT computes its ``rel_indices`` on the first call).
-    state = [(mod, name, b.clone()) for mod in m.modules() for name, b in mod._buffers.items() if b is not None]
-    names = [n for n, p in m.named_parameters() if p.requires_grad]
-    params = dict(m.named_parameters())
+    # Every sample starts from the model's state, on a copy of its own: a forward that
+    # updates buffers (spectral norm's power iteration) or a Python-side cache
+    # (rotary-embedding-torch's ``cached_freqs`` and the length they hold) must not carry
+    # one sample's update into the next.
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
     grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     given = dict(enumerate(in_dims)) if isinstance(in_dims, Sequence) else dict(in_dims or {})
     for i in range(batch_size):
+        m = copy.deepcopy(model)
         m.zero_grad(set_to_none=True)
-        for mod, name, b in state:
-            mod._buffers[name] = b.clone()
+        params = dict(m.named_parameters())
         one = [_narrow(a, i, given[k]) if k in given else _slice_batch(a, i, batch_size, batch_dim)
                for k, a in enumerate(args)]
         kw = {k: _narrow(v, i, given[k]) if k in given else _slice_batch(v, i, batch_size, batch_dim)
@@ -110,8 +107,9 @@ def reference(model: nn.Module, args: Sequence[Any], loss_fn: Callable[..., torc
             if g is not None and g.is_sparse:  # Embedding(sparse=True)
                 g = g.to_dense()
             grads[n].append(torch.zeros_like(params[n]) if g is None else g.detach().clone())
+    shapes = dict(model.named_parameters())
     per_sample = {
-        n: torch.stack(v) if v else torch.zeros(0, *params[n].shape, dtype=params[n].dtype)
+        n: torch.stack(v) if v else torch.zeros(0, *shapes[n].shape, dtype=shapes[n].dtype)
         for n, v in grads.items()
     }
     return Reference(names, per_sample, batch_size)

@@ -308,6 +308,42 @@ def test_a_module_moved_where_it_already_is_is_no_write(grad_sample):
     _check(MovedWhereItIs().double(), torch.randn(B, 4, dtype=torch.float64), grad_sample)
 
 
+class CachedAngles(nn.Module):
+    """rotary-embedding-torch's cache: the first call computes the angles and writes them
+    into a buffer, remembering their length in a Python attribute; the second call reads
+    them back. Each sample alone fills the cache afresh (the reference loop runs each on
+    a fresh copy of the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("cache", torch.zeros(16, 3), persistent=False)
+        self.cached = 0
+
+    def angles(self, n: int) -> torch.Tensor:
+        if n <= self.cached:
+            return self.cache[:n].detach()
+        angles = torch.arange(n, dtype=self.cache.dtype)[:, None] * torch.ones(3, dtype=self.cache.dtype) + 1.0
+        self.cache[:n] = angles.detach()
+        self.cached = n
+        return angles
+
+    def forward(self, x):  # [B, n, 4]
+        h = self.fc(x)
+        return h * self.angles(x.shape[1]).cos() + h.flip(-1) * self.angles(x.shape[1]).sin()
+
+
+def test_a_cache_written_then_read_in_one_forward():
+    torch.manual_seed(0)
+    model = CachedAngles().double()
+    x = torch.randn(B, 5, 4, dtype=torch.float64)
+    ref = reference(model, (x,), lambda out, i: out.sin().pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x).sin().pow(2).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")
+
+
 class BufferUpdatedTwice(nn.Module):
     """A buffer updated by successive in-place ops in one forward (an EMA written
     ``buf.mul_(d).add_(v)``, a step counter), read through a view taken before."""
