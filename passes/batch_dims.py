@@ -2700,8 +2700,9 @@ def reaches_no_gradient(node: fx.Node, without_grad: set[fx.Node], memo: dict) -
     value computed from ``node`` must be of these: an index, a mask or a size read from
     it that then selects, masks or shapes a value with a gradient makes that value
     depend on every sample, and so does an in-place write of it into a tensor computed
-    before it. ``node`` itself may carry one (``x.std(0)`` before its ``detach``), but
-    then may not be an output of the graph, which a loss could differentiate. An input
+    before it. ``node`` itself (and its outputs) may carry one (``x.std(0)`` before its
+    ``detach``), but then may not be an output of the graph, which a loss could
+    differentiate. An input
     may ask for gradients (the graph cannot tell), so a floating one counts as carrying
     them.
 
@@ -2710,15 +2711,17 @@ def reaches_no_gradient(node: fx.Node, without_grad: set[fx.Node], memo: dict) -
         without_grad: The nodes run under ``no_grad`` (``computed_without_grad``).
         memo: Shared by the calls on one graph.
     """
+    # The op and its outputs (``var_mean``'s two, taken by getitem).
+    own = {node} | {u for u in node.users if u.target is operator.getitem}
     reached, pending = set(), [node]
     while pending:
         n = pending.pop()
         if n not in reached and n.op != "output":
             reached.add(n)
             pending.extend(n.users)
-    if any(u.op == "output" for u in node.users) and not _gradient_free(node, without_grad, memo):
+    if any(u.op == "output" for n in own for u in n.users) and not _gradient_free(node, without_grad, memo):
         return False
-    return all((n is node or _gradient_free(n, without_grad, memo)) and _writes_only_into(n, reached)
+    return all((n in own or _gradient_free(n, without_grad, memo)) and _writes_only_into(n, reached)
                for n in reached)
 
 

@@ -1875,6 +1875,9 @@ class Reports(nn.Module):
             stat = self.input_std = x.std(0).detach()
         elif self.kind == "returned std":
             stat = x.std(0)
+        elif self.kind == "input var_mean":
+            var, mean = torch.var_mean(x, 0)
+            stat = var.detach() + mean.detach()
         else:
             with torch.no_grad():
                 stat = h.var(0)
@@ -1883,7 +1886,8 @@ class Reports(nn.Module):
         return h, stat
 
 
-@pytest.mark.parametrize("kind", ["perplexity", "bincount", "detached mean", "no_grad var", "input std"])
+@pytest.mark.parametrize("kind", ["perplexity", "bincount", "detached mean", "no_grad var", "input std",
+                                  "input var_mean"])
 def test_a_statistic_of_the_batch_that_only_reports_is_accepted(kind):
     """No sample's gradient depends on it: the gradients match the loop, and the
     statistic is the whole batch's, as the model without fxdp gives it."""
