@@ -746,7 +746,13 @@ def _native_layer_norm(node, arg_batch):
     b = arg_batch[0]
     if not isinstance(b, BatchDim) or b.dim is None:
         return b
-    if b.dim >= _meta(node.args[0]).dim() - len(node.args[1]):
+    return _rows_normalised(b, node.args[0], node.args[1])
+
+
+def _rows_normalised(b: BatchDim, x: fx.Node, normalized_shape: Sequence) -> BatchDim:
+    """``b``, the batch of ``x`` normalised over its trailing ``normalized_shape`` dims,
+    which must not hold it."""
+    if b.dim >= _meta(x).dim() - len(normalized_shape):
         raise MixesSamples("the batch is one of the dims it normalises over")
     return b
 
@@ -764,10 +770,8 @@ def _native_layer_norm_backward(node, arg_batch):
     b = layouts[0]
     for other in layouts[1:]:
         b = _agreed(b, other)
-    if b.dim >= _meta(node.args[1]).dim() - len(node.args[2]):
-        raise MixesSamples("the batch is one of the dims it normalises over")
-    mask = named_arg(node, "output_mask", [True, True, True])
-    if any(mask[1:]):
+    b = _rows_normalised(b, node.args[1], node.args[2])
+    if any(named_arg(node, "output_mask", [True, True, True])[1:]):
         raise MixesSamples("the gradient of its weight or bias sums over the batch")
     return [b, None, None]
 
@@ -2643,7 +2647,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
 
     uses, broadcasts = ([], {}) if single else _classify_parameter_uses(
-        consumed, sources, batch, param_names, problems, expanded_params)
+        consumed, sources, batch, param_names, problems, without_grad, expanded_params)
 
     loss = None
     loss_kinds = set(losses.values())
@@ -2773,7 +2777,8 @@ def _names(nodes, param_names) -> str:
     return ", ".join(sorted(param_names[p] for p in nodes))
 
 
-def _classify_parameter_uses(consumed, sources, batch, param_names, problems, expanded_params=None):
+def _classify_parameter_uses(consumed, sources, batch, param_names, problems, without_grad,
+                             expanded_params=None):
     """Decide, for every place a parameter (or a parameter-only value) meets batched data,
     how its per-sample gradient is obtained.
 
@@ -2840,7 +2845,6 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, ex
                 kind = "broadcast" if a in param_names else "transform"
                 uses.append(UseSite(node, i, kind, sources[a], broadcast=True))
 
-    without_grad = computed_without_grad(next(iter(consumed))[0].graph) if consumed else set()
     for node, index, value in consumed:
         if node in candidates or node in refused:
             continue

@@ -3268,6 +3268,7 @@ class InnerGradientStep(nn.Module):
 
 
 def test_an_inner_gradient_through_a_layer_norm_per_sample():
+    """The ``vmap(grad)`` is the model's own forward; the reference is the microbatch loop."""
     torch.manual_seed(0)
     model = InnerGradientStep().double()
     dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
