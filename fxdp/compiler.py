@@ -22,6 +22,7 @@ from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
 from fxdp.passes.batch_dims import batch_dim_pass, module_path_of, source_of
 from fxdp.passes.canonicalize import canonicalize_pass
+from fxdp.passes.chunk_loops import chunk_loops_as_whole_pass
 from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass, constant_gradients, unmarked_gradients
 from fxdp.passes.tag import tag_pass
 
@@ -395,6 +396,8 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                "; a forward that reads only the sizes of its arguments (x.shape[0]) gives no sample an "
                "output of its own"))
     analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
+    if analysis.problems and chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode):
+        analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
     analysis.notes = list(dict.fromkeys(notes))
     if analysis.loss is not None and analysis.loss != options.loss_reduction:
         if analysis.loss_divided_by_batch_size:

@@ -861,6 +861,9 @@ def _solve(node, arg_batch):
     """A linear solve of matrices (the trailing dims of each argument) batched over the
     leading dims, which broadcast together, right-aligned; every output keeps them."""
     matrix_dims = _solve_matrix_dims(node)
+    columns = _independent_columns(node, arg_batch, matrix_dims)
+    if columns is not None:
+        return columns
     lead = max(_meta(node.args[i]).dim() - k for i, k in matrix_dims.items())
     from_right = None
     whole = False
@@ -882,6 +885,34 @@ def _solve(node, arg_batch):
     return [result] * len(out) if isinstance(out, (list, tuple)) else result
 
 
+# The right-hand side of each solve, and whether it solves ``A X = B`` (``left``).
+_RIGHT_HAND_SIDE = {
+    aten.linalg_solve_triangular.default: 1, aten._linalg_solve_ex.default: 1, aten.linalg_lu_solve.default: 2,
+    aten.cholesky_solve.default: 0, aten.triangular_solve.default: 0, aten.lu_solve.default: 0,
+}
+
+
+def _independent_columns(node: fx.Node, arg_batch: list, matrix_dims: dict[int, int]) -> Any:
+    """The layout of a solve with a shared matrix whose right-hand side holds the batch
+    along the columns it solves one by one: ``A X = B`` solves each column of ``B`` on
+    its own (``X A = B`` each row). ``torch.distributions.MultivariateNormal`` with a
+    shared ``scale_tril`` computes ``solve_triangular(L, (x - loc).T)``: the samples are
+    ``B``'s columns. ``None`` where the solve is not such a case."""
+    rhs = _RIGHT_HAND_SIDE[node.target]
+    b = arg_batch[rhs] if rhs < len(arg_batch) else None
+    if not (isinstance(b, BatchDim) and isinstance(b.dim, int) and matrix_dims.get(rhs) == 2) \
+            or _any_batched([a for i, a in enumerate(arg_batch) if i != rhs]):
+        return None
+    left = named_arg(node, "left", True) if "left" in [a.name for a in node.target._schema.arguments] else True
+    rank = _meta(node.args[rhs]).dim()
+    if b.dim != rank - (1 if left else 2):
+        return None
+    out = _meta(node)
+    if isinstance(out, (list, tuple)):  # the solution, then shared factors (LU, pivots) or A's copy
+        return [b.at(out[0].dim() - (rank - b.dim))] + [None] * (len(out) - 1)
+    return b.at(out.dim() - (rank - b.dim))
+
+
 @_register(aten.repeat.default)
 def _repeat(node, arg_batch):
     """``x.repeat(*counts)`` tiles each dim ``count`` times (more counts than dims add
@@ -897,10 +928,11 @@ def _repeat(node, arg_batch):
     return BatchDim(d, b.inner, b.outer * counts[d])
 
 
-_PER_SAMPLE_LOOP = (" (a loop over chunks of samples, f(x[i:i + k]) concatenated again, or "
-                    "torch.func.vmap(f, chunk_size=k), does this: run f on the whole batch, or map it over "
-                    "the samples with torch.func.vmap(f); a loop over single samples, f(x[i:i + 1]), works "
-                    "where f uses no parameter)")
+_PER_SAMPLE_LOOP = (" (a loop over chunks of samples concatenated again, torch.cat([f(c) for c in x.chunk(k)]) "
+                    "or torch.func.vmap(f, chunk_size=k), runs as f on the whole batch where f keeps each chunk's "
+                    "rows apart, draws no random numbers, reads no other values of the batch, and nothing but "
+                    "the concatenation reads its results; otherwise run f on the whole batch, or map it over "
+                    "the samples with torch.func.vmap(f))")
 
 
 @_register(aten.select.int)
@@ -2423,6 +2455,7 @@ def batch_dim_pass(
     *,
     batch_size: Any,
     function_body: bool = False,
+    chunk: bool = False,
 ) -> BatchAnalysis:
     """Propagate batch dims through ``gm`` and collect everything that mixes samples.
 
@@ -2450,16 +2483,19 @@ def batch_dim_pass(
             Function's, which its backward differentiates, so a value that mixes samples
             may not reach them (in a forward, one that carries no gradient may: a
             statistic the forward reports, see ``reaches_no_gradient``).
+        chunk: ``gm`` is the body of a loop over chunks of the batch (see
+            ``chunk_loops_as_whole_pass``): its batched inputs hold ``batch_size`` rows,
+            read as samples even when there is one.
 
     Returns:
         The analysis; the graph is not changed (nodes get ``meta["fxdp_batch"]``).
     """
     analysis = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched="none",
-                          function_body=function_body)
+                          function_body=function_body, chunk=chunk)
     if (analysis.problems or analysis.sized_normaliser) and analysis.sized_by_batch:
         for reading in ("all", "unambiguous"):
             retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=reading,
-                                 function_body=function_body)
+                                 function_body=function_body, chunk=chunk)
             if not retried.problems or set(retried.problems) < set(analysis.problems):
                 # Refused either way, for some of the same reasons: name only those, not
                 # the ones this reading of the same tensors explains away.
@@ -2472,12 +2508,13 @@ def batch_dim_pass(
 
 
 def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any, *,
-               sized_batched: str, function_body: bool) -> BatchAnalysis:
+               sized_batched: str, function_body: bool, chunk: bool = False) -> BatchAnalysis:
     """``batch_dim_pass`` with the tensors built from ``B`` shared (``"none"``), batched
     (``"all"``), or batched where a single dim has size ``B`` (``"unambiguous"``)."""
     _OWN_ROWS.append([])  # this propagation's (a Function's body is analysed inside another)
     try:
-        analysis = _propagate_rules(gm, placeholder_batch, param_names, batch_size, sized_batched, function_body)
+        analysis = _propagate_rules(gm, placeholder_batch, param_names, batch_size, sized_batched, function_body,
+                                    chunk)
     finally:
         own_rows = _OWN_ROWS.pop()
     analysis.own_rows = [g for g in own_rows if isinstance(analysis.batch.get(g.node), BatchDim)]
@@ -2485,7 +2522,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
 
 
 def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any,
-                     sized_batched: str, function_body: bool) -> BatchAnalysis:
+                     sized_batched: str, function_body: bool, chunk: bool) -> BatchAnalysis:
     sized_by_batch: list[fx.Node] = []
     expanded_params: dict[fx.Node, BatchDim] = {}  # read batched: see _classify_parameter_uses
     batch: dict[fx.Node, Any] = {}
@@ -2498,7 +2535,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = []
     sized_normaliser = False
     divided_by_batch_size = False
-    single = isinstance(batch_size, int) and batch_size in (0, 1)
+    single = isinstance(batch_size, int) and batch_size in (0, 1) and not chunk
     checks_only = _checks_only(gm)
     without_grad, gradient_free = computed_without_grad(gm.graph), {}
 

@@ -578,7 +578,35 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
         if gm.code == before:
             break
     gm = broadcast_batched_product_pass(gm)
-    return tiled_batched_product_pass(gm)
+    return unviewable_views_as_reshapes_pass(tiled_batched_product_pass(gm))
+
+
+def unviewable_views_as_reshapes_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A ``view`` of an expand that no view can give, as a ``reshape`` (which copies).
+
+    The passes above move expands down past the ops that produced a fresh tensor (a
+    linear of a learned query expanded to the batch, as in open_clip's attentional
+    pooler and CoCa, runs before the expand), so a ``view`` that merged the batch with
+    part of another dim of the linear's output now meets broadcast strides::
+
+        expand_1 = torch.ops.aten.expand.default(linear, [-1, 3, 8])
+        view = torch.ops.aten.view.default(expand_1, [4, 6, 4])      # before
+        view = torch.ops.aten.reshape.default(expand_1, [4, 6, 4])   # after
+
+    The values are the same; nothing writes through such a view (writes became
+    out-of-place ops before the expands moved)."""
+    changed = False
+    for node in gm.graph.nodes:
+        if not (node.op == "call_function" and node.target is torch.ops.aten.view.default
+                and isinstance(node.args[0], fx.Node) and node.args[0].target in _EXPANDS):
+            continue
+        expand = node.args[0]
+        try:
+            expand.args[0].meta["val"].expand(expand.meta["val"].shape).view(node.meta["val"].shape)
+        except (RuntimeError, ValueError):  # fake tensors raise the latter
+            node.target = torch.ops.aten.reshape.default
+            changed = True
+    return _finished(gm, changed)
 
 
 def out_arguments_as_copies_pass(gm: fx.GraphModule) -> fx.GraphModule:

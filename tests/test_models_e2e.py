@@ -528,10 +528,19 @@ class LoopOverChunks(torch.nn.Module):
                           for i in range(0, x.shape[0], 2)])
 
 
-def test_a_loop_over_chunks_of_samples_is_refused_with_the_vmap_that_replaces_it():
+def test_attention_run_on_chunks_of_two_samples_is_per_sample():
+    """Once refused ("it slices the batch dim"), the loop now runs as one attention on
+    the whole batch (``passes/chunk_loops.py``)."""
+    torch.manual_seed(0)
     model = LoopOverChunks().double()
-    with pytest.raises(fxdp.UnsupportedError, match=r"slices the batch dim \(a loop over chunks.*torch\.func\.vmap\(f\)"):
-        fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(torch.randn(4, 2, 4, dtype=torch.float64))
+    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+    for batch_size in (4, 6):
+        x = _randn(batch_size, 2, 4, seed=batch_size)
+        ref = reference(copy.deepcopy(model), (x,), lambda out, i: per_sample_loss(out, 0).sum())
+        model.zero_grad(set_to_none=True)
+        per_sample_loss(dp_model(x), 0).mean().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), f"grad_sample at B = {batch_size}")
 
 
 class OnePiece(torch.nn.Module):
@@ -598,7 +607,8 @@ class PiecesMixed(torch.nn.Module):
                 else:
                     out[i] = h[x.shape[0] - 1 - i]
             return out
-        return torch.cat([self.fc(h[i:i + 1]) for i in range(x.shape[0])])
+        # (the same loop over one-row slices x[i:i + 1] runs as one call: test_chunk_loops.py)
+        return torch.stack([self.fc(h[i]) for i in range(x.shape[0])])
 
 
 @pytest.mark.parametrize("kind, reason", [

@@ -2063,6 +2063,30 @@ def test_latent_query_expanded_to_the_batch():
     _against_the_loop(model, torch.randn(B + 1, T + 2, D, dtype=torch.float64), dp=dp)
 
 
+class AttentionalPooler(nn.Module):
+    """open_clip's ``AttentionalPooler`` (CoCa's poolers): learned queries expanded to the
+    batch attend over the tokens through ``nn.MultiheadAttention`` (keys wider than the
+    queries). Its query projection runs before the expand, and the attention's
+    ``view`` of the projected queries, merging the batch with the heads, cannot view the
+    expand: it once crashed fxdp's graph ("Cannot view a tensor ... strides (.., 0, ..)")."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(3, D))
+        self.attn = nn.MultiheadAttention(D, 2, kdim=6, vdim=6, batch_first=True)
+
+    def forward(self, x):  # [B, T, 6]
+        q = self.query.unsqueeze(0).expand(x.shape[0], -1, -1)
+        return self.attn(q, x, x, need_weights=False)[0]
+
+
+def test_attention_of_learned_queries_expanded_to_the_batch():
+    torch.manual_seed(0)
+    model = AttentionalPooler().double()
+    dp = _against_the_loop(model, torch.randn(B, T, 6, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 1, T + 2, 6, dtype=torch.float64), dp=dp)
+
+
 def test_projection_of_a_buffer_expanded_to_the_batch():
     torch.manual_seed(0)
     _against_the_loop(GatedPositions().double(), torch.randn(B, T, D, dtype=torch.float64))
@@ -2943,6 +2967,38 @@ class UntaggedElementwise(nn.Module):
 def test_untagged_elementwise_and_solves_keep_the_samples(kind: str):
     torch.manual_seed(0)
     _against_the_loop(UntaggedElementwise(kind).double(), torch.randn(B, 3, 3, dtype=torch.float64))
+
+
+class SharedMatrixSolve(nn.Module):
+    """A matrix built from parameters alone, solved against the samples as the columns
+    of the right-hand side (or its rows, ``left=False``): each is solved on its own."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(3, 3)
+        self.raw = nn.Parameter(0.3 * torch.randn(3, 3))
+
+    def forward(self, x):  # x [B, 3]
+        h = self.fc(x)
+        tril = torch.tril(self.raw, -1) + torch.diag(self.raw.diagonal().exp())
+        if self.kind == "MultivariateNormal":  # torch.distributions: solve_triangular(L, (x - loc).T)
+            return torch.distributions.MultivariateNormal(self.fc.bias, scale_tril=tril).log_prob(h).unsqueeze(-1)
+        if self.kind == "solve_triangular, rows":
+            return torch.linalg.solve_triangular(tril, h, upper=False, left=False)
+        if self.kind == "cholesky_solve":
+            return torch.cholesky_solve(h.T, tril).T
+        if self.kind == "lu_solve":
+            return torch.linalg.lu_solve(*torch.linalg.lu_factor(tril + tril.T), h.T).T
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind", ["MultivariateNormal", "solve_triangular, rows", "cholesky_solve", "lu_solve"])
+def test_a_shared_matrix_solved_against_the_samples_as_columns(kind: str):
+    torch.manual_seed(0)
+    model = SharedMatrixSolve(kind).double()
+    dp = _against_the_loop(model, torch.randn(B, 3, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, 3, dtype=torch.float64), dp=dp)
 
 
 def test_solves_and_cross_products_across_the_batch_are_refused():

@@ -1,0 +1,376 @@
+"""A loop over chunks of the batch, concatenated again, as one call on the whole batch.
+
+``torch.cat([f(c) for c in x.chunk(k)])`` (TabNet's ghost batch norm with a virtual
+batch smaller than ``B``, an attention run on a few samples at a time to save memory,
+``torch.cat([layer(x[i:i + 1]) for i in range(B)])``) is ``f(x)`` whenever ``f``
+keeps the rows of its input apart. Dynamo unrolls the loop, so the graph holds one copy
+of ``f`` per chunk, each on a ``split`` or ``slice`` of the batch; the batch analysis
+would refuse the split (or a parameter used on one sample's rows). This pass finds the
+copies, checks that they are the same code, and writes ``f`` once on the whole batch::
+
+    split = aten.split.Tensor(x, 2)                   fused = aten.linear.default(x, w, b)
+    linear = aten.linear.default(split[0], w, b)  ->  relu = aten.relu.default(fused)
+    relu = aten.relu.default(linear)                  (cat's uses read relu)
+    linear_1 = aten.linear.default(split[1], w, b)
+    relu_1 = aten.relu.default(linear_1)
+    cat = aten.cat.default([relu, relu_1])
+
+Sizes that count the chunk's rows (``view(c, [L * T, d])``) become the batch's. The
+batch analysis then checks the fused code as it checks any other: the rewrite is exact
+because ``f`` on the whole batch, row-wise, is ``f`` on each chunk concatenated. The
+chunks' memory saving is given up: the fused ``f`` runs on all samples at once.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from fxdp.batching import BatchDim
+from fxdp.passes.batch_dims import batch_dim_pass
+from fxdp.registry import named_arg
+
+__all__ = ["chunk_loops_as_whole_pass"]
+
+aten = torch.ops.aten
+
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unsafe_split.Tensor,
+           aten.unsafe_chunk.default, aten.unsafe_split_with_sizes.default, aten.tensor_split.sections}
+
+# Ops that take the output's sizes as a list, and the position of that list.
+_SIZE_LISTS = {
+    aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1, aten.expand.default: 1,
+    aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_empty.default: 1, aten.new_full.default: 1,
+    aten.zeros.default: 0, aten.ones.default: 0, aten.empty.memory_format: 0, aten.full.default: 0,
+}
+
+
+# What a graph with a symbolic batch size computes sizes with.
+_SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+                    operator.truediv, torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min}
+
+
+def chunk_loops_as_whole_pass(gm: fx.GraphModule, batch: dict[fx.Node, Any], param_names: dict[fx.Node, str],
+                              fake_mode: Any) -> int:
+    """Write each ``cat`` of one function's results on consecutive chunks of the batch
+    as that function on the whole batch.
+
+    Args:
+        gm: The canonical graph, changed in place.
+        batch: Layouts from a batch analysis of ``gm`` (a chunked tensor must be batched
+            along the dim it is chunked; every other tensor the loop reads must be shared
+            by the samples).
+        param_names: Trainable-parameter placeholders and their names.
+        fake_mode: The fake mode of the graph's example values.
+
+    Returns:
+        How many loops were fused (the graph is unchanged when none).
+    """
+    fused = 0
+    for cat in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.cat.default]:
+        loop = _loop(cat, batch)
+        if loop is not None and _fuse(gm, cat, loop, batch, param_names, fake_mode):
+            fused += 1
+    if fused:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return fused
+
+
+class _Loop:
+    """Copies of one function over chunks, matched with the first copy's nodes.
+
+    Attributes:
+        body: The first copy's nodes, in graph order (from the chunks to its result).
+        copies: For each chunk, the first copy's node -> this copy's node.
+        pieces: The first chunk's pieces -> ``(source, dim)``, the tensor they split.
+        ranges: ``(start, length)`` of each chunk along the split dim.
+        varied: ``(node, path, value in each copy)`` for the integers of a size list
+            that differ between the copies.
+        dim: The dim of the ``cat``.
+    """
+
+    def __init__(self, body, copies, pieces, ranges, varied, dim):
+        self.body, self.copies, self.pieces, self.ranges, self.varied, self.dim = (
+            body, copies, pieces, ranges, varied, dim)
+
+
+def _piece(node: Any) -> tuple[fx.Node, int, int, int] | None:
+    """``(source, dim, start, length)`` of a piece of ``source`` that keeps its rank: an
+    output of a ``split``/``chunk``, or a ``slice`` with step 1 from a static start."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _SPLITS:
+        split, index = node.args[0], node.args[1]
+        source = split.args[0]
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        outs = split.meta.get("val")
+        if outs is None or not isinstance(index, int):
+            return None
+        dim = dim % outs[index].dim()
+        start = sum(o.shape[dim] for o in outs[:index])
+        length = outs[index].shape[dim]
+    elif node.target is aten.slice.Tensor:
+        source, dim, start, _, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+        value = node.meta.get("val")
+        if value is None or step != 1 or not isinstance(source, fx.Node):
+            return None
+        dim = dim % value.dim()
+        start = 0 if start is None else start
+        if isinstance(start, int) and start < 0:
+            size = source.meta["val"].shape[dim]
+            start = max(start + size, 0) if isinstance(size, int) else None
+        length = value.shape[dim]
+    else:
+        return None
+    if not all(isinstance(v, (int, torch.SymInt)) for v in (start, length)) or not isinstance(source, fx.Node):
+        return None
+    return source, dim, start, length
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return statically_known_true(a == b)
+
+
+def _allowed(node: fx.Node) -> bool:
+    """An op that may be fused: no write, no random draw, no call into other code."""
+    target = node.target
+    if target is operator.getitem or target in _SIZE_ARITHMETIC:
+        return True
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    # attention is tagged random for its dropout, which a probability of 0 turns off
+    return torch.Tag.nondeterministic_seeded not in target.tags or (
+        any(a.name == "dropout_p" for a in target._schema.arguments) and named_arg(node, "dropout_p", 0.0) == 0)
+
+
+def _loop(cat: fx.Node, batch: dict) -> _Loop | None:
+    """The loop whose results ``cat`` concatenates, or ``None`` where it is not one."""
+    results = cat.args[0]
+    if len(results) < 2 or not all(isinstance(r, fx.Node) for r in results) or len(set(results)) < len(results):
+        return None
+    first = results[0]
+    copies, pieces_of_copy, varied = [], [], [[]]
+    for result in results[1:]:
+        corr, pieces, differing = {}, {}, []
+        if not _same_code(first, result, corr, pieces, differing):
+            return None
+        copies.append(corr)
+        pieces_of_copy.append(pieces)
+        varied.append(differing)
+    first_pieces = set(pieces_of_copy[0])
+    body_set = {a for a, b in copies[0].items() if a is not b and a not in first_pieces}
+    if not first_pieces or not body_set or any(
+            set(p) != first_pieces or {a for a, b in corr.items() if a is not b and a not in first_pieces} != body_set
+            for p, corr in zip(pieces_of_copy, copies)):
+        return None
+    copies.insert(0, {a: a for a in body_set | first_pieces})
+    pieces_of_copy.insert(0, {p0: p0 for p0 in first_pieces})
+    # Each copy reads its own chunk: the same rows of every chunked tensor, the chunks
+    # in order and covering the whole tensor.
+    ranges = None
+    for p0 in first_pieces:
+        source, dim, _, _ = _piece(p0)
+        spans = []
+        for pieces in pieces_of_copy:
+            s, d, start, length = _piece(pieces[p0])
+            if s is not source or d != dim:
+                return None
+            spans.append((start, length))
+        layout = batch.get(source)
+        if not (isinstance(layout, BatchDim) and layout.dim == dim):
+            return None
+        if not all(_equal(start, sum(n for _, n in spans[:k])) for k, (start, _) in enumerate(spans)) \
+                or not _equal(sum(n for _, n in spans), source.meta["val"].shape[dim]):
+            return None
+        if ranges is not None and not all(_equal(a, b) for span, other in zip(spans, ranges)
+                                          for a, b in zip(span, other)):
+            return None
+        ranges = spans
+    # Nothing the copies share may come from a chunk, and nothing a copy computes may be
+    # read outside it (but its result, by the cat).
+    from_chunks = _descendants([pieces[p0] for pieces in pieces_of_copy for p0 in first_pieces])
+    for corr in copies:
+        own = {corr[a] for a in body_set}
+        if any(b in from_chunks for a, b in corr.items() if a is b and a not in body_set and a not in first_pieces):
+            return None
+        if any(u not in own and not (u is cat and node is corr[first]) and not _dead(u)
+               for node in own for u in node.users):
+            return None
+    body = [n for n in first.graph.nodes if n in body_set]
+    rank = first.meta["val"].dim()
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    return _Loop(body, copies, {p0: _piece(p0)[:2] for p0 in first_pieces}, ranges, varied, dim % rank)
+
+
+def _same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied: list) -> bool:
+    """Whether ``other`` computes what ``first`` does, from pieces at the same places;
+    records the matched nodes in ``corr`` (``first``'s -> ``other``'s), the pieces in
+    ``pieces``, and the integers of size lists that differ in ``varied``."""
+    pending = [(first, other, None, ())]  # (value, value, node whose size list it is in, path there)
+    while pending:
+        a, b, sizes_of, path = pending.pop()
+        if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+            if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+                return False
+            if a in corr:
+                if corr[a] is not b:
+                    return False
+                continue
+            if a is b:
+                corr[a] = b
+                continue
+            piece_a, piece_b = _piece(a), _piece(b)
+            if piece_a is not None and piece_b is not None and not (
+                _equal(piece_a[2], piece_b[2]) and _equal(piece_a[3], piece_b[3])):
+                # other rows of one tensor: a chunk (a loop over them is checked later)
+                if piece_a[:2] != piece_b[:2]:
+                    return False
+                corr[a] = pieces[a] = b
+                continue
+            if not (a.op == b.op == "call_function" and a.target == b.target and _allowed(a)
+                    and len(a.args) == len(b.args) and a.kwargs.keys() == b.kwargs.keys()):
+                return False
+            corr[a] = b
+            sizes_at = _SIZE_LISTS.get(a.target)
+            pending.extend((x, y, a if i == sizes_at else None, (i,)) for i, (x, y) in enumerate(zip(a.args, b.args)))
+            pending.extend((a.kwargs[k], b.kwargs[k], None, ()) for k in a.kwargs)
+        elif isinstance(a, (list, tuple)):
+            if type(a) is not type(b) or len(a) != len(b):
+                return False
+            pending.extend((x, y, sizes_of, path + (j,)) for j, (x, y) in enumerate(zip(a, b)))
+        elif type(a) is not type(b):
+            return False
+        elif isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            if a is not b:
+                return False
+        elif type(a) is int and a != b and sizes_of is not None and len(path) == 2:
+            varied.append((sizes_of, path, a, b))
+        elif not (a == b or (a != a and b != b)):  # NaN constants are the same code
+            return False
+    return True
+
+
+def _dead(node: fx.Node) -> bool:
+    """Whether nothing reads ``node`` and it does nothing else (a ``detach`` a trace left)."""
+    return not node.users and not node.is_impure()
+
+
+def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
+    seen, stack = set(), list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.users)
+    return seen
+
+
+def _fuse(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, param_names: dict, fake_mode: Any) -> bool:
+    """Write ``loop`` as its first copy on the whole chunked tensors, in place of ``cat``;
+    ``False`` (and the graph unchanged) where the copy does not keep rows apart or its
+    sizes cannot be read."""
+    first_length = loop.ranges[0][1]
+    layouts = _body_layouts(gm, loop, batch, param_names, first_length)
+    if layouts is None:
+        return False
+    result = loop.body[-1]
+    out = layouts[result]
+    if not (isinstance(out, BatchDim) and out.dim == loop.dim and out.outer == 1):
+        return False
+    # The integers that count the chunk's rows, each as (rows per sample) times the rows.
+    # (With a symbolic batch size the sizes are nodes: those the copy computes from its
+    # chunk's sizes follow the whole tensor's.)
+    per_row = {}
+    body = set(loop.body)
+    for node in loop.body:
+        at = _SIZE_LISTS.get(node.target)
+        layout = layouts.get(node)
+        if at is None or not isinstance(layout, BatchDim) or layout.dim is None:
+            continue
+        sizes = node.args[at]
+        if not isinstance(sizes, (list, tuple)) or layout.dim >= len(sizes):
+            continue
+        rows, entry = layout.inner * layout.outer, sizes[layout.dim]
+        if isinstance(entry, fx.Node) and entry in body or entry == -1:
+            continue
+        if not (type(entry) is int and isinstance(first_length, int) and entry == first_length * rows):
+            return False
+        per_row[(node, (at, layout.dim))] = rows
+    for k, differing in enumerate(loop.varied):
+        for node, path, _, value in differing:
+            rows = per_row.get((node, path))
+            if rows is None or value != loop.ranges[k][1] * rows:
+                return False
+    total = sum(length for _, length in loop.ranges)
+    env = {p0: source for p0, (source, _) in loop.pieces.items()}
+    added = []
+    try:
+        with gm.graph.inserting_before(cat):
+            for node in loop.body:
+                new = gm.graph.node_copy(node, lambda n: env.get(n, n))
+                added.append(new)
+                at = _SIZE_LISTS.get(node.target)
+                if at is not None:
+                    sizes = list(new.args[at]) if isinstance(new.args[at], (list, tuple)) else None
+                    for (owner, (_, j)), rows in per_row.items():
+                        if owner is node:
+                            sizes[j] = total * rows
+                    if sizes is not None:
+                        new.args = new.args[:at] + (sizes,) + new.args[at + 1:]
+                with fake_mode:
+                    args, kwargs = fx.node.map_arg((new.args, new.kwargs), lambda n: n.meta["val"])
+                    new.meta["val"] = new.target(*args, **kwargs)
+                env[node] = new
+    except Exception:  # noqa: BLE001 - the sizes do not fit the whole batch: keep the loop
+        for new in reversed(added):
+            gm.graph.erase_node(new)
+        return False
+    fused, expected = env[result].meta["val"], cat.meta["val"]
+    if fused.shape != expected.shape or fused.dtype != expected.dtype:
+        for new in reversed(added):
+            gm.graph.erase_node(new)
+        return False
+    cat.replace_all_uses_with(env[result])
+    gm.graph.erase_node(cat)
+    return True
+
+
+def _body_layouts(gm: fx.GraphModule, loop: _Loop, batch: dict, param_names: dict, rows: int) -> dict | None:
+    """The batch layouts of the first copy's nodes, its chunks read as a batch of
+    ``rows`` samples; ``None`` where the copy mixes rows or reads batched values."""
+    graph, env, placeholder_batch, names = fx.Graph(), {}, {}, {}
+
+    def placeholder(node: fx.Node, layout: Any) -> fx.Node:
+        new = graph.placeholder(node.name)
+        new.meta = dict(node.meta)
+        placeholder_batch[new] = layout
+        if node in param_names:
+            names[new] = param_names[node]
+        return new
+
+    for p0, (_, dim) in loop.pieces.items():
+        # Each row read as a sample: a copy that keeps them apart is exact on the whole
+        # tensor however the samples lie in its rows (``x.reshape(B * T, d).chunk(k)``).
+        env[p0] = placeholder(p0, BatchDim(dim))
+    for node in loop.body:
+        for arg in node.all_input_nodes:
+            if arg not in env and arg not in loop.body:
+                if batch.get(arg) is not None:  # batched, or after a refusal
+                    return None
+                env[arg] = placeholder(arg, None)
+    for node in loop.body:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[loop.body[-1]])
+    # As in a Function's body, a value that mixes rows may not reach the result even
+    # when it carries no gradient: the fused code would compute a different value.
+    analysis = batch_dim_pass(fx.GraphModule(gm, graph), placeholder_batch, names, batch_size=rows,
+                              function_body=True, chunk=True)
+    if analysis.problems:
+        return None
+    return {node: analysis.batch.get(env[node]) for node in loop.body}

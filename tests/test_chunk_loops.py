@@ -1,0 +1,151 @@
+"""Loops over chunks of the batch, concatenated again (``passes/chunk_loops.py``).
+
+Each accepted model is checked against the microbatch loop (float64, ``grad_sample``
+and the clipped gradient) at two batch sizes on one transform: ``B = 5`` splits into
+unequal chunks (3 + 2, the sizes that count the chunk's rows differ between the
+copies), ``B = 4`` into equal ones. The forward's output must equal the plain
+model's.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fxdp
+import fxdp.compiler
+from fxdp.errors import UnsupportedError
+from reference import assert_close_all, reference, tolerance
+
+DTYPE = torch.float64
+
+
+class ChunkLoops(nn.Module):
+    """A Linear, then one kind of loop over chunks of its output."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(4, 4)
+        # only the layers the loop uses: a parameter no loss reaches gets no grad_sample
+        if kind == "ghost batch norm (eval)":
+            self.norm = nn.BatchNorm1d(4)
+        elif kind == "attention over heads merged into the batch":
+            self.query = nn.Linear(4, 8)
+        elif kind not in ("mixes the chunk's rows", "reads the whole batch"):
+            self.head = nn.Linear(4, 3)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x, mask=None):
+        h = self.fc(x)
+        kind = self.kind
+        if kind == "chunk":
+            return torch.cat([self.head(c).relu() for c in h.chunk(2)])
+        if kind == "ghost batch norm (eval)":  # pytorch-tabnet's GBN with a virtual batch of 2
+            chunks = h.chunk(int(math.ceil(h.shape[0] / 2)), 0)
+            return torch.cat([self.norm(c.transpose(1, 2)).transpose(1, 2) for c in chunks])
+        if kind == "rows":
+            return torch.cat([self.head(h[i:i + 1]) for i in range(h.shape[0])])
+        if kind == "sizes of the chunk":
+            return torch.cat([self.head(c.reshape(-1, 4)).reshape(c.shape[0], 6, 3) for c in h.split(3)])
+        if kind == "two tensors chunked alike":
+            return torch.cat([self.head(c) * m for c, m in zip(h.chunk(2), mask.chunk(2))])
+        if kind == "batch second":
+            t = h.transpose(0, 1)
+            return torch.cat([self.head(c) for c in t.chunk(2, 1)], 1).transpose(0, 1)
+        if kind == "attention over heads merged into the batch":  # reformer's attn_chunks
+            b, t, _ = h.shape
+            q = self.query(h).view(b, t, 2, 4).transpose(1, 2).reshape(b * 2, t, 4)
+            out = torch.cat([torch.softmax(c @ c.transpose(1, 2), -1) @ c for c in q.chunk(2, 0)])
+            return out.view(b, 2, t, 4)
+        if kind == "vmap with chunk_size":
+            return torch.func.vmap(lambda row: self.head(row).tanh(), chunk_size=2)(h)
+        if kind == "rows of the samples merged":  # reformer's chunked_sum
+            flat = self.head(h).reshape(-1, 3)
+            return torch.cat([c.sum(-1) for c in flat.chunk(2, 0)]).reshape(h.shape[:2])
+        if kind == "mixes the chunk's rows":
+            return torch.cat([c - c.mean(0, keepdim=True) for c in h.chunk(2)])
+        if kind == "random draw":
+            return torch.cat([self.drop(self.head(c)) for c in h.chunk(2)])
+        if kind == "reads the whole batch":
+            return torch.cat([c + h.sum(0, keepdim=True) for c in h.chunk(2)])
+        if kind == "a chunk's result read elsewhere":
+            outs = [self.head(c) for c in h.chunk(2)]
+            return torch.cat(outs) + outs[0].sum()
+        raise ValueError(kind)
+
+
+def _inputs(kind: str, batch_size: int) -> tuple:
+    g = torch.Generator().manual_seed(batch_size)
+    x = torch.randn(batch_size, 6, 4, generator=g, dtype=DTYPE)
+    if kind == "two tensors chunked alike":
+        return x, torch.rand(batch_size, 6, 1, generator=g, dtype=DTYPE)
+    return (x,)
+
+
+def _per_sample_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).flatten(1).sum(1)
+
+
+@pytest.mark.parametrize("kind", [
+    "chunk", "ghost batch norm (eval)", "rows", "sizes of the chunk", "two tensors chunked alike", "batch second",
+    "attention over heads merged into the batch", "rows of the samples merged", "vmap with chunk_size",
+])
+def test_a_loop_over_chunks_of_the_batch_is_per_sample(kind):
+    torch.manual_seed(0)
+    model = ChunkLoops(kind).to(DTYPE).train(kind != "ghost batch norm (eval)")
+    plain = copy.deepcopy(model)
+    dp_model = fxdp.transform(model, grad_sample=True, max_grad_norm=0.5, compiler="eager")
+    tol = tolerance(DTYPE)
+    for batch_size in (5, 4):
+        args = _inputs(kind, batch_size)
+        ref = reference(copy.deepcopy(plain), args, lambda out, i: _per_sample_loss(out).sum())
+        model.zero_grad(set_to_none=True)
+        out = dp_model(*args)
+        torch.testing.assert_close(out, plain(*args), rtol=tol, atol=tol)
+        _per_sample_loss(out).mean().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()},
+                         ref.per_sample, tol, f"grad_sample at B = {batch_size}")
+        assert_close_all({n: p.grad for n, p in model.named_parameters()},
+                         ref.grad("mean", 0.5), tol, f"clipped grad at B = {batch_size}")
+
+
+@pytest.mark.parametrize("kind", [
+    "mixes the chunk's rows",  # each chunk's mean: the samples of a chunk share it
+    "random draw",  # one draw on the whole batch is not the chunks' draws
+    "reads the whole batch",
+    "a chunk's result read elsewhere",
+])
+def test_a_loop_over_chunks_that_is_not_the_loop_over_the_whole_batch_is_refused(kind):
+    torch.manual_seed(0)
+    model = ChunkLoops(kind).to(DTYPE)
+    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+    with pytest.raises(UnsupportedError, match=r"it splits the batch dim \(a loop over chunks .* keeps each "
+                                               r"chunk's rows apart, draws no random numbers.*torch\.func\.vmap\(f\)"):
+        dp_model(*_inputs(kind, 4))
+
+
+def test_the_loop_becomes_one_call_on_the_whole_batch(monkeypatch):
+    """The canonical graph after the pass: the copies of the loop's body are gone and
+    the body runs once on the Linear's output (pinned as code)."""
+    seen = {}
+    tag_pass = fxdp.compiler.tag_pass
+
+    def tag(gm, *args, **kwargs):
+        seen["code"] = gm.code
+        return tag_pass(gm, *args, **kwargs)
+
+    monkeypatch.setattr(fxdp.compiler, "tag_pass", tag)
+    model = ChunkLoops("chunk").to(DTYPE)
+    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+    _per_sample_loss(dp_model(*_inputs("chunk", 4))).mean().backward()
+    body = [line.split("=", 1)[1].split(";")[0].strip() for line in seen["code"].splitlines()
+            if "torch.ops.aten" in line]
+    assert body == [
+        "torch.ops.aten.linear.default(arg2_1, arg0_1, arg1_1)",
+        "torch.ops.aten.linear.default(linear, arg3_1, arg4_1)",
+        "torch.ops.aten.relu.default(linear_3)",
+    ], seen["code"]
