@@ -167,8 +167,10 @@ _COMPOSITE = [
     torch.ops.aten.mT.default, torch.ops.aten.mH.default, torch.ops.aten.adjoint.default,
     torch.ops.aten.numpy_T.default, torch.ops.aten.matrix_H.default,
     # ``torch.distributions`` broadcast their parameters together: as the expands it is
-    # (a learned scale expanded to the batch meets the elementwise rules).
-    torch.ops.aten.broadcast_tensors.default,
+    # (a learned scale expanded to the batch meets the elementwise rules). So is
+    # ``broadcast_to`` (torchtune's CLS token ``cls.broadcast_to(B, T, 1, d)``, concatenated
+    # with the tokens, meets the rule of an expanded parameter).
+    torch.ops.aten.broadcast_tensors.default, torch.ops.aten.broadcast_to.default,
     # NumPy-style aliases of pointwise ops (``torch.multiply``, ``torch.subtract``, ...):
     # as the ops they stand for, they meet those ops' rules and propagations.
     *(getattr(getattr(torch.ops.aten, name), overload) for name, overloads in {

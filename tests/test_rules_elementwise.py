@@ -150,6 +150,22 @@ class ClsToken(nn.Module):
         return self.out(torch.tanh(h))
 
 
+class ClsTokenBroadcast(nn.Module):
+    """torchtune's ``CLSEmbedding``: a 1-D class embedding ``broadcast_to`` every tile of
+    every sample, ``cat([cls.broadcast_to(B, tiles, 1, d), x], dim=2)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(D, D), nn.Linear(D, 3)
+        self.cls = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):  # [B, tiles, T, D]
+        h = self.inp(x)
+        b, tiles, _, d = h.shape
+        h = torch.cat([self.cls.broadcast_to(b, tiles, 1, d), h], dim=2)
+        return self.out(torch.tanh(h))
+
+
 class EinsumWeight(nn.Module):
     def __init__(self):
         super().__init__()
@@ -411,6 +427,7 @@ TRANSFORMS = [
     Case("gemma-rmsnorm-one-plus-w", lambda: nn.Sequential(nn.Linear(D, D), GemmaRMSNorm(D), nn.Linear(D, 3)),
          (B, T, D), rules=("mul.other",)),
     Case("vit-cls-token-expand-cat", ClsToken, (B, T, D)),
+    Case("cls-token-broadcast-to-tiles", ClsTokenBroadcast, (B, 2, T, D)),
     Case("clip-logit-scale-exp", around(lambda m, h: h * m.s.exp(), s=()), (B, T, D)),
 ]
 
