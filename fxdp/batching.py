@@ -6,7 +6,8 @@ after it, as ``x.view(-1, d)`` merges ``[B, T, d]`` into ``[B·T, d]``:
 ``b·inner + r``; with ``outer`` (``[T, B, d] -> [T·B, d]``) the dim has size
 ``outer·B·inner`` and index ``o·B·inner + b·inner + r``. ``WHOLE`` marks a tensor that is entirely one sample (``B == 1``);
 ``SHARED`` a tensor without batch dim that every sample sees whole (it is expanded).
-``Piece`` is one sample's values taken out of the batch; ``Rows``, ``Groups`` and
+``Piece`` is one sample's values taken out of the batch; ``Masked`` the elements a
+boolean mask selected from the whole batch, one list; ``Rows``, ``Groups`` and
 ``Inverse`` follow a batch's rows sorted across samples (a mixture of experts' dispatch).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["retrack", "BatchDim", "Piece", "Rows", "Groups", "Inverse", "unpermute", "WHOLE", "SHARED", "RAW",
+__all__ = ["retrack", "BatchDim", "Piece", "Masked", "Rows", "Groups", "Inverse", "unpermute", "WHOLE", "SHARED", "RAW",
            "batch_major", "batch_major_all", "batch_size_of", "broadcast_batch", "from_batch_major", "scale_batch"]
 
 
@@ -66,6 +67,25 @@ class Piece:
     one: fxdp makes parameter uses per-sample on whole batches."""
 
     sample: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Masked:
+    """The elements of a batched tensor that a boolean mask over its leading dims
+    selected (``h[mask]``, ``mask`` batched as ``h``): one list of every sample's
+    elements, its length set by the data. Elementwise ops on lists selected by the same
+    mask (and on shared values that do not run along the list) keep each element its
+    sample's, and writing the list back by that mask into a tensor batched as the mask
+    (``out[mask] = f(h[mask])``, a piecewise function) puts every element back in its
+    own place. Anything else that reads the list mixes the samples.
+
+    Attributes:
+        mask: The mask's node.
+        layout: The mask's batch layout (the batch among the dims it covers).
+    """
+
+    mask: Any
+    layout: "BatchDim"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

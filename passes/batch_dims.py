@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 
-from fxdp.batching import WHOLE, BatchDim, Groups, Inverse, Piece, Rows, broadcast_batch
+from fxdp.batching import WHOLE, BatchDim, Groups, Inverse, Masked, Piece, Rows, broadcast_batch
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
 from fxdp.passes.writes import (carries_no_gradient, computed_without_grad, follow_write, is_detach,
@@ -1748,6 +1748,9 @@ def _index(node, arg_batch):
     index_batches = arg_batch[1]
     dims, broadcast = _advanced_index_layout(indices)
     if isinstance(b, BatchDim) and b.dim is not None:
+        masked = _masked_selection(b, indices, index_batches)
+        if masked is not None:
+            return masked
         if b.dim < len(indices) and indices[b.dim] is not None and dims.get(b.dim) == b.dim:
             tensors = [i for i, ix in enumerate(indices) if ix is not None]
             ib = index_batches[b.dim]
@@ -1811,6 +1814,82 @@ def _kept_dim(dims: dict[int, int], broadcast: int, d: int) -> int:
     kept = d - sum(1 for i in dims if i < d)  # its place among the dims not indexed
     after_broadcast = not _adjacent(dims) or (dims and min(dims) < d)
     return kept + (broadcast if after_broadcast else 0)
+
+
+def _masked_selection(b: BatchDim, indices: Sequence[Any], index_batches: Sequence[Any]) -> Masked | None:
+    """``h[mask]`` with one boolean mask over ``h``'s leading dims, the batch's among
+    them, batched as ``h``: the elements it selects, as a ``Masked`` list."""
+    if not (len(indices) >= 1 and isinstance(indices[0], fx.Node) and all(ix is None for ix in indices[1:])):
+        return None
+    mask, layout = indices[0], index_batches[0]
+    return Masked(mask, layout) if (
+        _meta(mask).dtype == torch.bool and b.dim < _meta(mask).dim()
+        and isinstance(layout, BatchDim) and layout.same_as(b)) else None
+
+
+_MASKED = ("it works on the elements a boolean mask over the batch dim selected (x[mask]), one list of every "
+           "sample's elements whose length depends on the data: only elementwise ops on such lists, written back "
+           "by the same mask (out[mask] = f(x[mask])), keep each element its sample's; compute on the whole "
+           "tensor and select with torch.where(mask, f(x), other), or select per sample: x[torch.arange(B), "
+           "position] with each sample's position, e.g. the last True of each row")
+
+
+def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parameter: bool) -> Any:
+    """The layout of an op on ``Masked`` lists (see there)."""
+    flat = list(_flat(arg_batch)) + list(_flat(kwarg_batch))
+    lists = [b for b in flat if isinstance(b, Masked)]
+    first = lists[0]
+    if not all(_same_computation(m.mask, first.mask) for m in lists):
+        raise MixesSamples("it combines elements selected by different boolean masks over the batch, "
+                           "which line up no sample's elements")
+    if node.target in (aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default):
+        base, indices, values = arg_batch[0], node.args[1], arg_batch[2]
+        if isinstance(values, Masked) and len(indices) == 1 and isinstance(base, BatchDim) \
+                and base.same_as(first.layout) and _same_computation(indices[0], first.mask) \
+                and _meta(node.args[0]).shape[:_meta(first.mask).dim()] == _meta(first.mask).shape:
+            return base
+        raise MixesSamples(_MASKED)
+    if uses_parameter:
+        raise _NoPropagation(
+            "it uses a parameter on the elements a boolean mask selected from the whole batch (x[mask]): "
+            "fxdp makes parameter uses per-sample on whole batches; apply it to the whole tensor and select "
+            "with torch.where(mask, f(x), other)")
+    if not (_is_pointwise(node.target) or node.target in _COPIES) \
+            or any(_any_batched(b) and not isinstance(b, Masked) for b in flat):
+        raise MixesSamples(_MASKED)
+    out = _meta(node)
+    for a in node.all_input_nodes:
+        # A shared operand may broadcast along the elements' trailing dims only.
+        value = _meta(a)
+        if _arg_batch(a, {}) is None and isinstance(value, torch.Tensor) and not isinstance(
+                _layout_of_input(a, node, arg_batch, kwarg_batch), Masked) \
+                and value.dim() >= out.dim() and not statically_known_true(value.shape[-out.dim()] == 1):
+            raise MixesSamples(_MASKED)
+    return first
+
+
+def _layout_of_input(a: fx.Node, node: fx.Node, arg_batch: list, kwarg_batch: list) -> Any:
+    for arg, b in list(zip(node.args, arg_batch)) + list(zip(node.kwargs.values(), kwarg_batch)):
+        if arg is a:
+            return b
+    return None
+
+
+def _same_computation(a: Any, b: Any, depth: int = 6) -> bool:
+    """Whether ``a`` and ``b`` are the same node, or compute the same value from the same
+    nodes by the same deterministic ops (``~mask`` written twice)."""
+    if a is b:
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_computation(x, y, depth) for x, y in zip(a, b))
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and type(a) is type(b) and a == b
+    if depth == 0 or a.op != "call_function" or b.op != "call_function" or a.target != b.target \
+            or not isinstance(a.target, torch._ops.OpOverload) or a.target._schema.is_mutable \
+            or torch.Tag.nondeterministic_seeded in a.target.tags or a.kwargs.keys() != b.kwargs.keys():
+        return False
+    return _same_computation(list(a.args), list(b.args), depth - 1) and all(
+        _same_computation(a.kwargs[k], b.kwargs[k], depth - 1) for k in a.kwargs)
 
 
 def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> BatchDim:
@@ -2160,11 +2239,15 @@ def _arg_batch(value: Any, batch: dict) -> Any:
 def _any_batched(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_any_batched(v) for v in value)
-    return isinstance(value, (BatchDim, Loss, _Unknown, Piece, Rows, Groups, Inverse))
+    return isinstance(value, (BatchDim, Loss, _Unknown, Piece, Masked, Rows, Groups, Inverse))
 
 
 def _any_piece(value: Any) -> bool:
     return any(isinstance(b, Piece) for b in _flat(value))
+
+
+def _any_masked(value: Any) -> bool:
+    return any(isinstance(b, Masked) for b in _flat(value))
 
 
 def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter: bool) -> Any:
@@ -2559,6 +2642,10 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             for out in node.all_input_nodes:
                 if out in sources:
                     consumed.append((node, None, out))
+                if _any_masked(batch.get(out)):
+                    # a loss over the list is no sum of the samples' own losses
+                    problems.append(Problem(op_name(out.target), module_path_of(out), "", _MASKED,
+                                            source_of(out)))
             continue
         if node.op != "call_function":
             batch[node] = None
@@ -2639,6 +2726,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 batch[node] = _sorted_rows_batch(node, arg_batch, kwarg_batch, rule)
             elif _any_piece(arg_batch) or _any_piece(kwarg_batch):
                 batch[node] = _piece_batch(node, arg_batch + kwarg_batch, batch_size, bool(paramish))
+            elif _any_masked(arg_batch) or _any_masked(kwarg_batch):
+                batch[node] = _masked_batch(node, arg_batch, kwarg_batch, bool(paramish))
             elif target is FUNCTION_APPLY:
                 batch[node] = function_batch(node, arg_batch, batch_size)
             elif rule is not None:

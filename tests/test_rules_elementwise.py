@@ -2820,7 +2820,7 @@ class WritesAcross(nn.Module):
 
 @pytest.mark.parametrize("kind,reason", [
     ("into_shared", "writes batched values, or at batched positions, into a tensor shared by all samples"),
-    ("mask_list", "selects with a boolean mask over the batch dim"),
+    ("mask_list", "a boolean mask over the batch dim selected (x[mask]), one list of every sample's elements"),
 ])
 def test_indexed_writes_across_samples_are_refused(kind: str, reason: str):
     model = WritesAcross(kind).double()

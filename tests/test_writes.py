@@ -880,6 +880,62 @@ def test_a_read_modify_write_through_a_mask_is_exact():
     assert_exact_at_two_batch_sizes(model, fxdp.transform(model, grad_sample=True, compiler="eager"), 6)
 
 
+class PiecewiseThroughAMask(nn.Module):
+    """``out[m] = f(h[m])``: elementwise functions of the elements a per-sample boolean
+    mask selects, written back by the same mask (nflows' ``LogTanh`` and the tails of its
+    spline flows). The read flattens every sample's elements into one list; written back
+    by the same mask, each element returns to its own place."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.l1, self.l2 = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.s = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x):  # x [B, 6]
+        h = self.l1(x)
+        out = torch.zeros_like(h)
+        if self.kind == "both sides":  # ``~m`` written twice: two nodes computing one mask
+            m = h > 0.2
+            out[m] = torch.log(h[m]) + 0.5
+            out[~m] = torch.tanh(h[~m])
+        elif self.kind == "two tensors, one mask":  # spline parameters selected like the inputs
+            m = x.abs() < 1.0
+            widths = torch.sigmoid(self.l1(x.flip(-1)))
+            out[m] = h[m] * widths[m] + torch.exp(-h[m].pow(2))
+        elif self.kind == "rows":  # a mask over [B, 2] of h viewed as [B, 2, 3]; shared values along the rows
+            h3, out3 = h.view(-1, 2, 3), out.view(-1, 2, 3)
+            m = h3[..., 0] > 0
+            out3[m] = torch.sigmoid(h3[m]) * torch.arange(3, dtype=h.dtype)
+        elif self.kind == "a parameter on the list":
+            m = h > 0.2
+            out[m] = h[m] * self.s
+        elif self.kind == "a sum of the list":
+            m = h > 0.2
+            out = h + h[m].sum()
+        elif self.kind == "two masks":
+            m = h > 0.2
+            out[m] = h[m] + h[h > 0.1][:1]
+        return self.l2(torch.tanh(out + self.s))
+
+
+@pytest.mark.parametrize("kind", ["both sides", "two tensors, one mask", "rows"])
+def test_an_elementwise_function_of_masked_elements_written_back_by_the_mask(kind):
+    model = PiecewiseThroughAMask(kind).double()
+    assert_exact_at_two_batch_sizes(model, fxdp.transform(model, grad_sample=True, compiler="eager"), 6)
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("a parameter on the list", "it uses a parameter on the elements a boolean mask selected"),
+    ("a sum of the list", "a boolean mask over the batch dim selected"),
+    ("two masks", "a boolean mask over the batch dim selected"),
+])
+def test_masked_elements_that_meet_other_samples_or_a_parameter_are_refused(kind, reason):
+    problems = fxdp.validate(PiecewiseThroughAMask(kind).double(), torch.randn(B, 6, dtype=torch.float64))
+    assert any(reason in p.reason for p in problems), problems
+
+
 class UnusedInPlaceResults(nn.Module):
     """In-place calls whose results the forward drops (``h.add_(b)``, ``F.relu(h,
     inplace=True)``), after a block that fxdp's capture rewrites first: an activation
