@@ -1857,22 +1857,15 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
     if not (_is_pointwise(node.target) or node.target in _COPIES) \
             or any(_any_batched(b) and not isinstance(b, Masked) for b in flat):
         raise MixesSamples(_MASKED)
-    out = _meta(node)
-    for a in node.all_input_nodes:
-        # A shared operand may broadcast along the elements' trailing dims only.
-        value = _meta(a)
-        if _arg_batch(a, {}) is None and isinstance(value, torch.Tensor) and not isinstance(
-                _layout_of_input(a, node, arg_batch, kwarg_batch), Masked) \
-                and value.dim() >= out.dim() and not statically_known_true(value.shape[-out.dim()] == 1):
-            raise MixesSamples(_MASKED)
-    return first
-
-
-def _layout_of_input(a: fx.Node, node: fx.Node, arg_batch: list, kwarg_batch: list) -> Any:
+    outs = _meta(node)
+    rank = (outs[0] if isinstance(outs, (list, tuple)) else outs).dim()
     for arg, b in list(zip(node.args, arg_batch)) + list(zip(node.kwargs.values(), kwarg_batch)):
-        if arg is a:
-            return b
-    return None
+        # A shared operand may broadcast along the elements' trailing dims only.
+        value = _meta(arg) if isinstance(arg, fx.Node) else None
+        if b is None and isinstance(value, torch.Tensor) and value.dim() >= rank \
+                and not statically_known_true(value.shape[-rank] == 1):
+            raise MixesSamples(_MASKED)
+    return [first] * len(outs) if isinstance(outs, (list, tuple)) else first
 
 
 def _same_computation(a: Any, b: Any, depth: int = 6) -> bool:
