@@ -396,7 +396,9 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                "; a forward that reads only the sizes of its arguments (x.shape[0]) gives no sample an "
                "output of its own"))
     analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
-    if analysis.problems and chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode):
+    # A loop after a refused one reads layouts the analysis no longer knows: each round
+    # fuses the loops it can read, until none is left.
+    while analysis.problems and chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode):
         analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
     analysis.notes = list(dict.fromkeys(notes))
     if analysis.loss is not None and analysis.loss != options.loss_reduction:

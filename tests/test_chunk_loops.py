@@ -47,6 +47,9 @@ class ChunkLoops(nn.Module):
         if kind == "ghost batch norm (eval)":  # pytorch-tabnet's GBN with a virtual batch of 2
             chunks = h.chunk(int(math.ceil(h.shape[0] / 2)), 0)
             return torch.cat([self.norm(c.transpose(1, 2)).transpose(1, 2) for c in chunks])
+        if kind == "two loops, one after the other":  # TabNet's ghost BatchNorm in every layer
+            h = torch.cat([self.head(c).tanh() for c in h.chunk(2)])
+            return torch.cat([c * 2 + 1 for c in h.split(2)])
         if kind == "rows":
             return torch.cat([self.head(h[i:i + 1]) for i in range(h.shape[0])])
         if kind == "sizes of the chunk":
@@ -91,7 +94,7 @@ def _per_sample_loss(out: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", [
-    "chunk", "ghost batch norm (eval)", "rows", "sizes of the chunk", "two tensors chunked alike", "batch second",
+    "chunk", "ghost batch norm (eval)", "two loops, one after the other", "rows", "sizes of the chunk", "two tensors chunked alike", "batch second",
     "attention over heads merged into the batch", "rows of the samples merged", "vmap with chunk_size",
 ])
 def test_a_loop_over_chunks_of_the_batch_is_per_sample(kind):
