@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxdp.batching import BatchDim
@@ -86,12 +85,13 @@ class _Loop:
     """Copies of one function over chunks, matched with the first copy's nodes.
 
     Attributes:
-        body: The first copy's nodes, in graph order (from the chunks to its result).
+        body: The first copy's nodes, in graph order (from the chunks to its result,
+            the last).
         copies: For each chunk, the first copy's node -> this copy's node.
         pieces: The first chunk's pieces -> ``(source, dim)``, the tensor they split.
         ranges: ``(start, length)`` of each chunk along the split dim.
-        varied: ``(node, path, value in each copy)`` for the integers of a size list
-            that differ between the copies.
+        varied: For each copy, ``(node, path, first copy's value, this copy's value)``
+            for the integers of a size list that differ from the first copy's.
         dim: The dim of the ``cat``.
     """
 
@@ -297,7 +297,7 @@ def _fuse(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, param_name
         if not isinstance(sizes, (list, tuple)) or layout.dim >= len(sizes):
             continue
         rows, entry = layout.inner * layout.outer, sizes[layout.dim]
-        if isinstance(entry, fx.Node) and entry in body or entry == -1:
+        if (isinstance(entry, fx.Node) and entry in body) or entry == -1:
             continue
         if not (type(entry) is int and isinstance(first_length, int) and entry == first_length * rows):
             return False
