@@ -214,6 +214,24 @@ def run(case: Case, mode: str, dtype: torch.dtype, compiler: str = "eager") -> f
     return dp_model
 
 
+def _against_the_loop_at(model: nn.Module, call: Callable, batch_sizes: tuple, *shape: int,
+                         max_grad_norm: float | None = None) -> None:
+    """``call`` (``model`` made per-sample) against the microbatch loop at each batch size
+    on inputs ``[B, *shape]``: ``grad_sample``, and with ``max_grad_norm`` the clipped
+    gradient of the mean loss."""
+    tol = tolerance(torch.float64)
+    for batch_size in batch_sizes:
+        x = _randn(batch_size, *shape, seed=batch_size)
+        ref = reference(copy.deepcopy(model), (x,), lambda out, i: per_sample_loss(out, 0).sum())
+        model.zero_grad(set_to_none=True)
+        per_sample_loss(call(x), 0).mean().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, tol,
+                         f"grad_sample at B = {batch_size}")
+        if max_grad_norm is not None:
+            assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean", max_grad_norm),
+                             tol, f"clipped grad at B = {batch_size}")
+
+
 def _params(cases: list[Case], dtype: torch.dtype, modes=("grad_sample", "clip")):
     params = []
     for case in cases:
@@ -480,13 +498,7 @@ def test_a_loop_over_the_samples_under_the_backend_at_two_batch_sizes():
     torch.manual_seed(0)
     model = models.PerSampleLoop("slice").double()
     compiled = torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager"))
-    for batch_size in (3, 5):
-        x = _randn(batch_size, 3, 4, seed=batch_size)
-        ref = reference(copy.deepcopy(model), (x,), lambda out, i: per_sample_loss(out, 0).sum())
-        model.zero_grad(set_to_none=True)
-        per_sample_loss(compiled(x), 0).mean().backward()
-        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
-                         tolerance(torch.float64), f"grad_sample at B = {batch_size}")
+    _against_the_loop_at(model, compiled, (3, 5), 3, 4)
 
 
 class EmptyContext(torch.nn.Module):
@@ -533,14 +545,7 @@ def test_attention_run_on_chunks_of_two_samples_is_per_sample():
     the whole batch (``passes/chunk_loops.py``)."""
     torch.manual_seed(0)
     model = LoopOverChunks().double()
-    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
-    for batch_size in (4, 6):
-        x = _randn(batch_size, 2, 4, seed=batch_size)
-        ref = reference(copy.deepcopy(model), (x,), lambda out, i: per_sample_loss(out, 0).sum())
-        model.zero_grad(set_to_none=True)
-        per_sample_loss(dp_model(x), 0).mean().backward()
-        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
-                         tolerance(torch.float64), f"grad_sample at B = {batch_size}")
+    _against_the_loop_at(model, fxdp.transform(model, grad_sample=True, compiler="eager"), (4, 6), 2, 4)
 
 
 class OnePiece(torch.nn.Module):
@@ -563,16 +568,7 @@ def test_the_batch_split_into_one_piece_is_the_batch(how):
     torch.manual_seed(0)
     model = OnePiece(how).double()
     dp_model = fxdp.transform(model, grad_sample=True, max_grad_norm=0.5, compiler="eager")
-    for batch_size in (B, B + 2):
-        x = _randn(batch_size, 2, 4, seed=batch_size)
-        ref = reference(copy.deepcopy(model), (x,), lambda out, i: per_sample_loss(out, 0).sum())
-        model.zero_grad(set_to_none=True)
-        per_sample_loss(dp_model(x), 0).mean().backward()
-        tol = tolerance(torch.float64)
-        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, tol,
-                         f"grad_sample at B = {batch_size}")
-        assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean", 0.5), tol,
-                         f"clipped grad at B = {batch_size}")
+    _against_the_loop_at(model, dp_model, (B, B + 2), 2, 4, max_grad_norm=0.5)
 
 
 class PiecesMixed(torch.nn.Module):
