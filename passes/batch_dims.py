@@ -30,7 +30,7 @@ from fxdp.passes.writes import (carries_no_gradient, computed_without_grad, foll
 from fxdp.registry import lookup, named_arg, out_of_place
 from fxdp.rules.grouped import is_grouped_mm
 
-__all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "module_path_of", "op_name", "arange_dim",
+__all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "pure_op", "module_path_of", "op_name", "arange_dim",
            "rule_layout"]
 
 aten = torch.ops.aten
@@ -903,7 +903,7 @@ def _independent_columns(node: fx.Node, arg_batch: list, matrix_dims: dict[int, 
     if not (isinstance(b, BatchDim) and isinstance(b.dim, int) and matrix_dims.get(rhs) == 2) \
             or _any_batched([a for i, a in enumerate(arg_batch) if i != rhs]):
         return None
-    left = named_arg(node, "left", True) if "left" in [a.name for a in node.target._schema.arguments] else True
+    left = named_arg(node, "left", True)
     rank = _meta(node.args[rhs]).dim()
     if b.dim != rank - (1 if left else 2):
         return None
@@ -1868,6 +1868,13 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
     return [first] * len(outs) if isinstance(outs, (list, tuple)) else first
 
 
+def pure_op(target: Any) -> bool:
+    """An ATen op that writes nothing and draws no random numbers: the same arguments
+    give the same value."""
+    return isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable \
+        and torch.Tag.nondeterministic_seeded not in target.tags
+
+
 def _same_computation(a: Any, b: Any, depth: int = 6) -> bool:
     """Whether ``a`` and ``b`` are the same node, or compute the same value from the same
     nodes by the same deterministic ops (``~mask`` written twice)."""
@@ -1878,8 +1885,7 @@ def _same_computation(a: Any, b: Any, depth: int = 6) -> bool:
     if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
         return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and type(a) is type(b) and a == b
     if depth == 0 or a.op != "call_function" or b.op != "call_function" or a.target != b.target \
-            or not isinstance(a.target, torch._ops.OpOverload) or a.target._schema.is_mutable \
-            or torch.Tag.nondeterministic_seeded in a.target.tags or a.kwargs.keys() != b.kwargs.keys():
+            or not pure_op(a.target) or a.kwargs.keys() != b.kwargs.keys():
         return False
     return _same_computation(list(a.args), list(b.args), depth - 1) and all(
         _same_computation(a.kwargs[k], b.kwargs[k], depth - 1) for k in a.kwargs)

@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxdp.batching import BatchDim
-from fxdp.passes.batch_dims import batch_dim_pass
+from fxdp.passes.batch_dims import batch_dim_pass, pure_op
 from fxdp.registry import named_arg
 
 __all__ = ["chunk_loops_as_whole_pass"]
@@ -145,7 +145,7 @@ def _allowed(node: fx.Node) -> bool:
     if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
         return False
     # attention is tagged random for its dropout, which a probability of 0 turns off
-    return torch.Tag.nondeterministic_seeded not in target.tags or (
+    return pure_op(target) or (
         any(a.name == "dropout_p" for a in target._schema.arguments) and named_arg(node, "dropout_p", 0.0) == 0)
 
 
