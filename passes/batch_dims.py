@@ -2268,9 +2268,12 @@ def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter
                            "their order are a batch again)")
     if uses_parameter:
         raise _NoPropagation(
-            "it uses a parameter on the values of one sample taken out of the batch (x[i], x[i:i + 1], "
-            "a loop over the samples): fxdp makes parameter uses per-sample on whole batches; apply the "
-            "layer to the whole batch, or map it over the samples with torch.func.vmap")
+            "it uses a parameter on the values of one sample taken out of the batch (x[i], x[i:i + 1]): "
+            "fxdp makes parameter uses per-sample on whole batches; a loop over the samples whose results "
+            "are stacked in their order, torch.stack([f(x[i]) for i in range(B)]), runs as "
+            "torch.func.vmap(f) where f draws no random numbers, writes nothing in place and reads no "
+            "other values of the batch; otherwise apply the layer to the whole batch, or map it over the "
+            "samples with torch.func.vmap")
     out, piece = _meta(node), Piece(samples.pop())
     return [piece] * len(out) if isinstance(out, (list, tuple)) else piece
 

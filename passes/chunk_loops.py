@@ -19,6 +19,10 @@ Sizes that count the chunk's rows (``view(c, [L * T, d])``) become the batch's. 
 batch analysis then checks the fused code as it checks any other: the rewrite is exact
 because ``f`` on the whole batch, row-wise, is ``f`` on each chunk concatenated. The
 chunks' memory saving is given up: the fused ``f`` runs on all samples at once.
+
+A loop over the samples, ``torch.stack([f(x[i]) for i in range(B)])``, has copies of
+``f`` on rows without the batch dim (``select``, ``unbind``): there ``f`` is mapped
+over the rows by ``torch.func.vmap``, traced to ATen (``_map``).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from fxdp._torch_internals import make_fx_traced
 from fxdp.batching import BatchDim
 from fxdp.passes.batch_dims import batch_dim_pass, pure_op
 from fxdp.registry import named_arg
@@ -56,7 +61,8 @@ _SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv,
 def chunk_loops_as_whole_pass(gm: fx.GraphModule, batch: dict[fx.Node, Any], param_names: dict[fx.Node, str],
                               fake_mode: Any) -> int:
     """Write each ``cat`` of one function's results on consecutive chunks of the batch
-    as that function on the whole batch.
+    as that function on the whole batch, and each ``stack`` of its results on the
+    samples' rows as that function mapped over the batch.
 
     Args:
         gm: The canonical graph, changed in place.
@@ -72,7 +78,8 @@ def chunk_loops_as_whole_pass(gm: fx.GraphModule, batch: dict[fx.Node, Any], par
     fused = 0
     for cat in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.cat.default]:
         loop = _loop(cat, batch)
-        if loop is not None and _fuse(gm, cat, loop, batch, param_names, fake_mode):
+        if loop is not None and (_map(gm, cat, loop, batch, fake_mode) if loop.mapped
+                                 else _fuse(gm, cat, loop, batch, param_names, fake_mode)):
             fused += 1
     if fused:
         gm.graph.eliminate_dead_code()
@@ -93,18 +100,24 @@ class _Loop:
         varied: For each copy, ``(node, path, first copy's value, this copy's value)``
             for the integers of a size list that differ from the first copy's.
         dim: The dim of the ``cat``.
+        mapped: Whether the pieces are single rows without their dim (``x[i]``): the
+            first copy is then a function of one sample, mapped over the rows by
+            ``vmap``; else of a chunk, run on the whole tensor.
     """
 
-    def __init__(self, body, copies, pieces, ranges, varied, dim):
-        self.body, self.copies, self.pieces, self.ranges, self.varied, self.dim = (
-            body, copies, pieces, ranges, varied, dim)
+    def __init__(self, body, copies, pieces, ranges, varied, dim, mapped):
+        self.body, self.copies, self.pieces, self.ranges, self.varied, self.dim, self.mapped = (
+            body, copies, pieces, ranges, varied, dim, mapped)
 
 
-def _piece(node: Any) -> tuple[fx.Node, int, int, int] | None:
-    """``(source, dim, start, length)`` of a piece of ``source`` that keeps its rank: an
-    output of a ``split``/``chunk``, or a ``slice`` with step 1 from a static start."""
+def _piece(node: Any) -> tuple[fx.Node, int, int, int, bool] | None:
+    """``(source, dim, start, length, kept)`` of a piece of ``source`` along ``dim``: an
+    output of a ``split``/``chunk`` or a ``slice`` with step 1 from a static start, which
+    keep the dim (``kept``), or one row of it, ``select`` or an ``unbind`` output, which
+    drop it (``length`` 1)."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
+    kept = True
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _SPLITS:
         split, index = node.args[0], node.args[1]
         source = split.args[0]
@@ -115,6 +128,24 @@ def _piece(node: Any) -> tuple[fx.Node, int, int, int] | None:
         dim = dim % outs[index].dim()
         start = sum(o.shape[dim] for o in outs[:index])
         length = outs[index].shape[dim]
+    elif node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+            and node.args[0].target is aten.unbind.int:
+        unbind, start = node.args[0], node.args[1]
+        source, dim, kept, length = unbind.args[0], named_arg(unbind, "dim", 0), False, 1
+        if not isinstance(source, fx.Node) or not isinstance(start, int):
+            return None
+        dim = dim % source.meta["val"].dim()
+    elif node.target is aten.select.int:
+        source, dim, start = node.args
+        kept, length = False, 1
+        if not isinstance(source, fx.Node) or not isinstance(start, int):
+            return None
+        dim = dim % source.meta["val"].dim()
+        if start < 0:
+            size = source.meta["val"].shape[dim]
+            if not isinstance(size, int):
+                return None
+            start += size
     elif node.target is aten.slice.Tensor:
         source, dim, start, _, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
         value = node.meta.get("val")
@@ -130,7 +161,7 @@ def _piece(node: Any) -> tuple[fx.Node, int, int, int] | None:
         return None
     if not all(isinstance(v, (int, torch.SymInt)) for v in (start, length)) or not isinstance(source, fx.Node):
         return None
-    return source, dim, start, length
+    return source, dim, start, length, kept
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -174,12 +205,14 @@ def _loop(cat: fx.Node, batch: dict) -> _Loop | None:
     # Each copy reads its own chunk: the same rows of every chunked tensor, the chunks
     # in order and covering the whole tensor.
     ranges = None
+    if len({_piece(p0)[4] for p0 in first_pieces}) > 1:
+        return None
     for p0 in first_pieces:
-        source, dim, _, _ = _piece(p0)
+        source, dim, _, _, kept = _piece(p0)
         spans = []
         for pieces in pieces_of_copy:
-            s, d, start, length = _piece(pieces[p0])
-            if s is not source or d != dim:
+            s, d, start, length, k = _piece(pieces[p0])
+            if s is not source or d != dim or k != kept:
                 return None
             spans.append((start, length))
         layout = batch.get(source)
@@ -193,19 +226,24 @@ def _loop(cat: fx.Node, batch: dict) -> _Loop | None:
             return None
         ranges = spans
     # Nothing the copies share may come from a chunk, and nothing a copy computes may be
-    # read outside it (but its result, by the cat).
+    # read outside it (but its result, by the cat). A map over the samples computes its
+    # result anew, so the copies' values may go on to other users: a loop that stacks
+    # two results is then mapped once for each (what they share computed twice).
+    mapped = not _piece(next(iter(first_pieces)))[4]
     from_chunks = _descendants([pieces[p0] for pieces in pieces_of_copy for p0 in first_pieces])
     for corr in copies:
         own = {corr[a] for a in body_set}
         if any(b in from_chunks for a, b in corr.items() if a is b and a not in body_set and a not in first_pieces):
             return None
-        if any(u not in own and not (u is cat and node is corr[first]) and not _dead(u)
-               for node in own for u in node.users):
+        if not mapped and any(u not in own and not (u is cat and node is corr[first]) and not _dead(u)
+                              for node in own for u in node.users):
             return None
     body = [n for n in first.graph.nodes if n in body_set]
     rank = first.meta["val"].dim()
     dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-    return _Loop(body, copies, {p0: _piece(p0)[:2] for p0 in first_pieces}, ranges, varied, dim % rank)
+    if mapped and (any(varied) or not _equal(first.meta["val"].shape[dim % rank], 1)):
+        return None
+    return _Loop(body, copies, {p0: _piece(p0)[:2] for p0 in first_pieces}, ranges, varied, dim % rank, mapped)
 
 
 def _same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied: list) -> bool:
@@ -229,7 +267,7 @@ def _same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied:
             if piece_a is not None and piece_b is not None and not (
                 _equal(piece_a[2], piece_b[2]) and _equal(piece_a[3], piece_b[3])):
                 # other rows of one tensor: a chunk (a loop over them is checked later)
-                if piece_a[:2] != piece_b[:2]:
+                if piece_a[:2] != piece_b[:2] or piece_a[4] != piece_b[4]:
                     return False
                 corr[a] = pieces[a] = b
                 continue
@@ -374,3 +412,69 @@ def _body_layouts(gm: fx.GraphModule, loop: _Loop, batch: dict, param_names: dic
     if analysis.problems:
         return None
     return {node: analysis.batch.get(env[node]) for node in loop.body}
+
+
+def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: Any) -> bool:
+    """Write ``loop``, a function of one row stacked over every row, as that function
+    mapped over the rows by ``vmap``, traced to ATen in place of ``cat``; ``False`` (and
+    the graph unchanged) where it reads batched values or an op has no batching rule.
+
+    ``torch.stack([f(x[i]) for i in range(B)])`` is ``vmap(f)(x)`` for any pure ``f``,
+    whether or not ``f`` keeps the rows of a sample apart: the batching rules write
+    ``f`` for the whole batch (``linear`` on ``[T, d]`` becomes ``mm`` on ``[B * T, d]``).
+    """
+    body = set(loop.body)
+    free = list(dict.fromkeys(a for node in loop.body for a in node.all_input_nodes
+                              if a not in body and a not in loop.pieces))
+    if any(batch.get(a) is not None for a in free):  # batched, or after a refusal
+        return False
+    graph, env = fx.Graph(), {}
+    for node in [*loop.pieces, *free]:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in loop.body:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(env[loop.body[-1]])
+    row = fx.Interpreter(fx.GraphModule(gm, graph))
+    in_dims = tuple(dim for _, dim in loop.pieces.values()) + (None,) * len(free)
+
+    def mapped(*args):
+        return torch.func.vmap(lambda *a: row.run(*a).squeeze(loop.dim), in_dims=in_dims, out_dims=loop.dim)(*args)
+
+    sources = [source for source, _ in loop.pieces.values()]
+    examples = [node.meta["val"] for node in [*sources, *free]]
+    fallback = torch._C._functorch._is_vmap_fallback_enabled()
+    torch._C._functorch._set_vmap_fallback_enabled(False)
+    try:
+        traced = make_fx_traced(mapped, examples, fake_mode=fake_mode)
+    except Exception:  # noqa: BLE001 - an op without a batching rule: keep the loop
+        return False
+    finally:
+        torch._C._functorch._set_vmap_fallback_enabled(fallback)
+    expected, value = cat.meta["val"], traced.graph.output_node().args[0].meta.get("val")
+    if value is None or value.shape != expected.shape or value.dtype != expected.dtype:
+        return False
+    inputs = iter([*sources, *free])
+    env = {}
+    with gm.graph.inserting_before(cat):
+        for node in traced.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(inputs)
+            elif node.op == "get_attr":
+                name = _free_attr(gm, node.target)
+                setattr(gm, name, getattr(traced, node.target))
+                env[node] = gm.graph.get_attr(name)
+                env[node].meta = dict(node.meta)
+            elif node.op == "output":
+                cat.replace_all_uses_with(env[node.args[0]])
+            else:
+                env[node] = gm.graph.node_copy(node, env.__getitem__)
+    gm.graph.erase_node(cat)
+    return True
+
+
+def _free_attr(gm: fx.GraphModule, name: str) -> str:
+    k = 0
+    while hasattr(gm, f"_fxdp_mapped_{name}_{k}"):
+        k += 1
+    return f"_fxdp_mapped_{name}_{k}"

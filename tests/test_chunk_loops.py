@@ -1,10 +1,11 @@
-"""Loops over chunks of the batch, concatenated again (``passes/chunk_loops.py``).
+"""Loops over chunks of the batch, concatenated again, and loops over the samples,
+stacked again (``passes/chunk_loops.py``).
 
 Each accepted model is checked against the microbatch loop (float64, ``grad_sample``
 and the clipped gradient) at two batch sizes on one transform: ``B = 5`` splits into
 unequal chunks (3 + 2, the sizes that count the chunk's rows differ between the
-copies), ``B = 4`` into equal ones. The forward's output must equal the plain
-model's.
+copies), ``B = 4`` into equal ones (a loop over the samples has 5, then 4 copies).
+The forward's output must equal the plain model's.
 """
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ from fxdp.errors import UnsupportedError
 from reference import assert_close_all, reference, tolerance
 
 DTYPE = torch.float64
+
+# An op without a vmap batching rule (nor an fxdp rule: the loop is all that sees it).
+_LIB = torch.library.Library("fxdp_test_chunk_loops", "DEF")
+_LIB.define("twice(Tensor x) -> Tensor")
+_LIB.impl("twice", lambda x: x * 2, "CPU")
+_LIB.impl("twice", lambda x: torch.empty_like(x), "Meta")
 
 
 class ChunkLoops(nn.Module):
@@ -78,13 +85,45 @@ class ChunkLoops(nn.Module):
         if kind == "a chunk's result read elsewhere":
             outs = [self.head(c) for c in h.chunk(2)]
             return torch.cat(outs) + outs[0].sum()
+        # loops over the samples: each copy sees one sample without the batch dim
+        if kind == "a function of each sample, stacked":
+            return torch.stack([self.head(row).tanh().sum(0) for row in h])
+        if kind == "attention within each sample, unbound":
+            outs = []
+            for q in map(self.head, h.unbind(0)):
+                outs.append(torch.softmax(q @ q.T, -1) @ q)
+            return torch.stack(outs)
+        if kind == "samples stacked along dim 1":
+            return torch.stack([self.head(h[i]) for i in range(h.shape[0])], 1).transpose(0, 1)
+        if kind == "two tensors indexed alike":
+            return torch.stack([self.head(h[i]) * mask[i] for i in range(h.shape[0])])
+        if kind == "samples unsqueezed and concatenated":
+            return torch.cat([self.head(h[i])[None] for i in range(h.shape[0])])
+        if kind == "two results of each sample":  # mapped once for each stack
+            queries, keys = [], []
+            for row in h:
+                q = self.head(row)
+                queries.append(q.tanh())
+                keys.append(q.sin())
+            return torch.stack(queries) * torch.stack(keys)
+        if kind == "a sample's result read elsewhere":
+            outs = [self.head(row) for row in h]
+            return torch.stack(outs) + outs[0].sum()
+        if kind == "random draw in each sample":
+            return torch.stack([self.drop(self.head(row)) for row in h])
+        if kind == "each sample reads the whole batch":
+            return torch.stack([self.head(row + h.sum(0)) for row in h])
+        if kind == "an op without a batching rule":
+            return torch.stack([self.head(torch.ops.fxdp_test_chunk_loops.twice(row)) for row in h])
+        if kind == "samples stacked out of order":
+            return torch.stack([self.head(h[i]) for i in reversed(range(h.shape[0]))])
         raise ValueError(kind)
 
 
 def _inputs(kind: str, batch_size: int) -> tuple:
     g = torch.Generator().manual_seed(batch_size)
     x = torch.randn(batch_size, 6, 4, generator=g, dtype=DTYPE)
-    if kind == "two tensors chunked alike":
+    if kind in ("two tensors chunked alike", "two tensors indexed alike"):
         return x, torch.rand(batch_size, 6, 1, generator=g, dtype=DTYPE)
     return (x,)
 
@@ -96,6 +135,8 @@ def _per_sample_loss(out: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", [
     "chunk", "ghost batch norm (eval)", "two loops, one after the other", "rows", "sizes of the chunk", "two tensors chunked alike", "batch second",
     "attention over heads merged into the batch", "rows of the samples merged", "vmap with chunk_size",
+    "a function of each sample, stacked", "attention within each sample, unbound", "samples stacked along dim 1",
+    "two tensors indexed alike", "samples unsqueezed and concatenated", "two results of each sample",
 ])
 def test_a_loop_over_chunks_of_the_batch_is_per_sample(kind):
     torch.manual_seed(0)
@@ -128,6 +169,22 @@ def test_a_loop_over_chunks_that_is_not_the_loop_over_the_whole_batch_is_refused
     dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
     with pytest.raises(UnsupportedError, match=r"it splits the batch dim \(a loop over chunks .* keeps each "
                                                r"chunk's rows apart, draws no random numbers.*torch\.func\.vmap\(f\)"):
+        dp_model(*_inputs(kind, 4))
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("random draw in each sample", "uses a parameter on the values of one sample"),
+    ("each sample reads the whole batch", "it reduces over the batch dim"),
+    ("samples stacked out of order", "uses a parameter on the values of one sample"),
+    ("a sample's result read elsewhere", "uses a parameter on the values of one sample"),
+    ("an op without a batching rule", "uses a parameter on the values of one sample"),  # vmap's loop turned off
+])
+def test_a_loop_over_the_samples_that_is_not_a_map_over_the_batch_is_refused(kind, reason):
+    torch.manual_seed(0)
+    model = ChunkLoops(kind).to(DTYPE)
+    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+    with pytest.raises(UnsupportedError, match=reason + r".*runs as torch\.func\.vmap\(f\) where f draws no random"
+                       if "parameter" in reason else reason):
         dp_model(*_inputs(kind, 4))
 
 
