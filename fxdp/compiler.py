@@ -540,6 +540,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     # Each trainable parameter's gradient output is at its forward input's index.
     guarded = {i: param_names[n] for i, n in enumerate(n for n in tagged.graph.nodes if n.op == "placeholder")
                if n in param_names and param_names[n] not in excluded}
+    # AOTAutograd makes the graph module's own tensors (``torch.tensor(2.0)`` in the
+    # forward, a constant ``make_fx`` keeps as a buffer) the first inputs of the joint
+    # graph: the backward's gradient outputs start with theirs.
+    lifted = len(list(tagged.named_parameters(remove_duplicate=False))) \
+        + len(list(tagged.named_buffers(remove_duplicate=False)))
+    inputs = lifted + sum(1 for n in tagged.graph.nodes if n.op == "placeholder")
     record.rule_counts = counts
     record.uses = [use for n in tagged.graph.nodes for use in getattr(n.target, "use_infos", ())]
     record._stage("tagged", tagged)
@@ -558,13 +564,19 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
 
     def backward_compiler(bw_gm: fx.GraphModule, bw_inputs: Sequence[Any], inner: Callable) -> Callable:
         record._stage("backward", bw_gm)
-        leaking = unmarked_gradients(bw_gm, guarded)
+        outputs = bw_gm.graph.output_node().args[0]
+        if len(outputs) != inputs:
+            raise UnsupportedError(
+                f"fxdp internal error: the backward graph has {len(outputs)} gradient outputs for {inputs} "
+                "forward inputs, so fxdp cannot tell which gradient is a parameter's; please report the model")
+        at_output = {lifted + i: name for i, name in guarded.items()}
+        leaking = unmarked_gradients(bw_gm, at_output)
         if leaking:
             raise UnsupportedError(
                 "fxdp internal error: part of the gradient of " + ", ".join(leaking) + " would not be "
                 "made per-sample (it reaches the parameter through no rule), so it would leave "
                 "unclipped; please report the model. fxdp.validate lists what it found.")
-        handover.positions = constant_gradients(bw_gm, guarded)
+        handover.positions = [i - lifted for i in constant_gradients(bw_gm, at_output)]
         decomps = internals.inductor_decompositions() if inductor else None
         with no_autocast(devices):
             new_gm, plan = backward_rewrite_pass(bw_gm, options, decompositions=decomps,

@@ -930,8 +930,8 @@ def _repeat(node, arg_batch):
 
 _PER_SAMPLE_LOOP = (" (a loop over chunks of samples concatenated again, torch.cat([f(c) for c in x.chunk(k)]) "
                     "or torch.func.vmap(f, chunk_size=k), runs as f on the whole batch where f keeps each chunk's "
-                    "rows apart, draws no random numbers, reads no other values of the batch, and nothing but "
-                    "the concatenation reads its results; otherwise run f on the whole batch, or map it over "
+                    "rows apart, draws no random numbers and reads no other values of the batch (a chunk's "
+                    "value read outside the loop keeps its chunk); otherwise run f on the whole batch, or map it over "
                     "the samples with torch.func.vmap(f))")
 
 
@@ -2541,6 +2541,7 @@ def batch_dim_pass(
     batch_size: Any,
     function_body: bool = False,
     chunk: bool = False,
+    sized_batched: str | None = None,
 ) -> BatchAnalysis:
     """Propagate batch dims through ``gm`` and collect everything that mixes samples.
 
@@ -2571,13 +2572,16 @@ def batch_dim_pass(
         chunk: ``gm`` is the body of a loop over chunks of the batch (see
             ``chunk_loops_as_whole_pass``): its batched inputs hold ``batch_size`` rows,
             read as samples even when there is one.
+        sized_batched: Only this reading of the tensors built from ``B`` (``"all"``:
+            batched along their dim of size ``B``), not the first that leaves no
+            problems.
 
     Returns:
         The analysis; the graph is not changed (nodes get ``meta["fxdp_batch"]``).
     """
-    analysis = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched="none",
+    analysis = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=sized_batched or "none",
                           function_body=function_body, chunk=chunk)
-    if (analysis.problems or analysis.sized_normaliser) and analysis.sized_by_batch:
+    if sized_batched is None and (analysis.problems or analysis.sized_normaliser) and analysis.sized_by_batch:
         for reading in ("all", "unambiguous"):
             retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=reading,
                                  function_body=function_body, chunk=chunk)

@@ -1957,6 +1957,19 @@ def _copy_as_broadcast(gm: fx.GraphModule, node: fx.Node, written: fx.Node) -> f
 
 
 _SCATTERS = {torch.ops.aten.slice.Tensor, torch.ops.aten.select.int}
+_FACTORIES = {torch.ops.aten.zeros.default, torch.ops.aten.ones.default, torch.ops.aten.full.default,
+              torch.ops.aten.empty.memory_format}
+
+
+def _fresh_constant(node: fx.Node) -> bool:
+    """A tensor made from sizes alone (``torch.zeros(4, 5, 2)``), no tensor's values in
+    it: a ``copy_`` into a slice of it is data flow (speechbrain's ``GaborConv1d``
+    writes its parameters into such a filter bank, ``w[:, :, 1] = k``), as is one into
+    the ``slice_scatter`` an earlier such write became (``w[..., 0] = k.exp()`` first)."""
+    while node.target is torch.ops.aten.slice_scatter.default:
+        node = node.args[0]
+    return node.target in _FACTORIES and not any(
+        isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
 
 
 def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict) -> bool:
@@ -1973,10 +1986,12 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
     view = node.args[0]
     base = view.args[0]
     if (view.target not in _SCATTERS or not isinstance(base, fx.Node) or base.op != "call_function"
-            or is_view(base) or any(is_view(u) and u is not view for u in base.users)
+            or is_view(base) or any(is_view(u) and u is not view and order.get(u, -1) < order[node]
+                                    for u in base.users)
             or any(u.op == "output" for u in base.users)):
         return False
-    if any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+    if any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())) and not (
+            node.target is torch.ops.aten.copy_.default and _fresh_constant(base)):
         return False  # a write of other tensors' values: followed by passes/writes.py
     if any(writes_in_place(u.target) for alias in (base, view) for u in alias.users
            if u is not node and order.get(u, -1) > order[node]):
@@ -1989,15 +2004,19 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
             index = index + base.meta["val"].shape[dim]
             if not isinstance(index, int):
                 return False
-    node.target = twin
+    at = order[node]
+    if node.target is torch.ops.aten.copy_.default:
+        node = _copy_as_broadcast(gm, node, view)
+    else:
+        node.target = twin
     with gm.graph.inserting_before(node.next):  # in order, right after the write
         if view.target is torch.ops.aten.slice.Tensor:
             scattered = _call(gm, torch.ops.aten.slice_scatter.default, (base, node, *view.args[1:]), node)
         else:  # a select, as the slice of one row (see _select_scatter_as_slice)
             row = _call(gm, torch.ops.aten.unsqueeze.default, (node, dim), node)
             scattered = _call(gm, torch.ops.aten.slice_scatter.default, (base, row, dim, index, index + 1), node)
-    for user in [u for u in base.users if u is not scattered and order.get(u, -1) > order[node]]:
+    for user in [u for u in base.users if u is not scattered and order.get(u, -1) > at]:
         user.replace_input_with(base, scattered)
-    for user in [u for u in view.users if u is not node and order.get(u, -1) > order[node]]:
+    for user in [u for u in view.users if u is not node and order.get(u, -1) > at]:
         user.replace_input_with(view, node)
     return True

@@ -225,22 +225,19 @@ def _loop(cat: fx.Node, batch: dict) -> _Loop | None:
                                           for a, b in zip(span, other)):
             return None
         ranges = spans
-    # Nothing the copies share may come from a chunk, and nothing a copy computes may be
-    # read outside it (but its result, by the cat). A map over the samples computes its
-    # result anew, so the copies' values may go on to other users: a loop that stacks
-    # two results is then mapped once for each (what they share computed twice).
-    mapped = not _piece(next(iter(first_pieces)))[4]
+    # Nothing the copies share may come from a chunk. A copy's values may be read
+    # elsewhere: the fused code computes the result anew, and the copies stay for their
+    # other users. A loop with two results, each concatenated by its own ``cat``, is then
+    # fused once for each (what they share computed twice); a chunk's value read by
+    # anything else keeps its copy, and the refusal of its chunk.
     from_chunks = _descendants([pieces[p0] for pieces in pieces_of_copy for p0 in first_pieces])
     for corr in copies:
-        own = {corr[a] for a in body_set}
         if any(b in from_chunks for a, b in corr.items() if a is b and a not in body_set and a not in first_pieces):
-            return None
-        if not mapped and any(u not in own and not (u is cat and node is corr[first]) and not _dead(u)
-                              for node in own for u in node.users):
             return None
     body = [n for n in first.graph.nodes if n in body_set]
     rank = first.meta["val"].dim()
     dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    mapped = not _piece(next(iter(first_pieces)))[4]
     if mapped and (any(varied) or not _equal(first.meta["val"].shape[dim % rank], 1)):
         return None
     return _Loop(body, copies, {p0: _piece(p0)[:2] for p0 in first_pieces}, ranges, varied, dim % rank, mapped)
@@ -253,6 +250,13 @@ def _same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied:
     pending = [(first, other, None, ())]  # (value, value, node whose size list it is in, path there)
     while pending:
         a, b, sizes_of, path = pending.pop()
+        if sizes_of is not None and len(path) == 2 and a is not b and (
+                isinstance(a, fx.Node) or isinstance(b, fx.Node)) \
+                and _size_value(a) is not None and _size_value(b) is not None:
+            # a size the graph computes for each chunk (``(B + 1) // 2`` and
+            # ``B - (B + 1) // 2`` with a symbolic batch size): checked by its value
+            varied.append((sizes_of, path, _size_value(a), _size_value(b)))
+            continue
         if isinstance(a, fx.Node) or isinstance(b, fx.Node):
             if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
                 return False
@@ -294,9 +298,11 @@ def _same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied:
     return True
 
 
-def _dead(node: fx.Node) -> bool:
-    """Whether nothing reads ``node`` and it does nothing else (a ``detach`` a trace left)."""
-    return not node.users and not node.is_impure()
+def _size_value(value: Any) -> int | torch.SymInt | None:
+    """The integer ``value`` is or computes, ``None`` for anything else."""
+    if isinstance(value, fx.Node):
+        value = value.meta.get("val")
+    return value if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) else None
 
 
 def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
@@ -312,11 +318,23 @@ def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
 def _fuse(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, param_names: dict, fake_mode: Any) -> bool:
     """Write ``loop`` as its first copy on the whole chunked tensors, in place of ``cat``;
     ``False`` (and the graph unchanged) where the copy does not keep rows apart or its
-    sizes cannot be read."""
+    sizes cannot be read.
+
+    A shared tensor expanded (or built) to the chunk's rows, ``arange(n).expand_as(c)``
+    (reformer's LSH ``ticker``), is first read as shared, its size a constant; where
+    the fused code then does not fit the whole tensor, the copy is analysed again with
+    such tensors batched along their dim of the chunk's size, which must keep the rows
+    apart too, and that size becomes the whole tensor's."""
+    for reading in ("none", "all"):
+        layouts = _body_layouts(gm, loop, batch, param_names, loop.ranges[0][1], reading)
+        if layouts is not None and _fuse_as(gm, cat, loop, layouts, fake_mode):
+            return True
+    return False
+
+
+def _fuse_as(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, layouts: dict, fake_mode: Any) -> bool:
+    """``_fuse`` with the copy's batch layouts ``layouts``."""
     first_length = loop.ranges[0][1]
-    layouts = _body_layouts(gm, loop, batch, param_names, first_length)
-    if layouts is None:
-        return False
     result = loop.body[-1]
     out = layouts[result]
     if not (isinstance(out, BatchDim) and out.dim == loop.dim and out.outer == 1):
@@ -337,19 +355,25 @@ def _fuse(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, param_name
         rows, entry = layout.inner * layout.outer, sizes[layout.dim]
         if (isinstance(entry, fx.Node) and entry in body) or entry == -1:
             continue
-        if not (type(entry) is int and isinstance(first_length, int) and entry == first_length * rows):
+        value = _size_value(entry)
+        if value is None or not _equal(value, first_length * rows):
             return False
         per_row[(node, (at, layout.dim))] = rows
     for k, differing in enumerate(loop.varied):
         for node, path, _, value in differing:
             rows = per_row.get((node, path))
-            if rows is None or value != loop.ranges[k][1] * rows:
+            if rows is None or not _equal(value, loop.ranges[k][1] * rows):
                 return False
     total = sum(length for _, length in loop.ranges)
     env = {p0: source for p0, (source, _) in loop.pieces.items()}
     added = []
     try:
         with gm.graph.inserting_before(cat):
+            if not isinstance(total, int):  # the whole tensor's size, as a node of the graph
+                source, dim = next(iter(loop.pieces.values()))
+                total = gm.graph.call_function(aten.sym_size.int, (source, dim))
+                total.meta["val"] = source.meta["val"].shape[dim]
+                added.append(total)
             for node in loop.body:
                 new = gm.graph.node_copy(node, lambda n: env.get(n, n))
                 added.append(new)
@@ -358,7 +382,7 @@ def _fuse(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, param_name
                     sizes = list(new.args[at]) if isinstance(new.args[at], (list, tuple)) else None
                     for (owner, (_, j)), rows in per_row.items():
                         if owner is node:
-                            sizes[j] = total * rows
+                            sizes[j] = _times(gm, total, rows, added)
                     if sizes is not None:
                         new.args = new.args[:at] + (sizes,) + new.args[at + 1:]
                 with fake_mode:
@@ -379,9 +403,23 @@ def _fuse(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, param_name
     return True
 
 
-def _body_layouts(gm: fx.GraphModule, loop: _Loop, batch: dict, param_names: dict, rows: int) -> dict | None:
+def _times(gm: fx.GraphModule, total: Any, rows: int, added: list) -> Any:
+    """``total * rows``, a new node where ``total`` is a node."""
+    if not isinstance(total, fx.Node):
+        return total * rows
+    if rows == 1:
+        return total
+    product = gm.graph.call_function(operator.mul, (total, rows))
+    product.meta["val"] = total.meta["val"] * rows
+    added.append(product)
+    return product
+
+
+def _body_layouts(gm: fx.GraphModule, loop: _Loop, batch: dict, param_names: dict, rows: int,
+                  sized_batched: str) -> dict | None:
     """The batch layouts of the first copy's nodes, its chunks read as a batch of
-    ``rows`` samples; ``None`` where the copy mixes rows or reads batched values."""
+    ``rows`` samples and the tensors built from ``rows`` as ``sized_batched`` says
+    (``batch_dim_pass``); ``None`` where the copy mixes rows or reads batched values."""
     graph, env, placeholder_batch, names = fx.Graph(), {}, {}, {}
 
     def placeholder(node: fx.Node, layout: Any) -> fx.Node:
@@ -408,7 +446,7 @@ def _body_layouts(gm: fx.GraphModule, loop: _Loop, batch: dict, param_names: dic
     # As in a Function's body, a value that mixes rows may not reach the result even
     # when it carries no gradient: the fused code would compute a different value.
     analysis = batch_dim_pass(fx.GraphModule(gm, graph), placeholder_batch, names, batch_size=rows,
-                              function_body=True, chunk=True)
+                              function_body=True, chunk=True, sized_batched=sized_batched)
     if analysis.problems:
         return None
     return {node: analysis.batch.get(env[node]) for node in loop.body}

@@ -76,6 +76,20 @@ class ChunkLoops(nn.Module):
         if kind == "rows of the samples merged":  # reformer's chunked_sum
             flat = self.head(h).reshape(-1, 3)
             return torch.cat([c.sum(-1) for c in flat.chunk(2, 0)]).reshape(h.shape[:2])
+        if kind == "two results of each chunk":  # reformer's attention with attn_chunks > 1: output and buckets
+            outs, buckets = [], []
+            for c in h.chunk(2):
+                q = self.head(c)
+                outs.append(q.tanh())
+                buckets.append(q.argmax(-1))
+            return torch.cat(outs) * torch.cat(buckets)[..., None]
+        if kind == "positions expanded to the chunk's rows":  # reformer's LSH ticker.expand_as(buckets)
+            outs = []
+            for c in h.chunk(2):
+                q = self.head(c)
+                positions = torch.arange(c.shape[1]).expand(c.shape[0], -1)  # gathered: the expand stays
+                outs.append(q * positions.gather(1, q.sum(-1).argsort(-1))[..., None].to(q.dtype))
+            return torch.cat(outs)
         if kind == "mixes the chunk's rows":
             return torch.cat([c - c.mean(0, keepdim=True) for c in h.chunk(2)])
         if kind == "random draw":
@@ -137,6 +151,7 @@ def _per_sample_loss(out: torch.Tensor) -> torch.Tensor:
     "attention over heads merged into the batch", "rows of the samples merged", "vmap with chunk_size",
     "a function of each sample, stacked", "attention within each sample, unbound", "samples stacked along dim 1",
     "two tensors indexed alike", "samples unsqueezed and concatenated", "two results of each sample",
+    "two results of each chunk", "positions expanded to the chunk's rows",
 ])
 def test_a_loop_over_chunks_of_the_batch_is_per_sample(kind):
     torch.manual_seed(0)

@@ -2049,11 +2049,14 @@ def test_strict_false_warns_and_excludes_the_parameter():
     assert [p.parameter for p in dp.explain().graphs[0].problems] == ["log_temperature"]
 
 
+@pytest.mark.parametrize("constant", [False, True], ids=["plain", "tensor-constant"])
 @pytest.mark.parametrize("hole", ["untagged", "one_use_untagged"])
-def test_a_gradient_no_rule_made_per_sample_raises(monkeypatch, hole):
+def test_a_gradient_no_rule_made_per_sample_raises(monkeypatch, hole, constant):
     """The last line of defence: should the analysis or the tagging miss a use of a
     parameter, its gradient would be the ordinary one; the backward compiler finds any
-    part of a parameter's gradient that reaches it through no marker, and raises."""
+    part of a parameter's gradient that reaches it through no marker, and raises. Also
+    with a tensor the forward makes (``torch.tensor(2.0)``), which AOTAutograd puts in
+    front of the graph's inputs, and of the gradients the check reads."""
     import fxdp.compiler as compiler
 
     tag_pass = compiler.tag_pass
@@ -2074,6 +2077,8 @@ def test_a_gradient_no_rule_made_per_sample_raises(monkeypatch, hole):
 
         def forward(self, x):
             h = getattr(self, "0")(x).relu()
+            if constant:
+                h = h * torch.sqrt(torch.tensor(2.0))
             return getattr(self, "1")(h) + F.linear(h, getattr(self, "1").weight)
 
     monkeypatch.setattr(compiler, "tag_pass", with_a_hole)

@@ -219,6 +219,39 @@ def test_parameter_values_written_in_place_through_a_view_of_a_read_base_are_ref
         fxdp.transform(ScaledPositionHeads(then_base=True), compiler="eager")(torch.randn(B, 5, 4))
 
 
+class FilterBank(nn.Module):
+    """speechbrain's ``GaborConv1d(use_legacy_complex=True)``: parameters written into
+    slices of a fresh ``torch.zeros`` filter bank, scaled by a tensor the forward makes
+    (``torch.tensor(2.0)``, a constant AOTAutograd lifts to the graph's first input),
+    then convolved with the batch."""
+
+    def __init__(self, writes: int):
+        super().__init__()
+        self.writes = writes
+        self.k = nn.Parameter(torch.rand(4, 5) + 0.5)
+        self.head = nn.Linear(8 * 8 if writes == 2 else 4 * 8, 3)
+
+    def forward(self, x):  # x [B, 1, 12]
+        w = torch.zeros(4, 5, 2, dtype=x.dtype)
+        if self.writes == 2:
+            w[:, :, 0] = self.k.exp()
+        w[:, :, 1] = self.k * torch.sqrt(torch.tensor(2.0, dtype=x.dtype))
+        bank = w.permute(0, 2, 1).reshape(8, 1, 5) if self.writes == 2 else w[:, :, 1].unsqueeze(1)
+        return self.head(F.conv1d(x, bank).flatten(1))
+
+
+@pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
+@pytest.mark.parametrize("writes", [1, 2])
+def test_parameters_written_into_a_fresh_filter_bank_are_exact(writes, grad_sample):
+    """A ``copy_`` into a slice of a tensor made from sizes alone (or into the scatter an
+    earlier such write became) is data flow: a parameter transform like any other.
+    Before, the parameter reached the convolution through no rule; and with the lifted
+    constant in front of the inputs, the check that catches that looked at the wrong
+    gradient and let the unclipped one through."""
+    torch.manual_seed(0)
+    _check(FilterBank(writes).double(), torch.randn(B, 1, 12, dtype=torch.float64), grad_sample)
+
+
 def test_out_of_place_weight_surgery_is_exact():
     """The refusal's advice, ``w = w * mask``, works."""
 
