@@ -1961,6 +1961,20 @@ _FACTORIES = {torch.ops.aten.zeros.default, torch.ops.aten.ones.default, torch.o
               torch.ops.aten.empty.memory_format}
 
 
+def _constant(node: fx.Node) -> bool:
+    """A value computed from no input of the graph (``knots[..., 0] = -3.0`` writes a
+    lifted 0-d constant: as good as a number)."""
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            if node.op == "placeholder":
+                return False
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return True
+
+
 def _fresh_constant(node: fx.Node) -> bool:
     """A tensor made from sizes alone (``torch.zeros(4, 5, 2)``), no tensor's values in
     it: a ``copy_`` into a slice of it is data flow (speechbrain's ``GaborConv1d``
@@ -1990,7 +2004,8 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
                                     for u in base.users)
             or any(u.op == "output" for u in base.users)):
         return False
-    if any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())) and not (
+    operands = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, fx.Node)]
+    if operands and not all(_constant(a) for a in operands) and not (
             node.target is torch.ops.aten.copy_.default and _fresh_constant(base)):
         return False  # a write of other tensors' values: followed by passes/writes.py
     if any(writes_in_place(u.target) for alias in (base, view) for u in alias.users

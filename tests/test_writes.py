@@ -151,8 +151,13 @@ class WrittenWeight(nn.Module):
 
     def forward(self, x):
         w = self.fc.weight.clone()
-        if self.how == "slice":
+        if self.how == "slice":  # a lifted 0-d constant written: as good as a number
             w[:, :2] = 0.0
+        elif self.how == "end-knots":  # pyro's rational-quadratic spline: knots[..., 0] = -B; [..., -1] = B
+            w[:, 0] = -3.0
+            w[:, -1] = 3.0
+        elif self.how == "bias-into-a-column":  # a parameter's values written into a view
+            w[:, 0] = self.fc.bias
         elif self.how == "row-mul":
             w[0].mul_(3.0)
         elif self.how == "masked-fill":
@@ -164,7 +169,7 @@ class WrittenWeight(nn.Module):
         return F.linear(x, w, self.fc.bias).mean(1)
 
 
-@pytest.mark.parametrize("how", ["slice"])
+@pytest.mark.parametrize("how", ["bias-into-a-column"])
 def test_parameter_values_written_in_place_through_views_are_refused(how):
     problems = fxdp.validate(WrittenWeight(how), torch.randn(B, 2, 4))
     assert any(p.parameter == "fc.weight" and "out of place" in p.reason for p in problems), problems
@@ -173,12 +178,13 @@ def test_parameter_values_written_in_place_through_views_are_refused(how):
 
 
 @pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
-@pytest.mark.parametrize("how", ["masked-fill", "mul-add", "row-mul", "select-scatter"])
+@pytest.mark.parametrize("how", ["masked-fill", "mul-add", "row-mul", "select-scatter", "slice", "end-knots"])
 def test_whole_parameter_values_written_in_place_are_exact(how, grad_sample):
     """An in-place op on a whole tensor nothing aliases is its out-of-place twin
     (``in_place_as_out_of_place_pass``): a parameter transform like any other; so is one
-    with no tensor operand on a row of it (``w[0].mul_(3.0)``: the twin scattered back,
-    as torchvision's Swin V2 zeroes a third of its qkv bias). ``select_scatter`` runs as
+    with no tensor operand, or constant ones, on a row of it (``w[0].mul_(3.0)``,
+    ``w[:, :2] = 0.0``: the twin scattered back, as torchvision's Swin V2 zeroes a third
+    of its qkv bias and pyro's spline sets its end knots). ``select_scatter`` runs as
     a one-row ``slice_scatter``: under the per-sample VJP's ``vmap`` its backward gave
     the written row the gradient through the base too."""
     torch.manual_seed(0)
