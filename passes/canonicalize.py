@@ -1968,11 +1968,27 @@ def _constant(node: fx.Node) -> bool:
     while stack:
         node = stack.pop()
         if node not in seen:
-            if node.op == "placeholder":
-                return False
+            if node.op == "placeholder" or _written_somewhere(_memory_of(node)):
+                return False  # an input, or a tensor whose values a write changes (not data flow)
             seen.add(node)
             stack.extend(node.all_input_nodes)
     return True
+
+
+def _written_somewhere(memory: fx.Node) -> bool:
+    """Whether an in-place op writes into ``memory`` or a view of it."""
+    stack, seen = [memory], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user.op == "call_function" and writes_in_place(user.target) and user.args and user.args[0] is node:
+                return True
+            if is_view(user):
+                stack.append(user)
+    return False
 
 
 def _fresh_constant(node: fx.Node) -> bool:
@@ -1987,10 +2003,12 @@ def _fresh_constant(node: fx.Node) -> bool:
 
 
 def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict) -> bool:
-    """An in-place op with no tensor operand (``zero_``, ``fill_``, ``mul_`` by a number)
-    on a slice or select of a computed tensor that no other view reads, as its
-    out-of-place twin scattered into a new tensor that later reads of the base read
-    (torchvision's Swin V2: ``qkv_bias = bias.clone(); qkv_bias[n:2 * n].zero_()``)::
+    """An in-place op with no tensor operand (``zero_``, ``fill_``, ``mul_`` by a number),
+    or constant ones only, on a slice or select of a computed tensor that no view taken
+    before it reads, as its out-of-place twin scattered into a new tensor that later
+    reads of the base (and later views of it) read (torchvision's Swin V2: ``qkv_bias =
+    bias.clone(); qkv_bias[n:2 * n].zero_()``); likewise a ``copy_`` of any value into
+    a tensor made from sizes alone (``_fresh_constant``), as its broadcast::
 
         slice_1 = torch.ops.aten.slice.Tensor(clone, 0, 4, 8)           # before
         zero_ = torch.ops.aten.zero_.default(slice_1)
@@ -2026,7 +2044,11 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
         node.target = twin
     with gm.graph.inserting_before(node.next):  # in order, right after the write
         if view.target is torch.ops.aten.slice.Tensor:
-            scattered = _call(gm, torch.ops.aten.slice_scatter.default, (base, node, *view.args[1:]), node)
+            bounds = list(view.args[1:])
+            size = base.meta["val"].shape[bounds[0]] if bounds else None
+            if len(bounds) > 2 and isinstance(bounds[2], int) and isinstance(size, int) and bounds[2] > size:
+                bounds[2] = size  # ``x[:, 1:]`` ends at sys.maxsize, which vmap's scatter would count to
+            scattered = _call(gm, torch.ops.aten.slice_scatter.default, (base, node, *bounds), node)
         else:  # a select, as the slice of one row (see _select_scatter_as_slice)
             row = _call(gm, torch.ops.aten.unsqueeze.default, (node, dim), node)
             scattered = _call(gm, torch.ops.aten.slice_scatter.default, (base, row, dim, index, index + 1), node)

@@ -164,6 +164,16 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
             "per-sample gradients back through the ops that compute a parameter's value, "
             "and an in-place write is not one: compute it out of place "
             "(w = w * mask, torch.where(mask, 0.0, w), torch.cat)")
+    if any(isinstance(a, fx.Node) and a in sources for a in (*node.args[1:], *node.kwargs.values())) \
+            and not isinstance(batch.get(base), BatchDim):
+        # The tensor holds the parameter's values from here on, but no op computes them
+        # from it: the per-sample gradients mapped back through the ops that compute the
+        # values read later would miss what goes through the write.
+        return ("it writes values computed from parameters in place into a tensor made inside the "
+                "model; fxdp maps per-sample gradients back through the ops that compute a value, and "
+                "an in-place write is not one: build the tensor out of place (torch.cat, torch.stack, "
+                "torch.where), or write into a tensor made from sizes alone (torch.zeros(n, m)) before "
+                "taking any other view of it")
     written = batch.get(node)
     if isinstance(written, Piece) and batch.get(base) is None:
         # Rows of one sample (a loop's x[i]) in a tensor that every sample reads.

@@ -258,6 +258,28 @@ def test_parameters_written_into_a_fresh_filter_bank_are_exact(writes, grad_samp
     _check(FilterBank(writes).double(), torch.randn(B, 1, 12, dtype=torch.float64), grad_sample)
 
 
+class ParameterWrittenAfterAView(nn.Module):
+    """A parameter's values copied in place into a fresh tensor that a view taken before
+    the write keeps from being rewritten as data flow, then used with the parameter by
+    data flow too: the per-sample gradient mapped back through the ops would miss the
+    write's part (it did, silently: 79 against the loop, with a wrong clipped gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.k = nn.Parameter(torch.rand(4, 2) + 0.5)
+
+    def forward(self, x):  # x [B, 1, 12]
+        s = torch.zeros(4, 5, dtype=x.dtype)
+        v = s[:, 1]
+        s[:, 0] = self.k[:, 0]
+        return F.conv1d(x, (s * self.k[:, 1:2] + v[:, None]).unsqueeze(1)).flatten(1)[:, :3]
+
+
+def test_parameter_values_written_into_a_tensor_the_analysis_cannot_rewrite_are_refused():
+    with pytest.raises(fxdp.UnsupportedError, match="writes values computed from parameters in place into a tensor"):
+        fxdp.transform(ParameterWrittenAfterAView(), max_grad_norm=1.0, compiler="eager")(torch.randn(B, 1, 12))
+
+
 def test_out_of_place_weight_surgery_is_exact():
     """The refusal's advice, ``w = w * mask``, works."""
 
