@@ -1976,19 +1976,8 @@ def _constant(node: fx.Node) -> bool:
 
 
 def _written_somewhere(memory: fx.Node) -> bool:
-    """Whether an in-place op writes into ``memory`` or a view of it."""
-    stack, seen = [memory], set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for user in node.users:
-            if user.op == "call_function" and writes_in_place(user.target) and user.args and user.args[0] is node:
-                return True
-            if is_view(user):
-                stack.append(user)
-    return False
+    """Whether an in-place op writes into ``memory`` or a view or piece of it."""
+    return any(_writes_into(user, value) for value, user in _alias_uses(memory))
 
 
 def _fresh_constant(node: fx.Node) -> bool:
