@@ -164,11 +164,14 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
             "per-sample gradients back through the ops that compute a parameter's value, "
             "and an in-place write is not one: compute it out of place "
             "(w = w * mask, torch.where(mask, 0.0, w), torch.cat)")
-    if any(isinstance(a, fx.Node) and a in sources for a in (*node.args[1:], *node.kwargs.values())) \
-            and not isinstance(batch.get(base), BatchDim):
+    from_parameters = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, fx.Node) and a in sources]
+    without_grad = computed_without_grad(node.graph) if from_parameters else set()
+    if from_parameters and not isinstance(batch.get(base), BatchDim) and node not in without_grad \
+            and not all(carries_no_gradient(a, without_grad) for a in from_parameters):
         # The tensor holds the parameter's values from here on, but no op computes them
         # from it: the per-sample gradients mapped back through the ops that compute the
-        # values read later would miss what goes through the write.
+        # values read later would miss what goes through the write. (A value without a
+        # gradient, spectral norm's power iteration into its buffers, passes none.)
         return ("it writes values computed from parameters in place into a tensor made inside the "
                 "model; fxdp maps per-sample gradients back through the ops that compute a value, and "
                 "an in-place write is not one: build the tensor out of place (torch.cat, torch.stack, "
