@@ -317,16 +317,25 @@ def _per_sample_case(op):
     return None
 
 
-def test_every_op_db_op_is_exact_or_refused():
-    """Every op of ``op_db`` with a sample whose dim 0 is a batch, run on a parameter's
-    output: fxdp's per-sample gradient of that parameter matches the microbatch loop,
-    or fxdp refuses the model (an op it cannot prove keeps samples apart, or one that
-    works along the batch dim). Never a crash, never a wrong gradient. At the time of
-    writing 258 ops were exact and 53 refused (41 work along the batch dim or flatten
-    it, 1 has no propagation, ``max_pool2d_with_indices_backward``, 11 are random or
-    sparse ops Dynamo does not capture); the count guards the coverage."""
+# ``op_db`` split into shards run as separate tests, so that pytest-xdist spreads them
+# over its workers (one test over every op takes seven minutes). How many of each
+# shard's ops were exact with torch 2.13.0: the floors guard the coverage.
+_SHARDS = 8
+_EXACT_FLOOR = {0: 30, 1: 26, 2: 36, 3: 42, 4: 38, 5: 31, 6: 30, 7: 28}
+
+
+@pytest.mark.parametrize("shard", range(_SHARDS))
+def test_every_op_db_op_is_exact_or_refused(shard):
+    """Every op of ``op_db`` (this shard: every ``_SHARDS``-th one) with a sample whose
+    dim 0 is a batch, run on a parameter's output: fxdp's per-sample gradient of that
+    parameter matches the microbatch loop, or fxdp refuses the model (an op it cannot
+    prove keeps samples apart, or one that works along the batch dim). Never a crash,
+    never a wrong gradient. With torch 2.13.0, 261 ops are exact and 50 refused (ops
+    that work along the batch dim or flatten it, ops without a propagation, random or
+    sparse ops Dynamo does not capture); the count of exact ops per shard guards the
+    coverage."""
     exact, refused, wrong = [], [], []
-    for op in op_db:
+    for op in op_db[shard::_SHARDS]:
         try:
             case = _per_sample_case(op)
         except Exception:  # noqa: BLE001 - sample generation itself (missing optional deps)
@@ -357,7 +366,7 @@ def test_every_op_db_op_is_exact_or_refused():
         else:
             wrong.append(f"{op.name}: relative error {err:.1e}")
     assert not wrong, "\n".join(wrong)
-    assert len(exact) >= 252, (len(exact), sorted(set(refused)))
+    assert len(exact) >= _EXACT_FLOOR.get(shard, 10**6), (len(exact), sorted(set(refused)))
 
 
 # ---------------------------------------------------------------------------
