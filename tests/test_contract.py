@@ -1109,6 +1109,42 @@ def test_frozen_parameters_get_nothing_and_stay_out_of_norms():
     assert {p.name for p in dp.explain().plans} == set(ref.names)
 
 
+class _UnregisteredTable(nn.Module):
+    """An ``nn.Embedding`` kept in a plain list (gluonts' ``FeatureEmbedder``): not among
+    ``parameters()``, yet its weight requires a gradient; ``registered`` puts the same
+    layer in a ``ModuleList`` instead."""
+
+    def __init__(self, registered: bool):
+        super().__init__()
+        table = nn.Embedding(5, 3, dtype=torch.float64)
+        self.tables = nn.ModuleList([table]) if registered else [table]
+        self.head = nn.Linear(3 + 4, 2, dtype=torch.float64)
+
+    def forward(self, ids, x):
+        return self.head(torch.tanh(torch.cat([self.tables[0](ids), x], dim=-1)))
+
+
+def test_a_tensor_that_requires_grad_outside_parameters_is_clipped_like_a_parameter():
+    """fxdp makes every tensor the forward reads with ``requires_grad`` per-sample, not
+    only ``parameters()``: the unregistered table counts in the norms and gets its
+    clipped gradient, as if it were registered (the side of privacy: an optimizer that
+    holds it trains it privately)."""
+    torch.manual_seed(0)
+    registered = _UnregisteredTable(registered=True)
+    model = _UnregisteredTable(registered=False)
+    model.load_state_dict(registered.state_dict(), strict=False)
+    model.tables[0].load_state_dict(registered.tables[0].state_dict())
+    ids, x = torch.tensor([0, 3, 3, 1]), randn(4, 4)
+    ref = reference(registered, [ids, x], per_sample_sq_loss)
+    max_grad_norm = ref.norms.median().item()
+    dp = fxdp.transform(model, max_grad_norm=max_grad_norm, grad_sample=True, compiler="eager")
+    mean_sq_loss(dp(ids, x)).backward()
+    assert_tensor_close(dp.per_sample_norms, ref.norms, "per_sample_norms")
+    got = {"tables.0.weight": model.tables[0].weight, "head.weight": model.head.weight, "head.bias": model.head.bias}
+    assert_close_all({n: p.grad for n, p in got.items()}, ref.grad("mean", max_grad_norm), TOL, "p.grad")
+    assert_close_all({n: p.grad_sample for n, p in got.items()}, ref.per_sample, TOL, "p.grad_sample")
+
+
 @pytest.mark.parametrize("entry", ["transform", "backend"])
 def test_a_parameter_frozen_between_steps_keeps_no_grad_sample(entry):
     """Its grad sample of the earlier step (another batch) is dropped, by either entry point."""

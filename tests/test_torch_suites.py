@@ -366,7 +366,7 @@ def test_every_op_db_op_is_exact_or_refused(shard):
         else:
             wrong.append(f"{op.name}: relative error {err:.1e}")
     assert not wrong, "\n".join(wrong)
-    assert len(exact) >= _EXACT_FLOOR.get(shard, 10**6), (len(exact), sorted(set(refused)))
+    assert len(exact) >= _EXACT_FLOOR[shard], (len(exact), sorted(set(refused)))
 
 
 # ---------------------------------------------------------------------------
