@@ -44,6 +44,7 @@ __all__ = [
     "new_fake_mode",
     "capture_config",
     "name_function_calls",
+    "vmap_safe_solves",
 ]
 
 
@@ -1248,3 +1249,39 @@ def size_hint(size: Any) -> int:
 
         return int(node.shape_env.optimization_hint(node.expr, fallback=inductor_config.unbacked_symint_fallback))
     return int(size)
+
+
+_SOLVES = {torch.linalg.solve, torch.linalg.solve_ex, torch.ops.aten.linalg_solve.default,
+           torch.ops.aten.linalg_solve_ex.default, torch.ops.aten._linalg_solve_ex.default}
+
+
+class _SolvesWithMatchingRanks(torch.overrides.TorchFunctionMode):
+    """``linalg.solve(A, B)`` with ``A`` given as many leading dims as ``B``: the same
+    solution. ``vmap``'s batch rule for ``_linalg_solve_ex`` (torch 2.13) mishandles an
+    ``A`` that is not batched against a batched ``B`` of higher rank (a sample's
+    ``[1, n, k]`` against a shared ``[n, n]``): run eagerly it fails, traced by
+    ``make_fx`` it broadcasts the batch against ``B``'s leading dim and returns ``B``
+    rows per sample. The factors and ``info`` it returns beside the solution keep the
+    shapes of the ``A`` asked for."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func not in _SOLVES:
+            return func(*args, **kwargs)
+        args = (*args, *[kwargs.pop(name) for name in ("A", "B")[len(args):] if name in kwargs])
+        a, b = (*args, None, None)[:2]
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and b.dim() > a.dim()):
+            return func(*args, **kwargs)  # ranks that match, or a vector right-hand side
+        out = func(a.reshape((1,) * (b.dim() - a.dim()) + tuple(a.shape)), b, *args[2:], **kwargs)
+        if not isinstance(out, tuple):
+            return out
+        # (solution, LU, pivots, info) of _linalg_solve_ex; (solution, info) of solve_ex
+        shapes = [a.shape, a.shape[:-1], a.shape[:-2]][3 - (len(out) - 1):]
+        rest = [t.reshape(shape) for t, shape in zip(out[1:], shapes)]
+        return type(out)((out[0], *rest))
+
+
+def vmap_safe_solves() -> contextlib.AbstractContextManager:
+    """Run linear solves so that ``vmap`` batches them right (see
+    ``_SolvesWithMatchingRanks``): around every ``vmap`` fxdp runs over user code."""
+    return _SolvesWithMatchingRanks()

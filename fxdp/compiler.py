@@ -565,7 +565,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     def backward_compiler(bw_gm: fx.GraphModule, bw_inputs: Sequence[Any], inner: Callable) -> Callable:
         record._stage("backward", bw_gm)
         outputs = bw_gm.graph.output_node().args[0]
-        if len(outputs) != inputs:
+        # Effect tokens follow the gradients: one per token the backward threads through an
+        # effectful op (``_linalg_check_errors`` of a ``linalg.inv`` in a Function's backward).
+        tokens = sum(1 for n in bw_gm.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents_token"))
+        if len(outputs) != inputs + tokens:
             raise UnsupportedError(
                 f"fxdp internal error: the backward graph has {len(outputs)} gradient outputs for {inputs} "
                 "forward inputs, so fxdp cannot tell which gradient is a parameter's; please report the model")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxdp._torch_internals import vmap_safe_solves
 from fxdp.batching import RAW, BatchDim, retrack, scale_batch
 from fxdp.registry import GRAD, ParamRule, lookup
 from fxdp.rules.generic import _one_sample
@@ -507,7 +508,8 @@ def backward_rule(node: fx.Node, index: int) -> tuple[ParamRule, list, list]:
             # A backward that returns no gradient for it: zero.
             return g if g is not None else ts[0].new_zeros(param.shape)
 
-        return torch.func.vmap(one, in_dims=in_dims)(*tensors)
+        with vmap_safe_solves():
+            return torch.func.vmap(one, in_dims=in_dims)(*tensors)
 
     argument = next((k for k, i in call.positions.items() if i == position), position)
     rule = ParamRule(

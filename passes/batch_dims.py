@@ -882,6 +882,11 @@ def _solve(node, arg_batch):
     result = WHOLE if whole and from_right is None else (
         None if from_right is None else from_right.at(lead - 1 - from_right.dim))
     out = _meta(node)
+    if node.target is aten._linalg_solve_ex.default:
+        # (solution, LU, pivots, info): the factors are the matrix's own, not broadcast
+        # against the right-hand side, so they keep its layout (shared for a shared matrix).
+        factors = arg_batch[0] if isinstance(arg_batch[0], BatchDim) else None
+        return [result] + [factors] * (len(out) - 1)
     return [result] * len(out) if isinstance(out, (list, tuple)) else result
 
 
@@ -3036,8 +3041,8 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, wi
             else:
                 uses.append(UseSite(node, index, kind, sources[value]))
             continue
-        if index is not None and (target in PROPAGATION or _is_pointwise(target)) and not isinstance(
-                batch.get(node), (list, tuple)) and isinstance(batch.get(node), (BatchDim, Rows)):
+        if index is not None and (target in PROPAGATION or _is_pointwise(target)) and isinstance(
+                _differentiable_output(node, batch.get(node)), (BatchDim, Rows)):
             uses.append(UseSite(node, index, kind, sources[value], generic=True))
             continue
         problems.append(Problem(
@@ -3046,6 +3051,38 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, wi
             + ("" if index is None else f" (argument {index})")
             + "; register one with fxdp.register_rule", source_of(node)))
     return uses, broadcasts
+
+
+def _differentiable_output(node: fx.Node, layout: Any) -> Any:
+    """The layout of the one output of ``node`` that carries a gradient: the output
+    itself, or the first of several where autograd marks the others non-differentiable
+    (``linalg.solve``'s ``(solution, LU, pivots, info)``; the tagged op marks them so
+    too), found by running the op on the meta device. ``None`` otherwise: the generic
+    rule takes the VJP of one output."""
+    if not isinstance(layout, (list, tuple)):
+        return layout
+    out = _meta(node)
+
+    def on_meta(a: Any) -> Any:
+        value = _meta(a) if isinstance(a, fx.Node) else a
+        if isinstance(value, (list, tuple)):
+            return type(value)(on_meta(v) for v in value)
+        if not isinstance(value, torch.Tensor):
+            return value
+        shape = [size.node.hint if isinstance(size, torch.SymInt) else size for size in value.shape]
+        empty = torch.empty(shape, dtype=value.dtype, device="meta")
+        return empty.requires_grad_(value.is_floating_point())
+
+    try:
+        with torch.enable_grad():
+            result = node.target(*[on_meta(a) for a in node.args], **{k: on_meta(v) for k, v in node.kwargs.items()})
+    except Exception:  # noqa: BLE001 - no meta kernel, or sizes the hints cannot give
+        return None
+    if not (isinstance(out, (list, tuple)) and isinstance(result, (list, tuple))
+            and len(result) == len(layout) and result[0].requires_grad
+            and not any(isinstance(r, torch.Tensor) and r.requires_grad for r in result[1:])):
+        return None
+    return layout[0]
 
 
 _COMPLEX = ("it computes with complex values; fxdp's per-sample rules are written for real ones (a "

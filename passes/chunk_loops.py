@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fxdp._torch_internals import make_fx_traced
+from fxdp._torch_internals import make_fx_traced, vmap_safe_solves
 from fxdp.batching import BatchDim
 from fxdp.passes.batch_dims import batch_dim_pass, pure_op
 from fxdp.registry import named_arg
@@ -477,7 +477,9 @@ def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: 
     in_dims = tuple(dim for _, dim in loop.pieces.values()) + (None,) * len(free)
 
     def mapped(*args):
-        return torch.func.vmap(lambda *a: row.run(*a).squeeze(loop.dim), in_dims=in_dims, out_dims=loop.dim)(*args)
+        with vmap_safe_solves():
+            return torch.func.vmap(lambda *a: row.run(*a).squeeze(loop.dim), in_dims=in_dims,
+                                   out_dims=loop.dim)(*args)
 
     sources = [source for source, _ in loop.pieces.values()]
     examples = [node.meta["val"] for node in [*sources, *free]]

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_hint
+from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_hint, vmap_safe_solves
 from fxdp.batching import RAW, Rows, batch_major_all, retrack, scale_batch, unpermute
 from fxdp.clip_norm import max_grad_norm
 from fxdp.markers import USES, UseInfo
@@ -237,7 +237,7 @@ def _per_sample_vjp(transform: Callable, sources: list[torch.Tensor], others: li
     if not symbolic_batch(batch_size):
         # Expanded views of the sources: one per sample, nothing copied.
         copies = [s.detach().expand(batch_size, *s.shape).requires_grad_(True) for s in sources]
-        with torch.enable_grad():
+        with torch.enable_grad(), vmap_safe_solves():
             out = torch.func.vmap(lambda *c: transform(*c, *others))(*copies)
             grads = torch.autograd.grad(out, copies, cotangents, allow_unused=True)
         return tuple(torch.zeros_like(c) if g is None else g for c, g in zip(copies, grads))
@@ -249,8 +249,9 @@ def _per_sample_vjp(transform: Callable, sources: list[torch.Tensor], others: li
         sources_now, tensors_now = inputs[:len(sources)], iter(inputs[len(sources):])
         others_now = [next(tensors_now) if isinstance(t, torch.Tensor) else t for t in others]
         copies = [s.detach().expand(cotangents.shape[0], *s.shape) for s in sources_now]
-        _, vjp_fn = torch.func.vjp(
-            lambda *cs: torch.func.vmap(lambda *c: transform(*c, *others_now))(*cs), *copies)
+        with vmap_safe_solves():
+            _, vjp_fn = torch.func.vjp(
+                lambda *cs: torch.func.vmap(lambda *c: transform(*c, *others_now))(*cs), *copies)
         return vjp_fn(cotangents)
 
     def shapes(cotangents, *inputs):

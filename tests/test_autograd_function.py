@@ -202,6 +202,24 @@ ACTIVATION_GRADIENTS = {
 }
 
 
+class SolveFn(torch.autograd.Function):
+    """``y = W⁻¹ h`` for each vector ``h``, with a backward written by hand that solves
+    again with ``torch.linalg.solve``: its error check is an effectful op, so the
+    backward graph threads an effect token out beside the gradients."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        y = torch.linalg.solve(w, h.unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(w, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        w, y = ctx.saved_tensors
+        grad_h = torch.linalg.solve(w.mT, grad.unsqueeze(-1)).squeeze(-1)
+        return grad_h, -(grad_h.unsqueeze(-1) * y.unsqueeze(-2)).flatten(0, -3).sum(0)
+
+
 class ActivationByATen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, name):
@@ -275,6 +293,8 @@ CASES = [
          {"weight": (D, D), "bias": (D,)}),
     Case("weight-through-saving-function", lambda m, h: h * Swish.apply(m.scale), {"scale": (D,)}),
     Case("softmax-backward-data", lambda m, h: MaskedSoftmax.apply(h, torch.arange(D) % 3 != 0) * h),
+    Case("effectful-backward", lambda m, h: SolveFn.apply(h, m.weight + 2 * torch.eye(D, dtype=h.dtype)),
+         {"weight": (D, D)}),
 ]
 
 

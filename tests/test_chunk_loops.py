@@ -127,6 +127,9 @@ class ChunkLoops(nn.Module):
             return torch.stack([self.drop(self.head(row)) for row in h])
         if kind == "each sample reads the whole batch":
             return torch.stack([self.head(row + h.sum(0)) for row in h])
+        if kind == "a linear solve in each sample":  # a shared [3, 3] against each sample's [6, 3, 1]
+            a = 2 * torch.eye(3, dtype=h.dtype) + 0.1
+            return torch.stack([torch.linalg.solve(a, self.head(row)[..., None]) for row in h])
         if kind == "an op without a batching rule":
             return torch.stack([self.head(torch.ops.fxdp_test_chunk_loops.twice(row)) for row in h])
         if kind == "samples stacked out of order":
@@ -151,7 +154,7 @@ def _per_sample_loss(out: torch.Tensor) -> torch.Tensor:
     "attention over heads merged into the batch", "rows of the samples merged", "vmap with chunk_size",
     "a function of each sample, stacked", "attention within each sample, unbound", "samples stacked along dim 1",
     "two tensors indexed alike", "samples unsqueezed and concatenated", "two results of each sample",
-    "two results of each chunk", "positions expanded to the chunk's rows",
+    "two results of each chunk", "positions expanded to the chunk's rows", "a linear solve in each sample",
 ])
 def test_a_loop_over_chunks_of_the_batch_is_per_sample(kind):
     torch.manual_seed(0)

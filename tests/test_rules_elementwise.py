@@ -2988,7 +2988,9 @@ def test_untagged_elementwise_and_solves_keep_the_samples(kind: str):
 
 class SharedMatrixSolve(nn.Module):
     """A matrix built from parameters alone, solved against the samples as the columns
-    of the right-hand side (or its rows, ``left=False``): each is solved on its own."""
+    of the right-hand side (or its rows, ``left=False``), each solved on its own, or
+    broadcast against the samples' own right-hand sides. ``linalg.solve``
+    (``_linalg_solve_ex``) returns the matrix's LU factors beside the solution: shared."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -3007,15 +3009,36 @@ class SharedMatrixSolve(nn.Module):
             return torch.cholesky_solve(h.T, tril).T
         if self.kind == "lu_solve":
             return torch.linalg.lu_solve(*torch.linalg.lu_factor(tril + tril.T), h.T).T
+        a = self.raw + 2 * torch.eye(3, dtype=h.dtype)
+        if self.kind == "linalg.solve, broadcast":  # [3, 3] against [B, 3, 1]
+            return torch.linalg.solve(a, h[..., None]).squeeze(-1)
+        if self.kind == "linalg.solve, columns":
+            return torch.linalg.solve(a, h.T).T
+        if self.kind == "linalg.solve, rows":
+            return torch.linalg.solve(a, h, left=False)
+        if self.kind == "linalg.solve, per head":  # [2, 3, 3] against [B, 1, 3, 1]
+            return torch.linalg.solve(torch.stack([a, a.T @ a]), h[:, None, :, None]).flatten(1)
+        if self.kind == "parameters solved against a constant":  # a transform: [3, 3] against [2, 3, 3]
+            weights = torch.linalg.solve(3 * torch.eye(3, dtype=h.dtype) + 0.5, torch.stack([tril, tril.T]))
+            return torch.einsum("bi,kij->bkj", h, weights).flatten(1)
         raise AssertionError(self.kind)
 
 
-@pytest.mark.parametrize("kind", ["MultivariateNormal", "solve_triangular, rows", "cholesky_solve", "lu_solve"])
+@pytest.mark.parametrize("kind", ["MultivariateNormal", "solve_triangular, rows", "cholesky_solve", "lu_solve",
+                                  "linalg.solve, broadcast", "linalg.solve, columns", "linalg.solve, rows",
+                                  "linalg.solve, per head", "parameters solved against a constant"])
 def test_a_shared_matrix_solved_against_the_samples_as_columns(kind: str):
     torch.manual_seed(0)
     model = SharedMatrixSolve(kind).double()
     dp = _against_the_loop(model, torch.randn(B, 3, dtype=torch.float64))
+    if kind.startswith("linalg.solve"):  # the generic rule, through the LU factorisation (see fxdp/rules/generic.py)
+        assert dp.explain().rule_counts.get("generic._linalg_solve_ex[0]") == 1
     _against_the_loop(model, torch.randn(B + 2, 3, dtype=torch.float64), dp=dp)
+
+
+def test_a_shared_matrix_solved_against_the_samples_under_inductor():
+    torch.manual_seed(0)
+    _against_the_loop_under_inductor(SharedMatrixSolve("linalg.solve, broadcast"), torch.randn(B, 3))
 
 
 def test_solves_and_cross_products_across_the_batch_are_refused():

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from fxdp._torch_internals import vmap_safe_solves
 from fxdp.batching import RAW, BatchDim, batch_major, from_batch_major, retrack
 from fxdp.opaque import run_opaque, symbolic_batch
 from fxdp.registry import GRAD, OpRule, ParamRule, call_with_schema_args, out_of_place
@@ -181,11 +182,14 @@ def _shared_rows_line_up(args: tuple, layouts: dict[int, BatchDim]) -> bool:
 
 
 def _of_argument(compute: Any, args: Sequence[Any], index: int):
-    """``compute`` as a function of its argument ``index``, the others fixed at ``args``."""
+    """``compute`` as a function of its argument ``index``, the others fixed at ``args``.
+    Of a multi-output op, its first output: the analysis sends one here only where the
+    others carry no gradient (``linalg.solve``'s LU factors, pivots and info)."""
     def call(value):
         full = list(args)
         full[index] = value
-        return call_with_schema_args(compute, full) if hasattr(compute, "_schema") else compute(*full)
+        out = call_with_schema_args(compute, full) if hasattr(compute, "_schema") else compute(*full)
+        return out[0] if isinstance(out, (list, tuple)) else out
 
     return call
 
@@ -199,10 +203,13 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
         args: The call's arguments (fx nodes for tensors).
         param_indices: Arguments that are parameters (or parameter-only values).
         layouts: Batch layout of each tensor argument (``RAW`` for shared ones).
-        out_layout: Batch layout of the output.
+        out_layout: Batch layout of the output (of each output, for a multi-output op).
     """
     import torch.fx as fx
 
+    rule_out_layout = out_layout
+    if isinstance(out_layout, (list, tuple)):  # a multi-output op: its differentiable first output
+        out_layout = out_layout[0]
     # An in-place op's gradients are its out-of-place twin's at the old value, which
     # ``_Tagged`` saves; vjp cannot write into a captured tensor.
     compute = _DIFFERENTIABLE_TWINS.get(op) or out_of_place(op) or op
@@ -276,7 +283,8 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
                 _, vjp_fn = torch.func.vjp(_of_argument(compute, full, index), full[index])
                 return vjp_fn(_one_sample(g_one, out_now))[0]
 
-            return torch.func.vmap(one, in_dims=in_dims)(g, *tensors)
+            with vmap_safe_solves():
+                return torch.func.vmap(one, in_dims=in_dims)(g, *tensors)
 
         def masked_vjps(g, *tensors, layouts_now):
             # The op on the whole batch, once per sample; sample b's gradient is the VJP
@@ -289,7 +297,8 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
 
             size = g.shape[0]
             copies = full[index].detach().expand(size, *full[index].shape)
-            _, vjp_fn = torch.func.vjp(torch.func.vmap(_of_argument(compute, full, index)), copies)
+            with vmap_safe_solves():
+                _, vjp_fn = torch.func.vjp(torch.func.vmap(_of_argument(compute, full, index)), copies)
             eye = torch.eye(size, dtype=g.dtype, device=g.device).view(size, size, *[1] * (g.dim() - 1))
             one_sample_each = from_batch_major(eye * g.unsqueeze(0), layouts_now[-1], lead=1)
             return vjp_fn(one_sample_each)[0]
@@ -312,5 +321,5 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
         op=op,
         params={i: make_param_rule(i) for i in param_indices},
         input_grad=input_grad,
-        batch_rule=lambda *a: out_layout,
+        batch_rule=lambda *a: rule_out_layout,
     )
