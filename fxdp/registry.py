@@ -290,7 +290,13 @@ def out_of_place(op: Any) -> Any:
     if not name.endswith("_") or name.startswith("_"):
         return None
     packet = getattr(torch.ops.aten, name[:-1], None)
-    twin = getattr(packet, op._overloadname, None) if packet is not None else None
+    if packet is None:
+        return None
+    twin = getattr(packet, op._overloadname, None)
+    if twin is None:  # named otherwise (``transpose_.default`` and ``transpose.int``): the same arguments
+        signature = [(a.name, str(a.type)) for a in arguments]
+        twin = next((getattr(packet, o) for o in packet.overloads()
+                     if [(a.name, str(a.type)) for a in getattr(packet, o)._schema.arguments] == signature), None)
     if twin is None or len(twin._schema.arguments) != len(arguments):
         return None
     return twin

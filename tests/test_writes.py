@@ -1039,3 +1039,51 @@ def test_in_place_calls_whose_results_go_unused_are_kept(before):
     out.pow(2).sum().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
                      tolerance(torch.float64), "grad_sample")
+
+
+class InPlaceViews(nn.Module):
+    """In-place view ops (``transpose_``, ``swapdims_``, ``squeeze_``) on computed tensors,
+    and ``torch.quantile``, whose ATen code ends in ``transpose_``/``squeeze_`` on its
+    result; the quantiles a buffer or a parameter."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+        q = torch.tensor([0.2, 0.5, 0.9])
+        if how == "quantile, learned quantiles":
+            self.q = nn.Parameter(q)
+        else:
+            self.register_buffer("q", q)
+
+    def forward(self, x):  # x [B, 6]
+        h = self.fc(x)
+        if self.how == "transpose_":
+            h = (h.view(-1, 2, 3) * 2).transpose_(1, 2).flatten(1)
+        elif self.how == "swapdims_ and squeeze_":
+            g = (h.view(-1, 1, 2, 3) * 2).squeeze_(1)
+            g.swapdims_(1, 2)
+            h = g.flatten(1)
+        else:  # quantiles of each sample's features, one column each
+            h = torch.cat([h[:, :3], torch.quantile(h, self.q, dim=1).T], 1)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("how", ["transpose_", "swapdims_ and squeeze_", "quantile", "quantile, learned quantiles"])
+def test_in_place_view_ops_are_views(how):
+    """``aten.transpose_.default``'s out-of-place twin is ``aten.transpose.int``: the
+    overload names differ, the twin was not found, the op stayed in place and had no
+    batch propagation, and the model was refused."""
+    torch.manual_seed(0)
+    model = InPlaceViews(how).double()
+    x = torch.randn(B, 6, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x)
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    dp_model = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    out = dp_model(x)
+    assert_close_all({"out": out}, {"out": expected}, tolerance(torch.float64), "forward")
+    out.pow(2).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")
