@@ -3012,8 +3012,15 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, wi
             continue  # downstream of a refused op
         target, path = node.target, module_path_of(node)
         if _complex_valued(node):
-            problems.append(Problem(op_name(target), path, _names(sources[value], param_names), _COMPLEX,
-                                    source_of(node)))
+            # The rules are written for real values (a complex gradient takes conjugates
+            # they do not); the generic per-sample VJP is autograd's own, complex included.
+            if index is not None and node.op == "call_function" and target is not FUNCTION_APPLY and isinstance(
+                    _differentiable_output(node, batch.get(node)), (BatchDim, Rows)):
+                uses.append(UseSite(node, index, "direct" if value in param_names else "transform",
+                                    sources[value], generic=True))
+            else:
+                problems.append(Problem(op_name(target), path, _names(sources[value], param_names), _COMPLEX,
+                                        source_of(node)))
             continue
         rule = lookup(target)
         kind = "direct" if value in param_names else "transform"
@@ -3085,9 +3092,11 @@ def _differentiable_output(node: fx.Node, layout: Any) -> Any:
     return layout[0]
 
 
-_COMPLEX = ("it computes with complex values; fxdp's per-sample rules are written for real ones (a "
-            "complex gradient needs conjugates they do not take): keep the parameter's path real, or "
-            "freeze the parameter")
+_COMPLEX = ("it computes with complex values, whose per-sample gradients fxdp takes only by the generic "
+            "per-sample VJP (its rules are written for real values: a complex gradient needs conjugates they "
+            "do not take), and that needs the parameter as an argument of an op with one differentiable, "
+            "batched output (not a torch.autograd.Function, not inside a list argument): keep the parameter's "
+            "path real here, or freeze the parameter")
 
 
 def _complex_valued(node: fx.Node) -> bool:

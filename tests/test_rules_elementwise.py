@@ -880,13 +880,13 @@ def test_a_shared_mask_and_a_per_sample_token_both_sized_like_the_batch(batch_si
 
 class RefusedBesideACellState(nn.Module):
     """An ``LSTMCell`` loop from a zero state ``x.new_zeros(B, H)`` with ``H == B`` (the
-    shared reading mixes its rows into the weights' uses), then a parameter multiplied
-    into an FFT's complex spectrum, which fxdp refuses in every reading."""
+    shared reading mixes its rows into the weights' uses), then a BatchNorm in training
+    mode, which fxdp refuses in every reading."""
 
     def __init__(self):
         super().__init__()
         self.cell = nn.LSTMCell(D, B)
-        self.filter = nn.Parameter(torch.randn(T // 2 + 1, B))
+        self.norm = nn.BatchNorm1d(B)
 
     def forward(self, x):  # [B, T, D]
         h = c = x.new_zeros(x.shape[0], self.cell.hidden_size)
@@ -894,19 +894,18 @@ class RefusedBesideACellState(nn.Module):
         for t in range(x.shape[1]):
             h, c = self.cell(x[:, t], (h, c))
             steps.append(h)
-        spectrum = torch.fft.rfft(torch.stack(steps, 1), dim=1) * self.filter
-        return torch.fft.irfft(spectrum, n=x.shape[1], dim=1)
+        return self.norm(torch.stack(steps, 2))
 
 
 def test_a_refusal_names_only_what_no_reading_explains():
     """The cell's weights were listed too ("a size other than 1 along the batch dim"):
     the reading with the zero state shared named them, though reading it per-sample
-    leaves only the FFT."""
+    leaves only the BatchNorm."""
     with pytest.raises(fxdp.UnsupportedError) as refused:
         dp = fxdp.transform(RefusedBesideACellState().double(), compiler="eager")
         dp(torch.randn(B, T, D, dtype=torch.float64))
     message = str(refused.value)
-    assert "complex values" in message and "cell" not in message, message
+    assert "BatchNorm in training mode" in message and "cell" not in message, message
 
 
 class BiasPlusAConstant(nn.Module):
@@ -2188,16 +2187,68 @@ class ComplexValues(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["parameter", "activation"])
-def test_complex_values_on_a_parameters_path_are_refused(kind):
+def test_complex_values_on_a_parameters_path_are_per_sample(kind):
     """PyTorch's gradient of a complex product takes conjugates that the per-sample rules
-    (written for real values) do not: refused, never a wrong per-sample gradient. With
-    one sample the gradient is the ordinary one, and the norm is ``sqrt(Σ |g|²)``."""
+    (written for real values) do not: an op that computes with complex values takes the
+    generic per-sample VJP, autograd's own, whatever rule it has. The norm is
+    ``sqrt(Σ |g|²)``."""
     torch.manual_seed(0)
     model = ComplexValues(kind)
-    problems = fxdp.validate(model, torch.randn(B, T, D, dtype=torch.float64), compiler="eager")
-    assert any("complex values" in p.reason and p.parameter == ("w" if kind == "parameter" else "r")
-               for p in problems), problems
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
+    assert dp.explain().rule_counts.get("generic.matmul[1]" if kind == "parameter" else "generic.mul[1]") == 1
+    _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), dp=dp)
     _against_the_loop(model, torch.randn(1, T, D, dtype=torch.float64))
+
+
+class SpectralConv2d(nn.Module):
+    """The Fourier layer of the FNO paper's code (Li et al., ``fourier_2d.py``): complex
+    weights multiply the lowest modes of the input's ``rfft2``, written into a zero
+    spectrum of the batch's size, transformed back."""
+
+    def __init__(self, channels: int, modes: int, dtype: torch.dtype):
+        super().__init__()
+        self.modes = modes
+        scale = 1 / channels ** 2
+        self.weights1 = nn.Parameter(scale * torch.rand(channels, channels, modes, modes, dtype=dtype))
+        self.weights2 = nn.Parameter(scale * torch.rand(channels, channels, modes, modes, dtype=dtype))
+
+    def forward(self, x):  # [B, C, H, W]
+        m = self.modes
+        x_ft = torch.fft.rfft2(x)
+        out_ft = torch.zeros(x.shape[0], x.shape[1], x.size(-2), x.size(-1) // 2 + 1, dtype=x_ft.dtype)
+        out_ft[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :m, :m], self.weights1)
+        out_ft[:, :, -m:, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, -m:, :m], self.weights2)
+        return torch.fft.irfft2(out_ft, s=(x.size(-2), x.size(-1)))
+
+
+class FourierNeuralOperator(nn.Module):
+    """Two Fourier layers beside 1×1 convolutions, between a lifting and a projection."""
+
+    def __init__(self, dtype: torch.dtype, width: int = 6):
+        super().__init__()
+        self.lift = nn.Linear(3, width)
+        self.spectral = nn.ModuleList(SpectralConv2d(width, 3, dtype) for _ in range(2))
+        self.pointwise = nn.ModuleList(nn.Conv2d(width, width, 1) for _ in range(2))
+        self.project = nn.Linear(width, 1)
+
+    def forward(self, x):  # [B, H, W, 3]
+        h = self.lift(x).permute(0, 3, 1, 2)
+        h = F.gelu(self.spectral[0](h) + self.pointwise[0](h))
+        h = self.spectral[1](h) + self.pointwise[1](h)
+        return self.project(h.permute(0, 2, 3, 1))
+
+
+def test_a_fourier_neural_operator_is_per_sample():
+    torch.manual_seed(0)
+    model = FourierNeuralOperator(torch.complex128).double()
+    dp = _against_the_loop(model, torch.randn(B, 8, 8, 3, dtype=torch.float64))
+    assert dp.explain().rule_counts.get("generic.bmm[1]") == 4
+    _against_the_loop(model, torch.randn(B + 2, 8, 8, 3, dtype=torch.float64), dp=dp)
+
+
+def test_a_fourier_neural_operator_under_inductor():
+    torch.manual_seed(0)
+    _against_the_loop_under_inductor(FourierNeuralOperator(torch.complex64), torch.randn(B, 8, 8, 3))
 
 
 @pytest.mark.parametrize("alias", [torch.multiply, torch.subtract, torch.divide, torch.true_divide])
