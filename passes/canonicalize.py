@@ -580,7 +580,40 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
         if gm.code == before:
             break
     gm = broadcast_batched_product_pass(gm)
+    gm = complex_scatters_as_real_pass(gm)
     return unviewable_views_as_reshapes_pass(tiled_batched_product_pass(gm))
+
+
+def complex_scatters_as_real_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A ``slice_scatter`` of complex values, on their real views: autograd has no
+    complex derivative of ``slice_scatter`` (torch 2.13), which the writes of the FNO
+    paper's Fourier layers become (``out_ft[:, :, :m] = einsum(x_ft[:, :, :m], w)``
+    into a zero spectrum, ``_write_as_scatter``)::
+
+        slice_scatter = aten.slice_scatter.default(zeros, einsum, 2, 0, 4)             # before
+        slice_scatter = aten.view_as_complex.default(aten.slice_scatter.default(
+            aten.view_as_real.default(zeros), aten.view_as_real.default(einsum), 2, 0, 4))  # after
+
+    ``view_as_real`` adds a last dim of 2: the scattered dim keeps its index."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is torch.ops.aten.slice_scatter.default
+                and node.meta["val"].is_complex()):
+            continue
+        base, src, *bounds = node.args
+        dim = bounds[0] if bounds else 0
+        if dim < 0:
+            dim += node.meta["val"].dim()
+        with gm.graph.inserting_before(node):
+            real = [_call(gm, torch.ops.aten.view_as_real.default, (t,), node) for t in (base, src)]
+            scattered = _call(gm, torch.ops.aten.slice_scatter.default, (*real, dim, *bounds[1:]), node)
+            back = _call(gm, torch.ops.aten.view_as_complex.default, (scattered,), node)
+        node.replace_all_uses_with(back)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def unviewable_views_as_reshapes_pass(gm: fx.GraphModule) -> fx.GraphModule:

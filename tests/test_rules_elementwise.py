@@ -2246,6 +2246,30 @@ def test_a_fourier_neural_operator_is_per_sample():
     _against_the_loop(model, torch.randn(B + 2, 8, 8, 3, dtype=torch.float64), dp=dp)
 
 
+class SpectralConv1d(nn.Module):
+    """The 1-D Fourier layer (``fourier_1d.py``): the write into the zero spectrum is one
+    slice, a ``slice_scatter`` once canonical, which autograd cannot differentiate for
+    complex values (torch 2.13); fxdp scatters their real views."""
+
+    def __init__(self):
+        super().__init__()
+        self.lift = nn.Linear(2, 4)
+        self.weights = nn.Parameter(0.1 * torch.randn(4, 4, 3, dtype=torch.complex128))
+
+    def forward(self, x):  # [B, N, 2]
+        h = self.lift(x).transpose(1, 2)
+        x_ft = torch.fft.rfft(h)
+        out_ft = torch.zeros(h.shape[0], 4, h.size(-1) // 2 + 1, dtype=x_ft.dtype)
+        out_ft[:, :, :3] = torch.einsum("bix,iox->box", x_ft[:, :, :3], self.weights)
+        return torch.fft.irfft(out_ft, n=h.size(-1)) + h
+
+
+def test_a_one_dimensional_fourier_layer_writes_its_modes_as_a_real_scatter():
+    torch.manual_seed(0)
+    dp = _against_the_loop(SpectralConv1d().double(), torch.randn(B, 8, 2, dtype=torch.float64))
+    assert "view_as_complex" in dp.explain().graphs[0].stages["canonical"]
+
+
 def test_a_fourier_neural_operator_under_inductor():
     torch.manual_seed(0)
     _against_the_loop_under_inductor(FourierNeuralOperator(torch.complex64), torch.randn(B, 8, 8, 3))
