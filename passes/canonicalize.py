@@ -597,16 +597,17 @@ def complex_scatters_as_real_pass(gm: fx.GraphModule) -> fx.GraphModule:
     ``view_as_real`` adds a last dim of 2: the scattered dim keeps its index."""
     changed = False
     for node in list(gm.graph.nodes):
+        value = node.meta.get("val")
         if not (node.op == "call_function" and node.target is torch.ops.aten.slice_scatter.default
-                and node.meta["val"].is_complex()):
+                and isinstance(value, torch.Tensor) and value.is_complex()):
             continue
-        base, src, *bounds = node.args
-        dim = bounds[0] if bounds else 0
+        (base, src, *bounds), kwargs = node.args, dict(node.kwargs)
+        dim = kwargs.pop("dim", bounds[0] if bounds else 0)
         if dim < 0:
-            dim += node.meta["val"].dim()
+            dim += value.dim()
         with gm.graph.inserting_before(node):
             real = [_call(gm, torch.ops.aten.view_as_real.default, (t,), node) for t in (base, src)]
-            scattered = _call(gm, torch.ops.aten.slice_scatter.default, (*real, dim, *bounds[1:]), node)
+            scattered = _call(gm, torch.ops.aten.slice_scatter.default, (*real, dim, *bounds[1:]), node, kwargs)
             back = _call(gm, torch.ops.aten.view_as_complex.default, (scattered,), node)
         node.replace_all_uses_with(back)
         gm.graph.erase_node(node)
