@@ -3014,7 +3014,14 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, wi
         if _complex_valued(node):
             # The rules are written for real values (a complex gradient takes conjugates
             # they do not); the generic per-sample VJP is autograd's own, complex included.
-            if index is not None and node.op == "call_function" and target is not FUNCTION_APPLY and isinstance(
+            # A rule's check still judges the op's settings (``scale_grad_by_freq``).
+            rule = lookup(target)
+            reason = rule.check([rule_layout(_arg_batch(a, batch)) for a in node.args], [_meta(a) for a in node.args],
+                                index) if rule is not None and rule.check and index in rule.params else None
+            if reason:
+                problems.append(Problem(op_name(target), path, _names(sources[value], param_names), reason,
+                                        source_of(node)))
+            elif index is not None and node.op == "call_function" and target is not FUNCTION_APPLY and isinstance(
                     _differentiable_output(node, batch.get(node)), (BatchDim, Rows)):
                 uses.append(UseSite(node, index, "direct" if value in param_names else "transform",
                                     sources[value], generic=True))
@@ -3078,7 +3085,7 @@ def _differentiable_output(node: fx.Node, layout: Any) -> Any:
             return value
         shape = [size.node.hint if isinstance(size, torch.SymInt) else size for size in value.shape]
         empty = torch.empty(shape, dtype=value.dtype, device="meta")
-        return empty.requires_grad_(value.is_floating_point())
+        return empty.requires_grad_(value.is_floating_point() or value.is_complex())
 
     try:
         with torch.enable_grad():

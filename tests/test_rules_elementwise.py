@@ -2200,6 +2200,17 @@ def test_complex_values_on_a_parameters_path_are_per_sample(kind):
     _against_the_loop(model, torch.randn(1, T, D, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=["real", "complex"])
+def test_a_parameter_with_a_row_per_sample_is_refused_complex_or_real(dtype):
+    """The rules' checks judge a complex op too, though the generic per-sample VJP takes
+    its gradients: a parameter with ``B`` rows along the batch dim gives each sample its
+    own row (the model means something else on a batch of one)."""
+    model = around(lambda m, h: (torch.fft.fft(h) * m.w).abs() if m.w.is_complex() else h * m.w,
+                   d_in=3, d_out=3)().double()
+    model.w = nn.Parameter(torch.randn(B, 3, dtype=dtype))
+    assert "a size other than 1 along the batch dim" in _reasons(model, torch.randn(B, D, dtype=torch.float64))
+
+
 class SpectralConv2d(nn.Module):
     """The Fourier layer of the FNO paper's code (Li et al., ``fourier_2d.py``): complex
     weights multiply the lowest modes of the input's ``rfft2``, written into a zero
