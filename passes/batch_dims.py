@@ -3011,26 +3011,25 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, wi
                 _any_unknown(batch.get(node)) or _any_unknown([batch.get(a) for a in node.all_input_nodes])):
             continue  # downstream of a refused op
         target, path = node.target, module_path_of(node)
+        rule = lookup(target)
+        kind = "direct" if value in param_names else "transform"
+        ruled = rule is not None and index is not None and index in rule.params
+        reason = rule.check([rule_layout(_arg_batch(a, batch)) for a in node.args], [_meta(a) for a in node.args],
+                            index) if ruled and rule.check else None
         if _complex_valued(node):
             # The rules are written for real values (a complex gradient takes conjugates
             # they do not); the generic per-sample VJP is autograd's own, complex included.
-            # A rule's check still judges the op's settings (``scale_grad_by_freq``).
-            rule = lookup(target)
-            reason = rule.check([rule_layout(_arg_batch(a, batch)) for a in node.args], [_meta(a) for a in node.args],
-                                index) if rule is not None and rule.check and index in rule.params else None
+            # A rule's check still judges the op's arguments.
             if reason:
                 problems.append(Problem(op_name(target), path, _names(sources[value], param_names), reason,
                                         source_of(node)))
             elif index is not None and node.op == "call_function" and target is not FUNCTION_APPLY and isinstance(
                     _differentiable_output(node, batch.get(node)), (BatchDim, Rows)):
-                uses.append(UseSite(node, index, "direct" if value in param_names else "transform",
-                                    sources[value], generic=True))
+                uses.append(UseSite(node, index, kind, sources[value], generic=True))
             else:
                 problems.append(Problem(op_name(target), path, _names(sources[value], param_names), _COMPLEX,
                                         source_of(node)))
             continue
-        rule = lookup(target)
-        kind = "direct" if value in param_names else "transform"
         if target is FUNCTION_APPLY and index is not None:
             generic = function_param_rule(node, index) is None
             outputs = batch.get(node) or []
@@ -3045,10 +3044,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, wi
             else:
                 uses.append(UseSite(node, index, kind, sources[value], generic=generic))
             continue
-        if rule is not None and index is not None and index in rule.params:
-            reason = rule.check(
-                [rule_layout(_arg_batch(a, batch)) for a in node.args], [_meta(a) for a in node.args], index
-            ) if rule.check else None
+        if ruled:
             if reason:
                 problems.append(Problem(op_name(target), path, _names(sources[value], param_names), reason,
                                         source_of(node)))

@@ -1028,8 +1028,12 @@ def test_in_place_calls_whose_results_go_unused_are_kept(before):
     the writes vanished, silently (another forward, ``b`` without a gradient, the other
     per-sample gradients off by up to 1.1)."""
     torch.manual_seed(0)
-    model = UnusedInPlaceResults(before).double()
-    x = torch.randn(B, 5, 4, dtype=torch.float64)
+    _forward_and_grad_sample_as_the_loop(UnusedInPlaceResults(before).double(),
+                                         torch.randn(B, 5, 4, dtype=torch.float64))
+
+
+def _forward_and_grad_sample_as_the_loop(model: nn.Module, x: torch.Tensor) -> None:
+    """The forward as eager's, and the per-sample gradients of ``Σ out²`` as the loop's."""
     with torch.no_grad():
         expected = model(x)
     ref = reference(model, [x], lambda out, i: out.pow(2).sum())
@@ -1076,14 +1080,4 @@ def test_in_place_view_ops_are_views(how):
     overload names differ, the twin was not found, the op stayed in place and had no
     batch propagation, and the model was refused."""
     torch.manual_seed(0)
-    model = InPlaceViews(how).double()
-    x = torch.randn(B, 6, dtype=torch.float64)
-    with torch.no_grad():
-        expected = model(x)
-    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
-    dp_model = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
-    out = dp_model(x)
-    assert_close_all({"out": out}, {"out": expected}, tolerance(torch.float64), "forward")
-    out.pow(2).sum().backward()
-    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
-                     tolerance(torch.float64), "grad_sample")
+    _forward_and_grad_sample_as_the_loop(InPlaceViews(how).double(), torch.randn(B, 6, dtype=torch.float64))
