@@ -3016,10 +3016,12 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, wi
         ruled = rule is not None and index is not None and index in rule.params
         reason = rule.check([rule_layout(_arg_batch(a, batch)) for a in node.args], [_meta(a) for a in node.args],
                             index) if ruled and rule.check else None
-        if _complex_valued(node):
+        if _complex_valued(node) and not (
+                target is FUNCTION_APPLY and index is not None and function_param_rule(node, index) is None):
             # The rules are written for real values (a complex gradient takes conjugates
-            # they do not); the generic per-sample VJP is autograd's own, complex included.
-            # A rule's check still judges the op's arguments.
+            # they do not); the generic per-sample VJP is autograd's own, complex included,
+            # as is a Function's own backward run per sample (below). A rule's check still
+            # judges the op's arguments.
             if reason:
                 problems.append(Problem(op_name(target), path, _names(sources[value], param_names), reason,
                                         source_of(node)))
@@ -3098,7 +3100,8 @@ def _differentiable_output(node: fx.Node, layout: Any) -> Any:
 _COMPLEX = ("it computes with complex values, whose per-sample gradients fxdp takes only by the generic "
             "per-sample VJP (its rules are written for real values: a complex gradient needs conjugates they "
             "do not take), and that needs the parameter as an argument of an op with one differentiable, "
-            "batched output (not a torch.autograd.Function, not inside a list argument): keep the parameter's "
+            "batched output (not inside a list argument; a torch.autograd.Function only without a registered "
+            "rule, its own backward run per sample): keep the parameter's "
             "path real here, or freeze the parameter")
 
 

@@ -220,6 +220,25 @@ class SolveFn(torch.autograd.Function):
         return grad_h, -(grad_h.unsqueeze(-1) * y.unsqueeze(-2)).flatten(0, -3).sum(0)
 
 
+class SpectralScale(torch.autograd.Function):
+    """``y = Re(ifft(fft(h) · w))`` for a complex filter ``w``, with a backward written
+    by hand in PyTorch's convention for complex gradients (the conjugates autograd
+    takes: ``grad_w = grad_z · conj(fft(h))``)."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        spectrum = torch.fft.fft(h)
+        ctx.save_for_backward(spectrum, w)
+        return torch.fft.ifft(spectrum * w).real
+
+    @staticmethod
+    def backward(ctx, grad):
+        spectrum, w = ctx.saved_tensors
+        grad_z = torch.fft.fft(grad.to(spectrum.dtype)) / grad.shape[-1]
+        grad_h = torch.fft.ifft(grad_z * w.conj()).real * grad.shape[-1]
+        return grad_h, (grad_z * spectrum.conj()).reshape(-1, w.shape[-1]).sum(0)
+
+
 class ActivationByATen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, name):
@@ -340,6 +359,51 @@ def test_function_matches_the_loop(case: Case, mode: str, reduction: str, dtype:
     dp_model = fxdp.transform(model, grad_sample=mode == "grad_sample", max_grad_norm=clip,
                               loss_reduction=reduction, compiler="eager")
     _check(model, dp_model, x, mode=mode, reduction=reduction, clip=clip)
+
+
+@pytest.mark.parametrize("path", ["parameter", "transform"])
+@pytest.mark.parametrize("mode", ["grad_sample", "clip"])
+def test_a_function_computing_with_complex_values_runs_its_own_backward_per_sample(path, mode):
+    """A complex parameter (or one made complex by ``view_as_complex``) given to a
+    Function: the Function's own backward, run per sample, is autograd's convention for
+    complex gradients whatever the rules assume, so no rule stands in for it. Norms are
+    ``sqrt(Σ |g|²)``; the clipped gradient stays complex."""
+    torch.manual_seed(0)
+    model = Model(lambda m, h: h, {}).double()
+    if path == "parameter":
+        model.filter = nn.Parameter(torch.randn(D, dtype=torch.complex128))
+        model.body = lambda m, h: SpectralScale.apply(h, m.filter)
+    else:
+        model.filter = nn.Parameter(torch.randn(D, 2, dtype=torch.float64))
+        model.body = lambda m, h: SpectralScale.apply(h, torch.view_as_complex(m.filter))
+    x = _batch((4, 3, D), torch.float64)
+    clip = float(reference(model, (x,), lambda out, i: _loss(out).sum()).norms.median()) if mode == "clip" else None
+    dp_model = fxdp.transform(model, grad_sample=mode == "grad_sample", max_grad_norm=clip, loss_reduction="sum",
+                              compiler="eager")
+    _check(model, dp_model, x, mode=mode, reduction="sum", clip=clip)
+    assert dp_model.explain().rule_counts["function.SpectralScale[1]"] == 1
+    _check(model, dp_model, _batch((6, 3, D), torch.float64, seed=6), mode=mode, reduction="sum", clip=clip)
+
+
+def test_a_function_with_a_rule_is_refused_on_a_complex_path():
+    """A rule registered for a Function is written for real values: on a complex path
+    fxdp refuses it rather than use it (without the rule, the Function's own backward
+    runs per sample, above)."""
+    def per_sample_grad(g, h):  # [B, T, D] -> [B, D]
+        return (torch.fft.fft(g.to(torch.complex128)) * torch.fft.fft(h).conj()).sum(1) / g.shape[-1]
+
+    rule = fxdp.OpRule(op=SpectralScale, params={1: fxdp.ParamRule(
+        name="spectral_scale.filter", operands=(GRAD, 0), per_sample_grad=per_sample_grad,
+        sum_grad=lambda g, h: per_sample_grad(g, h).sum(0))})
+    fxdp.register_rule(rule)
+    try:
+        model = Model(lambda m, h: SpectralScale.apply(h, m.filter), {}).double()
+        model.filter = nn.Parameter(torch.randn(D, dtype=torch.complex128))
+        dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+        with pytest.raises(fxdp.UnsupportedError, match="computes with complex values.*without a registered rule"):
+            dp_model(_batch((4, 3, D), torch.float64))
+    finally:
+        del RULES[SpectralScale]
 
 
 def test_function_parameter_without_rule_is_shown_as_its_backward_per_sample():
