@@ -9,10 +9,11 @@ import re
 import threading
 import types
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from fxdp import _torch_internals as internals
 from fxdp.batching import BatchDim
@@ -180,10 +181,21 @@ _NO_GRADIENT_USES = {"detach", "size", "dim", "numel", "stride", "item", "tolist
 
 
 def _carries_a_gradient(node: fx.Node) -> bool:
-    """Whether the graph may send a gradient into placeholder ``node`` (a use other than
-    ``.detach()`` or a size: a loss Dynamo hands to the graph it resumes after backward)."""
+    """Whether the graph may send a gradient into placeholder ``node``: through a use
+    other than ``.detach()`` or a size (a loss Dynamo hands to the graph it resumes after
+    backward), whose value needs a gradient (``zeros_like(h)`` of a state a previous step
+    left on the module reads only its shape)."""
     return any(not (u.op == "call_method" and u.target in _NO_GRADIENT_USES)
-               and u.target not in (torch.Tensor.detach, torch.detach) for u in node.users)
+               and u.target not in (torch.Tensor.detach, torch.detach) and _needs_a_gradient(u) for u in node.users)
+
+
+def _needs_a_gradient(node: fx.Node) -> bool:
+    """Whether the value Dynamo recorded for ``node`` holds a tensor that needs a
+    gradient (unknown: it may)."""
+    if "example_value" not in node.meta:
+        return True
+    leaves = pytree.tree_leaves(node.meta["example_value"])
+    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves)
 
 
 def _parameters_behind(t: torch.Tensor) -> list[torch.nn.Parameter]:
@@ -309,11 +321,30 @@ def _refuse_parameters_behind_inputs(computed: list[tuple[fx.Node, torch.Tensor]
             raise UnsupportedError(
                 f"{source_name(node)}: this input carries a gradient back to {len(params)} trainable "
                 f"parameter(s) outside the compiled graph (shapes {shapes}), computed eagerly (a graph "
-                "break inside the model: Dynamo runs the code it cannot compile without any backend) or by "
-                "another compiled graph. fxdp clips globally, and those would get gradients clipped apart "
-                "from this graph's, or not at all. Compile the whole model as one graph "
-                "(torch.compile(..., fullgraph=True) names any break; fxdp.transform always compiles so), "
-                "freeze those parameters (requires_grad=False), or detach the input.")
+                "break inside the model: Dynamo runs the code it cannot compile without any backend), by "
+                "another compiled graph, or by an earlier call (a state a previous call left on the module, "
+                "read as a value: a recurrent state carried across steps). fxdp clips globally, and those "
+                "would get gradients clipped apart from this graph's, or not at all. Compile the whole "
+                "model as one graph (torch.compile(..., fullgraph=True) names any break; fxdp.transform "
+                "always compiles so), freeze those parameters (requires_grad=False), or detach the input "
+                "(a carried state: state.detach() before the next step).")
+
+
+GRADIENT_HOOK = (
+    "a hook registered on the parameter with register_hook would see only the summed gradient: fxdp computes "
+    "each sample's gradient, its norm and the clipped sum inside the compiled backward, where the hook "
+    "cannot run on each sample's own gradient (a hook that masks the gradient, keeping a matrix diagonal, "
+    "would leave the norms and clip factors those of the unmasked gradients). Put a constraint in the "
+    "forward instead (multiply the weight by its mask, or torch.nn.utils.parametrize.register_parametrization), "
+    "so that every sample's gradient has it; a hook that only reads the gradient (logging) can be a "
+    "register_post_accumulate_grad_hook, which sees the clipped p.grad; or remove the hook "
+    "(handle.remove())")
+
+
+def hooked_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> list[Problem]:
+    """A problem for every trainable parameter with a gradient hook (``register_hook``)."""
+    return [Problem("Tensor.register_hook", "", name, GRADIENT_HOOK)
+            for name, p in named if p.requires_grad and p._backward_hooks]
 
 
 class NoBatchDim(ValueError):
@@ -603,7 +634,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     # the model's; the backend sees this graph's).
     frozen = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)
               and not t.requires_grad] if options.grad_sample else []
-    return _forward_runner(compiled, record, devices, handover, frozen)
+    return _forward_runner(compiled, record, devices, handover, frozen, guarded)
 
 
 CLASS_LOSSES = {
@@ -795,8 +826,13 @@ class _Handover:
 
 
 def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices: list[str],
-                    handover: _Handover, frozen: Sequence[int] = ()) -> Callable:
+                    handover: _Handover, frozen: Sequence[int] = (), trained: dict[int, str] | None = None) -> Callable:
+    trained = trained or {}
+
     def run(*args):
+        hooked = hooked_parameters((name, args[i]) for i, name in trained.items()) if torch.is_grad_enabled() else []
+        if hooked:
+            raise UnsupportedError("fxdp cannot make this model per-sample:", hooked)
         RUN_STATE.ran = True
         if handover.positions:
             handover.params = {i: args[i] for i in handover.positions}

@@ -957,6 +957,54 @@ def test_an_input_computed_from_parameters_outside_the_transform_is_refused():
     assert embed.weight.grad is None and model.lin1.weight.grad is not None
 
 
+class LeakyState(nn.Module):
+    """A spiking neuron as snntorch writes it: the forward keeps its membrane state on
+    the module (``self.mem``), and the next call starts from ``zeros_like(self.mem)``,
+    or (``carried``) from the state itself, across steps."""
+
+    def __init__(self, carried: bool):
+        super().__init__()
+        self.carried = carried
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("mem", torch.zeros(0), persistent=False)
+
+    def forward(self, x):  # [B, T, 4]
+        mem = self.mem if self.carried and self.mem.shape[0] == x.shape[0] else torch.zeros_like(self.mem)
+        if mem.shape != (x.shape[0], 3):
+            mem = x.new_zeros(x.shape[0], 3)
+        for t in range(x.shape[1]):
+            mem = 0.8 * mem + self.fc(x[:, t])
+        self.mem = mem
+        return mem
+
+
+@pytest.mark.parametrize("wrapped", ["transform", "backend"])
+def test_a_state_the_previous_step_left_on_the_module_is_read_for_its_shape_only(wrapped):
+    """The state a call leaves on the module still carries that call's gradient path; a
+    later call reading only its shape (``zeros_like``) sends it no gradient, so it is no
+    input computed from parameters outside the graph. Read as a value, it is."""
+    torch.manual_seed(0)
+    model = LeakyState(carried=False).to(DTYPE)
+    clip = 0.5
+    call = (fxdp.transform(model, max_grad_norm=clip, compiler="eager") if wrapped == "transform"
+            else torch.compile(model, backend=fxdp.backend(max_grad_norm=clip, compiler="eager")))
+    for step in range(3):
+        x = randn(5, 2, 4, seed=step)
+        fresh = LeakyState(carried=False).to(DTYPE)
+        fresh.load_state_dict(model.state_dict())
+        ref = reference(fresh, (x,), per_sample_sq_loss)
+        for p in model.parameters():
+            p.grad = None
+        mean_sq_loss(call(x)).backward()
+        assert model.mem.requires_grad
+        assert_close_all(grads(model), ref.grad("mean", clip), tolerance(DTYPE), f"step {step}")
+    carried = LeakyState(carried=True).to(DTYPE)
+    dp = fxdp.transform(carried, max_grad_norm=clip, compiler="eager")
+    mean_sq_loss(dp(randn(5, 2, 4))).backward()
+    with pytest.raises(fxdp.UnsupportedError, match="state a previous call left"):
+        dp(randn(5, 2, 4))
+
+
 def test_a_parameter_free_graph_beside_a_clipping_one_is_no_second_clip():
     """A loss compiled with the fxdp backend has nothing to clip: no refusal, and the
     model's clipped gradient and norms are the loop's."""

@@ -2014,6 +2014,40 @@ def test_a_problem_names_the_line_of_code_it_comes_from():
         fxdp.transform(TwoProblems().to(DTYPE), compiler="eager")(randn(6, 4))
 
 
+@pytest.mark.parametrize("wrapped", ["transform", "backend"])
+def test_a_gradient_hook_on_a_parameter_is_refused_until_removed(wrapped):
+    """``p.register_hook(lambda g: g * mask)`` (snntorch's LeakyParallel keeps a matrix
+    diagonal so) would act on the clipped sum only, leaving the norms and clip factors
+    those of the unmasked per-sample gradients: refused at every training call while the
+    hook is there, named by validate. Without it, or as a mask in the forward, the
+    gradients are the loop's; a post-accumulate hook sees the clipped ``p.grad``."""
+    model = mlp()
+    weight = model[0].weight
+    mask = torch.eye(8, 4, dtype=DTYPE)
+    clip = 0.5
+    call = (fxdp.transform(model, max_grad_norm=clip, compiler="eager") if wrapped == "transform"
+            else torch.compile(model, backend=fxdp.backend(max_grad_norm=clip, compiler="eager")))
+    mean_sq_loss(call(randn(6, 4))).backward()  # compiled before the hook: refused all the same
+    handle = weight.register_hook(lambda g: g * mask)
+    problems = fxdp.validate(model, randn(6, 4))
+    assert [(p.op, p.parameter) for p in problems] == [("Tensor.register_hook", "0.weight")]
+    with refused("parameter '0.weight'.*register_hook would see only the summed gradient"):
+        call(randn(6, 4))
+    with torch.no_grad():
+        call(randn(6, 4))  # evaluation: no gradient, nothing to refuse
+    handle.remove()
+    seen = []
+    weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    x = randn(6, 4, seed=2)
+    ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    for p in model.parameters():
+        p.grad = None
+    mean_sq_loss(call(x)).backward()
+    expected = ref.grad("mean", clip)
+    assert_close_all({n: p.grad for n, p in model.named_parameters()}, expected, TOL, "clipped")
+    torch.testing.assert_close(seen[-1], expected["0.weight"])
+
+
 def test_validate_of_a_supported_model_is_empty():
     assert fxdp.validate(mlp(), randn(6, 4)) == []
 
