@@ -1171,7 +1171,8 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
     reshape of the dims after the broadcast ones, of an expand, are the expand of that
     view of its source; so is a ``layer_norm`` over dims the expand does not broadcast
     (Perceiver's latents), a softmax or cumulative op along such a dim, and a reduction
-    over such dims.
+    over such dims; ``zeros_like``/``ones_like``/``full_like``/``empty_like`` of an expand is
+    the expand of that constant.
 
     A recurrent layer started from a learned state ``h0.expand(-1, B, -1).contiguous()``
     reads layer ``l``'s state as ``unbind(state)[l]``; once the expand reaches the
@@ -1306,6 +1307,12 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 if any(d >= lead for d in dims):
                     source = _call(gm, aten.squeeze.dims, (source, [d - lead for d in dims if d >= lead]), node)
                 new = _call(gm, aten.expand.default, (source, [s for d, s in enumerate(sizes) if d not in dims]), node)
+            elif node.target in (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+                                 aten.empty_like.default):
+                # A constant of the expand's shape is the expand of that constant of the
+                # source's (kornia's where(k == 0, ones_like(k), k) on a kernel per sample).
+                inner = _call(gm, node.target, (expand.args[0], *node.args[1:]), node, node.kwargs)
+                new = _call(gm, aten.expand.default, (inner, sizes), node)
             elif node.target is aten.unsqueeze.default:
                 dim = node.args[1] % (ndim + 1)
                 lead = _leading(expand)

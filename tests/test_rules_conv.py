@@ -567,6 +567,52 @@ def test_modulated_convolution_with_the_samples_as_groups(form):
         assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
 
 
+class LearnedBlur(nn.Module):
+    """kornia's ``gaussian_blur2d`` with a learned sigma given one row per sample
+    (``sigma.expand(B, 2)``): a Gaussian kernel per sample, normalised with a guard
+    against zero (``where(den == 0, ones_like(den), den)``), the batch folded into the
+    channels and the groups."""
+
+    def __init__(self, guard: str):
+        super().__init__()
+        self.guard = guard
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.log_sigma = nn.Parameter(torch.tensor([[0.1, -0.2]]))
+
+    def forward(self, x):  # [B, 2, H, W]
+        b, c, h, w = x.shape
+        sigma = self.log_sigma.exp().expand(b, 2)
+        grid = torch.arange(5, dtype=x.dtype) - 2
+        gauss = torch.exp(-grid[None, None] ** 2 / (2 * sigma[..., None] ** 2))  # [B, 2, 5]
+        den = gauss.sum(-1, keepdim=True)
+        if self.guard == "ones_like":
+            den = torch.where(den == 0, torch.ones_like(den), den)
+        elif self.guard == "full_like":
+            den = den + torch.full_like(den, 1e-12)
+        gauss = gauss / den
+        kernel = gauss[:, 0, :, None] * gauss[:, 1, None, :]  # [B, 5, 5]
+        y = self.conv(x).reshape(1, b * c, h, w)
+        kernel = kernel[:, None].expand(b, c, 5, 5).reshape(b * c, 1, 5, 5)
+        return F.conv2d(y, kernel, padding=2, groups=b * c).view(b, c, h, w)
+
+
+@pytest.mark.parametrize("guard", ["none", "ones_like", "full_like"])
+def test_a_kernel_per_sample_from_a_shared_parameter_with_a_constant_like_it(guard):
+    """A constant shaped like a parameter expanded to the batch (``ones_like(k)``) is the
+    expand of that constant: it was taken for data of the samples, and the grouped
+    convolution over the batch in its channels was refused as mixing them."""
+    torch.manual_seed(0)
+    model = LearnedBlur(guard).double()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for batch in (3, 5):
+        x = torch.randn(batch, 2, 6, 6, dtype=torch.float64)
+        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+        for p in model.parameters():
+            p.grad_sample = None
+        dp(x).pow(2).sum().backward()
+        assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
+
+
 def test_a_batched_weight_over_the_whole_batch_is_refused():
     with pytest.raises(fxdp.UnsupportedError, match="weight is batched"):
         dp = fxdp.transform(ModulatedConv("mixed").double(), compiler="eager")
