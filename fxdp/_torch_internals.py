@@ -101,6 +101,8 @@ def capture_config():
       cannot call methods on the attribute as it keeps it.
     - ``requires_grad`` set on a value the forward computed is dropped (see
       ``_gradient_asked_of_a_computed_value``).
+    - ``torch.jit.isinstance(x, T)`` of a plain type (MONAI's ``UpCat``), which Dynamo
+      skips, is the builtin ``isinstance``; a container type (``List[int]``) still breaks.
     - ``optimize_ddp`` is off: under ``DistributedDataParallel`` Dynamo's DDPOptimizer
       would split the graph at DDP's gradient buckets (the first holds 1 MB, so nearly
       every model), and clipping needs the whole model in one graph. The split would
@@ -111,6 +113,7 @@ def capture_config():
     from unittest import mock
 
     from torch._dynamo.variables import ConstantVariable
+    from torch._dynamo.variables.functions import SkipFunctionVariable
     from torch._dynamo.variables.misc import DebuggingVariable, GetAttrVariable, LoggingLoggerVariable
 
     config = torch._dynamo.config
@@ -139,7 +142,9 @@ def capture_config():
                           optimize_ddp=False), \
                 mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame), \
                 mock.patch.object(LoggingLoggerVariable, "call_method", _logged_at_capture(logger_call)), \
-                mock.patch.object(GetAttrVariable, "call_method", _named_at_capture(attribute_call)):
+                mock.patch.object(GetAttrVariable, "call_method", _named_at_capture(attribute_call)), \
+                mock.patch.object(SkipFunctionVariable, "call_function",
+                                  _jit_isinstance_as_builtin(SkipFunctionVariable.call_function)):
             yield
     finally:
         _NAMING.capturing = capturing
@@ -158,6 +163,22 @@ def _logged_at_capture(logger_call: Callable) -> Callable:
         return logger_call(self, tx, name, args, kwargs)
 
     return call_method
+
+
+def _jit_isinstance_as_builtin(skipped_call: Callable) -> Callable:
+    """``SkipFunctionVariable.call_function`` that traces ``torch.jit.isinstance(x, T)``
+    as the builtin ``isinstance`` where ``T`` is a class or a tuple of classes (what it
+    is outside TorchScript); ``skipped_call`` (Dynamo's) answers the others."""
+    from torch._dynamo.variables import BuiltinVariable
+
+    def call_function(self, tx, args, kwargs):
+        if self.value is torch.jit.isinstance and len(args) == 2 and not kwargs and args[1].is_python_constant():
+            target = args[1].as_python_constant()
+            if all(isinstance(t, type) for t in (target if isinstance(target, tuple) else (target,))):
+                return BuiltinVariable(isinstance).call_function(tx, args, {})
+        return skipped_call(self, tx, args, kwargs)
+
+    return call_function
 
 
 def _named_at_capture(attribute_call: Callable) -> Callable:

@@ -459,6 +459,34 @@ def test_string_methods_of_a_class_name_in_the_forward():
     _check_sum_sq(model, _sum_sq_step(model, x), ref)
 
 
+class JitTypeChecks(nn.Module):
+    """MONAI's ``UpCat`` asks ``torch.jit.isinstance(x_e, torch.Tensor)`` of its skip
+    connection (``None`` at the last level); a container type asks of a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, skip=None):
+        h = self.lin(x)
+        if skip is not None and torch.jit.isinstance(skip, torch.Tensor):
+            h = h + skip
+        if torch.jit.isinstance(h, (int, float)):
+            h = h * 0
+        return h
+
+
+def test_torch_jit_isinstance_of_a_class_is_the_builtin():
+    """Dynamo skips ``torch.jit.isinstance`` (``torch.compile(fullgraph=True)`` fails on
+    it); of a class or a tuple of classes it is ``isinstance``, which fxdp traces."""
+    model = JitTypeChecks().to(DTYPE)
+    x, skip = randn(5, 4), randn(5, 3, seed=2)
+    ref = reference(model, [x, skip], per_sample_sq_loss)
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x, skip).pow(2).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, TOL, "grad_sample")
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__()
