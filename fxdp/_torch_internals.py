@@ -1107,7 +1107,8 @@ def backend_error(error: BaseException) -> BaseException | None:
     Dynamo wraps the backend's exceptions in ``BackendCompilerFailed``; fxdp's own
     (``UnsupportedError``, ``ValueError``, ``TypeError``) are the user's answer. At the
     recompile limit ``fullgraph=True`` raises "Hard failure due to fullgraph=True"; at a
-    graph break, Dynamo's ``Unsupported`` (its reason is quoted).
+    graph break, Dynamo's ``Unsupported`` (its reason is quoted); where Dynamo itself
+    fails, its ``InternalTorchDynamoError`` (quoted too).
     """
     from fxdp.errors import UnsupportedError
 
@@ -1129,6 +1130,12 @@ def backend_error(error: BaseException) -> BaseException | None:
             "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "
             "Dynamo cannot capture it there; change that code or move it out of the forward "
             f"(a step done once, before the transform). Dynamo's reason: {error}")
+    if isinstance(error, torch._dynamo.exc.InternalTorchDynamoError):
+        return UnsupportedError(
+            "fxdp needs the model's forward as one graph, and Dynamo failed while capturing it (plain "
+            "torch.compile(model, fullgraph=True) fails the same way): often code Dynamo calls on the "
+            "model's own objects raises (a tuple subclass whose __len__ raises, read by Dynamo's guards); "
+            f"pass plain values there. Dynamo's error: {error}")
     if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
         return UnsupportedError(recompile_limit_message("the model"))
     if type(error) is RuntimeError and any(check in str(error) for check in RUN_TIME_CHECKS):

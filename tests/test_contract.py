@@ -487,6 +487,34 @@ def test_torch_jit_isinstance_of_a_class_is_the_builtin():
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, TOL, "grad_sample")
 
 
+class Irrep(tuple):
+    """e3nn's ``Irrep``: a tuple whose ``__len__`` raises."""
+
+    def __new__(cls, degree: int, parity: int):
+        return super().__new__(cls, (degree, parity))
+
+    def __len__(self):
+        raise NotImplementedError
+
+
+class ReadsIrreps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.irreps = ((1, Irrep(0, 1)), (1, Irrep(1, -1)))
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.cat([h ** (ir[0] + 1) for _, ir in self.irreps], -1)
+
+
+def test_dynamo_failing_inside_itself_is_a_refusal_that_quotes_it():
+    """Dynamo's guards call ``len`` on the tuple subclass and fail with an internal error
+    (``torch.compile(fullgraph=True)`` too): a refusal, not Dynamo's exception."""
+    with refused("Dynamo failed while capturing it.*tuple subclass whose __len__ raises.*NotImplementedError"):
+        fxdp.transform(ReadsIrreps().to(DTYPE), compiler="eager")(randn(5, 4))
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__()
