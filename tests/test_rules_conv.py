@@ -556,10 +556,14 @@ def test_modulated_convolution_with_the_samples_as_groups(form):
     """It was refused ("the convolution's weight is batched"): each group is one
     sample's. A second batch size, where ``groups`` is the symbolic ``B``, too."""
     torch.manual_seed(0)
-    model = ModulatedConv(form).double()
+    _grad_samples_at_two_batch_sizes(ModulatedConv(form).double(), (3, 5, 5))
+
+
+def _grad_samples_at_two_batch_sizes(model: nn.Module, sample_shape: tuple) -> None:
+    """``grad_sample`` of ``Σ out²`` against the loop, at batch sizes 3 and then 5."""
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
     for batch in (3, 5):
-        x = torch.randn(batch, 3, 5, 5, dtype=torch.float64)
+        x = torch.randn(batch, *sample_shape, dtype=torch.float64)
         ref = reference(model, [x], lambda out, i: out.pow(2).sum())
         for p in model.parameters():
             p.grad_sample = None
@@ -602,15 +606,7 @@ def test_a_kernel_per_sample_from_a_shared_parameter_with_a_constant_like_it(gua
     expand of that constant: it was taken for data of the samples, and the grouped
     convolution over the batch in its channels was refused as mixing them."""
     torch.manual_seed(0)
-    model = LearnedBlur(guard).double()
-    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
-    for batch in (3, 5):
-        x = torch.randn(batch, 2, 6, 6, dtype=torch.float64)
-        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
-        for p in model.parameters():
-            p.grad_sample = None
-        dp(x).pow(2).sum().backward()
-        assert_close_all(_params(model, "grad_sample"), ref.per_sample, tolerance(torch.float64), "grad_sample")
+    _grad_samples_at_two_batch_sizes(LearnedBlur(guard).double(), (2, 6, 6))
 
 
 def test_a_batched_weight_over_the_whole_batch_is_refused():
