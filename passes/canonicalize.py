@@ -1308,9 +1308,10 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                     source = _call(gm, aten.squeeze.dims, (source, [d - lead for d in dims if d >= lead]), node)
                 new = _call(gm, aten.expand.default, (source, [s for d, s in enumerate(sizes) if d not in dims]), node)
             elif node.target in (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
-                                 aten.empty_like.default):
-                # A constant of the expand's shape is the expand of that constant of the
-                # source's (kornia's where(k == 0, ones_like(k), k) on a kernel per sample).
+                                 aten.empty_like.default) and not _written_through(node) and not any(
+                    u.op == "output" for u in node.users):
+                # A constant of the expand's shape, read only, is the expand of that constant
+                # of the source's (kornia's where(k == 0, ones_like(k), k) on a kernel per sample).
                 inner = _call(gm, node.target, (expand.args[0], *node.args[1:]), node, node.kwargs)
                 new = _call(gm, aten.expand.default, (inner, sizes), node)
             elif node.target is aten.unsqueeze.default:

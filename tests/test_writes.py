@@ -1081,3 +1081,25 @@ def test_in_place_view_ops_are_views(how):
     batch propagation, and the model was refused."""
     torch.manual_seed(0)
     _forward_and_grad_sample_as_the_loop(InPlaceViews(how).double(), torch.randn(B, 6, dtype=torch.float64))
+
+
+class WritesAConstantLikeAnExpand(nn.Module):
+    """``zeros_like`` of a parameter expanded to the batch, then written per sample: the
+    write lands in the fresh tensor (an expand of one row of zeros would have nowhere
+    to put it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(1, 6))
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):  # x [B, 6]
+        k = self.scale.expand(x.shape[0], 6)
+        h = torch.zeros_like(k)
+        h[:, :2] = self.fc(x)[:, :2]
+        return h * k + x
+
+
+def test_a_constant_like_an_expanded_parameter_written_in_place_stays_a_tensor():
+    torch.manual_seed(0)
+    _forward_and_grad_sample_as_the_loop(WritesAConstantLikeAnExpand().double(), torch.randn(B, 6, dtype=torch.float64))
