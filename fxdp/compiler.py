@@ -21,7 +21,7 @@ from fxdp.clip_norm import ClipNorm
 from fxdp.errors import Problem, UnsupportedError
 from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
-from fxdp.passes.batch_dims import batch_dim_pass, module_path_of, source_of
+from fxdp.passes.batch_dims import SameCounts, batch_dim_pass, module_path_of, source_of
 from fxdp.passes.canonicalize import canonicalize_pass
 from fxdp.passes.chunk_loops import chunk_loops_as_whole_pass
 from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass, constant_gradients, unmarked_gradients
@@ -771,6 +771,10 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
         return gm
     reference = _batched_input(analysis)
     for gather in analysis.own_rows:
+        if isinstance(gather, SameCounts):
+            with gm.graph.inserting_before(gather.node):
+                gm.graph.call_function(fxdp_same_mask_counts, (gather.mask, gather.dim))
+            continue
         if reference is None:
             raise UnsupportedError(
                 "fxdp cannot make this model per-sample:", [Problem(
@@ -786,6 +790,16 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def fxdp_same_mask_counts(mask: torch.Tensor, dim: int) -> None:
+    """Assert that every sample's part of the boolean ``mask`` (batched along ``dim``)
+    selects as many elements as the first's (see ``SameCounts``)."""
+    counts = mask.movedim(dim, 0).flatten(1).sum(1)
+    torch._assert_async((counts[:1] == counts).all(), (
+        "fxdp: rows a boolean mask selected over the batch (h[mask]) are viewed as [B, n, ...] (one row of n "
+        "per sample), and the samples' masks select different numbers of rows: the view would put rows of "
+        "one sample in another's. Select each sample's rows by position instead (h[torch.arange(B), pos])."))
 
 
 def fxdp_indices_in_own_rows(index: torch.Tensor, index_dim: int, data: torch.Tensor, data_dim: int,

@@ -431,8 +431,26 @@ class OwnRows:
     data_dim: int
 
 
+@dataclasses.dataclass(frozen=True)
+class SameCounts:
+    """A view of the rows a boolean mask selected over the batch as ``[B, n, ...]``
+    (``h[eos_mask].view(B, -1, d)``, the sentence representation of Hugging Face's BART
+    and T5 classification heads): row ``(b, j)`` is sample ``b``'s ``j``-th selected
+    row only where every sample's mask selects as many (``n``), which ``own_rows_pass``
+    checks at run time.
+
+    Attributes:
+        node: The view.
+        mask: The boolean mask, batched along its dim ``dim``.
+    """
+
+    node: fx.Node
+    mask: fx.Node
+    dim: int
+
+
 # The gathers and writes of each propagation running now, innermost last (``_propagate``).
-_OWN_ROWS: list[list[OwnRows]] = []
+_OWN_ROWS: list[list[OwnRows | SameCounts]] = []
 
 
 def _gathered_from_own_rows(node: fx.Node, b: Any, index: fx.Node, ib: Any, out_dim: int) -> BatchDim | None:
@@ -1854,6 +1872,9 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
                 and _meta(node.args[0]).shape[:_meta(first.mask).dim()] == _meta(first.mask).shape:
             return base
         raise MixesSamples(_MASKED)
+    viewed = _viewed_per_sample(node, arg_batch, first)
+    if viewed is not None:
+        return viewed
     if uses_parameter:
         raise _NoPropagation(
             "it uses a parameter on the elements a boolean mask selected from the whole batch (x[mask]): "
@@ -1871,6 +1892,24 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
                 and not statically_known_true(value.shape[-rank] == 1):
             raise MixesSamples(_MASKED)
     return [first] * len(outs) if isinstance(outs, (list, tuple)) else first
+
+
+def _viewed_per_sample(node: fx.Node, arg_batch: list, selected: Masked) -> BatchDim | None:
+    """``h[mask].view(B, -1, *rest)`` with the batch leading the mask: the selected rows
+    come sample by sample, so the view is batched along dim 0 where every sample's mask
+    selects as many rows (recorded for a run-time check, see ``SameCounts``); ``None``
+    where ``node`` is no such view."""
+    layout = selected.layout
+    if not (node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+            and arg_batch[0] is selected and isinstance(layout, BatchDim) and layout.dim == 0
+            and bool(layout.inner == 1) and bool(layout.outer == 1)):
+        return None
+    rows, out = _meta(node.args[0]).shape, _meta(node).shape
+    if not (len(out) == len(rows) + 1 and statically_known_true(out[0] == _meta(selected.mask).shape[0])
+            and all(statically_known_true(a == b) for a, b in zip(out[2:], rows[1:]))):
+        return None
+    _OWN_ROWS[-1].append(SameCounts(node, selected.mask, layout.dim))
+    return BatchDim(0)
 
 
 def pure_op(target: Any) -> bool:

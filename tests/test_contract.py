@@ -989,23 +989,54 @@ def test_vitmae_random_masking_is_read_as_a_mean():
 
 
 class SelectByMask(nn.Module):
-    """Each sample's EOS row by a boolean ``[B, T]`` mask (BartForSequenceClassification)."""
+    """Each sample's last EOS row by a boolean ``[B, T]`` mask, the sentence
+    representation of Hugging Face's BART and T5 classification heads:
+    ``h[eos].view(B, -1, d)[:, -1]``; ``summed`` adds the selected rows up instead."""
 
-    def __init__(self):
+    def __init__(self, summed: bool = False):
         super().__init__()
+        self.summed = summed
         self.fc = nn.Linear(4, 3).to(DTYPE)
+        self.head = nn.Linear(3, 2).to(DTYPE)
 
-    def forward(self, x, eos):  # x [B, T, 4], eos [B, T] with one True per row
-        h = self.fc(x)
-        return h[eos, :].view(h.shape[0], -1, h.shape[-1])[:, -1, :]
+    def forward(self, x, eos):  # x [B, T, 4], eos [B, T]
+        h = torch.tanh(self.fc(x))
+        if self.summed:
+            return h + h[eos].sum()
+        return self.head(h[eos, :].view(h.shape[0], -1, h.shape[-1])[:, -1, :])
+
+
+def _eos(positions: list[list[int]], length: int = 5) -> torch.Tensor:
+    eos = torch.zeros(len(positions), length, dtype=torch.bool)
+    for row, columns in enumerate(positions):
+        eos[row, columns] = True
+    return eos
+
+
+def test_rows_a_mask_selects_viewed_per_sample_are_each_samples():
+    """The selected rows come sample by sample: viewed as ``[B, n, d]`` each row of ``n``
+    is one sample's where every sample selects ``n`` rows. A run-time check in the graph
+    fails the step where they do not (and the view is possible: a number of rows no
+    multiple of ``B`` fails in PyTorch's own checks)."""
+    model = SelectByMask()
+    clip = 0.3
+    dp = fxdp.transform(model, max_grad_norm=clip, loss_reduction="sum", compiler="eager")
+    for eos in (_eos([[4], [2], [3], [4], [1], [0]]), _eos([[1, 4], [0, 2], [3, 4]])):
+        x = randn(len(eos), 5, 4, seed=len(eos))
+        ref = reference(model, [x, eos], lambda out, i: out.pow(2).sum())
+        for p in model.parameters():
+            p.grad = None
+        dp(x, eos).pow(2).sum().backward()
+        assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("sum", clip), TOL, "clipped")
+    with refused(r"rows a boolean mask selected over the batch \(h\[mask\]\) are viewed as \[B, n, \.\.\.\]"):
+        # 8 rows of 4 samples (2, 1, 2 and 3 each) view as [4, 2, 3], mixing samples 2 to 4
+        dp(randn(4, 5, 4), _eos([[1, 4], [2], [3, 4], [0, 1, 2]])).pow(2).sum().backward()
 
 
 def test_a_boolean_mask_over_the_batch_is_refused_with_what_to_do():
-    eos = torch.zeros(6, 5, dtype=torch.bool)
-    eos[torch.arange(6), torch.tensor([4, 2, 3, 4, 1, 0])] = True
-    dp = fxdp.transform(SelectByMask(), max_grad_norm=1.0, compiler="eager")
+    dp = fxdp.transform(SelectByMask(summed=True), max_grad_norm=1.0, compiler="eager")
     with refused(r"a boolean mask over the batch dim selected.*x\[torch.arange\(B\), position\]"):
-        dp(randn(6, 5, 4), eos).sum().backward()
+        dp(randn(6, 5, 4), _eos([[4], [2], [3], [4], [1], [0]])).sum().backward()
 
 
 def test_class_weights_with_a_mean_over_labels_are_refused():
