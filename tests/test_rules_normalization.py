@@ -351,3 +351,57 @@ def test_layer_norm_over_the_batch_is_refused():
     """``[T, B, d]`` read batch-second, normalised over ``[B, d]``: samples share statistics."""
     model = Sandwich(nn.LayerNorm([B, D]))
     assert "normalises over the batch dim" in _reasons(model, torch.randn(T, B, D), batch_first=False)
+
+
+class EvalNormThenTokens(nn.Module):
+    """LeViT's, XCiT's and EfficientFormer's stems: a convolution and an eval-mode
+    BatchNorm, the map read as tokens (``flatten(2).transpose(1, 2)``), then a residual
+    block. ``by_hand`` computes the same BatchNorm elementwise."""
+
+    def __init__(self, by_hand: bool = False):
+        super().__init__()
+        self.by_hand = by_hand
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.lin = nn.Linear(4, 4)
+        self.fc = nn.Linear(4, 5)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+            self.bn.weight.uniform_(0.5, 1.5)
+            self.bn.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        h = self.conv(x)
+        if self.by_hand:
+            bn = self.bn
+            shape = (-1, 1, 1)
+            h = (h - bn.running_mean.view(shape)) * torch.rsqrt(bn.running_var.view(shape) + bn.eps) \
+                * bn.weight.view(shape) + bn.bias.view(shape)
+        else:
+            h = self.bn(h)
+        tokens = h.flatten(2).transpose(1, 2)
+        tokens = tokens + self.lin(tokens)
+        return self.fc(tokens.mean(1))
+
+
+def test_an_eval_batch_norm_read_as_tokens_against_the_loop_of_the_same_maths():
+    """PyTorch's CPU kernel of an eval-mode BatchNorm's backward is wrong for a batch of
+    one whose output gradient has channels-last strides, as the transpose of the tokens
+    gives it (torch 2.13): the microbatch loop of the model as written is then wrong (by
+    more than the gradients themselves), fxdp's batched backward is not. The reference
+    here is the loop of the same maths written elementwise."""
+    torch.manual_seed(0)
+    model = EvalNormThenTokens().double().train()
+    model.bn.eval()
+    by_hand = EvalNormThenTokens(by_hand=True).double()
+    by_hand.load_state_dict(model.state_dict())
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for batch in (3, 5):
+        x = torch.randn(batch, 3, 4, 4, dtype=torch.float64)
+        ref = reference(by_hand, [x], lambda out, i: out.pow(2).sum())
+        for p in model.parameters():
+            p.grad_sample = None
+        dp(x).pow(2).sum().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), "grad_sample")
