@@ -840,9 +840,7 @@ class _Handover:
 
 
 def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices: list[str],
-                    handover: _Handover, frozen: Sequence[int] = (), trained: dict[int, str] | None = None) -> Callable:
-    trained = trained or {}
-
+                    handover: _Handover, frozen: Sequence[int], trained: dict[int, str]) -> Callable:
     def run(*args):
         hooked = hooked_parameters((name, args[i]) for i, name in trained.items()) if torch.is_grad_enabled() else []
         if hooked:

@@ -140,7 +140,8 @@ class BatchAnalysis:
         sized_normaliser: The loss is divided by the sum of a shared mask built from
             ``B`` (read batched, it is a ``normalisers`` entry: see ``batch_dim_pass``).
         own_rows: Each gather of rows along a merged batch dim by indices the samples
-            computed, or write into such rows (see ``OwnRows``), which ``own_rows_pass``
+            computed, or write into such rows (see ``OwnRows``), and each view of a
+            boolean mask's rows per sample (see ``SameCounts``), which ``own_rows_pass``
             checks at run time.
     """
 
@@ -157,7 +158,7 @@ class BatchAnalysis:
     loss_divided_by_batch_size: bool = False
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = dataclasses.field(default_factory=list)
     sized_normaliser: bool = False
-    own_rows: list["OwnRows"] = dataclasses.field(default_factory=list)
+    own_rows: list["OwnRows | SameCounts"] = dataclasses.field(default_factory=list)
 
 
 def op_name(target: Any) -> str:
@@ -2522,7 +2523,8 @@ def _is_arange(node: Any, length: Any) -> bool:
     return statically_known_true(end == length)
 
 
-_FILLED_LIKE = (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
+# Ops that fill a tensor shaped like their argument with a constant (or nothing).
+FILLED_LIKE = (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
 
 
 def _written_back(ids: Any, values: Any, into: Any, destination: Any) -> BatchDim | None:
@@ -2534,7 +2536,7 @@ def _written_back(ids: Any, values: Any, into: Any, destination: Any) -> BatchDi
         return None
     layout = BatchDim(0, ids.ids)
     filled = isinstance(destination, fx.Node) and destination.op == "call_function" and (
-        destination.target in _FILLED_LIKE)
+        destination.target in FILLED_LIKE)
     if into is None or filled or (isinstance(into, BatchDim) and into.same_as(layout)):
         return layout
     return None

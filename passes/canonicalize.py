@@ -15,6 +15,7 @@ from fxdp._torch_internals import erase_unused, inline_checkpoints, make_fx_trac
 from fxdp.errors import UnsupportedError
 from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
+from fxdp.passes.batch_dims import FILLED_LIKE
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad, is_view, writes_in_place
 from fxdp.registry import named_arg, out_of_place
 
@@ -612,9 +613,7 @@ def complex_scatters_as_real_pass(gm: fx.GraphModule) -> fx.GraphModule:
         node.replace_all_uses_with(back)
         gm.graph.erase_node(node)
         changed = True
-    if changed:
-        gm.recompile()
-    return gm
+    return _finished(gm, changed)
 
 
 def unviewable_views_as_reshapes_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -1110,6 +1109,11 @@ def _written_through(node: fx.Node) -> bool:
                if u.op == "call_function")
 
 
+def _read_only(node: fx.Node) -> bool:
+    """Whether nothing writes ``node`` (or a view of it) and the graph does not return it."""
+    return not _written_through(node) and not any(u.op == "output" for u in node.users)
+
+
 def _leading(expand: fx.Node) -> int:
     """How many leading dims ``expand`` adds in front of its source's."""
     return expand.meta["val"].dim() - expand.args[0].meta["val"].dim()
@@ -1206,7 +1210,7 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
         with gm.graph.inserting_before(node):
             if (node.target in (aten.contiguous.default, aten.clone.default, aten.alias.default)
                     and node.kwargs.get("memory_format") in (None, torch.contiguous_format, torch.preserve_format)
-                    and not _written_through(node) and not any(u.op == "output" for u in node.users)):
+                    and _read_only(node)):
                 new = expand
             elif node.target is aten.select.int:
                 dim = node.args[1] % ndim
@@ -1307,9 +1311,7 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 if any(d >= lead for d in dims):
                     source = _call(gm, aten.squeeze.dims, (source, [d - lead for d in dims if d >= lead]), node)
                 new = _call(gm, aten.expand.default, (source, [s for d, s in enumerate(sizes) if d not in dims]), node)
-            elif node.target in (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
-                                 aten.empty_like.default) and not _written_through(node) and not any(
-                    u.op == "output" for u in node.users):
+            elif node.target in FILLED_LIKE and _read_only(node):
                 # A constant of the expand's shape, read only, is the expand of that constant
                 # of the source's (kornia's where(k == 0, ones_like(k), k) on a kernel per sample).
                 inner = _call(gm, node.target, (expand.args[0], *node.args[1:]), node, node.kwargs)
