@@ -2,6 +2,7 @@
 runtime wrappers that move the backward's extra outputs onto the parameters."""
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import os
@@ -9,6 +10,7 @@ import re
 import threading
 import types
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -330,21 +332,52 @@ def _refuse_parameters_behind_inputs(computed: list[tuple[fx.Node, torch.Tensor]
                 "(a carried state: state.detach() before the next step).")
 
 
-GRADIENT_HOOK = (
-    "a hook registered on the parameter with register_hook would see only the summed gradient: fxdp computes "
-    "each sample's gradient, its norm and the clipped sum inside the compiled backward, where the hook "
-    "cannot run on each sample's own gradient (a hook that masks the gradient, keeping a matrix diagonal, "
-    "would leave the norms and clip factors those of the unmasked gradients). Put a constraint in the "
-    "forward instead (multiply the weight by its mask, or torch.nn.utils.parametrize.register_parametrization), "
-    "so that every sample's gradient has it; a hook that only reads the gradient (logging) can be a "
-    "register_post_accumulate_grad_hook, which sees the clipped p.grad; or remove the hook "
-    "(handle.remove())")
+def guard_gradient_hooks(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Wrap every ``register_hook`` hook of these parameters so that it may read the
+    gradient but not change it.
+
+    Autograd runs a parameter's hooks on the gradient fxdp's backward hands it: the
+    clipped sum (or the plain sum with ``grad_sample`` alone). A hook that only reads it
+    (logging, ``wandb.watch``) sees what ``p.grad`` becomes. A hook that changes it (a
+    mask that keeps a matrix diagonal, a clamp) would act on that sum only, while every
+    sample's gradient, norm and clip factor stayed those of the unchanged gradients:
+    the wrapper raises as soon as a hook returns another tensor or writes the one it was
+    given. Wrapping is idempotent, ``handle.remove()`` still removes the hook (the key
+    stays), and in a backward without fxdp's (the model trained without it) the hook
+    runs as it was.
+    """
+    for name, p in named:
+        hooks = p._backward_hooks
+        if not hooks:
+            continue
+        for key, hook in list(hooks.items()):
+            if not getattr(hook, "_fxdp_read_only", False):
+                hooks[key] = _read_only_hook(hook, name, weakref.ref(p))
 
 
-def hooked_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> list[Problem]:
-    """A problem for every trainable parameter with a gradient hook (``register_hook``)."""
-    return [Problem("Tensor.register_hook", "", name, GRADIENT_HOOK)
-            for name, p in named if p.requires_grad and p._backward_hooks]
+def _read_only_hook(hook: Callable, name: str, param: weakref.ref) -> Callable:
+    @functools.wraps(hook)
+    def read_only(grad: torch.Tensor) -> torch.Tensor | None:
+        step = getattr(param(), "_fxdp_step", None)
+        if step is None or step.task != internals.current_graph_task_id():
+            return hook(grad)  # a backward fxdp had no part in (the model trained without it)
+        version = grad._version
+        out = hook(grad)
+        replaced = out is not None and out is not grad and not torch.equal(out, grad)
+        if replaced or grad._version != version:
+            raise UnsupportedError(
+                f"a gradient hook (register_hook) on parameter {name!r} changed its gradient "
+                f"({'returned another value' if replaced else 'wrote it in place'}). "
+                "Under fxdp the hook runs on the summed, clipped gradient only: each sample's gradient, "
+                "its norm and the clip factors were computed inside the compiled backward without "
+                "the change. Put a constraint in the forward instead (multiply the weight by its mask, "
+                "or torch.nn.utils.parametrize.register_parametrization), so that every sample's "
+                "gradient has it, or remove the hook (handle.remove()). Hooks that only read the "
+                "gradient run as they are. The p.grad this backward() wrote so far is incomplete: zero it.")
+        return None
+
+    read_only._fxdp_read_only = True  # type: ignore[attr-defined]
+    return read_only
 
 
 class NoBatchDim(ValueError):
@@ -842,9 +875,8 @@ class _Handover:
 def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices: list[str],
                     handover: _Handover, frozen: Sequence[int], trained: dict[int, str]) -> Callable:
     def run(*args):
-        hooked = hooked_parameters((name, args[i]) for i, name in trained.items()) if torch.is_grad_enabled() else []
-        if hooked:
-            raise UnsupportedError("fxdp cannot make this model per-sample:", hooked)
+        if torch.is_grad_enabled():
+            guard_gradient_hooks((name, args[i]) for i, name in trained.items())
         RUN_STATE.ran = True
         if handover.positions:
             handover.params = {i: args[i] for i in handover.positions}
@@ -879,6 +911,8 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
                 "fxdp does not support double backward (create_graph=True): per-sample "
                 "gradients and clipping are not differentiable here")
         params = [args[i] for i in param_positions]
+        # a hook registered between the forward and this backward
+        guard_gradient_hooks((p_plan.name, p) for p_plan, p in zip(plan.params, params))
         if not params:  # no trainable parameter (a compiled loss): nothing to clip or record
             with no_autocast(autocast_devices):
                 return list(compiled(args)[:n])

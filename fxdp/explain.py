@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fxdp._torch_internals import capture_config, new_fake_mode
-from fxdp.compiler import CompiledGraph, analyse_graph, forward_arg_names, hooked_parameters
+from fxdp.compiler import CompiledGraph, analyse_graph, forward_arg_names
 from fxdp.errors import Problem, UnsupportedError
 from fxdp.options import Options
 
@@ -135,7 +135,7 @@ def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Probl
     """
     kwargs = options.pop("kwargs", {})
     opts = Options.from_kwargs(options)
-    problems: list[Problem] = hooked_parameters(model.named_parameters())
+    problems: list[Problem] = []
     mode = new_fake_mode()
     fake_model = _fake_copy(model, mode)
     names = {id(p): n for n, p in fake_model.named_parameters()}

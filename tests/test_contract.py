@@ -2102,37 +2102,58 @@ def test_a_problem_names_the_line_of_code_it_comes_from():
 
 
 @pytest.mark.parametrize("wrapped", ["transform", "backend"])
-def test_a_gradient_hook_on_a_parameter_is_refused_until_removed(wrapped):
-    """``p.register_hook(lambda g: g * mask)`` (snntorch's LeakyParallel keeps a matrix
-    diagonal so) would act on the clipped sum only, leaving the norms and clip factors
-    those of the unmasked per-sample gradients: refused at every training call while the
-    hook is there, named by validate. Without it, or as a mask in the forward, the
-    gradients are the loop's; a post-accumulate hook sees the clipped ``p.grad``."""
+def test_a_gradient_hook_on_a_parameter_reads_the_clipped_gradient_and_may_not_change_it(wrapped):
+    """A ``register_hook`` hook on a parameter runs on the gradient fxdp hands it, the
+    clipped sum: a hook that reads it (logging, ``wandb.watch``) sees the loop's clipped
+    gradient, whether registered before the first compile or after it. One that changes
+    it (``g * mask``, as snntorch's LeakyParallel keeps a matrix diagonal, or
+    ``g.mul_(...)``) would act on the sum only, leaving norms and clip factors those of
+    the unchanged per-sample gradients: it raises in ``backward()``, also when registered
+    between the forward and the backward. Evaluation under ``no_grad`` runs no hook, and
+    the model trained without fxdp runs its hooks as they are."""
     model = mlp()
     weight = model[0].weight
-    mask = torch.eye(8, 4, dtype=DTYPE)
     clip = 0.5
+    seen = []
+    weight.register_hook(lambda g: seen.append(g.clone()))  # before the first compile
     call = (fxdp.transform(model, max_grad_norm=clip, compiler="eager") if wrapped == "transform"
             else torch.compile(model, backend=fxdp.backend(max_grad_norm=clip, compiler="eager")))
-    mean_sq_loss(call(randn(6, 4))).backward()  # compiled before the hook: refused all the same
-    handle = weight.register_hook(lambda g: g * mask)
-    problems = fxdp.validate(model, randn(6, 4))
-    assert [(p.op, p.parameter) for p in problems] == [("Tensor.register_hook", "0.weight")]
-    with refused("parameter '0.weight'.*register_hook would see only the summed gradient"):
-        call(randn(6, 4))
-    with torch.no_grad():
-        call(randn(6, 4))  # evaluation: no gradient, nothing to refuse
+    assert fxdp.validate(model, randn(6, 4)) == []
+    for seed in (2, 3):
+        x = randn(6 + seed, 4, seed=seed)
+        expected = reference(model, (x,), lambda out, i: out.pow(2).sum()).grad("mean", clip)
+        for p in model.parameters():
+            p.grad = None
+        mean_sq_loss(call(x)).backward()
+        assert_close_all({n: p.grad for n, p in model.named_parameters()}, expected, TOL, "clipped")
+        torch.testing.assert_close(seen[-1], expected["0.weight"])
+    late = model[2].bias.register_hook(lambda g: g.clone())  # the same values: no change
+    mean_sq_loss(call(randn(6, 4))).backward()
+    late.remove()
+    mask = torch.eye(8, 4, dtype=DTYPE)
+    for change, what in [(lambda g: g * mask, "returned another value"),
+                         (lambda g: g.mul_(2.0), "wrote it in place")]:
+        handle = weight.register_hook(change)
+        with torch.no_grad():
+            call(randn(6, 4))  # evaluation: no gradient, no hook
+        with refused(f"hook \\(register_hook\\) on parameter '0.weight' changed its gradient \\({what}\\)"):
+            mean_sq_loss(call(randn(6, 4))).backward()
+        handle.remove()
+    out = call(randn(6, 4))
+    handle = weight.register_hook(lambda g: g * mask)  # between the forward and the backward
+    with refused("'0.weight' changed its gradient"):
+        mean_sq_loss(out).backward()
     handle.remove()
-    seen = []
-    weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
-    x = randn(6, 4, seed=2)
-    ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
     for p in model.parameters():
         p.grad = None
-    mean_sq_loss(call(x)).backward()
-    expected = ref.grad("mean", clip)
-    assert_close_all({n: p.grad for n, p in model.named_parameters()}, expected, TOL, "clipped")
-    torch.testing.assert_close(seen[-1], expected["0.weight"])
+    mean_sq_loss(call(randn(6, 4))).backward()
+    assert torch.equal(seen[-1], weight.grad)
+    # the model trained without fxdp: its hooks, wrapped or not, run as they are
+    handle = weight.register_hook(lambda g: g * mask)
+    weight.grad = None
+    mean_sq_loss(model(randn(6, 4))).backward()
+    assert torch.equal(weight.grad, weight.grad * mask) and weight.grad.abs().sum() > 0
+    handle.remove()
 
 
 def test_validate_of_a_supported_model_is_empty():
