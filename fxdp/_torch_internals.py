@@ -103,6 +103,9 @@ def capture_config():
       ``_gradient_asked_of_a_computed_value``).
     - ``torch.jit.isinstance(x, T)`` of a plain type (MONAI's ``UpCat``), which Dynamo
       skips, is the builtin ``isinstance``; a container type (``List[int]``) still breaks.
+    - ``with torch.backends.cuda.sdp_kernel(enable_flash=..., ...)``, deprecated and
+      traced by Dynamo as an op that returns no tensor (lucidrains' attention modules),
+      is the ``torch.nn.attention.sdpa_kernel`` of the same backends, which it wraps.
     - ``optimize_ddp`` is off: under ``DistributedDataParallel`` Dynamo's DDPOptimizer
       would split the graph at DDP's gradient buckets (the first holds 1 MB, so nearly
       every model), and clipping needs the whole model in one graph. The split would
@@ -115,6 +118,7 @@ def capture_config():
     from torch._dynamo.variables import ConstantVariable
     from torch._dynamo.variables.functions import SkipFunctionVariable
     from torch._dynamo.variables.misc import DebuggingVariable, GetAttrVariable, LoggingLoggerVariable
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
 
     config = torch._dynamo.config
     logging_functions = set(config.reorderable_logging_functions) | {warnings.warn}
@@ -144,7 +148,9 @@ def capture_config():
                 mock.patch.object(LoggingLoggerVariable, "call_method", _logged_at_capture(logger_call)), \
                 mock.patch.object(GetAttrVariable, "call_method", _named_at_capture(attribute_call)), \
                 mock.patch.object(SkipFunctionVariable, "call_function",
-                                  _jit_isinstance_as_builtin(SkipFunctionVariable.call_function)):
+                                  _jit_isinstance_as_builtin(SkipFunctionVariable.call_function)), \
+                mock.patch.object(TorchInGraphFunctionVariable, "call_function",
+                                  _sdp_kernel_as_sdpa_kernel(TorchInGraphFunctionVariable.call_function)):
             yield
     finally:
         _NAMING.capturing = capturing
@@ -177,6 +183,31 @@ def _jit_isinstance_as_builtin(skipped_call: Callable) -> Callable:
             if all(isinstance(t, type) for t in (target if isinstance(target, tuple) else (target,))):
                 return BuiltinVariable(isinstance).call_function(tx, args, {})
         return skipped_call(self, tx, args, kwargs)
+
+    return call_function
+
+
+def _sdp_kernel_as_sdpa_kernel(in_graph_call: Callable) -> Callable:
+    """``TorchInGraphFunctionVariable.call_function`` that traces the deprecated context
+    manager ``torch.backends.cuda.sdp_kernel(enable_flash=..., enable_math=...,
+    enable_mem_efficient=..., enable_cudnn=...)`` with constant flags as the
+    ``torch.nn.attention.sdpa_kernel`` of the backends they enable (what it calls);
+    ``in_graph_call`` (Dynamo's) answers the others."""
+    from torch._dynamo.variables.ctx_manager import SDPAKernelVariable
+    from torch.nn.attention import SDPBackend
+
+    flags = ("enable_flash", "enable_math", "enable_mem_efficient", "enable_cudnn")
+    backend_of = {"enable_flash": SDPBackend.FLASH_ATTENTION, "enable_mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
+                  "enable_math": SDPBackend.MATH, "enable_cudnn": SDPBackend.CUDNN_ATTENTION}
+
+    def call_function(self, tx, args, kwargs):
+        if self.value is torch.backends.cuda.sdp_kernel and len(args) <= len(flags) and set(kwargs) <= set(flags) \
+                and all(a.is_python_constant() for a in (*args, *kwargs.values())):
+            given = {**dict(zip(flags, (a.as_python_constant() for a in args))),
+                     **{k: v.as_python_constant() for k, v in kwargs.items()}}
+            order = ("enable_flash", "enable_mem_efficient", "enable_math", "enable_cudnn")  # sdp_kernel's
+            return SDPAKernelVariable.create(tx, [backend_of[f] for f in order if given.get(f, True)])
+        return in_graph_call(self, tx, args, kwargs)
 
     return call_function
 

@@ -6,6 +6,7 @@ unless a test is about Inductor.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import inspect
 import logging
@@ -485,6 +486,53 @@ def test_torch_jit_isinstance_of_a_class_is_the_builtin():
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
     dp(x, skip).pow(2).sum().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, TOL, "grad_sample")
+
+
+class FlashConfigAttention(nn.Module):
+    """Causal self-attention in lucidrains' style: the backends of
+    ``F.scaled_dot_product_attention`` picked by the deprecated
+    ``torch.backends.cuda.sdp_kernel(**config._asdict())`` (or positional flags)."""
+
+    Config = collections.namedtuple("Config", ["enable_flash", "enable_math", "enable_mem_efficient"])
+
+    def __init__(self, positional: bool = False):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 3)
+        self.config = self.Config(False, True, False)
+        self.positional = positional
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        kernel = (torch.backends.cuda.sdp_kernel(*self.config) if self.positional
+                  else torch.backends.cuda.sdp_kernel(**self.config._asdict()))
+        with kernel:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, t, 8))
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_the_deprecated_sdp_kernel_context_is_sdpa_kernel(positional):
+    """Dynamo traces ``torch.backends.cuda.sdp_kernel`` as an op that returns no tensor
+    and fails (``torch.compile(fullgraph=True)`` too); it is the ``sdpa_kernel`` of the
+    backends it enables, as eagerly. Clipped gradients match the loop at two batch sizes,
+    and the backend flags are restored after each call."""
+    model = FlashConfigAttention(positional).to(DTYPE)
+    dp = fxdp.transform(model, max_grad_norm=0.3, compiler="eager")
+    before = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
+              torch.backends.cuda.mem_efficient_sdp_enabled())
+    for b in (3, 5):
+        x = randn(b, 6, 8, seed=b)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # sdp_kernel's deprecation, in the loop
+            expected = reference(model, (x,), lambda out, i: out.pow(2).sum()).grad("mean", 0.3)
+        for p in model.parameters():
+            p.grad = None
+        mean_sq_loss(dp(x)).backward()
+        assert_close_all({n: p.grad for n, p in model.named_parameters()}, expected, TOL, "clipped")
+        assert (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
+                torch.backends.cuda.mem_efficient_sdp_enabled()) == before
 
 
 class Irrep(tuple):
