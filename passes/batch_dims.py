@@ -2543,15 +2543,17 @@ def _written_back(ids: Any, values: Any, into: Any, destination: Any) -> BatchDi
 
 
 def _pieces_joined(node: fx.Node, batches: list, batch_size: Any) -> BatchDim | None:
-    """``cat`` of ``Piece(0)``, …, ``Piece(B - 1)`` in order, each of size 1 along the
-    dim they are concatenated along: that dim is the batch."""
+    """``cat`` of ``Piece(0)``, …, ``Piece(B - 1)`` in order, each of the same size ``n``
+    along the dim they are concatenated along: that dim holds the batch, ``n`` rows per
+    sample (``cat([x[i:i + 1] for i in range(B)])`` is ``x``, ``cat([x[i] for i in
+    range(B)])`` and ``cat(x.unbind(0))`` are ``x.flatten(0, 1)``)."""
     d = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), _meta(node).dim())
     sizes = [_meta(t).shape[d] if _meta(t).dim() > d else 0 for t in node.args[0]]
     # A loop over ``range(x.shape[0])`` made Dynamo specialise ``B`` to its count.
-    if statically_known_true(len(batches) == batch_size) and all(
-            isinstance(b, Piece) and b.sample == i and statically_known_true(size == 1)
-            for i, (b, size) in enumerate(zip(batches, sizes))):
-        return BatchDim(d)
+    if sizes and statically_known_true(len(batches) == batch_size) and all(
+            isinstance(b, Piece) and b.sample == i and statically_known_true(size == sizes[0])
+            for i, (b, size) in enumerate(zip(batches, sizes))) and not statically_known_true(sizes[0] == 0):
+        return BatchDim(d, sizes[0])
     return None
 
 

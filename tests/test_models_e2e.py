@@ -621,12 +621,48 @@ class PiecesMixed(torch.nn.Module):
 ])
 def test_a_loop_over_the_samples_that_mixes_their_pieces_is_refused(kind, reason):
     """The pieces of every sample are a batch again only when concatenated in their order
-    along a dim of size 1, and no parameter may be used on one (fxdp's rules work on
+    (each of one size along that dim), and no parameter may be used on one (fxdp's rules work on
     whole batches)."""
     model = PiecesMixed(kind).double()
     with pytest.raises(fxdp.UnsupportedError, match=reason):
         fxdp.transform(model, max_grad_norm=1.0, compiler="eager")(torch.randn(3, 2, 4, dtype=torch.float64))
     assert all(p.grad is None for p in model.parameters())
+
+
+class JoinedPieces(torch.nn.Module):
+    """Every sample's rows taken out of the batch and concatenated in order, as a packed
+    ``[B * n, d]`` (vit-pytorch's NaViT on a tensor batch): ``cat([h[i] for i in
+    range(B)])`` and ``cat(h.unbind(0))`` are ``h.flatten(0, 1)``; ``unequal`` pieces
+    (each sample's first ``i + 1`` rows) have no batch layout."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.fc1 = torch.nn.Linear(4, 4)
+        self.fc2 = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.fc1(x).tanh()
+        if self.kind == "unbind":
+            packed = torch.cat(h.unbind(0))
+        elif self.kind == "unequal":
+            packed = torch.cat([h[i, :i + 1] for i in range(x.shape[0])])
+        else:
+            packed = torch.cat([h[i] for i in range(x.shape[0])], 0)
+        return self.fc2(packed).view(x.shape[0], -1, 3) if self.kind != "unequal" else self.fc2(packed)
+
+
+@pytest.mark.parametrize("kind", ["select", "unbind"])
+def test_every_samples_rows_concatenated_in_order_are_the_batch_flattened(kind):
+    torch.manual_seed(0)
+    model = JoinedPieces(kind).double()
+    dp_model = fxdp.transform(model, grad_sample=True, max_grad_norm=0.5, compiler="eager")
+    _against_the_loop_at(model, dp_model, (B, B + 2), 3, 4, max_grad_norm=0.5)
+
+
+def test_pieces_of_different_sizes_concatenated_are_refused():
+    with pytest.raises(fxdp.UnsupportedError, match="combines the values of one sample taken out of the batch"):
+        fxdp.transform(JoinedPieces("unequal").double(), compiler="eager")(torch.randn(3, 3, 4, dtype=torch.float64))
 
 
 class PaddedPieces(torch.nn.Module):
