@@ -1139,8 +1139,12 @@ def backend_error(error: BaseException) -> BaseException | None:
     (``UnsupportedError``, ``ValueError``, ``TypeError``) are the user's answer. At the
     recompile limit ``fullgraph=True`` raises "Hard failure due to fullgraph=True"; at a
     graph break, Dynamo's ``Unsupported`` (its reason is quoted); where Dynamo itself
-    fails, its ``InternalTorchDynamoError`` (quoted too).
+    fails, its ``InternalTorchDynamoError`` (quoted too); a guard on a value read from a
+    tensor (``GuardOnDataDependentSymNode``) and an op failing on Dynamo's fake tensors
+    (``TorchRuntimeError``) are refusals that quote them as well.
     """
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
     from fxdp.errors import UnsupportedError
 
     if isinstance(error, torch._dynamo.exc.Unsupported) and "pack_padded_sequence" in str(error):
@@ -1167,6 +1171,20 @@ def backend_error(error: BaseException) -> BaseException | None:
             "torch.compile(model, fullgraph=True) fails the same way): often code Dynamo calls on the "
             "model's own objects raises (a tuple subclass whose __len__ raises, read by Dynamo's guards); "
             f"pass plain values there. Dynamo's error: {error}")
+    if isinstance(error, GuardOnDataDependentSymNode):
+        return UnsupportedError(
+            "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "
+            "Dynamo cannot capture it there: a Python value is read from a tensor's contents "
+            "(int(t), t.item(), a size computed from values) and then decides a branch or a shape. "
+            "Compute it from Python values or sizes instead, or once before the transform. "
+            f"Dynamo's reason: {error}")
+    if isinstance(error, torch._dynamo.exc.TorchRuntimeError):
+        return UnsupportedError(
+            "fxdp needs the model's forward as one graph, and an op failed while Dynamo captured it "
+            "on fake tensors (plain torch.compile(model, fullgraph=True) fails the same way): where "
+            "the model runs eagerly, Dynamo traces a Python value differently (a NumPy scalar used "
+            "as an index becomes a float tensor); pass plain Python ints there. "
+            f"Dynamo's error: {error}")
     if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
         return UnsupportedError(recompile_limit_message("the model"))
     if type(error) is RuntimeError and any(check in str(error) for check in RUN_TIME_CHECKS):

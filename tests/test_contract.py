@@ -16,6 +16,7 @@ import threading
 import warnings
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -561,6 +562,46 @@ def test_dynamo_failing_inside_itself_is_a_refusal_that_quotes_it():
     (``torch.compile(fullgraph=True)`` too): a refusal, not Dynamo's exception."""
     with refused("Dynamo failed while capturing it.*tuple subclass whose __len__ raises.*NotImplementedError"):
         fxdp.transform(ReadsIrreps().to(DTYPE), compiler="eager")(randn(5, 4))
+
+
+class BranchesOnATensorsValue(nn.Module):
+    """asteroid's DCUNet checks its input length against ``int(torch.from_numpy(a)[0])``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.strides = np.array([2, 1])
+
+    def forward(self, x):
+        if x.shape[1] % int(torch.from_numpy(self.strides)[0]):
+            raise ValueError("the input length must be even")
+        return self.lin(x)
+
+
+class IndexesWithANumpyFloat(nn.Module):
+    """pykan's MultKAN indexes with ``dim_sum + np.sum([])``, a NumPy float eager PyTorch
+    accepts as an index and Dynamo traces as a float tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        i = 1 + np.sum([])
+        return self.lin(x)[:, [i]]
+
+
+@pytest.mark.parametrize("model, reason", [
+    (BranchesOnATensorsValue, "a Python value is read from a tensor's contents .* Dynamo's reason"),
+    (IndexesWithANumpyFloat, "an op failed while Dynamo captured it on fake tensors .* Dynamo's error"),
+])
+def test_dynamo_failing_on_what_the_model_does_eagerly_is_a_refusal(model, reason):
+    """Both run eagerly and fail under ``torch.compile(fullgraph=True)``; Dynamo's
+    exceptions (``GuardOnDataDependentSymNode``, ``TorchRuntimeError``) escaped raw."""
+    model = model().to(DTYPE)
+    model(randn(5, 4))
+    with refused(reason):
+        fxdp.transform(model, compiler="eager")(randn(5, 4))
 
 
 class _Records(logging.Handler):
