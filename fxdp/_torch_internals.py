@@ -196,7 +196,8 @@ def _sdp_kernel_as_sdpa_kernel(in_graph_call: Callable) -> Callable:
     from torch._dynamo.variables.ctx_manager import SDPAKernelVariable
     from torch.nn.attention import SDPBackend
 
-    flags = ("enable_flash", "enable_math", "enable_mem_efficient", "enable_cudnn")
+    flags = ("enable_flash", "enable_math", "enable_mem_efficient", "enable_cudnn")  # its signature
+    # the backend each flag enables, in the order sdp_kernel lists them
     backend_of = {"enable_flash": SDPBackend.FLASH_ATTENTION, "enable_mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
                   "enable_math": SDPBackend.MATH, "enable_cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -205,8 +206,7 @@ def _sdp_kernel_as_sdpa_kernel(in_graph_call: Callable) -> Callable:
                 and all(a.is_python_constant() for a in (*args, *kwargs.values())):
             given = {**dict(zip(flags, (a.as_python_constant() for a in args))),
                      **{k: v.as_python_constant() for k, v in kwargs.items()}}
-            order = ("enable_flash", "enable_mem_efficient", "enable_math", "enable_cudnn")  # sdp_kernel's
-            return SDPAKernelVariable.create(tx, [backend_of[f] for f in order if given.get(f, True)])
+            return SDPAKernelVariable.create(tx, [b for f, b in backend_of.items() if given.get(f, True)])
         return in_graph_call(self, tx, args, kwargs)
 
     return call_function
