@@ -465,19 +465,9 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     while analysis.problems and chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode):
         analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
     analysis.notes = list(dict.fromkeys(notes))
-    if analysis.loss is not None and analysis.loss != options.loss_reduction:
-        if analysis.loss_divided_by_batch_size:
-            # A literal B on a static compile cannot be told from a constant, so fxdp
-            # does not read it as a mean.
-            reason = (
-                "the loss inside the graph is a sum over the batch divided by the batch size "
-                "(kl_div's reduction='batchmean', loss.sum() / x.shape[0]), which fxdp reads as a "
-                "sum of the samples' shares l_i / B; for loss_reduction='mean' write it as a mean "
-                "over the samples (kl_div(..., reduction='none').sum(-1).mean()), or pass "
-                "loss_reduction='sum' to clip the gradients of l_i / B")
-        else:
-            reason = (f"the loss inside the graph is a {analysis.loss} over the batch but "
-                      f"loss_reduction={options.loss_reduction!r}; pass loss_reduction={analysis.loss!r}")
+    if analysis.loss not in (None, "batchmean", options.loss_reduction):
+        reason = (f"the loss inside the graph is a {analysis.loss} over the batch but "
+                  f"loss_reduction={options.loss_reduction!r}; pass loss_reduction={analysis.loss!r}")
         analysis.problems.append(Problem("loss", "", "", reason))
     return canon, fake_mode, c_param_names, analysis
 

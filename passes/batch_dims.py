@@ -58,9 +58,6 @@ class Loss:
     """A reduction over the batch to a scalar: the loss inside the graph."""
 
     reduction: str  # "mean" | "sum"
-    # A sum divided by the batch size afterwards (``kl_div(reduction="batchmean")``,
-    # ``loss.sum() / x.shape[0]``): still a sum of the samples' shares ``l_i / B``.
-    divided_by_batch_size: bool = False
 
 
 @dataclasses.dataclass
@@ -124,8 +121,11 @@ class BatchAnalysis:
             tuples/lists of these for multi-output nodes.
         problems: Everything that cannot be made per-sample.
         uses: Every place a parameter's gradient is made per-sample.
-        loss: The reduction of the in-graph loss, or ``None`` if the loss is outside.
-        loss_divided_by_batch_size: The in-graph sum is divided by the batch size after.
+        loss: The reduction of the in-graph loss, or ``None`` if the loss is outside:
+            ``"mean"``, ``"sum"``, or ``"batchmean"``, a sum divided by the batch size
+            afterwards (``kl_div(reduction="batchmean")``, ``loss.sum() / x.shape[0]``),
+            which is the mean of the samples' losses ``l_i`` and the sum of their shares
+            ``l_i / B`` alike.
         single: ``B`` is 1 or 0: the batch is one sample, whose gradient is the
             ordinary gradient, or none; no use needs a rule (``uses`` is empty, see
             ``tag_pass``).
@@ -155,7 +155,6 @@ class BatchAnalysis:
     empty: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
     sized_by_batch: list[fx.Node] = dataclasses.field(default_factory=list)
-    loss_divided_by_batch_size: bool = False
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = dataclasses.field(default_factory=list)
     sized_normaliser: bool = False
     own_rows: list["OwnRows | SameCounts"] = dataclasses.field(default_factory=list)
@@ -2250,6 +2249,21 @@ def _divides_by(node: fx.Node, batch_size: Any) -> bool:
     return isinstance(divisor, (int, torch.SymInt)) and _same_size(divisor, batch_size)
 
 
+def _reductions_behind(node: fx.Node, batch: dict, losses: dict[fx.Node, str]) -> list[fx.Node]:
+    """The reductions over the batch (``losses``' nodes) whose sums made the loss ``node``."""
+    found, stack, seen = [], list(node.all_input_nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(batch.get(n), Loss):
+            continue
+        seen.add(n)
+        if n in losses:
+            found.append(n)
+        else:
+            stack.extend(n.all_input_nodes)
+    return found
+
+
 def _same_size(size: Any, batch_size: Any) -> bool:
     # A symbol Dynamo specialised (a recompile for a size seen before) is its number.
     size, batch_size = _as_number(size), _as_number(batch_size)
@@ -2671,7 +2685,6 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     losses: dict[fx.Node, str] = {}  # the reductions that made a loss, and their kind
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = []
     sized_normaliser = False
-    divided_by_batch_size = False
     single = isinstance(batch_size, int) and batch_size in (0, 1) and not chunk
     checks_only = _checks_only(gm)
     without_grad, gradient_free = computed_without_grad(gm.graph), {}
@@ -2758,11 +2771,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             sized_normaliser |= mask is not None and batch.get(mask) is None and _built_from(mask, sized_by_batch)
             # Only sums, scalings by shared values and copies may follow the loss.
             if _scales_the_loss(target, arg_batch):
-                loss = next(b for b in arg_batch if isinstance(b, Loss))
-                if _divides_by(node, batch_size) and loss.reduction == "sum":
-                    loss = Loss("sum", divided_by_batch_size=True)
-                    divided_by_batch_size = True
-                batch[node] = loss
+                batch[node] = next(b for b in arg_batch if isinstance(b, Loss))
+                if _divides_by(node, batch_size):
+                    reductions = _reductions_behind(node, batch, losses)
+                    if all(losses[r] == "sum" for r in reductions):
+                        losses.update(dict.fromkeys(reductions, "batchmean"))
                 continue
             problems.append(Problem(op_name(target), path, "", _loss_misuse(target, arg_batch, _meta(node)),
                                     source_of(node)))
@@ -2830,19 +2843,14 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         consumed, sources, batch, param_names, problems, without_grad, expanded_params)
 
     loss = None
+    # A sum divided by the batch size fits beside a mean and beside a sum alike.
     loss_kinds = set(losses.values())
     if loss_kinds:
-        if len(loss_kinds) > 1:
-            reason = f"the graph adds losses of different reductions {sorted(loss_kinds)}"
-            if divided_by_batch_size:
-                reason += (
-                    "; a sum divided by the batch size (kl_div's reduction='batchmean', "
-                    "loss.sum() / x.shape[0]) is read as a sum: write it as a mean over the samples "
-                    "(kl_div(..., reduction='none').sum(-1).mean())")
-            problems.append(Problem("loss", "", "", reason))
-        loss = sorted(loss_kinds)[0]
+        plain = loss_kinds - {"batchmean"}
+        if len(plain) > 1:
+            problems.append(Problem("loss", "", "", f"the graph adds losses of different reductions {sorted(plain)}"))
+        loss = min(plain, default="batchmean")
     return BatchAnalysis(batch=batch, problems=problems, uses=uses, loss=loss,
-                         loss_divided_by_batch_size=divided_by_batch_size,
                          broadcasts=broadcasts, param_only=sources, single=single,
                          empty=single and batch_size == 0, sized_by_batch=sized_by_batch,
                          normalisers=normalisers, sized_normaliser=sized_normaliser)

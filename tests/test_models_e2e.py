@@ -326,7 +326,7 @@ def test_loss_inside_the_graph_must_match_loss_reduction():
 
 
 class Distill(torch.nn.Module):
-    """A distillation loss inside the graph, written three ways."""
+    """A distillation loss inside the graph, written several ways."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -341,32 +341,54 @@ class Distill(torch.nn.Module):
             return F.kl_div(log_p, q, reduction="sum") / x.shape[0]
         if self.how == "with_cross_entropy":  # vit-pytorch's DistillWrapper
             return F.cross_entropy(log_p, q.argmax(-1)) + F.kl_div(log_p, q, reduction="batchmean")
+        if self.how == "sum_over_features":  # a constant that is not the batch size
+            return F.kl_div(log_p, q, reduction="sum") / x.shape[1]
         return F.kl_div(log_p, q, reduction="none").sum(-1).mean()
 
 
-def test_a_sum_divided_by_the_batch_size_is_not_taken_for_a_mean():
-    """``kl_div(reduction="batchmean")`` is a sum over the batch divided by ``B``: read
-    as a sum of the samples' shares ``l_i / B`` (on a static compile ``B`` is a literal,
-    which could be any constant). Under ``loss_reduction="mean"`` the error says how to
-    write the mean; written so, it is exact, and ``"sum"`` clips the shares."""
+@pytest.mark.parametrize("how", ["batchmean", "sum_over_rows", "with_cross_entropy", "mean"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_sum_divided_by_the_batch_size_is_a_mean_and_a_sum_of_shares(how: str, reduction: str):
+    """``kl_div(reduction="batchmean")`` is a sum over the batch divided by ``B``: under
+    ``loss_reduction="mean"`` the mean of the samples' losses ``l_i``, under ``"sum"``
+    the sum of their shares ``l_i / B``, whose gradients are clipped. On the first
+    compile ``B`` is a literal that Dynamo guards; a second batch size is symbolic.
+    Beside a mean (a cross entropy) it is a mean."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
-    x, teacher = _randn(B, 4), _randn(B, 5, seed=3)
-    for how in ("batchmean", "sum_over_rows", "with_cross_entropy"):
-        torch._dynamo.reset()
-        dp_model = fxdp.transform(Distill(how).double(), max_grad_norm=1.0, loss_reduction="mean",
-                                  compiler="eager")
-        with pytest.raises(fxdp.UnsupportedError, match=r"divided by the batch size.*reduction='none'"):
-            dp_model(x, teacher)
-    for how, reduction, own_loss in (("mean", "mean", lambda loss, i: loss),
-                                     ("batchmean", "sum", lambda loss, i: loss / B)):
-        torch._dynamo.reset()
-        model = Distill(how).double()
-        ref = reference(model, (x, teacher), own_loss)
+    model = Distill(how).double()
+    if how in ("mean", "with_cross_entropy") and reduction == "sum":
+        dp_model = fxdp.transform(model, max_grad_norm=1.0, loss_reduction=reduction, compiler="eager")
+        with pytest.raises(fxdp.UnsupportedError, match="is a mean over the batch but loss_reduction='sum'"):
+            dp_model(_randn(B, 4), _randn(B, 5, seed=3))
+        return
+    dp_model = None
+    for size in (B, B + 2):
+        x, teacher = _randn(size, 4), _randn(size, 5, seed=3)
+        share = (lambda loss, i: loss) if reduction == "mean" else (lambda loss, i, n=size: loss / n)
+        ref = reference(model, (x, teacher), share)
         clip = float(ref.norms.median())
-        dp_model = fxdp.transform(model, max_grad_norm=clip, loss_reduction=reduction, compiler="eager")
+        if dp_model is None:
+            dp_model = fxdp.transform(model, max_grad_norm=clip, loss_reduction=reduction, compiler="eager")
+        dp_model.max_grad_norm = clip
+        model.zero_grad(set_to_none=True)
         dp_model(x, teacher).backward()
-        check_step(model, dp_model, ref, grad_sample=False, clip=clip, tol=tolerance(torch.float64),
-                   reduction=reduction)
+        if size == B:
+            check_step(model, dp_model, ref, grad_sample=False, clip=clip, tol=tolerance(torch.float64),
+                       reduction=reduction)
+        else:  # explain() now lists both graphs' plans
+            assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad(reduction, clip),
+                             tolerance(torch.float64), "p.grad")
+            assert_close_all({"norms": dp_model.per_sample_norms}, {"norms": ref.norms},
+                             tolerance(torch.float64), "per_sample_norms")
+
+
+def test_a_sum_divided_by_another_number_is_a_sum():
+    """A sum divided by a number that is not the batch size is a sum of scaled terms."""
+    torch._dynamo.reset()
+    dp_model = fxdp.transform(Distill("sum_over_features").double(), max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="is a sum over the batch but loss_reduction='mean'"):
+        dp_model(_randn(B, 4), _randn(B, 5, seed=3))
 
 
 class SpeechCTC(torch.nn.Module):
