@@ -721,7 +721,7 @@ def test_function_copies_of_the_model_are_independent():
 def test_hugging_face_bloom_gelu_function():
     """BLOOM's MLP runs ``GeLUFunction.apply`` in training mode."""
     transformers = pytest.importorskip(
-        "transformers", reason="transformers is no test dependency: BLOOM's GeLUFunction is untested")
+        "transformers", reason="Hugging Face models (the test extra)")
     torch.manual_seed(0)
     config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
     bloom = transformers.BloomForCausalLM(config).double().train()

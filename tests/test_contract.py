@@ -1196,7 +1196,7 @@ def test_hugging_face_causal_lm_labels_with_the_default_mean():
     (the eager model alone differs from its microbatch loop by 1e-7), hence the float32
     tolerance."""
     transformers = pytest.importorskip(
-        "transformers", reason="transformers is no test dependency: the Hugging Face labels= loss is untested")
+        "transformers", reason="Hugging Face models (the test extra)")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2)
@@ -2404,7 +2404,7 @@ def test_compiled_autograd_is_refused(how):
 def test_hugging_face_decoder_with_a_per_sample_attention_mask():
     """transformers builds the 4D mask as ``padding_mask[arange(B)[:, None, None, None], kv]``."""
     transformers = pytest.importorskip(
-        "transformers", reason="transformers is no test dependency: the Hugging Face GPT-2 mask path is untested")
+        "transformers", reason="Hugging Face models (the test extra)")
     config = transformers.GPT2Config(vocab_size=13, n_positions=8, n_embd=8, n_layer=1, n_head=2,
                                      use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)

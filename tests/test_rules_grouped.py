@@ -138,7 +138,7 @@ def test_hugging_face_mixtral_with_its_default_grouped_mm_experts_is_exact():
     clipping against the microbatch loop run with the eager experts (a loop over
     experts, an independent implementation)."""
     transformers = pytest.importorskip(
-        "transformers", reason="transformers is no test dependency: its default grouped_mm experts are untested")
+        "transformers", reason="Hugging Face models (the test extra)")
     torch.manual_seed(0)
     config = transformers.MixtralConfig(
         vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
