@@ -361,10 +361,11 @@ def _read_only_hook(hook: Callable, name: str, param: weakref.ref) -> Callable:
         step = getattr(param(), "_fxdp_step", None)
         if step is None or step.task != internals.current_graph_task_id():
             return hook(grad)  # a backward fxdp had no part in (the model trained without it)
-        version = grad._version
+        # A write through ``grad.data`` leaves the version counter as it was: compare values.
+        version, before = grad._version, grad.detach().clone()
         out = hook(grad)
-        replaced = out is not None and out is not grad and not torch.equal(out, grad)
-        if replaced or grad._version != version:
+        replaced = out is not None and out is not grad and not _same_values(out, grad)
+        if replaced or grad._version != version or not _same_values(grad, before):
             raise UnsupportedError(
                 f"a gradient hook (register_hook) on parameter {name!r} changed its gradient "
                 f"({'returned another value' if replaced else 'wrote it in place'}). "
@@ -378,6 +379,11 @@ def _read_only_hook(hook: Callable, name: str, param: weakref.ref) -> Callable:
 
     read_only._fxdp_read_only = True  # type: ignore[attr-defined]
     return read_only
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where NaN."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 class NoBatchDim(ValueError):

@@ -2196,7 +2196,7 @@ def test_a_gradient_hook_on_a_parameter_reads_the_clipped_gradient_and_may_not_c
     clipped sum: a hook that reads it (logging, ``wandb.watch``) sees the loop's clipped
     gradient, whether registered before the first compile or after it. One that changes
     it (``g * mask``, as snntorch's LeakyParallel keeps a matrix diagonal, or
-    ``g.mul_(...)``) would act on the sum only, leaving norms and clip factors those of
+    ``g.mul_(...)``, ``g.data.mul_(...)``) would act on the sum only, leaving norms and clip factors those of
     the unchanged per-sample gradients: it raises in ``backward()``, also when registered
     between the forward and the backward. Evaluation under ``no_grad`` runs no hook, and
     the model trained without fxdp runs its hooks as they are."""
@@ -2221,7 +2221,8 @@ def test_a_gradient_hook_on_a_parameter_reads_the_clipped_gradient_and_may_not_c
     late.remove()
     mask = torch.eye(8, 4, dtype=DTYPE)
     for change, what in [(lambda g: g * mask, "returned another value"),
-                         (lambda g: g.mul_(2.0), "wrote it in place")]:
+                         (lambda g: g.mul_(2.0), "wrote it in place"),
+                         (lambda g: g.data.mul_(mask), "wrote it in place")]:  # no version bump
         handle = weight.register_hook(change)
         with torch.no_grad():
             call(randn(6, 4))  # evaluation: no gradient, no hook
