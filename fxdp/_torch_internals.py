@@ -106,6 +106,13 @@ def capture_config():
     - ``with torch.backends.cuda.sdp_kernel(enable_flash=..., ...)``, deprecated and
       traced by Dynamo as an op that returns no tensor (lucidrains' attention modules),
       is the ``torch.nn.attention.sdpa_kernel`` of the same backends, which it wraps.
+    - A side effect in an activation-checkpointed region on state from outside it
+      (Hugging Face's output capture appends each layer's output to a collector set
+      before the checkpointed layers run) happens once, in the forward: Dynamo refuses
+      it by default because eager checkpointing replays the region's Python code when
+      it recomputes the forward in the backward, and the graph's recompute replays no
+      Python code (``skip_fwd_side_effects_in_bwd_under_checkpoint``). The gradients
+      are those of the region's ops either way.
     - ``optimize_ddp`` is off: under ``DistributedDataParallel`` Dynamo's DDPOptimizer
       would split the graph at DDP's gradient buckets (the first holds 1 MB, so nearly
       every model), and clipping needs the whole model in one graph. The split would
@@ -143,7 +150,7 @@ def capture_config():
     _NAMING.capturing = True
     try:
         with config.patch(allow_rnn=True, reorderable_logging_functions=logging_functions,
-                          optimize_ddp=False), \
+                          optimize_ddp=False, skip_fwd_side_effects_in_bwd_under_checkpoint=True), \
                 mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame), \
                 mock.patch.object(LoggingLoggerVariable, "call_method", _logged_at_capture(logger_call)), \
                 mock.patch.object(GetAttrVariable, "call_method", _named_at_capture(attribute_call)), \

@@ -714,6 +714,37 @@ class CheckpointedVmap(nn.Module):
         return checkpoint_utils.checkpoint(block, x, use_reentrant=False)
 
 
+class _Collector:
+    """State outside the model, as Hugging Face's output capture keeps it."""
+
+    outputs: list | None = None
+
+
+class CheckpointedCollected(nn.Module):
+    """Checkpointed blocks that append their outputs to a list set before they run
+    (Hugging Face's ``output_hidden_states`` under gradient checkpointing): a side
+    effect inside each checkpoint on state from outside it."""
+
+    collector = _Collector()
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+
+    def _block(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(layer(h))
+        if self.collector.outputs is not None:
+            self.collector.outputs.append(h)
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.collector.outputs = []
+        for layer in self.blocks:
+            x = checkpoint_utils.checkpoint(self._block, layer, x, use_reentrant=False)
+        outputs, self.collector.outputs = self.collector.outputs, None
+        return x + torch.stack(outputs).mean(0)
+
+
 # -- loops over the samples ----------------------------------------------------------------
 
 class PerSampleLoop(nn.Module):

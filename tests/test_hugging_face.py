@@ -3,7 +3,7 @@ microbatch reference.
 
 Each case builds a tiny random model from its config (no download) in training mode,
 with every dropout and layer-drop probability set to 0 so that one sample alone and
-the batch run the same function. Each runs clipped (``max_grad_norm`` = the median
+the batch run the same function (and one with gradient checkpointing on). Each runs clipped (``max_grad_norm`` = the median
 per-sample norm, so that about half the samples are clipped; no ``grad_sample``: the
 ghost norms and clipped gradients a training run uses) in float64, and the results
 are checked against ``tests/reference.py``'s loop: ``p.grad`` against the clipped sum,
@@ -56,10 +56,14 @@ class Case:
     inputs: Callable[[], tuple]
     tol: float = 1e-9  # of max |ref|
     grad_sample: bool = False  # also run with grad_sample=True
+    checkpointing: bool = False  # gradient_checkpointing_enable()
 
     def build(self) -> torch.nn.Module:
         torch.manual_seed(0)
-        return getattr(transformers, self.model)(_config(self.config, **self.sizes)).double().train()
+        model = getattr(transformers, self.model)(_config(self.config, **self.sizes)).double().train()
+        if self.checkpointing:
+            model.gradient_checkpointing_enable()  # non-reentrant checkpoints
+        return model
 
 
 DECODER = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -80,6 +84,8 @@ CASES = [
          dict(vocab_size=V, n_embd=16, n_layer=2, n_head=2, n_positions=16, multi_query=True), lambda: (_tokens(),)),
     # RoPE, RMSNorm, grouped-query SDPA, SwiGLU
     Case("llama", "LlamaForCausalLM", "LlamaConfig", DECODER, lambda: (_tokens(),), grad_sample=True),
+    # every decoder layer checkpointed (its output collected inside the checkpoint)
+    Case("llama_checkpointed", "LlamaForCausalLM", "LlamaConfig", DECODER, lambda: (_tokens(),), checkpointing=True),
     # a sliding-window causal mask
     Case("mistral", "MistralForCausalLM", "MistralConfig", dict(DECODER, sliding_window=4), lambda: (_tokens(),)),
     # soft-capped attention and logits, (1 + w) RMSNorm in float32, scaled embeddings

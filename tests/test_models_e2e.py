@@ -110,6 +110,7 @@ CASES = [
          lambda: (_tokens(B, 6),), float32=True),
     # 6. Activation checkpointing around every block.
     Case("checkpointed_gpt", lambda: models.GPT(**GPT_SIZES, checkpoint=True), lambda: (_tokens(B, 6),)),
+    Case("checkpointed_collected", models.CheckpointedCollected, lambda: (_randn(B, 3, 4),)),
     # 7. Parameters transformed before use.
     Case("linear_of_transposed_weight", models.TransposedWeight, lambda: (_randn(B, 3, 4),)),
     Case("packed_weight_chunk", models.PackedChunk, lambda: (_randn(B, 3, 4),), float32=True),
