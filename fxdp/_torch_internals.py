@@ -1147,7 +1147,8 @@ def backend_error(error: BaseException) -> BaseException | None:
     recompile limit ``fullgraph=True`` raises "Hard failure due to fullgraph=True"; at a
     graph break, Dynamo's ``Unsupported`` (its reason is quoted); where Dynamo itself
     fails, its ``InternalTorchDynamoError`` (quoted too); a guard on a value read from a
-    tensor (``GuardOnDataDependentSymNode``) and an op failing on Dynamo's fake tensors
+    tensor (``GuardOnDataDependentSymNode``, from Dynamo, or from AOTAutograd tracing a
+    backward on such a size) and an op failing on Dynamo's fake tensors
     (``TorchRuntimeError``) are refusals that quote them as well.
     """
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -1200,6 +1201,13 @@ def backend_error(error: BaseException) -> BaseException | None:
         return UnsupportedError(str(error)[str(error).index("fxdp: ") + len("fxdp: "):])
     inner = getattr(error, "inner_exception", None) if isinstance(
         error, torch._dynamo.exc.BackendCompilerFailed) else None
+    if isinstance(inner, GuardOnDataDependentSymNode):
+        return UnsupportedError(
+            "AOTAutograd cannot trace this model's backward: an op's backward decides on a size that "
+            "depends on the data (of the elements a boolean mask selected, x[mask], or a nonzero), as "
+            "PyTorch's backward of cumsum does, and plain torch.compile(model, fullgraph=True) then "
+            "fails the same way. Compute on the whole tensor and select with torch.where(mask, f(x), "
+            f"other) instead. Its reason: {inner}")
     return inner if isinstance(inner, (UnsupportedError, ValueError, TypeError)) else None
 
 

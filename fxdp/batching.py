@@ -73,11 +73,12 @@ class Piece:
 class Masked:
     """The elements of a batched tensor that a boolean mask over its leading dims
     selected (``h[mask]``, ``mask`` batched as ``h``): one list of every sample's
-    elements, its length set by the data. Elementwise ops on lists selected by the same
-    mask (and on shared values that do not run along the list) keep each element its
-    sample's, and writing the list back by that mask into a tensor batched as the mask
-    (``out[mask] = f(h[mask])``, a piecewise function) puts every element back in its
-    own place. Anything else that reads the list mixes the samples.
+    elements (rows along dim 0), its length set by the data. Ops that keep the rows
+    apart (elementwise, or along their trailing dims: a spline's bins) on lists
+    selected by the same mask (and on shared values that do not run along the list)
+    keep each row its sample's, and writing the list back by that mask into a tensor
+    batched as the mask (``out[mask] = f(h[mask])``, a piecewise function) puts every
+    row back in its own place. Anything else that reads the list mixes the samples.
 
     Attributes:
         mask: The mask's node.

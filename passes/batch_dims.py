@@ -1880,8 +1880,7 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
             "it uses a parameter on the elements a boolean mask selected from the whole batch (x[mask]): "
             "fxdp makes parameter uses per-sample on whole batches; apply it to the whole tensor and select "
             "with torch.where(mask, f(x), other)")
-    if not (_is_pointwise(node.target) or node.target in _COPIES) \
-            or any(_any_batched(b) and not isinstance(b, Masked) for b in flat):
+    if any(_any_batched(b) and not isinstance(b, Masked) for b in flat):
         raise MixesSamples(_MASKED)
     outs = _meta(node)
     rank = (outs[0] if isinstance(outs, (list, tuple)) else outs).dim()
@@ -1891,7 +1890,39 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
         if b is None and isinstance(value, torch.Tensor) and value.dim() >= rank \
                 and not statically_known_true(value.shape[-rank] == 1):
             raise MixesSamples(_MASKED)
-    return [first] * len(outs) if isinstance(outs, (list, tuple)) else first
+    # Each element (a row along the list's dim 0: a spline's bins, a softmax's logits)
+    # is its sample's alone, as a sample of a plain batch is: an op that keeps rows
+    # apart keeps them so.
+    plain = BatchDim(0)
+    as_plain = [_masked_as_plain(b, plain) for b in arg_batch]
+    try:
+        if _is_pointwise(node.target) or node.target in _COPIES:
+            out = _pointwise(node, as_plain)
+        elif node.target in PROPAGATION:
+            out = PROPAGATION[node.target](node, as_plain)
+        else:
+            raise MixesSamples(_MASKED)
+    except (MixesSamples, GuardOnDataDependentSymNode):  # along the list: a flip, a slice of its length
+        raise MixesSamples(_MASKED) from None
+    return _as_masked(out, first)
+
+
+def _masked_as_plain(b: Any, plain: BatchDim) -> Any:
+    if isinstance(b, (list, tuple)):
+        return type(b)(_masked_as_plain(x, plain) for x in b)
+    return plain if isinstance(b, Masked) else b
+
+
+def _as_masked(out: Any, selected: Masked) -> Any:
+    """An op's layout on ``Masked`` lists taken as a plain batch along dim 0, as lists
+    again: the rows must stay along dim 0, each on its own."""
+    if isinstance(out, (list, tuple)):
+        return type(out)(_as_masked(b, selected) for b in out)
+    if out is None:
+        return None
+    if isinstance(out, BatchDim) and out.dim == 0 and out.plain:
+        return selected
+    raise MixesSamples(_MASKED)
 
 
 def _viewed_per_sample(node: fx.Node, arg_batch: list, selected: Masked) -> BatchDim | None:

@@ -945,7 +945,9 @@ class PiecewiseThroughAMask(nn.Module):
     """``out[m] = f(h[m])``: elementwise functions of the elements a per-sample boolean
     mask selects, written back by the same mask (nflows' ``LogTanh`` and the tails of its
     spline flows). The read flattens every sample's elements into one list; written back
-    by the same mask, each element returns to its own place."""
+    by the same mask, each element returns to its own place. Ops along the selected rows
+    (a spline's bins) keep them apart too; anything that moves the list's dim or meets
+    other samples' elements does not."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -969,6 +971,21 @@ class PiecewiseThroughAMask(nn.Module):
             h3, out3 = h.view(-1, 2, 3), out.view(-1, 2, 3)
             m = h3[..., 0] > 0
             out3[m] = torch.sigmoid(h3[m]) * torch.arange(3, dtype=h.dtype)
+        elif self.kind in ("rows of bins", "cumulative bins", "rows turned"):
+            # a spline's bins per selected element (normflows' and nflows' rational-quadratic
+            # splines inside their interval): ops along the bins keep each row its sample's
+            m = x[:, :2].abs() < 1.0
+            bins = h.view(-1, 2, 3)[m]  # [N, 3]
+            widths = F.pad(torch.softmax(bins, -1), (1, 0))  # [N, 4]
+            if self.kind == "cumulative bins":
+                widths = widths.cumsum(-1)
+            elif self.kind == "rows turned":  # the list's dim moved: rows no longer along dim 0
+                widths = widths.t().contiguous().t()
+            position = x[:, 2:4][m]
+            k = (position[:, None] > widths).sum(-1, keepdim=True).clamp(max=3)
+            inside = torch.zeros_like(x[:, :2])
+            inside[m] = widths.gather(-1, k)[:, 0] * position + widths.amax(-1)
+            out = out + F.pad(inside, (0, 4))
         elif self.kind == "a parameter on the list":
             m = h > 0.2
             out[m] = h[m] * self.s
@@ -981,16 +998,27 @@ class PiecewiseThroughAMask(nn.Module):
         return self.l2(torch.tanh(out + self.s))
 
 
-@pytest.mark.parametrize("kind", ["both sides", "two tensors, one mask", "rows"])
+@pytest.mark.parametrize("kind", ["both sides", "two tensors, one mask", "rows", "rows of bins"])
 def test_an_elementwise_function_of_masked_elements_written_back_by_the_mask(kind):
     model = PiecewiseThroughAMask(kind).double()
     assert_exact_at_two_batch_sizes(model, fxdp.transform(model, grad_sample=True, compiler="eager"), 6)
+
+
+def test_a_cumulative_sum_over_masked_rows_is_a_limit_of_aot_autograd():
+    """cumsum along the bins of the selected rows keeps samples apart, but PyTorch's
+    cumsum backward guards on the list's data-dependent length, so AOTAutograd (plain
+    ``torch.compile`` too) cannot trace the backward: a refusal that says so."""
+    model = PiecewiseThroughAMask("cumulative bins").double()
+    dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="AOTAutograd cannot trace this model's backward"):
+        dp_model(torch.randn(B, 6, dtype=torch.float64)).pow(2).sum().backward()
 
 
 @pytest.mark.parametrize("kind, reason", [
     ("a parameter on the list", "it uses a parameter on the elements a boolean mask selected"),
     ("a sum of the list", "a boolean mask over the batch dim selected"),
     ("two masks", "a boolean mask over the batch dim selected"),
+    ("rows turned", "a boolean mask over the batch dim selected"),
 ])
 def test_masked_elements_that_meet_other_samples_or_a_parameter_are_refused(kind, reason):
     problems = fxdp.validate(PiecewiseThroughAMask(kind).double(), torch.randn(B, 6, dtype=torch.float64))
