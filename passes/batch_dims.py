@@ -311,6 +311,11 @@ def _reshape(node: fx.Node, arg_batch: list) -> Any:
     if bool(batch == 0):
         # no samples: any layout is right; keep the dim where the sizes still say it is
         return b if b.dim < len(dst) else BatchDim(0)
+    if len(dst) > b.dim and all(statically_known_true(d == s) for d, s in zip(dst[:b.dim + 1], src[:b.dim + 1])):
+        # The dims up to the batch's kept: only what follows it is reshaped, whatever its
+        # sizes (``reshape(B, -1)`` of ``[B, u]`` with ``u`` from a nonzero, as
+        # torch.distributions' ``_sum_rightmost`` does).
+        return b
     if any(bool(size == 0) for size in src):
         # No values, so nothing to mix: the batch dim is the one with the same sizes
         # before it and itself (Wan's [B, 0, d] text beyond its 512 tokens, unflattened).

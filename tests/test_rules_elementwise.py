@@ -2948,6 +2948,30 @@ def test_peft_prefix_tuning_through_the_cache():
     _against_the_loop(model, torch.randn(B, 5, 8, dtype=torch.float64))
 
 
+class NonzeroSplitCoupling(nn.Module):
+    """zuko's NICE / RealNVP coupling: features split by ``mask.nonzero()`` of a constant
+    buffer (a size known only at run time), a per-sample log-scale expanded to the
+    split's shape and summed by torch.distributions' ``_sum_rightmost``, a
+    ``reshape(B, -1)`` of that data-dependent size."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.arange(3) % 2 == 0)
+        self.fc = nn.Linear(2, 1)
+
+    def forward(self, x):  # [B, 3]
+        x_a, x_b = x[..., self.mask.nonzero().squeeze(-1)], x[..., (~self.mask).nonzero().squeeze(-1)]
+        log_scale = torch.tanh(self.fc(x_a))
+        shifted = x_b * log_scale.exp()
+        ladj = log_scale.expand(x_b.shape)
+        return shifted.sum(-1) + ladj.reshape(ladj.shape[:-1] + (-1,)).sum(-1)
+
+
+def test_a_reshape_after_the_batch_dim_of_a_data_dependent_size():
+    torch.manual_seed(0)
+    _against_the_loop(NonzeroSplitCoupling().double(), torch.randn(B, 3, dtype=torch.float64))
+
+
 class SeparatedIndices(nn.Module):
     """Advanced indices separated by a slice: PyTorch puts their broadcast dims in front
     (``x[:, i, :, j]`` of ``[B, 5, 4, 6]`` is ``[3, B, 4]``)."""
