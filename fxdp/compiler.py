@@ -802,7 +802,7 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     for gather in analysis.own_rows:
         if isinstance(gather, SameCounts):
             with gm.graph.inserting_before(gather.node):
-                gm.graph.call_function(fxdp_same_mask_counts, (gather.mask, gather.dim))
+                gm.graph.call_function(fxdp_same_mask_counts, (gather.mask, gather.dim, gather.source))
             continue
         if reference is None:
             raise UnsupportedError(
@@ -821,10 +821,18 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     return gm
 
 
-def fxdp_same_mask_counts(mask: torch.Tensor, dim: int) -> None:
+def fxdp_same_mask_counts(mask: torch.Tensor, dim: int, source: torch.Tensor | None = None) -> None:
     """Assert that every sample's part of the boolean ``mask`` (batched along ``dim``)
-    selects as many elements as the first's (see ``SameCounts``)."""
+    selects as many elements as the first's, or, for a ``masked_scatter``, as one
+    sample's row of its ``source`` holds (see ``SameCounts``)."""
     counts = mask.movedim(dim, 0).flatten(1).sum(1)
+    if source is not None:
+        torch._assert_async((counts == source[0].numel() if len(source) else counts == 0).all(), (
+            "fxdp: masked_scatter fills every sample's masked positions from one flat list of the whole "
+            "batch's source rows, and the samples' masks select other numbers of positions than a source "
+            "row holds: samples would be filled from each other's rows. Fill each sample from a source of "
+            "the output's shape instead: torch.where(mask, filled, x)."))
+        return
     torch._assert_async((counts[:1] == counts).all(), (
         "fxdp: rows a boolean mask selected over the batch (h[mask]) are viewed as [B, n, ...] (one row of n "
         "per sample), and the samples' masks select different numbers of rows: the view would put rows of "

@@ -442,16 +442,20 @@ class SameCounts:
     (``h[eos_mask].view(B, -1, d)``, the sentence representation of Hugging Face's BART
     and T5 classification heads): row ``(b, j)`` is sample ``b``'s ``j``-th selected
     row only where every sample's mask selects as many (``n``), which ``own_rows_pass``
-    checks at run time.
+    checks at run time. Or a ``masked_scatter`` of a source batched along its dim 0
+    (see ``_masked_scatter``): every sample's mask must select as many positions as
+    one sample's source holds.
 
     Attributes:
-        node: The view.
+        node: The view, or the ``masked_scatter``.
         mask: The boolean mask, batched along its dim ``dim``.
+        source: The ``masked_scatter``'s source, or ``None``.
     """
 
     node: fx.Node
     mask: fx.Node
     dim: int
+    source: "fx.Node | None" = None
 
 
 # The gathers and writes of each propagation running now, innermost last (``_propagate``).
@@ -714,12 +718,32 @@ def _put(node, arg_batch):
 @_register(aten.masked_scatter.default, aten.masked_scatter_.default)
 def _masked_scatter(node, arg_batch):
     """``x.masked_scatter(mask, source)`` fills ``x``'s masked positions with ``source``'s
-    elements read as one flat list, in order over the whole (broadcast) tensor."""
-    if any(isinstance(b, BatchDim) and b.dim is not None for b in arg_batch):
-        raise MixesSamples("it fills the masked positions from one flat list over the whole batch: which "
-                           "elements a sample gets depends on the samples before it (use torch.where with a "
-                           "source of the output's shape instead)")
-    return WHOLE if any(isinstance(b, BatchDim) for b in arg_batch) else None
+    elements read as one flat list, in order over the whole (broadcast) tensor.
+
+    With the batch leading the mask (of the output's rank; a shared one is read by
+    rows) and the source (each batched along dim 0), sample ``b``'s positions come after those of the samples
+    before it, and are filled from its own row of the source exactly where every
+    sample's mask selects as many positions as a row holds (a lower triangle filled
+    from per-sample vectors, zuko's full covariances): a run-time check in the graph
+    (see ``SameCounts``)."""
+    x, mask, source = arg_batch[:3]
+    if not any(isinstance(b, BatchDim) and b.dim is not None for b in arg_batch):
+        return WHOLE if any(isinstance(b, BatchDim) for b in arg_batch) else None
+    out = _meta(node)
+    leading = BatchDim(0)
+    # A shared mask of the output's rank (``tril(ones_like(x))``) is each sample's row of it.
+    if (mask is None or (isinstance(mask, BatchDim) and mask.same_as(leading))) and isinstance(source, BatchDim) \
+            and source.same_as(leading) and (x is None or (isinstance(x, BatchDim) and x.same_as(
+                leading.at(_meta(node.args[0]).dim() - out.dim())))) \
+            and _meta(node.args[1]).dim() == out.dim() \
+            and statically_known_true(_meta(node.args[2])[0].numel() < out[0].numel()):
+        # (A source row as large as a sample's output fills it whole, or reads past it.)
+        _OWN_ROWS[-1].append(SameCounts(node, node.args[1], 0, node.args[2]))
+        return leading
+    raise MixesSamples("it fills the masked positions from one flat list over the whole batch: which "
+                       "elements a sample gets depends on the samples before it (use torch.where with a "
+                       "source of the output's shape instead, or a source and a mask each batched along "
+                       "dim 0, every sample's mask selecting as many positions as its source row holds)")
 
 
 @_register(aten.view_as_real.default, aten.view_as_complex.default)

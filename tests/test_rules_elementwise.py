@@ -2972,6 +2972,39 @@ def test_a_reshape_after_the_batch_dim_of_a_data_dependent_size():
     _against_the_loop(NonzeroSplitCoupling().double(), torch.randn(B, 3, dtype=torch.float64))
 
 
+class TriangleFill(nn.Module):
+    """zuko's full-covariance mixture: each sample's scale matrix has its strict lower
+    triangle filled from the sample's own vector by ``masked_scatter``, the mask
+    ``tril(ones_like(scale))`` (or one the data chose, which may select other numbers)."""
+
+    def __init__(self, mask: str, d: int = 3):
+        super().__init__()
+        self.mask, self.d = mask, d
+        self.fc = nn.Linear(2, d + d * (d - 1) // 2)
+
+    def forward(self, c):  # [B, 2]
+        h = self.fc(c)
+        scale = torch.diag_embed(h[:, :self.d].exp())
+        if self.mask == "triangle":
+            mask = torch.tril(torch.ones_like(scale, dtype=torch.bool), diagonal=-1)
+        else:  # the data's: three positions of each sample's matrix, wherever it says
+            mask = (c[:, :1, None] * torch.arange(self.d * self.d, dtype=c.dtype).view(1, self.d, self.d)).sin() > 0
+        return torch.masked_scatter(scale, mask, h[:, self.d:]).pow(2).sum((1, 2))
+
+
+def test_masked_scatter_of_each_samples_own_source_row():
+    torch.manual_seed(0)
+    _against_the_loop(TriangleFill("triangle").double(), torch.randn(B, 2, dtype=torch.float64))
+
+
+def test_masked_scatter_checks_that_each_sample_fills_a_whole_source_row():
+    torch.manual_seed(0)
+    c = torch.tensor([[0.3, 0.1], [1.7, 0.2], [2.9, -0.4]], dtype=torch.float64)
+    dp = fxdp.transform(TriangleFill("data").double(), grad_sample=True, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="masked_scatter fills every sample's masked positions"):
+        dp(c).sum().backward()
+
+
 class SeparatedIndices(nn.Module):
     """Advanced indices separated by a slice: PyTorch puts their broadcast dims in front
     (``x[:, i, :, j]`` of ``[B, 5, 4, 6]`` is ``[3, B, 4]``)."""
