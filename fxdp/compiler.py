@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import math
 import os
 import re
 import threading
@@ -827,7 +828,7 @@ def fxdp_same_mask_counts(mask: torch.Tensor, dim: int, source: torch.Tensor | N
     sample's row of its ``source`` holds (see ``SameCounts``)."""
     counts = mask.movedim(dim, 0).flatten(1).sum(1)
     if source is not None:
-        torch._assert_async((counts == source[0].numel() if len(source) else counts == 0).all(), (
+        torch._assert_async((counts == math.prod(source.shape[1:])).all(), (
             "fxdp: masked_scatter fills every sample's masked positions from one flat list of the whole "
             "batch's source rows, and the samples' masks select other numbers of positions than a source "
             "row holds: samples would be filled from each other's rows. Fill each sample from a source of "

@@ -721,11 +721,11 @@ def _masked_scatter(node, arg_batch):
     elements read as one flat list, in order over the whole (broadcast) tensor.
 
     With the batch leading the mask (of the output's rank; a shared one is read by
-    rows) and the source (each batched along dim 0), sample ``b``'s positions come after those of the samples
-    before it, and are filled from its own row of the source exactly where every
-    sample's mask selects as many positions as a row holds (a lower triangle filled
-    from per-sample vectors, zuko's full covariances): a run-time check in the graph
-    (see ``SameCounts``)."""
+    rows) and the source (each batched along dim 0), sample ``b``'s positions come
+    after those of the samples before it, and are filled from its own row of the
+    source exactly where every sample's mask selects as many positions as a row holds
+    (a lower triangle filled from per-sample vectors, zuko's full covariances): a
+    run-time check in the graph (see ``SameCounts``)."""
     x, mask, source = arg_batch[:3]
     if not any(isinstance(b, BatchDim) and b.dim is not None for b in arg_batch):
         return WHOLE if any(isinstance(b, BatchDim) for b in arg_batch) else None
