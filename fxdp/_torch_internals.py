@@ -1206,7 +1206,7 @@ def backend_error(error: BaseException) -> BaseException | None:
         return UnsupportedError(
             "AOTAutograd cannot trace this model's backward: an op's backward decides on a size that "
             "depends on the data (of the elements a boolean mask selected, x[mask], or a nonzero), as "
-            "PyTorch's backward of cumsum does, and plain torch.compile(model, fullgraph=True) then "
+            "PyTorch's backward of cumprod does, and plain torch.compile(model, fullgraph=True) then "
             "fails the same way. Compute on the whole tensor and select with torch.where(mask, f(x), "
             f"other) instead. Its reason: {inner}")
     return inner if isinstance(inner, (UnsupportedError, ValueError, TypeError)) else None

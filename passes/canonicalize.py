@@ -323,6 +323,26 @@ def _reduction_of_one_value(x, *args, dtype=None, **kwargs):
     return NotImplemented
 
 
+def _cumsum_of_data_dependent_rows(x, dim, dtype=None):
+    """``cumsum`` along a dim of static size ``K`` (at most 64) of a tensor whose other
+    sizes depend on the data (the rows of ``h[mask]``: a spline's bins, in normflows'
+    and nflows' rational-quadratic splines) as ``(x[..., None] * triu(ones(K, K))).sum``:
+    the same sums, which AOTAutograd can differentiate, where PyTorch's ``cumsum``
+    backward guards on the data-dependent number of elements (torch 2.13)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if not x.dim() or not free_unbacked_symbols(x.shape) or not (x.is_floating_point() or x.is_complex()) \
+            or dtype not in (None, x.dtype):
+        return NotImplemented
+    dim = dim + x.dim() if dim < 0 else dim
+    size = x.shape[dim]
+    size = size.node.maybe_as_int() if isinstance(size, torch.SymInt) else size
+    if size is None or size > 64:
+        return NotImplemented
+    upper = torch.ones(size, size, dtype=x.dtype, device=x.device).triu()
+    return (x.movedim(dim, -1).unsqueeze(-1) * upper).sum(-2).movedim(-1, dim)
+
+
 def _stack_as_cat(tensors, dim=0):
     """``stack`` as the ``cat`` of its inputs unsqueezed: a parameter stacked with
     batched data (``stack([x, p.expand_as(x)], 1)``) meets ``cat``'s rule, and expands
@@ -478,6 +498,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
         torch.ops.aten.sum.dim_IntList: _reduction_of_one_value,
         torch.ops.aten.mean.dim: _reduction_of_one_value,
         torch.ops.aten.take_along_dim.default: _take_along_dim_as_gather,
+        torch.ops.aten.cumsum.default: _cumsum_of_data_dependent_rows,
         torch.ops.aten.index_fill.int_Tensor: _index_fill_as_where,
         torch.ops.aten.index_fill_.int_Tensor: _index_fill__as_where,
         torch.ops.aten.batch_norm.default: _batch_norm_eval_as_affine,

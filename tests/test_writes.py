@@ -971,14 +971,16 @@ class PiecewiseThroughAMask(nn.Module):
             h3, out3 = h.view(-1, 2, 3), out.view(-1, 2, 3)
             m = h3[..., 0] > 0
             out3[m] = torch.sigmoid(h3[m]) * torch.arange(3, dtype=h.dtype)
-        elif self.kind in ("rows of bins", "cumulative bins", "rows turned"):
+        elif self.kind in ("rows of bins", "cumulative bins", "cumulative product", "rows turned"):
             # a spline's bins per selected element (normflows' and nflows' rational-quadratic
             # splines inside their interval): ops along the bins keep each row its sample's
             m = x[:, :2].abs() < 1.0
             bins = h.view(-1, 2, 3)[m]  # [N, 3]
             widths = F.pad(torch.softmax(bins, -1), (1, 0))  # [N, 4]
-            if self.kind == "cumulative bins":
+            if self.kind == "cumulative bins":  # the spline's knots
                 widths = widths.cumsum(-1)
+            elif self.kind == "cumulative product":
+                widths = widths.cumprod(-1)
             elif self.kind == "rows turned":  # the list's dim moved: rows no longer along dim 0
                 widths = widths.t().contiguous().t()
             position = x[:, 2:4][m]
@@ -998,17 +1000,18 @@ class PiecewiseThroughAMask(nn.Module):
         return self.l2(torch.tanh(out + self.s))
 
 
-@pytest.mark.parametrize("kind", ["both sides", "two tensors, one mask", "rows", "rows of bins"])
+@pytest.mark.parametrize("kind", ["both sides", "two tensors, one mask", "rows", "rows of bins", "cumulative bins"])
 def test_an_elementwise_function_of_masked_elements_written_back_by_the_mask(kind):
     model = PiecewiseThroughAMask(kind).double()
     assert_exact_at_two_batch_sizes(model, fxdp.transform(model, grad_sample=True, compiler="eager"), 6)
 
 
-def test_a_cumulative_sum_over_masked_rows_is_a_limit_of_aot_autograd():
-    """cumsum along the bins of the selected rows keeps samples apart, but PyTorch's
-    cumsum backward guards on the list's data-dependent length, so AOTAutograd (plain
-    ``torch.compile`` too) cannot trace the backward: a refusal that says so."""
-    model = PiecewiseThroughAMask("cumulative bins").double()
+def test_a_cumulative_product_over_masked_rows_is_a_limit_of_aot_autograd():
+    """cumprod along the bins of the selected rows keeps samples apart, but PyTorch's
+    cumprod backward guards on the list's data-dependent length, so AOTAutograd (plain
+    ``torch.compile`` too) cannot trace the backward: a refusal that says so. (fxdp
+    writes a cumsum there as sums over a triangle of ones, which it can.)"""
+    model = PiecewiseThroughAMask("cumulative product").double()
     dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
     with pytest.raises(fxdp.UnsupportedError, match="AOTAutograd cannot trace this model's backward"):
         dp_model(torch.randn(B, 6, dtype=torch.float64)).pow(2).sum().backward()
