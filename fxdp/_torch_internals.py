@@ -106,6 +106,10 @@ def capture_config():
     - ``with torch.backends.cuda.sdp_kernel(enable_flash=..., ...)``, deprecated and
       traced by Dynamo as an op that returns no tensor (lucidrains' attention modules),
       is the ``torch.nn.attention.sdpa_kernel`` of the same backends, which it wraps.
+    - ``assert seq`` on a tuple or list of objects (zuko's ``ComposedTransform``
+      asserts its tuple of transforms) is decided by the sequence's length, as any
+      jump on a tuple or list is; Dynamo would rewrite it as ``torch._assert(seq)``,
+      which it cannot put in the graph (``_sequence_jumps_by_length``).
     - A side effect in an activation-checkpointed region on state from outside it
       (Hugging Face's output capture appends each layer's output to a collector set
       before the checkpointed layers run) happens once, in the forward: Dynamo refuses
@@ -157,10 +161,52 @@ def capture_config():
                 mock.patch.object(SkipFunctionVariable, "call_function",
                                   _jit_isinstance_as_builtin(SkipFunctionVariable.call_function)), \
                 mock.patch.object(TorchInGraphFunctionVariable, "call_function",
-                                  _sdp_kernel_as_sdpa_kernel(TorchInGraphFunctionVariable.call_function)):
+                                  _sdp_kernel_as_sdpa_kernel(TorchInGraphFunctionVariable.call_function)), \
+                _sequence_jumps_by_length():
             yield
     finally:
         _NAMING.capturing = capturing
+
+
+# The jumps that pop the value they test (``assert x`` is one, followed by
+# ``LOAD_ASSERTION_ERROR``), by their names in Python 3.10-3.13.
+_POPPING_JUMPS = ("POP_JUMP_IF_TRUE", "POP_JUMP_IF_FALSE", "POP_JUMP_FORWARD_IF_TRUE", "POP_JUMP_BACKWARD_IF_TRUE",
+                  "POP_JUMP_FORWARD_IF_FALSE", "POP_JUMP_BACKWARD_IF_FALSE")
+
+
+@contextlib.contextmanager
+def _sequence_jumps_by_length():
+    """Dynamo's handlers of the popping jumps, in every translator's dispatch table,
+    first replace a plain tuple or list being tested by its truth, its length: the
+    same jump, but an ``assert`` of it is then one of a constant."""
+    import dis
+
+    from torch._dynamo import symbolic_convert
+    from torch._dynamo.variables import ConstantVariable, ListVariable, TupleVariable
+
+    def by_length(handler: Callable) -> Callable:
+        def jump(self, inst):
+            if self.stack and type(self.stack[-1]) in (TupleVariable, ListVariable):
+                self.stack[-1] = ConstantVariable.create(bool(self.stack[-1].items))
+            return handler(self, inst)
+        return jump
+
+    codes = [dis.opmap[name] for name in _POPPING_JUMPS if name in dis.opmap]
+    classes, pending = [], [symbolic_convert.InstructionTranslatorBase]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if "dispatch_table" in vars(cls):
+            classes.append(cls)
+    replaced = [(cls.dispatch_table, code, cls.dispatch_table[code]) for cls in classes for code in codes
+                if cls.dispatch_table[code] is not None]
+    for table, code, handler in replaced:
+        table[code] = by_length(handler)
+    try:
+        yield
+    finally:
+        for table, code, handler in reversed(replaced):
+            table[code] = handler
 
 
 def _logged_at_capture(logger_call: Callable) -> Callable:

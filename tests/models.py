@@ -714,6 +714,39 @@ class CheckpointedVmap(nn.Module):
         return checkpoint_utils.checkpoint(block, x, use_reentrant=False)
 
 
+class _Step:
+    """A transformation object built in the forward (zuko's transforms are)."""
+
+    def __init__(self, scale: torch.Tensor):
+        self.scale = scale
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h) * self.scale
+
+
+class ComposedSteps(nn.Module):
+    """zuko's ``ComposedTransform(*steps)`` asserts its tuple of transformation objects
+    (``assert transforms, "..."``) and jumps on a list of them."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(4, 4)
+        self.scales = nn.Parameter(torch.rand(2, 4) + 0.5)
+
+    def forward(self, x):
+        steps = tuple(_Step(s) for s in self.scales)
+        if self.kind == "list":
+            steps = list(steps)
+            if not steps:
+                return x
+        assert steps, "'steps' cannot be empty"
+        h = self.lin(x)
+        for step in steps:
+            h = step(h)
+        return h
+
+
 class _Collector:
     """State outside the model, as Hugging Face's output capture keeps it."""
 

@@ -24,7 +24,7 @@ from torch import nn
 
 import fxdp
 from expect import refused, unwrap
-from models import AsksTheType, FirstOutput, SequenceFirstBias
+from models import AsksTheType, ComposedSteps, FirstOutput, SequenceFirstBias
 from reference import assert_close_all, reference, tolerance
 
 DTYPE = torch.float64
@@ -486,6 +486,21 @@ def test_torch_jit_isinstance_of_a_class_is_the_builtin():
     ref = reference(model, [x, skip], per_sample_sq_loss)
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
     dp(x, skip).pow(2).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, TOL, "grad_sample")
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list"])
+def test_an_assert_on_a_tuple_of_objects_is_decided_by_its_length(kind):
+    """Dynamo rewrites ``assert steps`` as ``torch._assert(steps)``, which it cannot put
+    in a graph when ``steps`` holds objects (``torch.compile(fullgraph=True)`` fails: "Failed
+    to convert args/kwargs to proxy"); a tuple's or list's truth is its length, known
+    while tracing. (The model lives in ``models.py``: pytest rewrites the asserts of test
+    modules into ``if`` statements.)"""
+    model = ComposedSteps(kind).to(DTYPE)
+    x = randn(5, 4)
+    ref = reference(model, [x], per_sample_sq_loss)
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, TOL, "grad_sample")
 
 
