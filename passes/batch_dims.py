@@ -1880,8 +1880,9 @@ def _masked_selection(b: BatchDim, indices: Sequence[Any], index_batches: Sequen
 
 
 _MASKED = ("it works on the elements a boolean mask over the batch dim selected (x[mask]), one list of every "
-           "sample's elements whose length depends on the data: only elementwise ops on such lists, written back "
-           "by the same mask (out[mask] = f(x[mask])), keep each element its sample's; compute on the whole "
+           "sample's elements whose length depends on the data: only ops that keep the list's rows apart "
+           "(elementwise, or along each row's trailing dims), written back by the same mask (out[mask] = "
+           "f(x[mask])), keep each element its sample's; compute on the whole "
            "tensor and select with torch.where(mask, f(x), other), or select per sample: x[torch.arange(B), "
            "position] with each sample's position, e.g. the last True of each row")
 
