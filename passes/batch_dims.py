@@ -2369,6 +2369,10 @@ def _any_masked(value: Any) -> bool:
     return any(isinstance(b, Masked) for b in _flat(value))
 
 
+# Ops whose first argument is sliced by the sizes (or a position) the others give.
+_SIZED_BY_SAMPLE = {aten.slice.Tensor, aten.select.int, aten.narrow.default}
+
+
 def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter: bool) -> Any:
     """The layout of an op on ``Piece``s (see there): the pieces of every sample
     concatenated in order are a batch again; any other op on pieces of one sample gives
@@ -2386,6 +2390,13 @@ def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter
         raise MixesSamples("it combines the values of one sample taken out of the batch (x[i], "
                            "x[i:i + 1]) with other samples' (only all samples' pieces concatenated in "
                            "their order are a batch again)")
+    if uses_parameter and not isinstance(arg_batch[0], Piece) and node.target in _SIZED_BY_SAMPLE:
+        raise _NoPropagation(
+            "it slices a parameter by sizes or positions read from one sample's values (a loop "
+            "over the samples, torchtune's tile position embedding): fxdp makes parameter uses per-sample on "
+            "whole batches, and torch.func.vmap cannot slice by a sample's values either; index the "
+            "parameter for the whole batch at once with index tensors computed from every sample's values "
+            "and mask what a sample does not use (table[rows, cols] * valid[..., None])")
     if uses_parameter:
         raise _NoPropagation(
             "it uses a parameter on the values of one sample taken out of the batch (x[i], x[i:i + 1]): "

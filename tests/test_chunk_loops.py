@@ -206,6 +206,31 @@ def test_a_loop_over_the_samples_that_is_not_a_map_over_the_batch_is_refused(kin
         dp_model(*_inputs(kind, 4))
 
 
+class TilePositions(nn.Module):
+    """torchtune's tile position embedding: a table sliced by each image's tile grid
+    (``aspect_ratio[i]``, read from the data) in a loop over the samples."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2, 2, 1, d))
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x, aspect_ratio):  # x [B, tiles, tokens, d], aspect_ratio [B, 2]
+        x = self.lin(x)
+        out = []
+        for i, (h, w) in enumerate(aspect_ratio):
+            n = int(h * w)
+            out.append(torch.cat([x[i, :n] + self.table[:h, :w].reshape(n, 1, x.shape[-1]), x[i, n:]]))
+        return torch.stack(out)
+
+
+def test_a_parameter_sliced_by_one_samples_values_is_refused_with_what_to_do():
+    problems = fxdp.validate(TilePositions().to(DTYPE), torch.randn(3, 4, 2, 4, dtype=DTYPE),
+                             torch.tensor([[1, 2], [2, 2], [1, 1]]))
+    assert problems and all("slices a parameter by sizes or positions read from one sample's values" in p.reason
+                            and "table[rows, cols] * valid" in p.reason for p in problems), problems
+
+
 def test_the_loop_becomes_one_call_on_the_whole_batch(monkeypatch):
     """The canonical graph after the pass: the copies of the loop's body are gone and
     the body runs once on the Linear's output (pinned as code)."""
