@@ -26,6 +26,7 @@ from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
 from fxdp.passes.batch_dims import SameCounts, batch_dim_pass, module_path_of, source_of
 from fxdp.passes.canonicalize import canonicalize_pass
+from fxdp.passes.masked_rows import rows_in_place_pass
 from fxdp.passes.chunk_loops import chunk_loops_as_whole_pass
 from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass, constant_gradients, unmarked_gradients
 from fxdp.passes.tag import tag_pass
@@ -467,6 +468,9 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                "; a forward that reads only the sizes of its arguments (x.shape[0]) gives no sample an "
                "output of its own"))
     analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
+    if analysis.rows_in_place:  # parameter uses on a mask's rows, run on the batch
+        rows_in_place_pass(canon, analysis.rows_in_place, analysis.batch)
+        analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
     # A loop after a refused one reads layouts the analysis no longer knows: each round
     # fuses the loops it can read, until none is left.
     while analysis.problems and chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode):

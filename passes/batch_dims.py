@@ -25,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, s
 from fxdp.batching import WHOLE, BatchDim, Groups, Inverse, Masked, Piece, Rows, broadcast_batch
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
+from fxdp.passes.masked_rows import BATCH_TO_ROWS, ROWS_TO_BATCH
 from fxdp.passes.writes import (carries_no_gradient, computed_without_grad, follow_write, is_detach,
                                parameter_write, written_chain)
 from fxdp.registry import lookup, named_arg, out_of_place
@@ -143,6 +144,10 @@ class BatchAnalysis:
             computed, or write into such rows (see ``OwnRows``), and each view of a
             boolean mask's rows per sample (see ``SameCounts``), which ``own_rows_pass``
             checks at run time.
+        rows_in_place: ``(op, {selected operand: its mask})`` for each parameter use on
+            rows a boolean mask selected by an op that keeps rows apart, which
+            ``rows_in_place_pass`` runs on the rows put back in place (its uses are
+            found once that pass has run and the graph is analysed again).
     """
 
     batch: dict[fx.Node, Any]
@@ -158,6 +163,7 @@ class BatchAnalysis:
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = dataclasses.field(default_factory=list)
     sized_normaliser: bool = False
     own_rows: list["OwnRows | SameCounts"] = dataclasses.field(default_factory=list)
+    rows_in_place: list[tuple[fx.Node, dict]] = dataclasses.field(default_factory=list)
 
 
 def op_name(target: Any) -> str:
@@ -460,6 +466,9 @@ class SameCounts:
 
 # The gathers and writes of each propagation running now, innermost last (``_propagate``).
 _OWN_ROWS: list[list[OwnRows | SameCounts]] = []
+# Its parameter uses on rows a mask selected, to run on the rows put back in place
+# (``rows_in_place_pass``): ``(op, {selected operand: its mask})``.
+_ROWS_IN_PLACE: list[list[tuple[fx.Node, dict]]] = []
 
 
 def _gathered_from_own_rows(node: fx.Node, b: Any, index: fx.Node, ib: Any, out_dim: int) -> BatchDim | None:
@@ -689,7 +698,15 @@ def _diagonal(node, arg_batch):
            aten.masked_select.default)
 def _flattens_by_value(node, arg_batch):
     """Positions or elements found by value, in one list for the whole tensor: the
-    samples' entries are flattened together (their count depends on the data)."""
+    samples' entries are flattened together (their count depends on the data).
+
+    ``masked_select(x, mask)`` of a mask of ``x``'s own shape and batch is ``x[mask]``:
+    a ``Masked`` list."""
+    if node.target is aten.masked_select.default:
+        x, mask = arg_batch[:2]
+        if isinstance(x, BatchDim) and x.dim is not None and isinstance(mask, BatchDim) and x.same_as(mask) \
+                and _meta(node.args[0]).shape == _meta(node.args[1]).shape:
+            return Masked(node.args[1], mask)
     if any(isinstance(b, BatchDim) and b.dim is not None for b in arg_batch):
         raise MixesSamples("it flattens the batch into one list of what it finds, whose length "
                            "depends on the data (compute densely with a mask instead: torch.where(mask, a, b), a "
@@ -1895,6 +1912,16 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
     if not all(_same_computation(m.mask, first.mask) for m in lists):
         raise MixesSamples("it combines elements selected by different boolean masks over the batch, "
                            "which line up no sample's elements")
+    if node.target in (aten.masked_scatter.default, aten.masked_scatter_.default):
+        # The rows written back, each over a block of trailing positions its mask entry
+        # covers (``out.masked_scatter(mask[..., None].expand_as(out), rows)``).
+        base, values = arg_batch[0], arg_batch[2]
+        covered = _meta(node.args[1]).shape[_meta(first.mask).dim():]
+        if isinstance(values, Masked) and isinstance(base, BatchDim) and base.same_as(first.layout) \
+                and _blocks_of(node.args[1], first.mask) and _meta(node).shape == _meta(node.args[1]).shape \
+                and tuple(_meta(node.args[2]).shape[1:]) == tuple(covered):
+            return base
+        raise MixesSamples(_MASKED)
     if node.target in (aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default):
         base, indices, values = arg_batch[0], node.args[1], arg_batch[2]
         if isinstance(values, Masked) and len(indices) == 1 and isinstance(base, BatchDim) \
@@ -1905,20 +1932,23 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
     viewed = _viewed_per_sample(node, arg_batch, first)
     if viewed is not None:
         return viewed
-    if uses_parameter:
-        raise _NoPropagation(
-            "it uses a parameter on the elements a boolean mask selected from the whole batch (x[mask]): "
-            "fxdp makes parameter uses per-sample on whole batches; apply it to the whole tensor and select "
-            "with torch.where(mask, f(x), other)")
+    if node.target is ROWS_TO_BATCH:  # the list put back in place by its own mask (masked_rows.py)
+        if arg_batch[0] is first and _same_computation(node.args[1], first.mask):
+            return first.layout
+        raise MixesSamples(_MASKED)
     if any(_any_batched(b) and not isinstance(b, Masked) for b in flat):
         raise MixesSamples(_MASKED)
+    rule = lookup(node.target) if uses_parameter and pure_op(node.target) else None
+    if uses_parameter and rule is None and not (_is_pointwise(node.target) or node.target in PROPAGATION):
+        raise _NoPropagation(_MASKED_PARAMETER)
     outs = _meta(node)
     rank = (outs[0] if isinstance(outs, (list, tuple)) else outs).dim()
     for arg, b in list(zip(node.args, arg_batch)) + list(zip(node.kwargs.values(), kwarg_batch)):
-        # A shared operand may broadcast along the elements' trailing dims only.
+        # A shared operand may broadcast along the elements' trailing dims only (a
+        # rule's own operands, a linear's weight, are no broadcast).
         value = _meta(arg) if isinstance(arg, fx.Node) else None
-        if b is None and isinstance(value, torch.Tensor) and value.dim() >= rank \
-                and not statically_known_true(value.shape[-rank] == 1):
+        if b is None and isinstance(value, torch.Tensor) and value.dim() >= rank and (
+                rule is None or _is_pointwise(node.target)) and not statically_known_true(value.shape[-rank] == 1):
             raise MixesSamples(_MASKED)
     # Each element (a row along the list's dim 0: a spline's bins, a softmax's logits)
     # is its sample's alone, as a sample of a plain batch is: an op that keeps rows
@@ -1926,15 +1956,63 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
     plain = BatchDim(0)
     as_plain = [_masked_as_plain(b, plain) for b in arg_batch]
     try:
-        if _is_pointwise(node.target) or node.target in _COPIES:
+        if rule is not None:
+            out = rule.batch_rule(as_plain, [_meta(a) for a in node.args], outs, rule.config(node.args))
+        elif _is_pointwise(node.target) or node.target in _COPIES:
             out = _pointwise(node, as_plain)
         elif node.target in PROPAGATION:
             out = PROPAGATION[node.target](node, as_plain)
         else:
             raise MixesSamples(_MASKED)
-    except (MixesSamples, GuardOnDataDependentSymNode):  # along the list: a flip, a slice of its length
-        raise MixesSamples(_MASKED) from None
-    return _as_masked(out, first)
+    except (MixesSamples, GuardOnDataDependentSymNode, ValueError):  # along the list: a flip, a slice of its length
+        raise MixesSamples(_MASKED_PARAMETER if uses_parameter else _MASKED) from None
+    out = _as_masked(out, first)
+    if uses_parameter:
+        # Run on the rows put back in place, it is a use on the batch (masked_rows.py).
+        masks = {a: b.mask for a, b in zip(node.args, arg_batch) if isinstance(a, fx.Node) and isinstance(b, Masked)}
+        masks.update((a, b.mask) for a, b in zip(node.kwargs.values(), kwarg_batch)
+                     if isinstance(a, fx.Node) and isinstance(b, Masked))
+        if len(masks) != sum(isinstance(b, Masked) for b in flat):  # a list inside a list argument
+            raise _NoPropagation(_MASKED_PARAMETER)
+        _ROWS_IN_PLACE[-1].append((node, masks))
+    return out
+
+
+def _blocks_of(mask: Any, rows: fx.Node) -> bool:
+    """Whether the boolean ``mask`` is the mask ``rows`` with trailing dims added and
+    expanded (``m[..., None].expand(B, T, d)``, or its ``~``), so that it selects a whole
+    block of trailing positions for each position ``rows`` selects."""
+    if not isinstance(mask, fx.Node) or mask.op != "call_function":
+        return False
+    if _same_computation(mask, rows):
+        return True
+    inner = _meta(mask.args[0]) if mask.args and isinstance(mask.args[0], fx.Node) else None
+    if mask.target in (aten.unsqueeze.default, aten.expand.default, aten.view.default, aten.reshape.default) \
+            and isinstance(inner, torch.Tensor) and inner.shape[:_meta(rows).dim()] == _meta(mask).shape[:_meta(rows).dim()]:
+        return _blocks_of(mask.args[0], rows)
+    if mask.target is aten.bitwise_not.default and isinstance(rows, fx.Node) \
+            and rows.target is aten.bitwise_not.default:
+        return _blocks_of(mask.args[0], rows.args[0])
+    return False
+
+
+_MASKED_PARAMETER = (
+    "it uses a parameter on the elements a boolean mask selected from the whole batch (x[mask]), in a way "
+    "fxdp cannot run on the whole batch with the elements in place (only ops that keep the rows apart, "
+    "such as a linear, an embedding lookup, a norm over each row or an elementwise op, can); apply it to "
+    "the whole tensor and select with torch.where(mask, f(x), other)")
+
+
+def _batch_to_rows(node: fx.Node, arg_batch: list) -> Any:
+    """``fxdp.batch_to_rows(dense, mask, n)``: ``dense[mask]``, a ``Masked`` list (see
+    ``masked_rows.py``)."""
+    dense, mask = arg_batch[0], arg_batch[1]
+    if isinstance(dense, BatchDim) and isinstance(mask, BatchDim) and dense.same_as(mask):
+        return Masked(node.args[1], mask)
+    raise MixesSamples(_MASKED)
+
+
+PROPAGATION[BATCH_TO_ROWS] = _batch_to_rows
 
 
 def _masked_as_plain(b: Any, plain: BatchDim) -> Any:
@@ -2735,12 +2813,18 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
     """``batch_dim_pass`` with the tensors built from ``B`` shared (``"none"``), batched
     (``"all"``), or batched where a single dim has size ``B`` (``"unambiguous"``)."""
     _OWN_ROWS.append([])  # this propagation's (a Function's body is analysed inside another)
+    _ROWS_IN_PLACE.append([])
     try:
         analysis = _propagate_rules(gm, placeholder_batch, param_names, batch_size, sized_batched, function_body,
                                     chunk)
     finally:
         own_rows = _OWN_ROWS.pop()
+        in_place = _ROWS_IN_PLACE.pop()
     analysis.own_rows = [g for g in own_rows if isinstance(analysis.batch.get(g.node), BatchDim)]
+    analysis.rows_in_place = [(n, masks) for n, masks in in_place if _any_masked(analysis.batch.get(n))]
+    if function_body:  # the rewrite runs on the model's graph only
+        analysis.problems += [Problem(op_name(n.target), module_path_of(n), "", _MASKED_PARAMETER, source_of(n))
+                              for n, _ in analysis.rows_in_place]
     return analysis
 
 
@@ -2783,7 +2867,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     consumed.append((node, None, out))
                 if _any_masked(batch.get(out)):
                     # a loss over the list is no sum of the samples' own losses
-                    problems.append(Problem(op_name(out.target), module_path_of(out), "", _MASKED,
+                    op = out.args[0] if out.target is BATCH_TO_ROWS else out  # (the op run in place)
+                    problems.append(Problem(op_name(op.target), module_path_of(out), "", _MASKED,
                                             source_of(out)))
             continue
         if node.op != "call_function":
@@ -2911,8 +2996,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             else:
                 batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
 
+    # A use on a mask's rows is a use on the batch once the rows are put back in place.
+    in_place = {n for n, _ in _ROWS_IN_PLACE[-1]}
     uses, broadcasts = ([], {}) if single else _classify_parameter_uses(
-        consumed, sources, batch, param_names, problems, without_grad, expanded_params)
+        [c for c in consumed if c[0] not in in_place], sources, batch, param_names, problems, without_grad,
+        expanded_params)
 
     loss = None
     # A sum divided by the batch size fits beside a mean and beside a sum alike.

@@ -1,0 +1,174 @@
+"""Parameters used on the rows a boolean mask selected (``passes/masked_rows.py``).
+
+``f(x[mask])`` with a parameter in ``f`` (a linear, a lookup, a norm over each row, an
+elementwise op) and the result written back by the mask (torchtune's
+``FusionEmbedding``, a masked-LM head run on the masked positions only): fxdp runs the
+op on the rows put back in place, a use on the whole batch. Checked against the
+microbatch loop (per-sample gradients, norms and the clipped gradient) at two batch
+sizes on one transformed model, with a sample that selects nothing and a batch that
+selects nothing.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxdp
+from reference import assert_close_all, reference, tolerance
+
+T, D, V = 5, 4, 12
+
+
+class SplitByToken(nn.Module):
+    """Rows a mask picks through a linear and a LayerNorm, the others through an
+    embedding; both written back by their masks (``out[m] = f(x[m])``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm, self.emb = nn.Linear(D, 3), nn.LayerNorm(3), nn.Embedding(V, 3)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x, tokens):
+        m = tokens < V // 2
+        out = torch.zeros(*tokens.shape, 3, dtype=x.dtype)
+        out[m] = self.norm(self.lin(x[m])) * self.scale
+        out[~m] = self.emb(tokens[~m])
+        return self.head(torch.tanh(out))
+
+
+class FusionEmbedding(nn.Module):
+    """torchtune's ``FusionEmbedding`` as it is written: two tables, each looked up on
+    the tokens it holds (``masked_select``), scattered back by the masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.fusion_embedding = nn.Embedding(V - 4, D), nn.Embedding(4, D)
+        self.dim = D
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, x, tokens):
+        bs, seq_len = tokens.size()
+        vocab_size = self.embedding.num_embeddings
+        mask = tokens < vocab_size
+        ids = torch.masked_select(tokens, mask)
+        fusion_ids = torch.masked_select(tokens, ~mask) - vocab_size
+        embeds = self.embedding(ids)
+        fusion_embeds = self.fusion_embedding(fusion_ids)
+        out = torch.empty(bs, seq_len, self.dim, dtype=self.embedding.weight.dtype)
+        mask = mask.unsqueeze(-1).expand(bs, seq_len, self.dim)
+        out = out.masked_scatter(mask, embeds)
+        out = out.masked_scatter(~mask, fusion_embeds)
+        return self.head(out + x)
+
+
+class MaskedLMHead(nn.Module):
+    """fairseq's RoBERTa head with ``masked_tokens``: the projection, GELU, LayerNorm and
+    the output layer tied to the embedding run on the masked positions only."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.dense, self.norm = nn.Linear(D, D), nn.LayerNorm(D)
+        self.bias = nn.Parameter(torch.randn(V))
+
+    def forward(self, x, tokens):
+        h = self.emb(tokens) + x
+        masked = tokens % 3 == 0
+        f = self.norm(F.gelu(self.dense(h[masked, :])))
+        logits = F.linear(f, self.emb.weight) + self.bias
+        full = logits.new_zeros(*tokens.shape, V)
+        full[masked] = logits
+        return full
+
+
+MODELS = {"split by token": SplitByToken, "fusion embedding": FusionEmbedding, "masked LM head": MaskedLMHead}
+
+
+def _inputs(size: int, dtype: torch.dtype, nothing: bool = False):
+    g = torch.Generator().manual_seed(size)
+    x = torch.randn(size, T, D, generator=g, dtype=dtype)
+    tokens = torch.randint(0, V, (size, T), generator=g)
+    tokens[0] = 1  # one sample whose tokens all fall on one side of each mask
+    if nothing:  # no position of the batch selected by the masked-LM head's mask
+        tokens = tokens // 3 * 3 + 1
+    return x, tokens
+
+
+def _loss(out):
+    return out.pow(2).sum()
+
+
+def _clip_norm(model) -> float:
+    """The median per-sample norm of a first batch: about half the samples clip."""
+    return float(reference(model, _inputs(3, torch.float64), lambda out, i: _loss(out)).norms.median())
+
+
+def _check_step(model, call, clip: float, size: int, dtype: torch.dtype, nothing: bool = False) -> None:
+    x, tokens = _inputs(size, dtype, nothing)
+    ref = reference(model, (x, tokens), lambda out, i: _loss(out))
+    out = call(x, tokens)
+    torch.testing.assert_close(out, model(x, tokens))
+    _loss(out).backward()
+    tol = tolerance(dtype)
+    params = dict(model.named_parameters())
+    assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tol, "grad_sample")
+    assert_close_all({"norms": fxdp.per_sample_norms(model)}, {"norms": ref.norms}, tol, "norms")
+    assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("sum", clip), tol, "grad")
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("wrapped", ["transform", "backend"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_parameters_on_rows_a_mask_selected_are_exact(name, wrapped):
+    torch.manual_seed(0)
+    model = MODELS[name]().double()
+    clip = _clip_norm(model)
+    options = dict(grad_sample=True, max_grad_norm=clip, loss_reduction="sum", compiler="eager")
+    call = (fxdp.transform(model, **options) if wrapped == "transform"
+            else torch.compile(model, backend=fxdp.backend(**options)))
+    # Under the backend Dynamo captures ``x[mask]`` where the user asks it to.
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=wrapped == "backend"):
+        for size in (3, 4):
+            _check_step(model, call, clip, size, torch.float64)
+        if name == "masked LM head":
+            _check_step(model, call, clip, 4, torch.float64, nothing=True)
+
+
+def test_parameters_on_rows_a_mask_selected_under_inductor():
+    torch.manual_seed(0)
+    model = MaskedLMHead()
+    clip = _clip_norm(model.double())
+    model.float()
+    call = fxdp.transform(model, grad_sample=True, max_grad_norm=clip, loss_reduction="sum")
+    for size in (3, 4):
+        _check_step(model, call, clip, size, torch.float32)
+
+
+def test_the_op_on_the_rows_runs_on_the_batch_in_the_canonical_graph():
+    """The rewrite is visible where users look: ``explain`` shows the rows put back in
+    place and the op's rule on a batched use."""
+    text = str(fxdp.explain(SplitByToken().double(), *_inputs(3, torch.float64)))
+    assert "fxdp.rows_to_batch" in text and "fxdp.batch_to_rows" in text
+    assert "lin.weight" in text and "emb.weight" in text
+
+
+class RowsBaggedTogether(nn.Module):
+    """An embedding bag over the selected tokens with fixed offsets: bags of rows of
+    several samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.EmbeddingBag(V, D, mode="sum")
+
+    def forward(self, x, tokens):
+        m = tokens < V // 2
+        return x + self.bags(tokens[m], torch.tensor([0, 2])).sum(0)
+
+
+def test_a_parameter_op_that_mixes_the_selected_rows_is_refused():
+    problems = fxdp.validate(RowsBaggedTogether().double(), *_inputs(3, torch.float64))
+    assert [p.op for p in problems] == ["aten.embedding_bag.padding_idx"], problems
+    assert "boolean mask selected from the whole batch" in problems[0].reason
