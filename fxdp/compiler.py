@@ -202,9 +202,10 @@ def _needs_a_gradient(node: fx.Node) -> bool:
     return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves)
 
 
-def _parameters_behind(t: torch.Tensor) -> list[torch.nn.Parameter]:
-    """The trainable ``nn.Parameter`` leaves of ``t``'s autograd history: what a gradient
-    into ``t`` reaches outside the graph it enters."""
+def _parameters_behind(t: torch.Tensor, any_leaf: bool = False) -> list[torch.Tensor]:
+    """The trainable ``nn.Parameter`` leaves of ``t``'s autograd history (with
+    ``any_leaf``, every leaf that needs a gradient): what a gradient into ``t`` reaches
+    outside the graph it enters."""
     found, seen, stack = [], set(), [t.grad_fn]
     while stack:
         fn = stack.pop()
@@ -212,7 +213,8 @@ def _parameters_behind(t: torch.Tensor) -> list[torch.nn.Parameter]:
             continue
         seen.add(fn)
         leaf = getattr(fn, "variable", None)  # AccumulateGrad
-        if isinstance(leaf, torch.nn.Parameter) and leaf.requires_grad:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and (
+                any_leaf or isinstance(leaf, torch.nn.Parameter)):
             found.append(leaf)
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return found
@@ -308,23 +310,29 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
             "parameters per-sample; this one would get the ordinary, unclipped gradient of the whole "
             "batch. Pass nn.Parameter objects ({name: nn.Parameter(t) for ...}), detach it, or, if it "
             "is batched data, name its batch dim in in_dims.")
-    if options.max_grad_norm is not None and param_names:
-        _refuse_parameters_behind_inputs(computed)
+    if options.max_grad_norm is not None:  # (a graph without parameters of its own too)
+        _refuse_parameters_behind_inputs(computed, placeholder_batch)
     return placeholders, fake_args, param_names, placeholder_batch, batch_size, notes
 
 
-def _refuse_parameters_behind_inputs(computed: list[tuple[fx.Node, torch.Tensor]]) -> None:
+def _refuse_parameters_behind_inputs(computed: list[tuple[fx.Node, torch.Tensor]],
+                                     placeholder_batch: dict[fx.Node, BatchDim | None]) -> None:
     """Under clipping, raise if an input was computed with gradient from trainable
     parameters outside the graph: eagerly (the part of a model Dynamo ran without the
-    backend after a graph break in it) or by another compiled graph. Their gradients
-    would be clipped apart from this graph's, or not at all."""
+    backend after a graph break in it, a weight computed once outside the forward) or by
+    another compiled graph. Their gradients would be clipped apart from this graph's, or
+    not at all. Behind a shared input (a module attribute, an argument without a batch
+    dim) any leaf that needs a gradient counts, a plain tensor too; behind batched data
+    only parameters do (the input's own leaf may need a gradient: ``x.requires_grad_()``
+    for input gradients, then ``model(x * 2)``)."""
     for node, real in computed:
-        params = _parameters_behind(real) if _carries_a_gradient(node) else []
+        shared = placeholder_batch.get(node) is None
+        params = _parameters_behind(real, any_leaf=shared) if _carries_a_gradient(node) else []
         if params:
             shapes = ", ".join(str(tuple(p.shape)) for p in params[:3]) + (", ..." if len(params) > 3 else "")
             raise UnsupportedError(
                 f"{source_name(node)}: this input carries a gradient back to {len(params)} trainable "
-                f"parameter(s) outside the compiled graph (shapes {shapes}), computed eagerly (a graph "
+                f"tensor(s) outside the compiled graph (shapes {shapes}), computed eagerly (a graph "
                 "break inside the model: Dynamo runs the code it cannot compile without any backend), by "
                 "another compiled graph, or by an earlier call (a state a previous call left on the module, "
                 "read as a value: a recurrent state carried across steps). fxdp clips globally, and those "

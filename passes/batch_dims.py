@@ -2243,7 +2243,9 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguou
     """The batch dim of a tensor built from sizes with ``B`` among them: a
     ``_SIZED_BY_ARGUMENT`` tensor's dim of size ``B``, or a dim of size ``B`` that an
     ``expand`` of shared data no parameter computed broadcasts (diffusers' frame
-    positions ``arange(F).repeat(B, 1)``, which canonicalisation writes as an expand).
+    positions ``arange(F).repeat(B, 1)``, which canonicalisation writes as an expand),
+    or the batch of the tensor a ``FILLED_LIKE`` op (``ones_like(x)``) takes its shape
+    from (stable-baselines3's ``ones_like(mean) * log_std.exp()``, ``like``).
 
     Its values are the same all along such a dim, so whichever of them is read as the
     batch, each sample's slice holds the same values: with several (``zeros(B, F)``
@@ -2253,6 +2255,8 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguou
     ``new_zeros`` is called on, has its batch at one of them
     (``x.new_zeros(B, 1, d)`` with ``d == B``: the batch is where ``x`` has it).
     """
+    if node.target in FILLED_LIKE:  # constants shaped like a batched tensor: batched as it
+        return like if batched and isinstance(like, BatchDim) and like.dim is not None else None
     if node.target not in _SIZED_BY_ARGUMENT and (node.target is not aten.expand.default or batched):
         return None
     shape = _meta(node).shape
@@ -2899,7 +2903,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
             continue
 
-        sized = None if single else _sized_by_batch(node, batch_size, batched)
+        sized = None if single else _sized_by_batch(
+            node, batch_size, batched, like=batch.get(node.args[0]) if target in FILLED_LIKE else None)
         if sized is not None:
             sized_by_batch.append(node)
             if sized_batched == "unambiguous":

@@ -957,6 +957,45 @@ def test_an_input_computed_from_parameters_outside_the_transform_is_refused():
     assert embed.weight.grad is None and model.lin1.weight.grad is not None
 
 
+@pytest.mark.parametrize("leaf", ["plain tensor", "parameter"])
+@pytest.mark.parametrize("own_parameters", [True, False], ids=["with_parameters", "without_parameters"])
+@pytest.mark.parametrize("how", ["attribute", "argument"])
+def test_a_weight_computed_outside_the_forward_is_refused(how, own_parameters, leaf):
+    """A weight computed once outside the forward (``self.w = w0 * 1.0``; a deep copy of
+    a module whose weights are non-leaf views), read as a module attribute or passed as a
+    shared argument: its gradient reaches ``w0`` unclipped. Refused whether ``w0`` is an
+    ``nn.Parameter`` or a plain tensor that needs a gradient, and whether the graph has
+    parameters of its own or none (it ran, unclipped, in both cases)."""
+    torch.manual_seed(0)
+    w0 = torch.randn(4, 4, dtype=DTYPE, requires_grad=True) if leaf == "plain tensor" else nn.Parameter(
+        torch.randn(4, 4, dtype=DTYPE))
+
+    class Outside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4).to(DTYPE) if own_parameters else nn.Identity()
+            self.w = w0 * 1.0
+
+        def forward(self, x, w=None):
+            return self.lin(x) @ (self.w if w is None else w)
+
+    dp = fxdp.transform(Outside(), max_grad_norm=1.0, compiler="eager", in_dims=(0, None))
+    with pytest.raises(fxdp.UnsupportedError, match="1 trainable tensor.s. outside the compiled graph"):
+        dp(randn(5, 4)) if how == "attribute" else dp(randn(5, 4), w0 * 1.0)
+    assert w0.grad is None
+
+
+def test_input_gradients_of_batched_data_computed_before_the_model_stay_allowed():
+    """The data's own leaf may need a gradient (input gradients): behind a batched input
+    only parameters are refused."""
+    torch.manual_seed(0)
+    model = MLP().to(DTYPE)
+    x = randn(5, 4).requires_grad_()
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    mean_sq_loss(dp(x * 2.0)).backward()
+    assert x.grad is not None and model.lin1.weight.grad is not None
+
+
 class LeakyState(nn.Module):
     """A spiking neuron as snntorch writes it: the forward keeps its membrane state on
     the module (``self.mem``), and the next call starts from ``zeros_like(self.mem)``,

@@ -3525,3 +3525,37 @@ def test_a_layer_norm_weight_gradient_over_the_batch_in_the_forward_is_refused()
 
     assert "the gradient of its weight or bias sums over the batch" in _reasons(around(body, s=(D,))(),
                                                                                  torch.randn(B, D))
+
+
+class ScaleLikeTheMean(nn.Module):
+    """stable-baselines3's ``DiagGaussianDistribution``: ``ones_like(mean) * log_std.exp()``,
+    a parameter multiplied by constants shaped like a batched tensor."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.lin = nn.Linear(5, 2)
+        self.log_std = nn.Parameter(torch.tensor([0.3, -0.2]))
+
+    def forward(self, x):
+        mean = self.lin(x)
+        std = {"ones_like": lambda: torch.ones_like(mean) * self.log_std.exp(),
+               "zeros_like": lambda: torch.zeros_like(mean) + self.log_std.exp(),
+               "full_like": lambda: torch.full_like(mean, 2.0) * self.log_std.exp()}[self.form]()
+        return ((x[:, :2] - mean) / std).pow(2).sum(1) + std.log().sum(1)
+
+
+@pytest.mark.parametrize("form", ["ones_like", "zeros_like", "full_like"])
+def test_a_parameter_times_constants_shaped_like_the_batch_is_exact(form):
+    """``ones_like(mean) * p`` was refused ("the parameter has a size other than 1 along
+    the batch dim"): the constants were read as shared, so the product was a value of the
+    parameter spanning the batch. Read batched like ``mean``, the product is an ordinary
+    per-sample use of ``p``."""
+    torch.manual_seed(0)
+    model = ScaleLikeTheMean(form).double()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    ref = reference(model, (x,), lambda out, i: out.sum())
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")
