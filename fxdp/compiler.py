@@ -202,14 +202,15 @@ def _needs_a_gradient(node: fx.Node) -> bool:
     return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves)
 
 
-def _parameters_behind(t: torch.Tensor, any_leaf: bool = False) -> list[torch.Tensor]:
+def _parameters_behind(t: torch.Tensor, any_leaf: bool = False, through_graphs: bool = True) -> list[torch.Tensor]:
     """The trainable ``nn.Parameter`` leaves of ``t``'s autograd history (with
     ``any_leaf``, every leaf that needs a gradient): what a gradient into ``t`` reaches
-    outside the graph it enters."""
+    outside the graph it enters. Without ``through_graphs``, the leaves behind another
+    compiled graph (whose backward fxdp's backend gives them) are not looked for."""
     found, seen, stack = [], set(), [t.grad_fn]
     while stack:
         fn = stack.pop()
-        if fn is None or fn in seen:
+        if fn is None or fn in seen or (not through_graphs and type(fn).__name__ == "CompiledFunctionBackward"):
             continue
         seen.add(fn)
         leaf = getattr(fn, "variable", None)  # AccumulateGrad
@@ -311,12 +312,12 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
             "batch. Pass nn.Parameter objects ({name: nn.Parameter(t) for ...}), detach it, or, if it "
             "is batched data, name its batch dim in in_dims.")
     if options.max_grad_norm is not None:  # (a graph without parameters of its own too)
-        _refuse_parameters_behind_inputs(computed, placeholder_batch)
+        _refuse_parameters_behind_inputs(computed, placeholder_batch, bool(param_names))
     return placeholders, fake_args, param_names, placeholder_batch, batch_size, notes
 
 
 def _refuse_parameters_behind_inputs(computed: list[tuple[fx.Node, torch.Tensor]],
-                                     placeholder_batch: dict[fx.Node, BatchDim | None]) -> None:
+                                     placeholder_batch: dict[fx.Node, BatchDim | None], clips: bool) -> None:
     """Under clipping, raise if an input was computed with gradient from trainable
     parameters outside the graph: eagerly (the part of a model Dynamo ran without the
     backend after a graph break in it, a weight computed once outside the forward) or by
@@ -324,10 +325,12 @@ def _refuse_parameters_behind_inputs(computed: list[tuple[fx.Node, torch.Tensor]
     not at all. Behind a shared input (a module attribute, an argument without a batch
     dim) any leaf that needs a gradient counts, a plain tensor too; behind batched data
     only parameters do (the input's own leaf may need a gradient: ``x.requires_grad_()``
-    for input gradients, then ``model(x * 2)``)."""
+    for input gradients, then ``model(x * 2)``). A graph without trainable parameters
+    (``not clips``: a loss compiled apart) clips nothing, so another compiled graph's
+    parameters behind it are that graph's to clip; eager ones would get no clipping."""
     for node, real in computed:
         shared = placeholder_batch.get(node) is None
-        params = _parameters_behind(real, any_leaf=shared) if _carries_a_gradient(node) else []
+        params = _parameters_behind(real, any_leaf=shared, through_graphs=clips) if _carries_a_gradient(node) else []
         if params:
             shapes = ", ".join(str(tuple(p.shape)) for p in params[:3]) + (", ..." if len(params) > 3 else "")
             raise UnsupportedError(

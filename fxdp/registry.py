@@ -292,11 +292,14 @@ def out_of_place(op: Any) -> Any:
     packet = getattr(torch.ops.aten, name[:-1], None)
     if packet is None:
         return None
+    def signature(o: Any) -> list:
+        return [(a.name, str(a.type)) for a in o._schema.arguments]
+
     twin = getattr(packet, op._overloadname, None)
-    if twin is None:  # named otherwise (``transpose_.default`` and ``transpose.int``): the same arguments
-        signature = [(a.name, str(a.type)) for a in arguments]
-        twin = next((getattr(packet, o) for o in packet.overloads()
-                     if [(a.name, str(a.type)) for a in getattr(packet, o)._schema.arguments] == signature), None)
-    if twin is None or len(twin._schema.arguments) != len(arguments):
-        return None
+    if twin is None or signature(twin) != signature(op):
+        # Named otherwise (``transpose_.default`` and ``transpose.int``), or the name's twin
+        # takes other arguments (``pow_.Scalar(Tensor self, Scalar exponent)`` and
+        # ``pow.Scalar(Scalar self, Tensor exponent)``): the overload with the same arguments.
+        twin = next((getattr(packet, o) for o in packet.overloads() if signature(getattr(packet, o)) == signature(op)),
+                    None)
     return twin

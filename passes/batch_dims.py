@@ -3008,6 +3008,10 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         expanded_params)
 
     loss = None
+    # A loss computed and dropped (dense_diff_pool's entropy term its caller ignores)
+    # is none: only the losses the outputs depend on count.
+    live = _live_nodes(gm)
+    losses = {n: kind for n, kind in losses.items() if n in live}
     # A sum divided by the batch size fits beside a mean and beside a sum alike.
     loss_kinds = set(losses.values())
     if loss_kinds:
@@ -3019,6 +3023,20 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                          broadcasts=broadcasts, param_only=sources, single=single,
                          empty=single and batch_size == 0, sized_by_batch=sized_by_batch,
                          normalisers=normalisers, sized_normaliser=sized_normaliser)
+
+
+def _live_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes the graph's outputs depend on (or that write in place: a write's base
+    is read later)."""
+    pending = [n for n in gm.graph.nodes if n.op == "output" or (
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)]
+    live: set[fx.Node] = set()
+    while pending:
+        n = pending.pop()
+        if n not in live:
+            live.add(n)
+            pending.extend(n.all_input_nodes)
+    return live
 
 
 _ASSERTIONS = {aten._assert_scalar.default, aten._assert_async.default, aten._assert_async.msg,

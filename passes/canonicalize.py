@@ -1017,7 +1017,8 @@ def legacy_empty_cat_pass(gm: fx.GraphModule) -> fx.GraphModule:
         operands = list(node.args[0])
         shapes = [tuple(t.meta["val"].shape) if isinstance(t, fx.Node) and "val" in t.meta else None
                   for t in operands]
-        legacy = [shape is not None and len(shape) == 1 and bool(shape[0] == 0) for shape in shapes]
+        # (A size the data sets, ``w[w > 0.5]``, is no legacy empty tensor.)
+        legacy = [shape is not None and len(shape) == 1 and statically_known_true(shape[0] == 0) for shape in shapes]
         if all(legacy) or (not any(legacy) and len(operands) > 1):
             continue
         kept = [t for t, skip in zip(operands, legacy) if not skip]

@@ -3559,3 +3559,74 @@ def test_a_parameter_times_constants_shaped_like_the_batch_is_exact(form):
     dp(x).sum().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
                      tolerance(torch.float64), "grad_sample")
+
+
+class InPlaceTwins(nn.Module):
+    """In-place ops whose out-of-place twin of the same overload name takes other
+    arguments: ``pow_.Scalar(Tensor self, Scalar exponent)`` is ``pow.Tensor_Scalar``,
+    not ``pow.Scalar(Scalar self, Tensor exponent)`` (PyG's ``gcn_norm``:
+    ``deg.pow_(-0.5)``); likewise ``float_power_`` and ``ldexp_``."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(3, 4)
+        self.scale = nn.Parameter(torch.tensor([0.5, 1.0, 1.5, 2.0]))
+
+    def forward(self, x):
+        h = self.lin(x).abs().add(1)
+        if self.kind == "pow_":
+            h.pow_(-0.5)
+        elif self.kind == "float_power_":
+            h.float_power_(2.0)
+        else:
+            h.ldexp_(torch.tensor([1.0, 2.0, 0.0, 1.0], dtype=h.dtype))
+        return h * self.scale
+
+
+@pytest.mark.parametrize("kind", ["pow_", "float_power_", "ldexp_"])
+def test_in_place_ops_whose_twin_is_another_overload_are_exact(kind: str):
+    """They crashed ("aten::pow() Expected a value of type 'number' for argument 'self'")."""
+    torch.manual_seed(0)
+    _against_the_loop(InPlaceTwins(kind).double(), torch.randn(B, 3, dtype=torch.float64))
+
+
+class KeptWeights(nn.Module):
+    """A 1-D ``cat`` of shared values whose size the data sets (PyG's
+    ``add_remaining_self_loops``: the edge weights a mask keeps, then the loops')."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.register_buffer("w", torch.tensor([0.9, 0.1, 0.7, 0.6, 0.2], dtype=torch.float64))
+
+    def forward(self, x):
+        kept = torch.cat([self.w[self.w > 0.5], torch.ones(2, dtype=x.dtype)])
+        return self.lin(x) * kept.sum()
+
+
+def test_a_cat_with_an_operand_of_a_data_dependent_size_is_exact():
+    """Such an operand was taken for a legacy empty tensor (``torch.tensor([])``) by a
+    test that guards on its size, and the model refused as AOTAutograd's limit."""
+    torch.manual_seed(0)
+    _against_the_loop(KeptWeights().double(), torch.randn(B, 3, dtype=torch.float64))
+
+
+class DroppedMean(nn.Module):
+    """A mean over the batch computed and dropped (PyG's ``dense_diff_pool`` returns its
+    entropy term, which the caller ignores)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.lin(x)
+        aux = h.mean()  # noqa: F841
+        return h
+
+
+def test_a_loss_the_outputs_do_not_depend_on_is_no_loss():
+    """It was taken for the in-graph loss, a mean, and refused under ``loss_reduction='sum'``."""
+    torch.manual_seed(0)
+    _against_the_loop(DroppedMean().double(), torch.randn(B, 3, dtype=torch.float64))
