@@ -2287,9 +2287,9 @@ def _scales_the_loss(target: Any, arg_batch: list) -> bool:
     ``l.detach().mean()``) is a loss too: dividing by it is refused, as a normaliser
     from other samples' data."""
     op = out_of_place(target) or target
-    if any(isinstance(b, BatchDim) for b in arg_batch):
+    if any(isinstance(b, BatchDim) for b in _flat(arg_batch)):
         return False
-    if op in _LINEAR_IN_THE_LOSS or op in _COPIES:
+    if op in _LINEAR_IN_THE_LOSS or op in _COPIES or op in _LOSS_VECTORS:
         return True
     losses = [isinstance(b, Loss) for b in arg_batch[:2]]
     if op in (aten.mul.Tensor, aten.mul.Scalar):
@@ -2298,6 +2298,14 @@ def _scales_the_loss(target: Any, arg_batch: list) -> bool:
         return losses[0] and not any(losses[1:])
     return False
 
+
+# Ops that gather losses into a vector, take them back out, or add them up (a residual
+# quantizer's ``torch.stack(aux_losses)``, summed later): each entry stays a sum of
+# per-sample terms.
+_LOSS_VECTORS = {aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                 aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+                 aten.cat.default, aten.stack.default, aten.select.int, aten.slice.Tensor, aten.sum.default,
+                 aten.sum.dim_IntList, aten.mean.default, aten.mean.dim}
 
 _FULL_REDUCTIONS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.mean.default: "mean",
                     aten.mean.dim: "mean"}
@@ -2390,6 +2398,15 @@ def _divides_by(node: fx.Node, batch_size: Any) -> bool:
     if isinstance(divisor, fx.Node):
         divisor = _meta(divisor)
     return isinstance(divisor, (int, torch.SymInt)) and _same_size(divisor, batch_size)
+
+
+def _multiplies_by(node: fx.Node, batch_size: Any) -> bool:
+    """``node`` is ``x * B`` (or ``B * x``) with ``B`` the batch size."""
+    if node.target not in (aten.mul.Tensor, aten.mul.Scalar) or len(node.args) < 2:
+        return False
+    factors = [_meta(a) if isinstance(a, fx.Node) else a for a in node.args[:2]]
+    return any(isinstance(f, (int, torch.SymInt)) and not isinstance(f, bool) and _same_size(f, batch_size)
+               for f in factors)
 
 
 def _reductions_behind(node: fx.Node, batch: dict, losses: dict[fx.Node, str]) -> list[fx.Node]:
@@ -2920,7 +2937,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             out = _meta(node)
             batch[node] = [None] * len(out) if isinstance(out, (list, tuple)) else None
             continue
-        if any(isinstance(b, Loss) for b in arg_batch):
+        if any(isinstance(b, Loss) for b in _flat(arg_batch)):
             mask = _mask_normaliser(node, losses, placeholder_batch, param_names)
             if mask is not None and isinstance(batch.get(mask), BatchDim):
                 # (l * mask).sum() / mask.sum(): a mean over the samples (checked at run time).
@@ -2933,11 +2950,15 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             sized_normaliser |= mask is not None and batch.get(mask) is None and _built_from(mask, sized_by_batch)
             # Only sums, scalings by shared values and copies may follow the loss.
             if _scales_the_loss(target, arg_batch):
-                batch[node] = next(b for b in arg_batch if isinstance(b, Loss))
+                batch[node] = next(b for b in _flat(arg_batch) if isinstance(b, Loss))
                 if _divides_by(node, batch_size):
                     reductions = _reductions_behind(node, batch, losses)
                     if all(losses[r] == "sum" for r in reductions):
                         losses.update(dict.fromkeys(reductions, "batchmean"))
+                elif _multiplies_by(node, batch_size):  # a mean times B: the sum
+                    reductions = _reductions_behind(node, batch, losses)
+                    if all(losses[r] == "mean" for r in reductions):
+                        losses.update(dict.fromkeys(reductions, "sum"))
                 continue
             problems.append(Problem(op_name(target), path, "", _loss_misuse(target, arg_batch, _meta(node)),
                                     source_of(node)))

@@ -344,6 +344,8 @@ class Distill(torch.nn.Module):
             return F.cross_entropy(log_p, q.argmax(-1)) + F.kl_div(log_p, q, reduction="batchmean")
         if self.how == "sum_over_features":  # a constant that is not the batch size
             return F.kl_div(log_p, q, reduction="sum") / x.shape[1]
+        if self.how == "mean_times_batch":  # a mean times the batch size: the sum
+            return F.kl_div(log_p, q, reduction="none").sum(-1).mean() * x.shape[0]
         return F.kl_div(log_p, q, reduction="none").sum(-1).mean()
 
 
@@ -382,6 +384,69 @@ def test_a_sum_divided_by_the_batch_size_is_a_mean_and_a_sum_of_shares(how: str,
                              tolerance(torch.float64), "p.grad")
             assert_close_all({"norms": dp_model.per_sample_norms}, {"norms": ref.norms},
                              tolerance(torch.float64), "per_sample_norms")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_mean_times_the_batch_size_is_a_sum(reduction: str):
+    """``l.mean() * B`` is ``l.sum()`` (PyG's pooling losses scaled back): a sum, at the
+    first batch size (a literal ``B``) and at a second one (symbolic)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Distill("mean_times_batch").double()
+    dp_model = fxdp.transform(model, max_grad_norm=1.0, loss_reduction=reduction, compiler="eager")
+    if reduction == "mean":
+        with pytest.raises(fxdp.UnsupportedError, match="is a sum over the batch but loss_reduction='mean'"):
+            dp_model(_randn(B, 4), _randn(B, 5, seed=3))
+        return
+    for size in (B, B + 2):
+        x, teacher = _randn(size, 4), _randn(size, 5, seed=3)
+        ref = reference(model, (x, teacher), lambda loss, i: loss)
+        model.zero_grad(set_to_none=True)
+        dp_model(x, teacher).backward()
+        assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("sum", 1.0),
+                         tolerance(torch.float64), "p.grad")
+
+
+class StagedLosses(torch.nn.Module):
+    """A residual quantizer's auxiliary losses, one mean per stage, gathered in a vector
+    (``torch.stack``, or ``cat`` of ``l[None]``), returned or summed inside the graph."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.how = how
+
+    def forward(self, x):
+        y1 = self.a(x)
+        y2 = self.b(y1)
+        l1, l2 = F.mse_loss(y1, x), F.mse_loss(y2, x)
+        aux = torch.stack([l1, l2]) if self.how != "cat" else torch.cat([l1[None], l2[None]])
+        if self.how == "summed":
+            return y2.pow(2).sum(-1).mean() + aux.sum()
+        return y2, aux
+
+
+@pytest.mark.parametrize("how", ["stack", "cat", "summed"])
+def test_losses_gathered_in_a_vector_stay_losses(how: str):
+    """Each entry of ``torch.stack([l1, l2])`` is a mean of per-sample terms: summed
+    (inside the graph or out of it) the loss is the mean of ``y_i² + l1_i + l2_i``. It
+    was refused as a loss "used by an op other than a sum"."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = StagedLosses(how).double()
+    x = _randn(B, 4)
+
+    def total(out, i=None):
+        if how == "summed":
+            return out
+        y2, aux = out
+        return y2.pow(2).sum(-1).mean() + aux.sum()
+
+    ref = reference(model, (x,), total)
+    clip = float(ref.norms.median())
+    dp_model = fxdp.transform(model, max_grad_norm=clip, grad_sample=True, loss_reduction="mean", compiler="eager")
+    total(dp_model(x)).backward()
+    check_step(model, dp_model, ref, grad_sample=True, clip=clip, tol=tolerance(torch.float64), reduction="mean")
 
 
 def test_a_sum_divided_by_another_number_is_a_sum():
