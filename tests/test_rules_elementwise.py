@@ -1989,8 +1989,12 @@ def test_take_of_a_shared_table_by_per_sample_ids():
 def test_ops_that_flatten_the_batch_are_refused_with_their_reason():
     x = torch.randn(B, D)
     flattens = "mixes samples: it flattens the batch into one list of what it finds"
-    model = around(lambda m, h: h + torch.masked_select(h * m.s, h > 0).sum(), s=(D,))()
+    # (A mask of the tensor's own shape and batch selects a list of rows, x[mask], which
+    # only a sum over the whole list mixes: see test_masked_rows.py.)
+    model = around(lambda m, h: h + torch.masked_select(h * m.s, m.s > 0).sum(), s=(D,))()
     assert flattens in _reasons(model, x)
+    model = around(lambda m, h: h + torch.masked_select(h * m.s, h > 0).sum(), s=(D,))()
+    assert "it works on the elements a boolean mask over the batch dim selected" in _reasons(model, x)
     model = around(lambda m, h: h[torch.nonzero(h * m.s > 0, as_tuple=True)].sum() + h, s=(D,))()
     assert flattens in _reasons(model, x)
     model = around(lambda m, h: h + torch.take(h * m.s, torch.tensor([0, 5])).sum(), s=(D,))()
