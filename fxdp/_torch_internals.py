@@ -1236,10 +1236,11 @@ def backend_error(error: BaseException) -> BaseException | None:
     if isinstance(error, torch._dynamo.exc.TorchRuntimeError):
         return UnsupportedError(
             "fxdp needs the model's forward as one graph, and an op failed while Dynamo captured it "
-            "on fake tensors (plain torch.compile(model, fullgraph=True) fails the same way): where "
-            "the model runs eagerly, Dynamo traces a Python value differently (a NumPy scalar used "
-            "as an index becomes a float tensor); pass plain Python ints there. "
-            f"Dynamo's error: {error}")
+            "on fake tensors (plain torch.compile(model, fullgraph=True) fails the same way). Run the "
+            "model on these inputs without fxdp first: if it fails there too, the error is the "
+            "model's own (shapes or dtypes it does not accept); if it runs, Dynamo traces a Python "
+            "value differently (a NumPy scalar used as an index becomes a float tensor): pass plain "
+            f"Python ints there. Dynamo's error: {error}")
     if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
         return UnsupportedError(recompile_limit_message("the model"))
     if type(error) is RuntimeError and any(check in str(error) for check in RUN_TIME_CHECKS):

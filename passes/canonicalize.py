@@ -1973,6 +1973,8 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
         if any(is_view(u) and order[u] < order[node] for u in written.users):
             continue  # aliased memory
         if is_view(written) and not _sole_view(written):
+            while (lifted := _write_one_view_up(gm, node, order)) is not None:
+                node, written, changed = lifted, lifted.args[0], True
             changed |= _write_as_scatter(gm, node, twin, order)
             continue
         later = [u for u in written.users if u is not node and order[u] > order[node]]
@@ -2057,6 +2059,63 @@ def _fresh_constant(node: fx.Node) -> bool:
         isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
 
 
+def _scattered(gm: fx.GraphModule, base: fx.Node, value: fx.Node, view: fx.Node, like: fx.Node) -> fx.Node:
+    """``base`` with ``value`` in place of what the slice or select ``view`` of it shows
+    (a select's index made non-negative beforehand)."""
+    if view.target is torch.ops.aten.slice.Tensor:
+        bounds = list(view.args[1:])
+        size = base.meta["val"].shape[bounds[0]] if bounds else None
+        if len(bounds) > 2 and isinstance(bounds[2], int) and isinstance(size, int) and bounds[2] > size:
+            bounds[2] = size  # ``x[:, 1:]`` ends at sys.maxsize, which vmap's scatter would count to
+        return _call(gm, torch.ops.aten.slice_scatter.default, (base, value, *bounds), like)
+    # a select, as the slice of one row (see _select_scatter_as_slice)
+    dim, index = view.args[1], view.args[2]
+    if index < 0:
+        index = index + base.meta["val"].shape[dim]
+    row = _call(gm, torch.ops.aten.unsqueeze.default, (value, dim), like)
+    return _call(gm, torch.ops.aten.slice_scatter.default, (base, row, dim, index, index + 1), like)
+
+
+def _write_one_view_up(gm: fx.GraphModule, node: fx.Node, order: dict) -> fx.Node | None:
+    """``copy_`` into a slice or select of a slice or select (``W[0][:2] = w``,
+    ``W[0, :2] = w``; spikingjelly's ``SlidingPSN`` fills a matrix so), each view read by
+    the write alone: the same write into the outer view, of the outer view's values with
+    ``w`` scattered in, which ``_write_as_scatter`` can take (or ``None``)::
+
+        select = torch.ops.aten.select.int(zeros, 0, 0)              # before
+        slice_1 = torch.ops.aten.slice.Tensor(select, 0, 0, 2)
+        copy_ = torch.ops.aten.copy_.default(slice_1, w)
+        expand = torch.ops.aten.expand.default(w, [2])                # after
+        slice_scatter = torch.ops.aten.slice_scatter.default(select, expand, 0, 0, 2)
+        copy__1 = torch.ops.aten.copy_.default(select, slice_scatter)
+    """
+    view = node.args[0]
+    outer = view.args[0] if view.args else None
+    if node.target is not torch.ops.aten.copy_.default or view.target not in _SCATTERS \
+            or not isinstance(outer, fx.Node) or outer.op != "call_function" or outer.target not in _SCATTERS \
+            or len(view.users) != 1 or len(outer.users) != 1 or node.users:
+        return None
+    for v in (view, outer):
+        if v.target is torch.ops.aten.select.int and not all(isinstance(a, int) for a in v.args[1:3]):
+            return None
+        if v.target is torch.ops.aten.select.int and v.args[2] < 0 and not isinstance(
+                v.args[0].meta["val"].shape[v.args[1]], int):
+            return None
+    src, shown = node.args[1], view.meta["val"]
+    if not isinstance(src, fx.Node):
+        return None
+    with gm.graph.inserting_before(node):
+        if src.meta["val"].dtype != shown.dtype:
+            src = _call(gm, torch.ops.aten.to.dtype, (src, shown.dtype), node)
+        value = _call(gm, torch.ops.aten.expand.default, (src, list(shown.shape)), node)
+        scattered = _scattered(gm, outer, value, view, node)
+        lifted = _call(gm, torch.ops.aten.copy_.default, (outer, scattered), node)
+    order[lifted] = order[node]
+    gm.graph.erase_node(node)
+    gm.graph.erase_node(view)
+    return lifted
+
+
 def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict) -> bool:
     """An in-place op with no tensor operand (``zero_``, ``fill_``, ``mul_`` by a number),
     or constant ones only, on a slice or select of a computed tensor that no view taken
@@ -2098,15 +2157,7 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
     else:
         node.target = twin
     with gm.graph.inserting_before(node.next):  # in order, right after the write
-        if view.target is torch.ops.aten.slice.Tensor:
-            bounds = list(view.args[1:])
-            size = base.meta["val"].shape[bounds[0]] if bounds else None
-            if len(bounds) > 2 and isinstance(bounds[2], int) and isinstance(size, int) and bounds[2] > size:
-                bounds[2] = size  # ``x[:, 1:]`` ends at sys.maxsize, which vmap's scatter would count to
-            scattered = _call(gm, torch.ops.aten.slice_scatter.default, (base, node, *bounds), node)
-        else:  # a select, as the slice of one row (see _select_scatter_as_slice)
-            row = _call(gm, torch.ops.aten.unsqueeze.default, (node, dim), node)
-            scattered = _call(gm, torch.ops.aten.slice_scatter.default, (base, row, dim, index, index + 1), node)
+        scattered = _scattered(gm, base, node, view, node)
     for user in [u for u in base.users if u is not scattered and order.get(u, -1) > at]:
         user.replace_input_with(base, scattered)
     for user in [u for u in view.users if u is not node and order.get(u, -1) > at]:

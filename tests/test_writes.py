@@ -275,6 +275,49 @@ class ParameterWrittenAfterAView(nn.Module):
         return F.conv1d(x, (s * self.k[:, 1:2] + v[:, None]).unsqueeze(1)).flatten(1)[:, :3]
 
 
+class SlidingWeights(nn.Module):
+    """spikingjelly's ``SlidingPSN.gen_gemm_weight``: each row of a fresh ``torch.zeros``
+    matrix gets a window of the parameter through two views (``W[i][start:end] = w[...]``),
+    then the matrix mixes the time steps of each sample (time-major input)."""
+
+    def __init__(self, k: int = 2):
+        super().__init__()
+        self.k = k
+        self.weight = nn.Parameter(torch.tensor([0.5, 1.0]))
+        self.bias = nn.Parameter(torch.tensor(-0.3))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):  # x [T, B, 4]
+        steps = x.shape[0]
+        weight = torch.zeros([steps, steps], dtype=x.dtype)
+        for i in range(steps):
+            start = max(0, i + 1 - self.k)
+            weight[i][start:i + 1] = self.weight[self.k - (i + 1 - start):self.k]
+        h = torch.addmm(self.bias, weight, x.flatten(1)).view(x.shape)
+        return self.head(torch.tanh(h)).sum(0)
+
+
+@pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
+def test_parameters_written_through_two_views_into_a_fresh_matrix_are_exact(grad_sample):
+    """Refused before ("write into a tensor made from sizes alone ... before taking any
+    other view of it", which this is): a write through a view of a view now becomes a
+    write through the outer view."""
+    torch.manual_seed(0)
+    model = SlidingWeights().double()
+    x = torch.randn(5, B, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (B,), generator=torch.Generator().manual_seed(1))
+    ref = reference(model, (x,), lambda out, i: F.cross_entropy(out, y[i:i + 1], reduction="sum"), batch_dim=1)
+    clip = float(ref.norms.median())
+    dp = fxdp.transform(model, max_grad_norm=clip, grad_sample=grad_sample, loss_reduction="sum",
+                        compiler="eager", batch_first=False)
+    F.cross_entropy(dp(x), y, reduction="sum").backward()
+    tol = tolerance(torch.float64)
+    params = dict(model.named_parameters())
+    assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("sum", clip), tol, "grad")
+    if grad_sample:
+        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tol, "grad_sample")
+
+
 def test_parameter_values_written_into_a_tensor_the_analysis_cannot_rewrite_are_refused():
     with pytest.raises(fxdp.UnsupportedError, match="writes values computed from parameters in place into a tensor"):
         fxdp.transform(ParameterWrittenAfterAView(), max_grad_norm=1.0, compiler="eager")(torch.randn(B, 1, 12))
