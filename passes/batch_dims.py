@@ -32,7 +32,7 @@ from fxdp.registry import lookup, named_arg, out_of_place
 from fxdp.rules.grouped import is_grouped_mm
 
 __all__ = ["BatchAnalysis", "UseSite", "Broadcast", "MixesSamples", "batch_dim_pass", "pure_op", "module_path_of", "op_name", "arange_dim",
-           "rule_layout"]
+           "rule_layout", "reached"]
 
 aten = torch.ops.aten
 
@@ -1987,8 +1987,9 @@ def _blocks_of(mask: Any, rows: fx.Node) -> bool:
     if _same_computation(mask, rows):
         return True
     inner = _meta(mask.args[0]) if mask.args and isinstance(mask.args[0], fx.Node) else None
+    lead = _meta(rows).dim()  # the dims the mask ``rows`` covers, kept by each view
     if mask.target in (aten.unsqueeze.default, aten.expand.default, aten.view.default, aten.reshape.default) \
-            and isinstance(inner, torch.Tensor) and inner.shape[:_meta(rows).dim()] == _meta(mask).shape[:_meta(rows).dim()]:
+            and isinstance(inner, torch.Tensor) and inner.shape[:lead] == _meta(mask).shape[:lead]:
         return _blocks_of(mask.args[0], rows)
     if mask.target is aten.bitwise_not.default and isinstance(rows, fx.Node) \
             and rows.target is aten.bitwise_not.default:
@@ -3049,15 +3050,22 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
 def _live_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """The nodes the graph's outputs depend on (or that write in place: a write's base
     is read later)."""
-    pending = [n for n in gm.graph.nodes if n.op == "output" or (
-        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)]
-    live: set[fx.Node] = set()
-    while pending:
-        n = pending.pop()
-        if n not in live:
-            live.add(n)
-            pending.extend(n.all_input_nodes)
-    return live
+    return reached([n for n in gm.graph.nodes if n.op == "output" or (
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)],
+        lambda n: n.all_input_nodes)
+
+
+def reached(nodes: Sequence[fx.Node], step: Callable[[fx.Node], Sequence[fx.Node]]) -> set[fx.Node]:
+    """``nodes`` and every node reached from them by ``step`` (``n.users``: what is
+    computed from them; ``n.all_input_nodes``: what they are computed from)."""
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(step(n))
+    return seen
 
 
 _ASSERTIONS = {aten._assert_scalar.default, aten._assert_async.default, aten._assert_async.msg,

@@ -35,7 +35,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxdp._torch_internals import make_fx_traced, vmap_safe_solves
 from fxdp.batching import BatchDim
-from fxdp.passes.batch_dims import batch_dim_pass, pure_op
+from fxdp.passes.batch_dims import batch_dim_pass, pure_op, reached
 from fxdp.registry import named_arg
 
 __all__ = ["chunk_loops_as_whole_pass"]
@@ -230,7 +230,7 @@ def _loop(cat: fx.Node, batch: dict) -> _Loop | None:
     # other users. A loop with two results, each concatenated by its own ``cat``, is then
     # fused once for each (what they share computed twice); a chunk's value read by
     # anything else keeps its copy, and the refusal of its chunk.
-    from_chunks = _descendants([pieces[p0] for pieces in pieces_of_copy for p0 in first_pieces])
+    from_chunks = reached([pieces[p0] for pieces in pieces_of_copy for p0 in first_pieces], lambda n: n.users)
     for corr in copies:
         if any(b in from_chunks for a, b in corr.items() if a is b and a not in body_set and a not in first_pieces):
             return None
@@ -303,16 +303,6 @@ def _size_value(value: Any) -> int | torch.SymInt | None:
     if isinstance(value, fx.Node):
         value = value.meta.get("val")
     return value if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) else None
-
-
-def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
-    seen, stack = set(), list(nodes)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.users)
-    return seen
 
 
 def _fuse(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, param_names: dict, fake_mode: Any) -> bool:
