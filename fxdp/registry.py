@@ -292,6 +292,7 @@ def out_of_place(op: Any) -> Any:
     packet = getattr(torch.ops.aten, name[:-1], None)
     if packet is None:
         return None
+
     def signature(o: Any) -> list:
         return [(a.name, str(a.type)) for a in o._schema.arguments]
 

@@ -2078,8 +2078,8 @@ def _scattered(gm: fx.GraphModule, base: fx.Node, value: fx.Node, view: fx.Node,
 
 def _write_one_view_up(gm: fx.GraphModule, node: fx.Node, order: dict) -> fx.Node | None:
     """``copy_`` into a slice or select of a slice or select (``W[0][:2] = w``,
-    ``W[0, :2] = w``; spikingjelly's ``SlidingPSN`` fills a matrix so), each view read by
-    the write alone: the same write into the outer view, of the outer view's values with
+    ``W[0, :2] = w``; spikingjelly's ``SlidingPSN`` fills a matrix so) of a tensor made
+    from sizes alone (``_fresh_constant``), each view read by the write alone: the same write into the outer view, of the outer view's values with
     ``w`` scattered in, which ``_write_as_scatter`` can take (or ``None``)::
 
         select = torch.ops.aten.select.int(zeros, 0, 0)              # before
@@ -2095,6 +2095,11 @@ def _write_one_view_up(gm: fx.GraphModule, node: fx.Node, order: dict) -> fx.Nod
             or not isinstance(outer, fx.Node) or outer.op != "call_function" or outer.target not in _SCATTERS \
             or len(view.users) != 1 or len(outer.users) != 1 or node.users:
         return None
+    root = outer
+    while isinstance(root, fx.Node) and root.op == "call_function" and root.target in _SCATTERS:
+        root = root.args[0]
+    if not (isinstance(root, fx.Node) and root.op == "call_function" and _fresh_constant(root)):
+        return None  # (a write into computed values is followed by passes/writes.py as it is)
     for v in (view, outer):
         if v.target is torch.ops.aten.select.int and not all(isinstance(a, int) for a in v.args[1:3]):
             return None
