@@ -456,12 +456,15 @@ class SameCounts:
         node: The view, or the ``masked_scatter``.
         mask: The boolean mask, batched along its dim ``dim``.
         source: The ``masked_scatter``'s source, or ``None``.
+        like: The ``masked_scatter``'s input, to whose shape the mask broadcasts
+            (``(ids == k)[..., None]`` over ``[B, T, d]`` embeddings).
     """
 
     node: fx.Node
     mask: fx.Node
     dim: int
     source: "fx.Node | None" = None
+    like: "fx.Node | None" = None
 
 
 # The gathers and writes of each propagation running now, innermost last (``_propagate``).
@@ -749,13 +752,15 @@ def _masked_scatter(node, arg_batch):
     out = _meta(node)
     leading = BatchDim(0)
     # A shared mask of the output's rank (``tril(ones_like(x))``) is each sample's row of it.
+    # The source may hold several rows per sample (``BatchDim(0, inner=n)``: a vision
+    # tower's ``[B * n, d]`` image features, ``torch.cat(list(features))``).
     if (mask is None or (isinstance(mask, BatchDim) and mask.same_as(leading))) and isinstance(source, BatchDim) \
-            and source.same_as(leading) and (x is None or (isinstance(x, BatchDim) and x.same_as(
+            and source.dim == 0 and bool(source.outer == 1) and (x is None or (isinstance(x, BatchDim) and x.same_as(
                 leading.at(_meta(node.args[0]).dim() - out.dim())))) \
             and _meta(node.args[1]).dim() == out.dim() \
-            and statically_known_true(_meta(node.args[2])[0].numel() < out[0].numel()):
-        # (A source row as large as a sample's output fills it whole, or reads past it.)
-        _OWN_ROWS[-1].append(SameCounts(node, node.args[1], 0, node.args[2]))
+            and statically_known_true(_meta(node.args[2])[0].numel() * source.inner < out[0].numel()):
+        # (A sample's source as large as its output fills it whole, or reads past it.)
+        _OWN_ROWS[-1].append(SameCounts(node, node.args[1], 0, node.args[2], node.args[0]))
         return leading
     raise MixesSamples("it fills the masked positions from one flat list over the whole batch: which "
                        "elements a sample gets depends on the samples before it (use torch.where with a "
@@ -2939,6 +2944,10 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             batch[node] = [None] * len(out) if isinstance(out, (list, tuple)) else None
             continue
         if any(isinstance(b, Loss) for b in _flat(arg_batch)):
+            if node in checks_only:  # a count of the batch that a run-time check alone reads
+                out = _meta(node)
+                batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
+                continue
             mask = _mask_normaliser(node, losses, placeholder_batch, param_names)
             if mask is not None and isinstance(batch.get(mask), BatchDim):
                 # (l * mask).sum() / mask.sum(): a mean over the samples (checked at run time).
@@ -3163,7 +3172,7 @@ def _gradient_free(node: fx.Node, without_grad: set[fx.Node], memo: dict) -> boo
     return memo[node]
 
 
-_SYMBOLIC_ARITHMETIC = {torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not}
+_SYMBOLIC_ARITHMETIC = {torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_ite}
 
 
 def _pure(node: fx.Node) -> bool:

@@ -3009,6 +3009,66 @@ def test_masked_scatter_checks_that_each_sample_fills_a_whole_source_row():
         dp(c).sum().backward()
 
 
+class ImageTokens(nn.Module):
+    """A vision-language model's merge (Hugging Face's LLaVA, PaliGemma, Gemma 3,
+    InternVL, BLIP-2 …): each sample's image features fill its image-token positions,
+    ``embeds.masked_scatter((ids == k)[..., None], features)``, after a check over the
+    whole batch that the counts match (``torch_compilable_check`` in
+    ``get_placeholder_mask``). The features come batched (``[B, n, d]``) or flat
+    (``[B * n, d]``, ``torch.cat(list(features))``); the mask broadcasts over ``d``
+    or is expanded to it."""
+
+    def __init__(self, source: str, expand: bool, tokens: int = 7, n: int = 3, d: int = 4):
+        super().__init__()
+        self.source, self.expand, self.tokens, self.d = source, expand, tokens, d
+        self.emb, self.proj, self.head = nn.Embedding(tokens + 1, d), nn.Linear(5, d), nn.Linear(d, 3)
+
+    def forward(self, ids, image):  # ids [B, L] with n image tokens each, image [B, n, 5]
+        features = self.proj(image)
+        if self.source == "cat":
+            features = torch.cat(list(features), dim=0)
+        elif self.source == "reshape":
+            features = features.reshape(-1, self.d)
+        mask = ids == self.tokens
+        torch._check_tensor_all(mask.sum() * self.d == features.numel())
+        mask = mask.unsqueeze(-1)
+        if self.expand:
+            mask = mask.expand(-1, -1, self.d)
+        return self.head(torch.tanh(self.emb(ids).masked_scatter(mask, features)))
+
+
+def _image_token_ids(size: int, first: int = 2, n: int = 3) -> torch.Tensor:
+    ids = torch.randint(0, 7, (size, 8), generator=torch.Generator().manual_seed(size))
+    ids[:, first:first + n] = 7
+    return ids
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["broadcast", "expanded"])
+@pytest.mark.parametrize("source", ["batched", "cat", "reshape"])
+def test_image_features_scattered_into_each_samples_image_tokens(source, expand):
+    """Refused before: the batch-wide count check ("a reduction over the batch ... is used
+    by an op other than a sum"), a flat source ("fills the masked positions from one flat
+    list"), and a mask broadcast over ``d`` (the run-time check counted its positions,
+    not the elements it selects)."""
+    torch.manual_seed(0)
+    model = ImageTokens(source, expand).double()
+    ids = _image_token_ids(B)
+    dp = _against_the_loop(model, ids, torch.randn(B, 3, 5, dtype=torch.float64))
+    _against_the_loop(model, _image_token_ids(B + 1, first=4), torch.randn(B + 1, 3, 5, dtype=torch.float64), dp=dp)
+
+
+def test_image_tokens_of_other_counts_per_sample_are_refused_at_run_time():
+    """Every sample must hold as many image tokens as its features fill; the model's own
+    check sees only the batch's total."""
+    torch.manual_seed(0)
+    model = ImageTokens("cat", False).double()
+    ids = _image_token_ids(B)
+    ids[0, 6], ids[1, 2] = 7, 0  # sample 0 has one too many, sample 1 one too few
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="masked_scatter fills every sample's masked positions"):
+        dp(ids, torch.randn(B, 3, 5, dtype=torch.float64)).sum().backward()
+
+
 class SeparatedIndices(nn.Module):
     """Advanced indices separated by a slice: PyTorch puts their broadcast dims in front
     (``x[:, i, :, j]`` of ``[B, 5, 4, 6]`` is ``[3, B, 4]``)."""
