@@ -314,7 +314,7 @@ def _reshape(node: fx.Node, arg_batch: list) -> Any:
     src = list(_meta(node.args[0]).shape)
     dst = list(_meta(node).shape)
     batch = src[b.dim] // (b.inner * b.outer)
-    if bool(batch == 0):
+    if statically_known_true(batch == 0):  # (not a list's length the data sets: x[mask])
         # no samples: any layout is right; keep the dim where the sizes still say it is
         return b if b.dim < len(dst) else BatchDim(0)
     if len(dst) > b.dim and all(statically_known_true(d == s) for d, s in zip(dst[:b.dim + 1], src[:b.dim + 1])):
@@ -322,7 +322,7 @@ def _reshape(node: fx.Node, arg_batch: list) -> Any:
         # sizes (``reshape(B, -1)`` of ``[B, u]`` with ``u`` from a nonzero, as
         # torch.distributions' ``_sum_rightmost`` does).
         return b
-    if any(bool(size == 0) for size in src):
+    if any(statically_known_true(size == 0) for size in src):
         # No values, so nothing to mix: the batch dim is the one with the same sizes
         # before it and itself (Wan's [B, 0, d] text beyond its 512 tokens, unflattened).
         for j, size in enumerate(dst):
@@ -2489,6 +2489,11 @@ def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter
     if node.target in (aten.slice_scatter.default, aten.select_scatter.default) \
             and _writes_its_own_row(node, arg_batch):
         return arg_batch[0]
+    if node.target in _SHAPED_LIKE and not _any_batched(arg_batch[1:]):
+        # Only the piece's shape is read: SpeechT5's prenet draws one dropout mask for the
+        # batch with ``torch.bernoulli(h[0], p)``.
+        out = _meta(node)
+        return [None] * len(out) if isinstance(out, (list, tuple)) else None
     flat = list(_flat(arg_batch))
     samples = {b.sample for b in flat if isinstance(b, Piece)}
     if len(samples) > 1 or any(isinstance(b, (BatchDim, Loss)) for b in flat):
@@ -2716,6 +2721,10 @@ def _is_arange(node: Any, length: Any) -> bool:
 
 # Ops that fill a tensor shaped like their argument with a constant (or nothing).
 FILLED_LIKE = (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
+# Ops that read only their first argument's shape (and dtype): constants, or random
+# draws whose probabilities are numbers (``bernoulli(x, p)``; ``bernoulli(x)`` reads x).
+_SHAPED_LIKE = (*FILLED_LIKE, aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+                aten.randint_like.low_dtype, aten.bernoulli.p)
 
 
 def _written_back(ids: Any, values: Any, into: Any, destination: Any) -> BatchDim | None:
@@ -2795,7 +2804,9 @@ def batch_dim_pass(
     as before; and with a static ``B`` (the first compile) a feature size equal to ``B``
     is no batch dim unless the model needs it to be. Where every reading finds problems,
     a later reading's are named instead of the first's when they are some of them (the
-    others came from reading those tensors as shared).
+    others came from reading those tensors as shared), and so are a later reading's
+    when none of them is among the first's (the first's came from reading the tensors
+    shared, and hid what follows them).
 
     Args:
         gm: The canonical ATen graph.
@@ -2824,9 +2835,13 @@ def batch_dim_pass(
         for reading in ("all", "unambiguous"):
             retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=reading,
                                  function_body=function_body, chunk=chunk)
-            if not retried.problems or set(retried.problems) < set(analysis.problems):
+            if not retried.problems or set(retried.problems) < set(analysis.problems) \
+                    or not set(retried.problems) & set(analysis.problems):
                 # Refused either way, for some of the same reasons: name only those, not
-                # the ones this reading of the same tensors explains away.
+                # the ones this reading of the same tensors explains away. Or for other
+                # reasons only: the first reading's came from reading those tensors shared
+                # (a length mask written into zeros(B, T)), and hid what follows them (a
+                # BatchNorm in training that the mask feeds).
                 analysis = retried
             if not retried.problems:
                 break

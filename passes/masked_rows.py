@@ -49,7 +49,8 @@ def _rows_to_batch(rows: torch.Tensor, mask: torch.Tensor, zeros: bool) -> torch
         out = rows.new_zeros((flat.numel(), *rows.shape[1:]))
         out[flat] = rows
         return out.view(shape)
-    return rows[(flat.cumsum(0) - 1).clamp_(min=0)].view(shape)
+    # (Contiguous, as the fake kernel says: indexing keeps the rows' own stride order.)
+    return rows[(flat.cumsum(0) - 1).clamp_(min=0)].contiguous().view(shape)
 
 
 @_rows_to_batch.register_fake
@@ -63,7 +64,7 @@ def _batch_to_rows(dense: torch.Tensor, mask: torch.Tensor, count: int) -> torch
     rows = dense.reshape(-1, *dense.shape[mask.dim():])[mask.reshape(-1)]
     if rows.shape[0] != count:
         raise RuntimeError(f"fxdp: the mask selects {rows.shape[0]} positions, not {count}")
-    return rows
+    return rows.contiguous()
 
 
 @_batch_to_rows.register_fake

@@ -84,7 +84,28 @@ class MaskedLMHead(nn.Module):
         return full
 
 
-MODELS = {"split by token": SplitByToken, "fusion embedding": FusionEmbedding, "masked LM head": MaskedLMHead}
+class RealImages(nn.Module):
+    """Idefics2's vision tower on the real images only: the all-zero padding images are
+    dropped (a mask over the batch dim itself), the rest patchified by a convolution,
+    flattened along their trailing dims, projected, and written back in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.patches = nn.Conv2d(2, 3, 2, 2)
+        self.proj = nn.Linear(3, 2)
+
+    def forward(self, x, tokens):
+        images = x[:, :4].reshape(-1, 2, 2, 4)  # [B, 2, 2, 4] from [B, T, D]
+        images = images * (tokens[:, :1, None, None] != 1)  # sample 0 (all ones): a padding image
+        real = (images == 0.0).sum(dim=(-1, -2, -3)) != images.shape[1:].numel()
+        h = self.patches(images[real].contiguous()).flatten(2).transpose(1, 2)  # [N, 2, 3]
+        out = torch.zeros(x.shape[0], 2, 2, dtype=x.dtype)
+        out[real] = self.proj(h)
+        return out
+
+
+MODELS = {"split by token": SplitByToken, "fusion embedding": FusionEmbedding, "masked LM head": MaskedLMHead,
+          "real images": RealImages}
 
 
 def _inputs(size: int, dtype: torch.dtype, nothing: bool = False):

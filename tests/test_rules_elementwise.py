@@ -897,6 +897,57 @@ class RefusedBesideACellState(nn.Module):
         return self.norm(torch.stack(steps, 2))
 
 
+class LengthMaskIntoBatchNorm(nn.Module):
+    """wav2vec2's feature mask: ones written at each sample's last frame into
+    ``zeros(B, T)``, flipped and summed; the masked features then feed a BatchNorm in
+    training mode (a conformer's convolution module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.norm = nn.BatchNorm1d(D)
+
+    def forward(self, x, lengths):  # x [B, T, D], lengths [B]
+        mask = torch.zeros(x.shape[:2], dtype=x.dtype)
+        mask[(torch.arange(x.shape[0]), lengths - 1)] = 1
+        mask = mask.flip([-1]).cumsum(-1).flip([-1]).bool()
+        return self.norm((self.lin(x) * mask[..., None]).transpose(1, 2))
+
+
+def test_a_refusal_names_what_the_reading_that_explains_the_rest_refuses():
+    """Read shared, the written mask was the only problem named, and what it feeds went
+    unjudged; read per sample, the write is right and the BatchNorm is what remains."""
+    problems = fxdp.validate(LengthMaskIntoBatchNorm().double(), torch.randn(B, T, D, dtype=torch.float64),
+                             torch.tensor([T, T - 1, 2, 1][:B]))
+    assert [p.op for p in problems] == ["aten.batch_norm.default"], problems
+
+
+class DrawnFromOneSamplesShape(nn.Module):
+    """SpeechT5's consistent dropout: one mask for the batch drawn from the shape of the
+    first sample (``torch.bernoulli(h[0], p)``); also ``rand_like``/``zeros_like`` of it."""
+
+    def __init__(self, draw: str):
+        super().__init__()
+        self.draw = draw
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):  # [B, T, D]
+        h = self.lin(x)
+        first = h[0]
+        mask = {"bernoulli": lambda: torch.bernoulli(first, p=0.0) == 0,
+                "rand_like": lambda: torch.rand_like(first) >= 0,
+                "zeros_like": lambda: torch.zeros_like(first) == 0}[self.draw]()
+        return torch.where(mask.unsqueeze(0).repeat(h.shape[0], 1, 1), h, 0.0)
+
+
+@pytest.mark.parametrize("draw", ["bernoulli", "rand_like", "zeros_like"])
+def test_a_draw_shaped_like_one_sample_is_shared(draw):
+    """These read only the piece's shape; they were taken for sample 0's values and
+    refused ("combines the values of one sample taken out of the batch")."""
+    torch.manual_seed(0)
+    _against_the_loop(DrawnFromOneSamplesShape(draw).double(), torch.randn(B, T, D, dtype=torch.float64))
+
+
 def test_a_refusal_names_only_what_no_reading_explains():
     """The cell's weights were listed too ("a size other than 1 along the batch dim"):
     the reading with the zero state shared named them, though reading it per-sample
