@@ -1183,7 +1183,8 @@ def outputs_need_grad(gm: fx.GraphModule) -> bool:
 # The messages of fxdp's in-graph run-time checks (see ``loss_normaliser_pass``).
 RUN_TIME_CHECKS = ("fxdp: samples keep different numbers of targets", "fxdp: the loss is divided by the sum of a mask",
                    "fxdp: an index into rows of several samples", "fxdp: rows a boolean mask selected over the batch",
-                   "fxdp: masked_scatter fills every sample's masked positions")
+                   "fxdp: masked_scatter fills every sample's masked positions",
+                   "fxdp: x[mask] = rows fills every sample's masked positions")
 
 
 def backend_error(error: BaseException) -> BaseException | None:

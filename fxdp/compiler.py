@@ -818,7 +818,8 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     for gather in analysis.own_rows:
         if isinstance(gather, SameCounts):
             with gm.graph.inserting_before(gather.node):
-                gm.graph.call_function(fxdp_same_mask_counts, (gather.mask, gather.dim, gather.source, gather.like))
+                gm.graph.call_function(fxdp_same_mask_counts, (gather.mask, gather.dim, gather.source, gather.like,
+                                                               gather.rows))
             continue
         if reference is None:
             raise UnsupportedError(
@@ -838,20 +839,23 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
 
 
 def fxdp_same_mask_counts(mask: torch.Tensor, dim: int, source: torch.Tensor | None = None,
-                          like: torch.Tensor | None = None) -> None:
+                          like: torch.Tensor | None = None, rows: bool = False) -> None:
     """Assert that every sample's part of the boolean ``mask`` (batched along ``dim``)
     selects as many elements as the first's, or, for a ``masked_scatter``, as one
     sample's part of its ``source`` holds (``source`` batched along dim 0, a row or
-    several per sample; the mask broadcast to ``like``'s shape; see ``SameCounts``)."""
+    several per sample; the mask broadcast to ``like``'s shape), or, with ``rows``, as
+    many positions as one sample's part of ``source`` has rows (see ``SameCounts``)."""
     if like is not None:
         mask = mask.expand(torch.broadcast_shapes(mask.shape, like.shape))
     counts = mask.movedim(dim, 0).flatten(1).sum(1)
     if source is not None:
-        torch._assert_async((counts * counts.numel() == source.numel()).all(), (
-            "fxdp: masked_scatter fills every sample's masked positions from one flat list of the whole "
-            "batch's source rows, and the samples' masks select other numbers of positions than a source "
-            "row holds: samples would be filled from each other's rows. Fill each sample from a source of "
-            "the output's shape instead: torch.where(mask, filled, x)."))
+        held = source.shape[0] if rows else source.numel()
+        how = "x[mask] = rows" if rows else "masked_scatter"
+        torch._assert_async((counts * counts.numel() == held).all(), (
+            f"fxdp: {how} fills every sample's masked positions from one flat list of the whole batch's "
+            "source rows, and the samples' masks select other numbers of positions than a sample's "
+            "source rows hold: samples would be filled from each other's rows. Fill each sample from a "
+            "source of the output's shape instead: torch.where(mask, filled, x)."))
         return
     torch._assert_async((counts[:1] == counts).all(), (
         "fxdp: rows a boolean mask selected over the batch (h[mask]) are viewed as [B, n, ...] (one row of n "

@@ -458,6 +458,8 @@ class SameCounts:
         source: The ``masked_scatter``'s source, or ``None``.
         like: The ``masked_scatter``'s input, to whose shape the mask broadcasts
             (``(ids == k)[..., None]`` over ``[B, T, d]`` embeddings).
+        rows: ``source`` holds rows written at the mask's positions (an ``index_put``
+            by the mask), not elements.
     """
 
     node: fx.Node
@@ -465,6 +467,7 @@ class SameCounts:
     dim: int
     source: "fx.Node | None" = None
     like: "fx.Node | None" = None
+    rows: bool = False
 
 
 # The gathers and writes of each propagation running now, innermost last (``_propagate``).
@@ -2143,6 +2146,15 @@ def _index_put(node, arg_batch):
                 and mask_batch.at(b.dim).same_as(b)):
             raise MixesSamples("a boolean mask over the batch dim that is not batched as the tensor")
         if isinstance(vb, BatchDim):
+            value = _meta(values)
+            if masks[0] == 0 and b.dim == 0 and vb.dim == 0 and bool(vb.outer == 1) \
+                    and value.dim() == data.dim() - covered[0] + 1 \
+                    and all(statically_known_true(v == d) for v, d in zip(value.shape[1:], data.shape[covered[0]:])):
+                # Rows of every sample in order, written at the positions its mask selects
+                # (Kosmos-2: ``embeds[image_mask] = image_embeds.view(-1, d)``): each sample's
+                # own where every sample's mask selects as many as it has rows (checked at run time).
+                _OWN_ROWS[-1].append(SameCounts(node, indices[0], 0, values, rows=True))
+                return b
             raise MixesSamples("it writes batched values at the positions of a mask over the batch "
                                "dim (the values are one list for the whole batch)")
         return b

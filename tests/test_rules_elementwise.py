@@ -3120,6 +3120,32 @@ def test_image_tokens_of_other_counts_per_sample_are_refused_at_run_time():
         dp(ids, torch.randn(B, 3, 5, dtype=torch.float64)).sum().backward()
 
 
+class ImageRowsWritten(nn.Module):
+    """Kosmos-2's merge: ``embeds[image_mask] = image_embeds.view(-1, d)``, each sample's
+    image rows in order written at its image-token positions."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.d = d
+        self.emb, self.proj, self.head = nn.Embedding(8, d), nn.Linear(5, d), nn.Linear(d, 3)
+
+    def forward(self, ids, image):  # ids [B, L], image [B, n, 5]
+        h = self.emb(ids)
+        h[ids == 7] = self.proj(image).view(-1, self.d)
+        return self.head(torch.tanh(h))
+
+
+def test_image_rows_written_at_each_samples_image_tokens():
+    torch.manual_seed(0)
+    model = ImageRowsWritten().double()
+    dp = _against_the_loop(model, _image_token_ids(B), torch.randn(B, 3, 5, dtype=torch.float64))
+    _against_the_loop(model, _image_token_ids(B + 1, first=4), torch.randn(B + 1, 3, 5, dtype=torch.float64), dp=dp)
+    ids = _image_token_ids(B)
+    ids[0, 6], ids[1, 2] = 7, 0
+    with pytest.raises(fxdp.UnsupportedError, match=r"x\[mask\] = rows fills every sample's masked positions"):
+        dp(ids, torch.randn(B, 3, 5, dtype=torch.float64)).sum().backward()
+
+
 class SeparatedIndices(nn.Module):
     """Advanced indices separated by a slice: PyTorch puts their broadcast dims in front
     (``x[:, i, :, j]`` of ``[B, 5, 4, 6]`` is ``[3, B, 4]``)."""
