@@ -293,8 +293,8 @@ def out_of_place(op: Any) -> Any:
     if packet is None:
         return None
 
-    def signature(o: Any) -> list:
-        return [(a.name, str(a.type)) for a in o._schema.arguments]
+    def signature(o: Any) -> list:  # (the first argument is ``self`` or ``input``: ``dropout_``, ``dropout``)
+        return [str(a.type) for a in o._schema.arguments]
 
     twin = getattr(packet, op._overloadname, None)
     if twin is None or signature(twin) != signature(op):
