@@ -2816,9 +2816,7 @@ def batch_dim_pass(
     as before; and with a static ``B`` (the first compile) a feature size equal to ``B``
     is no batch dim unless the model needs it to be. Where every reading finds problems,
     a later reading's are named instead of the first's when they are some of them (the
-    others came from reading those tensors as shared), and so are a later reading's
-    when none of them is among the first's (the first's came from reading the tensors
-    shared, and hid what follows them).
+    others came from reading those tensors as shared).
 
     Args:
         gm: The canonical ATen graph.
@@ -2847,13 +2845,9 @@ def batch_dim_pass(
         for reading in ("all", "unambiguous"):
             retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=reading,
                                  function_body=function_body, chunk=chunk)
-            if not retried.problems or set(retried.problems) < set(analysis.problems) \
-                    or not set(retried.problems) & set(analysis.problems):
+            if not retried.problems or set(retried.problems) < set(analysis.problems):
                 # Refused either way, for some of the same reasons: name only those, not
-                # the ones this reading of the same tensors explains away. Or for other
-                # reasons only: the first reading's came from reading those tensors shared
-                # (a length mask written into zeros(B, T)), and hid what follows them (a
-                # BatchNorm in training that the mask feeds).
+                # the ones this reading of the same tensors explains away.
                 analysis = retried
             if not retried.problems:
                 break

@@ -897,31 +897,6 @@ class RefusedBesideACellState(nn.Module):
         return self.norm(torch.stack(steps, 2))
 
 
-class LengthMaskIntoBatchNorm(nn.Module):
-    """wav2vec2's feature mask: ones written at each sample's last frame into
-    ``zeros(B, T)``, flipped and summed; the masked features then feed a BatchNorm in
-    training mode (a conformer's convolution module)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-        self.norm = nn.BatchNorm1d(D)
-
-    def forward(self, x, lengths):  # x [B, T, D], lengths [B]
-        mask = torch.zeros(x.shape[:2], dtype=x.dtype)
-        mask[(torch.arange(x.shape[0]), lengths - 1)] = 1
-        mask = mask.flip([-1]).cumsum(-1).flip([-1]).bool()
-        return self.norm((self.lin(x) * mask[..., None]).transpose(1, 2))
-
-
-def test_a_refusal_names_what_the_reading_that_explains_the_rest_refuses():
-    """Read shared, the written mask was the only problem named, and what it feeds went
-    unjudged; read per sample, the write is right and the BatchNorm is what remains."""
-    problems = fxdp.validate(LengthMaskIntoBatchNorm().double(), torch.randn(B, T, D, dtype=torch.float64),
-                             torch.tensor([T, T - 1, 2, 1][:B]))
-    assert [p.op for p in problems] == ["aten.batch_norm.default"], problems
-
-
 class DrawnFromOneSamplesShape(nn.Module):
     """SpeechT5's consistent dropout: one mask for the batch drawn from the shape of the
     first sample (``torch.bernoulli(h[0], p)``); also ``rand_like``/``zeros_like`` of it."""
