@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-import math
 import os
 import re
 import threading
