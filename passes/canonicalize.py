@@ -2059,9 +2059,20 @@ def _fresh_constant(node: fx.Node) -> bool:
         isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
 
 
+def _select_index(view: fx.Node) -> int | None:
+    """The non-negative index a ``select`` takes along its dim, where the graph knows it
+    (``None`` for a symbolic index, or one counted from the end of a symbolic size)."""
+    dim, index = view.args[1], view.args[2]
+    if not (isinstance(dim, int) and isinstance(index, int)):
+        return None
+    if index < 0:  # counted from the end of a dim whose size the graph may not name
+        index = index + view.args[0].meta["val"].shape[dim]
+    return index if isinstance(index, int) else None
+
+
 def _scattered(gm: fx.GraphModule, base: fx.Node, value: fx.Node, view: fx.Node, like: fx.Node) -> fx.Node:
     """``base`` with ``value`` in place of what the slice or select ``view`` of it shows
-    (a select's index made non-negative beforehand)."""
+    (a select of a known index, ``_select_index``)."""
     if view.target is torch.ops.aten.slice.Tensor:
         bounds = list(view.args[1:])
         size = base.meta["val"].shape[bounds[0]] if bounds else None
@@ -2069,9 +2080,7 @@ def _scattered(gm: fx.GraphModule, base: fx.Node, value: fx.Node, view: fx.Node,
             bounds[2] = size  # ``x[:, 1:]`` ends at sys.maxsize, which vmap's scatter would count to
         return _call(gm, torch.ops.aten.slice_scatter.default, (base, value, *bounds), like)
     # a select, as the slice of one row (see _select_scatter_as_slice)
-    dim, index = view.args[1], view.args[2]
-    if index < 0:
-        index = index + base.meta["val"].shape[dim]
+    dim, index = view.args[1], _select_index(view)
     row = _call(gm, torch.ops.aten.unsqueeze.default, (value, dim), like)
     return _call(gm, torch.ops.aten.slice_scatter.default, (base, row, dim, index, index + 1), like)
 
@@ -2079,8 +2088,9 @@ def _scattered(gm: fx.GraphModule, base: fx.Node, value: fx.Node, view: fx.Node,
 def _write_one_view_up(gm: fx.GraphModule, node: fx.Node, order: dict) -> fx.Node | None:
     """``copy_`` into a slice or select of a slice or select (``W[0][:2] = w``,
     ``W[0, :2] = w``; spikingjelly's ``SlidingPSN`` fills a matrix so) of a tensor made
-    from sizes alone (``_fresh_constant``), each view read by the write alone: the same write into the outer view, of the outer view's values with
-    ``w`` scattered in, which ``_write_as_scatter`` can take (or ``None``)::
+    from sizes alone (``_fresh_constant``), each view read by the write alone: the same
+    write into the outer view, of the outer view's values with ``w`` scattered in, which
+    ``_write_as_scatter`` can take (or ``None``)::
 
         select = torch.ops.aten.select.int(zeros, 0, 0)              # before
         slice_1 = torch.ops.aten.slice.Tensor(select, 0, 0, 2)
@@ -2100,12 +2110,8 @@ def _write_one_view_up(gm: fx.GraphModule, node: fx.Node, order: dict) -> fx.Nod
         root = root.args[0]
     if not (isinstance(root, fx.Node) and root.op == "call_function" and _fresh_constant(root)):
         return None  # (a write into computed values is followed by passes/writes.py as it is)
-    for v in (view, outer):
-        if v.target is torch.ops.aten.select.int and not all(isinstance(a, int) for a in v.args[1:3]):
-            return None
-        if v.target is torch.ops.aten.select.int and v.args[2] < 0 and not isinstance(
-                v.args[0].meta["val"].shape[v.args[1]], int):
-            return None
+    if any(v.target is torch.ops.aten.select.int and _select_index(v) is None for v in (view, outer)):
+        return None
     src, shown = node.args[1], view.meta["val"]
     if not isinstance(src, fx.Node):
         return None
@@ -2148,14 +2154,8 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
     if any(writes_in_place(u.target) for alias in (base, view) for u in alias.users
            if u is not node and order.get(u, -1) > order[node]):
         return False  # written again later: reads of the view must see that write too
-    if view.target is torch.ops.aten.select.int:
-        dim, index = view.args[1], view.args[2]
-        if not (isinstance(dim, int) and isinstance(index, int)):
-            return False
-        if index < 0:  # counted from the end of a dim whose size the graph may not name
-            index = index + base.meta["val"].shape[dim]
-            if not isinstance(index, int):
-                return False
+    if view.target is torch.ops.aten.select.int and _select_index(view) is None:
+        return False
     at = order[node]
     if node.target is torch.ops.aten.copy_.default:
         node = _copy_as_broadcast(gm, node, view)

@@ -101,14 +101,6 @@ ROWS_TO_BATCH = torch.ops.fxdp.rows_to_batch.default
 BATCH_TO_ROWS = torch.ops.fxdp.batch_to_rows.default
 
 
-def _call(gm: fx.GraphModule, target: Any, args: tuple, like: fx.Node, kwargs: dict | None = None) -> fx.Node:
-    new = gm.graph.call_function(target, args, kwargs or {})
-    new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
-    values, keywords = fx.node.map_arg((args, kwargs or {}), lambda a: a.meta["val"])
-    new.meta["val"] = target(*values, **keywords)
-    return new
-
-
 def rows_in_place_pass(gm: fx.GraphModule, uses: list[tuple[fx.Node, dict[fx.Node, fx.Node]]],
                        batch: dict[fx.Node, Any]) -> fx.GraphModule:
     """Run each op in ``uses`` on its mask-selected operands put back in place, and take
@@ -122,6 +114,7 @@ def rows_in_place_pass(gm: fx.GraphModule, uses: list[tuple[fx.Node, dict[fx.Nod
         batch: The batch analysis's layouts: which of the op's outputs are selected rows.
     """
     from fxdp.batching import Masked
+    from fxdp.passes.canonicalize import _call  # (canonicalize imports batch_dims, which imports this)
 
     replaced: dict[fx.Node, fx.Node] = {}  # an op rewritten before: its outputs' rows now
     for node, masks in uses:
