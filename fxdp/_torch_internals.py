@@ -912,7 +912,16 @@ def _region_as_aten(gm: fx.GraphModule, region: list[fx.Node], name: str, fake_m
     body = fx.GraphModule(gm, graph)
     examples = [a.meta["example_value"] if "example_value" in a.meta else getattr(gm, a.target)
                 for a in inputs]
-    gm.add_submodule(name, make_fx_traced(fx.Interpreter(body).run, examples, fake_mode=fake_mode))
+    traced = make_fx_traced(fx.Interpreter(body).run, examples, fake_mode=fake_mode)
+    # A batching rule may emit ``_unsafe_view`` of a value that is viewable only one
+    # slice at a time (``vmap(grad(lambda r: linear(r).sum()))``: the ``[B, n, o]``
+    # expand of the sum's gradient, strides ``(1, 0, 0)``, as ``[B·n, o]``): as the
+    # ``reshape`` it stands for, which copies where a view cannot be taken.
+    for node in traced.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten._unsafe_view.default:
+            node.target = torch.ops.aten.reshape.default
+    traced.recompile()
+    gm.add_submodule(name, traced)
     first = next((n for n in region if n.meta.get("stack_trace")), region[0])
     with gm.graph.inserting_before(region[0]):
         call = gm.graph.call_module(name, tuple(inputs))

@@ -1537,6 +1537,23 @@ def _view_scatter(node, arg_batch):
     return result
 
 
+@_register(aten.select_backward.default, aten.slice_backward.default)
+def _view_backward(node, arg_batch):
+    """``select_backward(grad, sizes, dim, index)`` and ``slice_backward(grad, sizes, dim,
+    start, end, step)``: zeros of ``sizes`` with ``grad`` written into that select or
+    slice, the derivative of a view that ``torch.func.grad`` traces inside a forward
+    (forces through ``r[:, 0]``): batched as ``grad``, never along the dim written into."""
+    b = arg_batch[0]
+    if not (isinstance(b, BatchDim) and b.dim is not None):
+        return b
+    dim = _norm_dim(node.args[2], len(node.args[1]))
+    if node.target is aten.select_backward.default:
+        b = b.at(b.dim + (b.dim >= dim))  # grad lacks the selected dim
+    if b.dim == dim:
+        raise MixesSamples("it writes into part of the batch dim")
+    return b
+
+
 @_register(aten.im2col.default, aten.col2im.default)
 def _patches(node, arg_batch):
     """``nn.Unfold`` (``im2col``, ``[N, C, H, W] -> [N, C·k, L]``) and ``nn.Fold``

@@ -157,11 +157,34 @@ _DECOMPOSED = [
 ]
 
 
+def _lstm_cell(x, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    """``aten.lstm_cell`` as linears and pointwise gates, on every device. ATen's own
+    implementation is that on the CPU, but on CUDA it is two bias-free matrix products
+    and the fused ``_thnn_fused_lstm_cell``, which adds both biases inside a kernel
+    that no rule knows."""
+    h, c = hx
+    gates = torch.ops.aten.linear.default(h, w_hh, b_hh) + torch.ops.aten.linear.default(x, w_ih, b_ih)
+    i, f, g, o = gates.chunk(4, 1)
+    cy = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(cy), cy
+
+
+def _gru_cell(x, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    """``aten.gru_cell`` as linears and pointwise gates, on every device (CUDA's
+    implementation is ``_thnn_fused_gru_cell``, as for ``_lstm_cell``)."""
+    i_r, i_z, i_n = torch.ops.aten.linear.default(x, w_ih, b_ih).chunk(3, 1)
+    h_r, h_z, h_n = torch.ops.aten.linear.default(hx, w_hh, b_hh).chunk(3, 1)
+    reset, update = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+    new = torch.tanh(i_n + reset * h_n)
+    return (hx - new) * update + new
+
+
 # Recurrent cells (nn.LSTMCell, GRUCell, RNNCell) are composite ops; ATen's own
-# implementation is linears and pointwise gates, which have rules.
+# implementation is linears and pointwise gates, which have rules (the LSTM and GRU
+# cells' written out above, as CUDA's is fused).
+_CELLS = {torch.ops.aten.lstm_cell.default: _lstm_cell, torch.ops.aten.gru_cell.default: _gru_cell}
 _COMPOSITE = [
-    torch.ops.aten.lstm_cell.default, torch.ops.aten.gru_cell.default, torch.ops.aten.rnn_tanh_cell.default,
-    torch.ops.aten.rnn_relu_cell.default,
+    torch.ops.aten.rnn_tanh_cell.default, torch.ops.aten.rnn_relu_cell.default,
     # Matrix-transpose aliases (``x.mT``, ``x.mH``, ``x.T``), kept whole by the
     # pre-dispatch trace: as the transposes and permutes they are, the batch-dim
     # analysis and the parameter-transform rules know them.
@@ -489,7 +512,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     gm = rnn_initial_state_pass(data_attr_as_detach_pass(gm))
     # The LSTM decomposition would pick the opaque aten.mkldnn_rnn_layer on CPU float32.
     decompositions = {
-        **get_decompositions(_DECOMPOSED), **{op: op.decompose for op in _COMPOSITE},
+        **get_decompositions(_DECOMPOSED), **{op: op.decompose for op in _COMPOSITE}, **_CELLS,
         torch.ops.aten.bilinear.default: _bilinear_as_einsum, torch.ops.aten.dropout.default: _inactive_dropout,
         torch.ops.aten.select_scatter.default: _select_scatter_as_slice,
         torch.ops.aten.stack.default: _stack_as_cat,
@@ -894,6 +917,15 @@ def bernoulli_probability_detached_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def _alias_of(value: Any, tensor: fx.Node) -> bool:
+    """Whether ``value`` is ``tensor`` itself or a ``detach``/``alias`` of it (the same
+    storage, sizes and strides)."""
+    while isinstance(value, fx.Node) and value is not tensor and value.op == "call_function" \
+            and value.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+        value = value.args[0]
+    return value is tensor
+
+
 def no_op_conversion_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Drop a ``.to(...)`` that changes nothing (it returns its input itself).
 
@@ -907,12 +939,15 @@ def no_op_conversion_pass(gm: fx.GraphModule) -> fx.GraphModule:
 
     A module moved where it already is in the forward (``self.experts.to(x.device)``,
     st-moe's and soft-moe's ``Experts``) sets each parameter's data to itself,
-    ``aten.set_(p, p)``: dropped too, or it would read as a write into the parameter.
+    ``aten.set_(p, p)``, and ``p.data = p.data`` (pytorch-metric-learning's cast of a
+    loss's class matrix to the dtype and device it has) sets it to its own detached
+    alias, ``aten.set_(p, detach(p))``: dropped too, or they would read as writes into the
+    parameter.
     """
     changed = False
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten.set_.source_Tensor \
-                and len(node.args) == 2 and node.args[0] is node.args[1]:
+                and len(node.args) == 2 and _alias_of(node.args[1], node.args[0]):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             changed = True
@@ -1471,9 +1506,12 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 node.replace_input_with(arg, source)
                 changed = True
             elif arg.meta["val"].dim() == out.dim() and arg.target is not torch.ops.aten.expand_as.default \
-                    and not any(u.target is torch.ops.aten.view.default for u in node.users):
+                    and not any(u.target is torch.ops.aten.view.default for u in node.users) \
+                    and not _written_through(node):
                 # (Not under a ``view``, which needs the result's memory dense: ``(p.expand(T, B,
-                # d) + pos).view(T, B * H, d // H)``, as multi-head attention splits heads.)
+                # d) + pos).view(T, B * H, d // H)``, as multi-head attention splits heads; nor
+                # where an op writes into the result, which must own every element: stanza's
+                # ``q = h.unsqueeze(3).repeat(1, 1, 1, n); q[..., 1:] = ...``.)
                 # The other operands are no larger: the op runs on the unexpanded tensor
                 # and its result is expanded (``f(expand(x), y) = expand(f(x, y))``).
                 node.replace_input_with(arg, source)

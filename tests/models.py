@@ -457,7 +457,7 @@ class DiffusionUNet(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         half = self.t_dim // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=x.dtype) / half)
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=x.dtype, device=x.device) / half)
         angles = t[:, None].to(x.dtype) * freqs
         t_emb = self.time(torch.cat([torch.cos(angles), torch.sin(angles)], -1))
         skip = self.down(self.inp(x), t_emb)
@@ -625,7 +625,7 @@ class VmapSegmentMask(nn.Module):
 
         grid = torch.func.vmap(torch.func.vmap(torch.func.vmap(same_segment, in_dims=(None, None, 0)),
                                                in_dims=(None, 0, None)), in_dims=(0, None, None))
-        samples, positions = torch.arange(x.shape[0]), torch.arange(x.shape[1])
+        samples, positions = torch.arange(x.shape[0], device=x.device), torch.arange(x.shape[1], device=x.device)
         with TransformGetItemToIndex():
             mask = grid(samples, positions, positions)
         q, k, v = self.qkv(x).chunk(3, dim=-1)

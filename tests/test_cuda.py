@@ -18,15 +18,15 @@ from __future__ import annotations
 import copy
 import os
 
+import models
 import pytest
 import torch
 import torch.nn.functional as F
-
-import fxdp
-import models
-from fxdp.rules._common import forced_route
 from reference import Reference, assert_close_all, reference
 from test_models_e2e import CASE_BY_ID, CASES, Case, check_step, per_sample_loss
+
+import fxdp
+from fxdp.rules._common import forced_route
 
 DEVICE = torch.device(os.environ.get("FXDP_TEST_DEVICE", "cuda"))
 
@@ -75,9 +75,15 @@ def _run(case: Case, mode: str, dtype: torch.dtype, compiler: str = "eager", tol
     check_step(model, dp_model, _on_device(ref), grad_sample=mode == "grad_sample", clip=clip, tol=tol)
 
 
+# PyTorch's own CUDA kernels that are not exact in float64: the bound is theirs. CUDA's
+# fused ``_weight_norm`` differs from the CPU's by 4.5e-8 in float64 (torch 2.13, H200),
+# and plain batched eager gradients of the model on CUDA differ from the loop's as much.
+DEVICE_ROUNDING = {"weight_norm": 1e-6}
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_float64(case: Case):
-    _run(case, "clip", torch.float64)
+    _run(case, "clip", torch.float64, tol=DEVICE_ROUNDING.get(case.id) if DEVICE.type == "cuda" else None)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES if c.float32])
@@ -150,7 +156,8 @@ def test_backend_on_device():
         gen = torch.Generator().manual_seed(batch_size)
         tokens = torch.randint(0, 11, (batch_size, 6), generator=gen)
         targets = torch.randint(0, 11, (batch_size, 6), generator=gen)
-        ref = reference(ref_model, (tokens,), lambda out, i: F.cross_entropy(out.flatten(0, 1), targets[i], reduction="sum"))
+        ref = reference(ref_model, (tokens,),
+                        lambda out, i, targets=targets: F.cross_entropy(out.flatten(0, 1), targets[i], reduction="sum"))
         model.zero_grad(set_to_none=True)
         step(tokens.to(DEVICE), targets.to(DEVICE)).backward()
         assert_close_all({n: p.grad for n, p in model.named_parameters()}, _on_device(ref).grad("mean", 0.5), 1e-4,

@@ -888,3 +888,25 @@ def _with_blocks(make: Callable[[], nn.Module], count: int) -> Callable[[], nn.M
         return model
 
     return build_smaller
+
+
+# -- recurrent cells as canonicalisation writes them ----------------------------------------
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_cells_written_out_are_atens(cell, bias):
+    """The LSTM and GRU cells canonicalisation writes as linears and gates (on CUDA, ATen's
+    own implementation is a fused kernel no rule knows, ``_thnn_fused_lstm_cell``) compute
+    what ATen's cells compute, bit for bit in float64 on the CPU."""
+    from fxdp.passes.canonicalize import _gru_cell, _lstm_cell
+
+    torch.manual_seed(0)
+    layer = (nn.LSTMCell if cell == "lstm" else nn.GRUCell)(3, 4, bias=bias).double()
+    x, h, c = _randn(5, 3), _randn(5, 4, seed=2), _randn(5, 4, seed=3)
+    weights = (layer.weight_ih, layer.weight_hh, layer.bias_ih, layer.bias_hh)
+    if cell == "lstm":
+        got, want = _lstm_cell(x, (h, c), *weights), torch.lstm_cell(x, (h, c), *weights)
+    else:
+        got, want = (_gru_cell(x, h, *weights),), (torch.gru_cell(x, h, *weights),)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -3630,6 +3630,54 @@ def test_an_inner_gradient_through_a_layer_norm_per_sample():
     _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), dp=dp)
 
 
+class ForcesOf(nn.Module):
+    """Forces ``-vmap(grad(energy))(positions)`` of energies that differentiate through a
+    view or straight into a linear (found in schnetpack's and deepxde's potentials):
+
+    * ``linear``: ``linear(r).sum()``, whose gradient's ``[B, atoms, o]`` expand the
+      batching rule views as ``[B·atoms, o]`` (``_unsafe_view``, viewable one sample at a
+      time only);
+    * ``select``: a pair of columns ``r[:, 0] * r[:, 1]`` (``select_backward``);
+    * ``slice``: the first atom ``r[:1]`` (``slice_backward``);
+    * ``hessian``: the curvature ``vmap(jacrev(grad(u)))`` of ``u(p) = net(p)[0]``
+      (``select_backward`` of a ``ones_like``), reduced to its trace."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        # Only parameters the forces depend on (a bias under a plain sum does not reach them).
+        self.lin = nn.Linear(3 if kind in ("linear", "hessian") else 1, 4, bias=kind != "linear")
+        if kind == "hessian":
+            self.out = nn.Linear(4, 1, bias=False)
+
+    def energy(self, r: torch.Tensor) -> torch.Tensor:  # [atoms, 3] -> []
+        if self.kind == "linear":
+            return self.lin(r).sum()
+        if self.kind == "select":
+            return torch.tanh(self.lin(r[:, 0, None] * r[:, 1, None])).pow(2).sum()
+        return torch.tanh(self.lin(r[:1, :1])).pow(2).sum()
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.kind == "hessian":
+            def u(p):  # [3] -> []
+                return self.out(torch.tanh(self.lin(p)))[0]
+
+            hessians = torch.func.vmap(torch.func.vmap(torch.func.jacrev(torch.func.grad(u))))(positions)
+            return hessians.diagonal(dim1=-2, dim2=-1).sum(-1)
+        return -torch.func.vmap(torch.func.grad(self.energy))(positions)
+
+
+@pytest.mark.parametrize("kind", ["linear", "select", "slice", "hessian"])
+def test_forces_through_views_and_linears_per_sample(kind):
+    """Each was refused or failed before: no propagation for ``select_backward`` and
+    ``slice_backward``; the ``_unsafe_view`` of a transform region ran on a tensor it
+    cannot view (canonicalisation now writes it as the ``reshape`` it stands for)."""
+    torch.manual_seed(0)
+    model = ForcesOf(kind).double()
+    dp = _against_the_loop(model, torch.randn(B, 5, 3, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, 5, 3, dtype=torch.float64), dp=dp)
+
+
 def test_a_layer_norm_weight_gradient_over_the_batch_in_the_forward_is_refused():
     """``native_layer_norm_backward`` asked for its weight's gradient sums it over every
     row, the batch's included."""

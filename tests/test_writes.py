@@ -406,10 +406,42 @@ class MovedWhereItIs(nn.Module):
         return self.head(torch.tanh(self.fc(x)))
 
 
+class DataSetToItself(MovedWhereItIs):
+    """pytorch-metric-learning's cast of a loss's class matrix, ``W.data =
+    to_device(W.data, ...)``, which returns the same tensor: ``set_(W, detach(W))``."""
+
+    def forward(self, x):
+        self.head.weight.data = self.head.weight.data
+        return self.head(torch.tanh(self.fc(x)))
+
+
 @pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
-def test_a_module_moved_where_it_already_is_is_no_write(grad_sample):
+@pytest.mark.parametrize("model", [MovedWhereItIs, DataSetToItself], ids=["moved", "data_set_to_itself"])
+def test_a_module_moved_where_it_already_is_is_no_write(model, grad_sample):
     torch.manual_seed(0)
-    _check(MovedWhereItIs().double(), torch.randn(B, 4, dtype=torch.float64), grad_sample)
+    _check(model().double(), torch.randn(B, 4, dtype=torch.float64), grad_sample)
+
+
+class RepeatedThenWritten(nn.Module):
+    """stanza's relative attention: copies of a size-1 dim (a ``repeat``, which
+    canonicalisation reads as an expand) written into in place afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):  # [B, T, 4]
+        q = self.fc(x).unsqueeze(3).repeat(1, 1, 1, 3)
+        q[..., 1:] = q[..., 1:] * 0.5
+        return q.sum((1, 2))  # [B, 3]
+
+
+@pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
+def test_copies_of_a_size_one_dim_written_in_place(grad_sample):
+    """Crashed before ("more than one element of the written-to tensor refers to a
+    single memory location"): the copy was moved above the expand."""
+    torch.manual_seed(0)
+    _check(RepeatedThenWritten().double(), torch.randn(B, 3, 4, dtype=torch.float64), grad_sample)
 
 
 class CachedAngles(nn.Module):
