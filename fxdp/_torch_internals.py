@@ -34,6 +34,7 @@ __all__ = [
     "after_backward",
     "in_optimizer",
     "resumed_after",
+    "resumed_arguments",
     "outputs_need_grad",
     "inline_checkpoints",
     "erase_unused",
@@ -1176,6 +1177,21 @@ def resumed_after() -> tuple[str, str | None, bool] | None:
         resumed[0], resumed[1], compiling[1].get("globals") or {}, compiling[1].get("locals") or {},
         compiling[1].get("closure"))
     return f"{code.co_filename}:{resumed[1]}", _DATA_READ_BREAKS.get(resumed), cleared
+
+
+def resumed_arguments() -> frozenset[str] | None:
+    """For a graph Dynamo compiles in a function it resumes after a break (see
+    ``resumed_after``): the names of the original function's arguments, which the
+    resume function receives among the locals the code before the break computed.
+    Else ``None``."""
+    code = _compiled_code()
+    resumed = None if code is None else _resumed(code)
+    if resumed is None or in_optimizer() or after_backward():
+        return None
+    original = resumed[0]
+    count = original.co_argcount + original.co_kwonlyargcount \
+        + bool(original.co_flags & 0x04) + bool(original.co_flags & 0x08)  # *args, **kwargs
+    return frozenset(original.co_varnames[:count])
 
 
 def outputs_need_grad(gm: fx.GraphModule) -> bool:

@@ -577,6 +577,38 @@ def _refuse_gradients_after_a_break(gm: fx.GraphModule, example_inputs: Sequence
         "unclipped gradient, any value it read could enter the gradients unseen")
 
 
+_LOCAL = re.compile(r"L\['(\w+)'\]")
+
+
+def _refuse_unbatched_values_after_a_break(gm: fx.GraphModule, canon: fx.GraphModule, analysis) -> None:
+    """Without clipping (graph breaks are allowed then), raise where a graph Dynamo resumes
+    after a break computes with a tensor the code before the break computed and that has
+    no batch dim here: a statistic of the batch (``mu = x.mean(0)`` before a
+    ``print``), or batched values this graph cannot read as the batch (its first tensor
+    argument, which gives ``B``, a list of pairs), either of which would mix samples
+    where no graph sees it. The values the frame was called with are judged as any
+    graph's inputs are."""
+    arguments = internals.resumed_arguments()
+    if arguments is None:
+        return
+    found = []
+    for node, canonical in zip((n for n in gm.graph.nodes if n.op == "placeholder"),
+                               (n for n in canon.graph.nodes if n.op == "placeholder")):
+        local = _LOCAL.fullmatch(source_name(node))
+        if not (isinstance(node.meta.get("example_value"), torch.Tensor) and local is not None
+                and local.group(1) not in arguments):
+            continue
+        if not isinstance(analysis.batch.get(canonical), BatchDim):
+            found.append(local.group(1))
+    if found:
+        raise UnsupportedError(
+            f"fxdp cannot follow the batch across a graph break: the graph after the break at "
+            f"{internals.resumed_after()[0]} computes with {', '.join(found[:4])}, computed before the "
+            "break, without the batch dim here. A statistic of the batch (x.mean(0)) would mix samples "
+            "where no graph sees it. Remove the break (torch.compile(..., fullgraph=True) names it), or "
+            "compute these values after it")
+
+
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
                   names: dict[int, str] | None = None,
                   record: CompiledGraph | None = None, arg_names: Sequence[str] = (),
@@ -589,6 +621,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     refuse_graph_break(gm, options, example_inputs)
     canon, fake_mode, param_names, analysis = analyse_graph(gm, example_inputs, options, names, arg_names)
     record._stage("canonical", canon)
+    if options.max_grad_norm is None:
+        _refuse_unbatched_values_after_a_break(gm, canon, analysis)
     record.param_names = list(param_names.values())
     excluded: set[str] = set()
     if analysis.problems:

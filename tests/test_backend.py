@@ -261,6 +261,34 @@ def test_graph_break_without_clipping_gives_per_sample_results():
     assert_norms(fxdp.per_sample_norms(model), ref.norms)  # both graphs' parts, combined
 
 
+class StatisticBeforeTheBreak(MLP):
+    def forward(self, x):
+        mu = x.mean(0)  # a statistic of the whole batch
+        torch._dynamo.graph_break()
+        return self.lin2(torch.relu(self.lin1(x - mu)))
+
+
+class PairsAfterTheBreak(MLP):
+    """The graph after the break reads ``B`` from a list of pairs (its first tensor
+    argument) and compares samples with each other (an in-batch contrastive loss)."""
+
+    def forward(self, x):
+        h = self.lin2(torch.relu(self.lin1(x)))
+        anchors, positives = torch.triu_indices(x.shape[0], x.shape[0], 1)
+        torch._dynamo.graph_break()
+        return (h @ h.T)[anchors, positives][:, None]
+
+
+@pytest.mark.parametrize("model", [StatisticBeforeTheBreak, PairsAfterTheBreak], ids=["statistic", "pairs"])
+def test_values_without_the_batch_across_a_break_are_refused(model):
+    """Without clipping a break is allowed, and each graph is judged on its own: a value
+    computed before the break that has no batch dim in the graph after it could mix
+    samples where neither graph sees it (before, both gave mixed grad samples silently)."""
+    compiled = torch.compile(model().to(DTYPE), backend=fxdp.backend(grad_sample=True, compiler="eager"))
+    with pytest.raises(Exception, match="cannot follow the batch across a graph break"):
+        compiled(randn(5, 4)).sum().backward()
+
+
 class BranchOnTheBatch(MLP):
     def forward(self, x):
         h = torch.tanh(self.lin1(x))
