@@ -2003,6 +2003,27 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
     return out
 
 
+_COUNTED = ("it computes with how many elements a boolean mask selected from the whole batch (x[mask].shape[0], "
+            "mask.sum() as a number): every sample's share would depend on the other samples' masks; sum "
+            "each sample's elements and divide by a fixed number instead, with loss_reduction='sum'")
+_REDUCTIONS_OF_COUNTS = {aten.scalar_tensor.default, aten.full.default}
+_SIZES = {aten.sym_size.int, aten.sym_numel.default}
+
+
+def _counts_selected(node: fx.Node, batch: dict, counts: set) -> bool:
+    """Whether ``node`` is the length of a ``Masked`` list (``x[mask].shape[0]``, its
+    ``numel()``), or a number or 0-d tensor computed from one: a count over every
+    sample's mask, which a shape argument (a view of the list's rows) may take but no
+    arithmetic on values may."""
+    if node.target in _SIZES:
+        b = batch.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+        return isinstance(b, Masked) and (node.target is aten.sym_numel.default or node.args[1] == 0)
+    if not any(a in counts for a in node.all_input_nodes):
+        return False
+    # Arithmetic on the count as a number (``n * 2``, ``float(n)``), or the count as a tensor.
+    return not isinstance(_meta(node), torch.Tensor) or node.target in _REDUCTIONS_OF_COUNTS
+
+
 def _blocks_of(mask: Any, rows: fx.Node) -> bool:
     """Whether the boolean ``mask`` is the mask ``rows`` with trailing dims added and
     expanded (``m[..., None].expand(B, T, d)``, or its ``~``), so that it selects a whole
@@ -2056,6 +2077,11 @@ def _as_masked(out: Any, selected: Masked) -> Any:
         return None
     if isinstance(out, BatchDim) and out.dim == 0 and out.plain:
         return selected
+    if isinstance(out, Loss) and out.reduction == "sum":
+        # Every element summed (``cross_entropy(logits[mask], y[mask], reduction="sum")``,
+        # flair's tagger): the sum over the samples of each sample's own elements' sum. A
+        # mean divides by how many elements every sample's mask selected: refused.
+        return out
     raise MixesSamples(_MASKED)
 
 
@@ -2909,6 +2935,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     single = isinstance(batch_size, int) and batch_size in (0, 1) and not chunk
     checks_only = _checks_only(gm)
     without_grad, gradient_free = computed_without_grad(gm.graph), {}
+    counts: set[fx.Node] = set()  # how many elements a mask selected from the whole batch
 
     previous = None
     for node in gm.graph.nodes:
@@ -2945,6 +2972,17 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         donors = [node.args[i] for i in _DTYPE_DONORS.get(target, ()) if i < len(node.args)]
         arg_batch = [None if any(a is d for d in donors) else _arg_batch(a, batch) for a in node.args]
         kwarg_batch = [_arg_batch(v, batch) for v in node.kwargs.values()]
+        if _counts_selected(node, batch, counts):
+            counts.add(node)
+            if not isinstance(_meta(node), torch.Tensor):
+                batch[node] = None
+                continue
+        if any(a in counts for a in node.all_input_nodes) and (
+                _is_pointwise(target) or target in _REDUCTIONS_OF_COUNTS):
+            problems.append(Problem(op_name(target), path, "", _COUNTED, source_of(node)))
+            out = _meta(node)
+            batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
+            continue
         batched = _any_batched(arg_batch) or _any_batched(kwarg_batch)
         paramish = [a for a in node.all_input_nodes if a in sources and not any(a is d for d in donors)]
         if paramish:

@@ -193,3 +193,55 @@ def test_a_parameter_op_that_mixes_the_selected_rows_is_refused():
     problems = fxdp.validate(RowsBaggedTogether().double(), *_inputs(3, torch.float64))
     assert [p.op for p in problems] == ["aten.embedding_bag.padding_idx"], problems
     assert "boolean mask selected from the whole batch" in problems[0].reason
+
+
+class TaggerLoss(nn.Module):
+    """A token tagger's loss on the positions a padding mask keeps, summed over them
+    (flair's ``SequenceTagger``: ``cross_entropy(scores[mask], tags[mask], reduction="sum")``):
+    the sum over the samples of each sample's own tokens' losses. ``how`` names the forms
+    that normalise by how many positions every sample's mask kept, refused."""
+
+    def __init__(self, how: str = "sum"):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(D, 3)
+
+    def forward(self, x, tokens):
+        keep = tokens < V - 2  # padding at the end of some samples
+        scores, tags = self.lin(x)[keep], tokens[keep] % 3
+        if self.how == "sum":
+            return F.cross_entropy(scores, tags, reduction="sum")
+        if self.how == "squares":
+            return scores.pow(2).sum()
+        if self.how == "mean":
+            return F.cross_entropy(scores, tags)
+        if self.how == "over count":
+            return F.cross_entropy(scores, tags, reduction="sum") / scores.shape[0]
+        out = torch.zeros(*tokens.shape, 3, dtype=x.dtype)  # "rows over count"
+        out[keep] = scores / scores.shape[0]
+        return out.pow(2).sum()
+
+
+@pytest.mark.parametrize("how", ["sum", "squares"])
+def test_a_loss_summed_over_the_rows_a_mask_selected_is_exact(how):
+    """Refused before ("it works on the elements a boolean mask … selected")."""
+    torch.manual_seed(0)
+    model = TaggerLoss(how).double()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for size in (3, 4):
+        x, tokens = _inputs(size, torch.float64)
+        ref = reference(model, (x, tokens), lambda out, i: out)
+        dp(x, tokens).backward()
+        params = dict(model.named_parameters())
+        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tolerance(torch.float64),
+                         f"grad_sample at B = {size}")
+
+
+@pytest.mark.parametrize("how", ["mean", "over count", "rows over count"])
+def test_a_count_of_the_rows_every_mask_selected_is_refused(how):
+    """A mean over the selected rows, or their number used in arithmetic: each sample's
+    share would depend on how many rows the other samples' masks selected."""
+    problems = fxdp.validate(TaggerLoss(how).double(), *_inputs(3, torch.float64), loss_reduction="sum")
+    reasons = " ".join(p.reason for p in problems)
+    assert problems and ("boolean mask selected from the whole batch" in reasons
+                         or "one list of every sample's elements" in reasons), problems
