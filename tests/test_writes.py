@@ -1095,7 +1095,7 @@ def test_a_cumulative_product_over_masked_rows_is_a_limit_of_aot_autograd():
 
 
 @pytest.mark.parametrize("kind, reason", [
-    ("a sum of the list", "a boolean mask over the batch dim selected"),
+    ("a sum of the list", "a reduction over the batch (the loss, or a statistic of the batch) is used"),
     ("two masks", "a boolean mask over the batch dim selected"),
     ("rows turned", "a boolean mask over the batch dim selected"),
 ])
