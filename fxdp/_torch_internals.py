@@ -1156,6 +1156,14 @@ def _first_resume() -> bool:
     return frame is not None and not frame.f_code.co_name.startswith("torch_dynamo_resume_in_")
 
 
+def _judged_resume() -> tuple[Any, int] | None:
+    """``_resumed`` of the frame Dynamo compiles now, where fxdp judges what follows the
+    break: not inside an optimizer's code, not after an accepted ``backward()``."""
+    code = _compiled_code()
+    resumed = None if code is None else _resumed(code)
+    return None if resumed is None or in_optimizer() or after_backward() else resumed
+
+
 def resumed_after() -> tuple[str, str | None, bool] | None:
     """Where the graph break is that the frame Dynamo compiles now resumes after, when
     that break is not a ``backward()`` fxdp accepted: ``"file:line"``; where fxdp
@@ -1168,9 +1176,8 @@ def resumed_after() -> tuple[str, str | None, bool] | None:
     then compiles the rest of the function as a resume function; by then nothing marks
     the break in the graphs fxdp sees but that function's name. An optimizer's code is
     not judged."""
-    code = _compiled_code()
-    resumed = None if code is None else _resumed(code)
-    if resumed is None or in_optimizer() or after_backward():
+    code, resumed = _compiled_code(), _judged_resume()
+    if resumed is None:
         return None
     compiling = _code_dynamo_compiles()
     cleared = compiling is not None and _first_resume() and _clears_gradients_only(
@@ -1184,9 +1191,8 @@ def resumed_arguments() -> frozenset[str] | None:
     ``resumed_after``): the names of the original function's arguments, which the
     resume function receives among the locals the code before the break computed.
     Else ``None``."""
-    code = _compiled_code()
-    resumed = None if code is None else _resumed(code)
-    if resumed is None or in_optimizer() or after_backward():
+    resumed = _judged_resume()
+    if resumed is None:
         return None
     original = resumed[0]
     count = original.co_argcount + original.co_kwonlyargcount \

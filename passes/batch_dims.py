@@ -2006,7 +2006,7 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
 _COUNTED = ("it computes with how many elements a boolean mask selected from the whole batch (x[mask].shape[0], "
             "mask.sum() as a number): every sample's share would depend on the other samples' masks; sum "
             "each sample's elements and divide by a fixed number instead, with loss_reduction='sum'")
-_REDUCTIONS_OF_COUNTS = {aten.scalar_tensor.default, aten.full.default}
+_TENSORS_OF_COUNTS = {aten.scalar_tensor.default, aten.full.default}
 _SIZES = {aten.sym_size.int, aten.sym_numel.default}
 
 
@@ -2021,7 +2021,7 @@ def _counts_selected(node: fx.Node, batch: dict, counts: set) -> bool:
     if not any(a in counts for a in node.all_input_nodes):
         return False
     # Arithmetic on the count as a number (``n * 2``, ``float(n)``), or the count as a tensor.
-    return not isinstance(_meta(node), torch.Tensor) or node.target in _REDUCTIONS_OF_COUNTS
+    return not isinstance(_meta(node), torch.Tensor) or node.target in _TENSORS_OF_COUNTS
 
 
 def _blocks_of(mask: Any, rows: fx.Node) -> bool:
@@ -2978,7 +2978,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 batch[node] = None
                 continue
         if any(a in counts for a in node.all_input_nodes) and (
-                _is_pointwise(target) or target in _REDUCTIONS_OF_COUNTS):
+                _is_pointwise(target) or target in _TENSORS_OF_COUNTS):
             problems.append(Problem(op_name(target), path, "", _COUNTED, source_of(node)))
             out = _meta(node)
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
