@@ -8,7 +8,14 @@ import torch.fx as fx
 
 from fxdp import _torch_internals as internals
 from fxdp.clip_norm import ClipNorm
-from fxdp.compiler import CompiledGraph, NoBatchDim, compile_graph, refuse_graph_break
+from fxdp.compiler import (
+    CompiledGraph,
+    NoBatchDim,
+    compile_graph,
+    mark_mixed,
+    mixed_outputs,
+    refuse_graph_break,
+)
 from fxdp.errors import UnsupportedError
 from fxdp.options import Options
 
@@ -63,11 +70,15 @@ class Backend:
         if not torch.is_grad_enabled() or not any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
         ):
+            mixed = {}
             if torch.is_grad_enabled() and not internals.in_optimizer():
                 # No gradient flows through it, but a break at its end (a call of a
-                # submodule Dynamo runs eagerly) may hide parameters from the next.
+                # submodule Dynamo runs eagerly) may hide parameters from the next,
+                # and what it mixes may reach them there.
                 refuse_graph_break(gm, self.options, example_inputs)
-            return _plain(gm, example_inputs, self.options)
+                if self.options.max_grad_norm is None:
+                    mixed = mixed_outputs(gm, example_inputs, self.options)
+            return _plain(gm, example_inputs, self.options, mixed)
         if not self.guards_eager_fallback:  # transform's: it checks that its graph ran
             return self._compile(gm, example_inputs)
         internals.refuse_silent_eager_fallback()
@@ -101,8 +112,10 @@ def vars_of(options: Options) -> dict:
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
 
 
-def _plain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> Callable:
-    """No gradient can flow (``torch.no_grad()``, inference): nothing extra to do."""
+def _plain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+           mixed: dict[int, str] | None = None) -> Callable:
+    """No gradient can flow (``torch.no_grad()``, inference): nothing extra to do, but
+    mark the ``mixed`` outputs (``mixed_outputs``)."""
     from fxdp.compiler import RUN_STATE
 
     if options.compiler == "inductor":
@@ -121,6 +134,8 @@ def _plain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options) 
     def run(*args):
         RUN_STATE.ran = True
         out = compiled(*args)
+        for i, where in (mixed or {}).items():
+            mark_mixed(out[i], where)
         if guarded:
             with torch.enable_grad():
                 out = type(out)(_NoBackward.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t

@@ -23,7 +23,7 @@ from fxdp.clip_norm import ClipNorm
 from fxdp.errors import Problem, UnsupportedError
 from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
-from fxdp.passes.batch_dims import SameCounts, batch_dim_pass, module_path_of, source_of
+from fxdp.passes.batch_dims import UNKNOWN, SameCounts, batch_dim_pass, module_path_of, op_name, reached, source_of
 from fxdp.passes.canonicalize import canonicalize_pass
 from fxdp.passes.masked_rows import rows_in_place_pass
 from fxdp.passes.chunk_loops import chunk_loops_as_whole_pass
@@ -578,35 +578,104 @@ def _refuse_gradients_after_a_break(gm: fx.GraphModule, example_inputs: Sequence
 
 
 _LOCAL = re.compile(r"L\['(\w+)'\]")
+# id -> (the tensor, held weakly; where it was mixed): see ``mixed_outputs``.
+_MIXED: dict[int, tuple[weakref.ref, str]] = {}
 
 
-def _refuse_unbatched_values_after_a_break(gm: fx.GraphModule, canon: fx.GraphModule, analysis) -> None:
+def mark_mixed(t: torch.Tensor, where: str) -> None:
+    """Remember, for as long as ``t`` lives, that it was computed by mixing samples at ``where``."""
+    key = id(t)
+    _MIXED[key] = (weakref.ref(t, lambda _, key=key: _MIXED.pop(key, None)), where)
+
+
+def mixed_where(t: Any) -> str | None:
+    """Where ``t`` was computed by mixing samples (``mark_mixed``), or ``None``."""
+    entry = _MIXED.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else None
+
+
+def _outputs(gm: fx.GraphModule) -> list[Any]:
+    return pytree.tree_leaves(gm.graph.output_node().args[0])
+
+
+def mixed_outputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> dict[int, str]:
+    """For a graph no gradient flows through (no input needs one), run by the backend in a
+    training step without clipping, where graph breaks are allowed: the positions of its
+    outputs computed by mixing samples, or from a value an earlier graph marked so, and
+    where that happened. The backend marks those outputs (``mark_mixed``) at every run, and
+    a graph after a break that computes with one of them and with parameters is refused
+    (``_refuse_unbatched_values_after_a_break``): ``x = x - x.mean(0)`` before a
+    ``print``, whose result keeps the batch dim, would otherwise mix samples where neither
+    graph sees it."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    marked = {n: where for n, t in zip(placeholders, example_inputs) if (where := mixed_where(t)) is not None}
+    found = _positions(_outputs(gm), _spread(marked))
+    try:
+        canon, _, _, analysis = analyse_graph(gm, example_inputs, options)
+    except Exception:  # noqa: BLE001 - no batched input (nothing to mix), or a graph the analysis cannot read
+        return found
+    if len(_outputs(canon)) != len(_outputs(gm)):
+        return found
+    starts = list(analysis.mixing) + [n for n, b in analysis.batch.items()
+                                      if any(v is UNKNOWN for v in pytree.tree_leaves(b))]
+    return {**_positions(_outputs(canon), _spread({n: source_of(n) or op_name(n.target) for n in starts})),
+            **found}
+
+
+def _spread(starts: dict[fx.Node, str]) -> dict[fx.Node, str]:
+    """Every node computed from one of ``starts``, with the first such start's label."""
+    spread: dict[fx.Node, str] = {}
+    for start, label in starts.items():
+        for node in reached([start], lambda n: n.users):
+            spread.setdefault(node, label)
+    return spread
+
+
+def _positions(outputs: list[Any], mixed: dict[fx.Node, str]) -> dict[int, str]:
+    return {i: mixed[out] for i, out in enumerate(outputs) if isinstance(out, fx.Node) and out in mixed}
+
+
+def _refuse_unbatched_values_after_a_break(gm: fx.GraphModule, canon: fx.GraphModule, analysis,
+                                           example_inputs: Sequence[Any], param_names: dict) -> None:
     """Without clipping (graph breaks are allowed then), raise where a graph Dynamo resumes
     after a break computes with a tensor the code before the break computed and that has
     no batch dim here: a statistic of the batch (``mu = x.mean(0)`` before a
     ``print``), or batched values this graph cannot read as the batch (its first tensor
     argument, which gives ``B``, a list of pairs), either of which would mix samples
-    where no graph sees it. The values the frame was called with are judged as any
-    graph's inputs are."""
+    where no graph sees it. So does one an earlier graph computed by mixing samples
+    (``mixed_outputs``: ``x - x.mean(0)``) where this graph computes with it and with
+    parameters. The values the frame was called with are judged as any graph's inputs
+    are."""
     arguments = internals.resumed_arguments()
     if arguments is None:
         return
-    found = []
-    for node, canonical in zip((n for n in gm.graph.nodes if n.op == "placeholder"),
-                               (n for n in canon.graph.nodes if n.op == "placeholder")):
+    found, mixed = [], []
+    with_parameters = reached(list(param_names), lambda n: n.users)
+    for node, canonical, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"),
+                                      (n for n in canon.graph.nodes if n.op == "placeholder"), example_inputs):
         local = _LOCAL.fullmatch(source_name(node))
-        if not (isinstance(node.meta.get("example_value"), torch.Tensor) and local is not None
-                and local.group(1) not in arguments):
+        if not (isinstance(node.meta.get("example_value"), torch.Tensor) and local is not None):
             continue
-        if not isinstance(analysis.batch.get(canonical), BatchDim):
+        # (an argument's name may hold a value computed before the break: ``x = x - x.mean(0)``)
+        if (where := mixed_where(value)) is not None and reached([canonical], lambda n: n.users) & with_parameters:
+            mixed.append(f"{local.group(1)} (mixed at {where})")
+        elif local.group(1) not in arguments and not isinstance(analysis.batch.get(canonical), BatchDim):
             found.append(local.group(1))
+    where = internals.resumed_after()[0]
     if found:
         raise UnsupportedError(
             f"fxdp cannot follow the batch across a graph break: the graph after the break at "
-            f"{internals.resumed_after()[0]} computes with {', '.join(found[:4])}, computed before the "
+            f"{where} computes with {', '.join(found[:4])}, computed before the "
             "break, without the batch dim here. A statistic of the batch (x.mean(0)) would mix samples "
             "where no graph sees it. Remove the break (torch.compile(..., fullgraph=True) names it), or "
             "compute these values after it")
+    if mixed:
+        raise UnsupportedError(
+            f"fxdp cannot follow the batch across a graph break: the graph after the break at {where} "
+            f"computes with parameters and with {', '.join(mixed[:4])}, which the code before the break "
+            "computed by mixing samples: each sample's gradient would depend on the other samples. "
+            "Remove the mixing, or the break (torch.compile(..., fullgraph=True) names it), and fxdp "
+            "names the op")
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
@@ -622,7 +691,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     canon, fake_mode, param_names, analysis = analyse_graph(gm, example_inputs, options, names, arg_names)
     record._stage("canonical", canon)
     if options.max_grad_norm is None:
-        _refuse_unbatched_values_after_a_break(gm, canon, analysis)
+        _refuse_unbatched_values_after_a_break(gm, canon, analysis, example_inputs, param_names)
     record.param_names = list(param_names.values())
     excluded: set[str] = set()
     if analysis.problems:

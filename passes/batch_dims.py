@@ -148,6 +148,10 @@ class BatchAnalysis:
             rows a boolean mask selected by an op that keeps rows apart, which
             ``rows_in_place_pass`` runs on the rows put back in place (its uses are
             found once that pass has run and the graph is analysed again).
+        mixing: The nodes the propagation found problems at (an op that mixes samples or
+            that no rule follows, a write the analysis cannot follow): with ``UNKNOWN``
+            values, what a graph's outputs may have mixed from (see
+            ``fxdp.compiler.mixed_outputs``).
     """
 
     batch: dict[fx.Node, Any]
@@ -164,6 +168,7 @@ class BatchAnalysis:
     sized_normaliser: bool = False
     own_rows: list["OwnRows | SameCounts"] = dataclasses.field(default_factory=list)
     rows_in_place: list[tuple[fx.Node, dict]] = dataclasses.field(default_factory=list)
+    mixing: list[fx.Node] = dataclasses.field(default_factory=list)
 
 
 def op_name(target: Any) -> str:
@@ -2936,6 +2941,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     checks_only = _checks_only(gm)
     without_grad, gradient_free = computed_without_grad(gm.graph), {}
     counts: set[fx.Node] = set()  # how many elements a mask selected from the whole batch
+    mixing: list[fx.Node] = []  # where problems were found
+    found = 0
 
     previous = None
     for node in gm.graph.nodes:
@@ -2948,6 +2955,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             problems.append(Problem(op_name(previous.target), module_path_of(previous),
                                     _names(sources.get(previous.args[0], ()), param_names), reason,
                                     source_of(previous)))
+        if len(problems) > found:  # at the op before (its write included)
+            mixing.append(previous)
+            found = len(problems)
         previous = node
         if node.op == "placeholder":
             b = placeholder_batch.get(node)
@@ -3108,6 +3118,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             else:
                 batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
 
+    if len(problems) > found:
+        mixing.append(previous)
     # A use on a mask's rows is a use on the batch once the rows are put back in place.
     in_place = {n for n, _ in _ROWS_IN_PLACE[-1]}
     uses, broadcasts = ([], {}) if single else _classify_parameter_uses(
@@ -3129,7 +3141,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     return BatchAnalysis(batch=batch, problems=problems, uses=uses, loss=loss,
                          broadcasts=broadcasts, param_only=sources, single=single,
                          empty=single and batch_size == 0, sized_by_batch=sized_by_batch,
-                         normalisers=normalisers, sized_normaliser=sized_normaliser)
+                         normalisers=normalisers, sized_normaliser=sized_normaliser, mixing=mixing)
 
 
 def _live_nodes(gm: fx.GraphModule) -> set[fx.Node]:

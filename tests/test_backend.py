@@ -289,6 +289,84 @@ def test_values_without_the_batch_across_a_break_are_refused(model):
         compiled(randn(5, 4)).sum().backward()
 
 
+class CentredBeforeTheBreak(MLP):
+    def forward(self, x):
+        x = x - x.mean(0)  # folded into batched values: the graph after the break sees [B, 4]
+        torch._dynamo.graph_break()
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+class MixedUpBeforeTheBreak(MLP):
+    def forward(self, x):
+        x = 0.7 * x + 0.3 * x.flip(0)  # mixup with the batch reversed
+        torch._dynamo.graph_break()
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+class CentredBeforeTwoBreaks(MLP):
+    def forward(self, x):
+        x = x - x.mean(0)
+        torch._dynamo.graph_break()
+        x = torch.tanh(x) * 2  # a graph without parameters between the breaks
+        torch._dynamo.graph_break()
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+class FrozenBatchNormBeforeTheBreak(MLP):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4).requires_grad_(False)  # training mode: the batch's statistics
+
+    def forward(self, x):
+        x = self.norm(x)
+        torch._dynamo.graph_break()
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+@pytest.mark.parametrize("model", [CentredBeforeTheBreak, MixedUpBeforeTheBreak, CentredBeforeTwoBreaks,
+                                   FrozenBatchNormBeforeTheBreak],
+                         ids=["centred", "mixed up", "two breaks", "frozen batchnorm"])
+def test_values_mixed_before_a_break_are_refused(model):
+    """A graph without trainable inputs before the break mixes samples into values that
+    keep the batch dim: the graph after it cannot tell, so the backend marks what the
+    first computed (before, sample 0's grad sample moved when only sample 1 changed)."""
+    compiled = torch.compile(model().to(DTYPE), backend=fxdp.backend(grad_sample=True, compiler="eager"))
+    with pytest.raises(Exception, match="which the code before the break computed by mixing samples") as info:
+        compiled(randn(5, 4)).sum().backward()
+    assert f"(mixed at {__file__}:" in str(info.value)
+
+
+class ScaledBeforeTheBreak(MLP):
+    def forward(self, x):
+        x = (x - x.mean(1, keepdim=True)) * 2  # each sample's own statistic
+        torch._dynamo.graph_break()
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+class ReportsAStatisticBeforeTheBreak(MLP):
+    def forward(self, x):
+        centred = x - x.mean(0)  # mixes samples, but only into a value returned beside the output
+        spread = x.std()
+        torch._dynamo.graph_break()
+        return self.lin2(torch.relu(self.lin1(x))), centred, spread
+
+
+@pytest.mark.parametrize("model", [ScaledBeforeTheBreak, ReportsAStatisticBeforeTheBreak],
+                         ids=["per-sample", "reported"])
+def test_values_computed_before_a_break_without_mixing_into_parameters_are_exact(model):
+    """What the graph before the break computes per sample, or mixes only into values the
+    graph after it returns without computing with them, leaves each sample's gradient its
+    own."""
+    model = model().to(DTYPE)
+    x = randn(5, 4)
+    ref = reference(model, [x], lambda out, i: (out[0] if isinstance(out, tuple) else out).pow(2).sum())
+    compiled = torch.compile(model, backend=fxdp.backend(grad_sample=True, loss_reduction="sum",
+                                                         compiler="eager"))
+    out = compiled(x)
+    (out[0] if isinstance(out, tuple) else out).pow(2).sum().backward()
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "grad_sample")
+
+
 class BranchOnTheBatch(MLP):
     def forward(self, x):
         h = torch.tanh(self.lin1(x))
