@@ -33,7 +33,8 @@ from fxdp.passes.tag import tag_pass
 __all__ = ["compile_graph", "CompiledGraph", "RUN_STATE", "latest_record", "analyse_graph", "forward_arg_names"]
 
 # Set by every compiled fxdp forward; ``DPModule`` checks it to detect a silent
-# eager fallback of Dynamo.
+# eager fallback of Dynamo (``ran``) and clears the grad samples of the parameters the
+# forward did not train (``trained``, set by a graph with trainable parameters).
 RUN_STATE = threading.local()
 _step_counter = itertools.count(1)
 # .record: the StepRecord of the latest fxdp backward. Not thread-local: autograd runs a
@@ -1008,6 +1009,7 @@ def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices:
         if torch.is_grad_enabled():
             guard_gradient_hooks((name, args[i]) for i, name in trained.items())
         RUN_STATE.ran = True
+        RUN_STATE.trained = [args[i] for i in trained]
         if handover.positions:
             handover.params = {i: args[i] for i in handover.positions}
         for i in frozen:

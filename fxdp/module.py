@@ -1,6 +1,8 @@
 """``fxdp.transform``: a model whose backward emits per-sample results."""
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 from typing import Any, Iterator
 
@@ -41,6 +43,12 @@ class DPModule(nn.Module):
         object.__setattr__(self, "_compiled", torch.compile(_calling(model), backend=backend, fullgraph=True))
         object.__setattr__(self, "_compiled_without_grad", torch.compile(_calling(model), backend=backend))
         self.training = model.training
+        # ``inspect.signature(dp.forward)`` is the model's: tools that pick the arguments to
+        # pass by it (the Hugging Face Trainer drops the columns the forward does not name)
+        # see the model.
+        forward = functools.partial(DPModule.forward, self)
+        forward.__signature__ = _signature(model)
+        object.__setattr__(self, "forward", forward)
 
     @property
     def module(self) -> nn.Module:
@@ -57,12 +65,8 @@ class DPModule(nn.Module):
                 "steps, so it has no batch dim. Pass the padded batch instead ([B, T, ...] "
                 "with the lengths or a mask), run the RNN on it and read each sample's last "
                 "real step with the mask, e.g. (out * mask[..., None]).sum(1)")
-        RUN_STATE.ran = False
+        RUN_STATE.ran, RUN_STATE.trained = False, ()
         with_grad = torch.is_grad_enabled()
-        if with_grad and self.options.grad_sample:
-            for p in self._module.parameters():
-                if not p.requires_grad and getattr(p, "grad_sample", None) is not None:
-                    p.grad_sample = None  # frozen since an earlier step: it gets nothing now
         # Dynamo raises at its recompile limit for this model's training calls, instead of
         # running them eagerly without the fxdp backward; an evaluation run eagerly is
         # harmless. (A process-wide setting would reach the user's other compiled code.)
@@ -70,6 +74,7 @@ class DPModule(nn.Module):
             try:
                 out = (self._compiled if with_grad else self._compiled_without_grad)(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - only unwraps, always re-raises
+                _bind(self._module, args, kwargs)  # the model's TypeError, not Dynamo's
                 inner = internals.backend_error(e)
                 if inner is None:
                     raise
@@ -84,6 +89,14 @@ class DPModule(nn.Module):
                    "while the model trains." if stance else
                    "e.g. after its recompile limit); its gradients would not be private. Raise "
                    "torch._dynamo.config.recompile_limit or keep input shapes/types stable."))
+        if with_grad and self.options.grad_sample:
+            # A parameter frozen since an earlier step, or one this call does not use (a
+            # task's head chosen per step), gets nothing from this step's backward: no grad
+            # sample of an earlier batch may stay beside the others.
+            trained = {id(p) for p in RUN_STATE.trained}
+            for p in self._module.parameters():
+                if id(p) not in trained and getattr(p, "grad_sample", None) is not None:
+                    p.grad_sample = None
         return out
 
     # -- results of the last backward ---------------------------------------------------
@@ -123,6 +136,22 @@ class DPModule(nn.Module):
 
     def load_state_dict(self, *args, **kwargs):
         return self._module.load_state_dict(*args, **kwargs)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """Held by a module (``self.model = fxdp.transform(...)`` in a LightningModule), the
+        wrapper's keys are under its name there: its holder's ``load_state_dict`` loads them
+        into the model, whose submodules are not the wrapper's."""
+        own = type(state_dict)((key[len(prefix):], value) for key, value in state_dict.items()
+                               if key.startswith(prefix))
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            own._metadata = type(metadata)(
+                (key[len(prefix):], value) for key, value in metadata.items() if f"{key}.".startswith(prefix))
+        result = self._module.load_state_dict(own, strict=False,
+                                              assign=local_metadata.get("assign_to_params_buffers", False))
+        missing_keys.extend(prefix + key for key in result.missing_keys)
+        unexpected_keys.extend(prefix + key for key in result.unexpected_keys)
 
     def named_parameters(self, *args, **kwargs) -> Iterator:
         return self._module.named_parameters(*args, **kwargs)
@@ -182,6 +211,24 @@ class DPModule(nn.Module):
 
 
 _TRANSFORMS = itertools.count()
+
+
+def _signature(model: nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward without one (a builtin)
+        return None
+
+
+def _bind(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Raise the ``TypeError`` of calling ``model`` with arguments its forward does not take."""
+    signature = _signature(model)
+    if signature is None:
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{type(model).__name__}.forward() {e}") from None
 
 
 def _calling(model: nn.Module):

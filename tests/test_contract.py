@@ -1366,6 +1366,87 @@ def test_state_dict_has_the_model_keys():
     assert [n for n, _ in dp.named_parameters()] == [n for n, _ in model.named_parameters()]
 
 
+class _Holder(nn.Module):
+    """A module that holds the transform (a LightningModule's ``self.model``)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.model = fxdp.transform(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)),
+                                    compiler="eager")
+        self.scale = nn.Parameter(torch.ones(()))
+
+
+def test_a_module_holding_the_transform_loads_its_state_dict():
+    """Its keys are under the holder's name for it; its holder's load_state_dict loads
+    them into the model (before, strict=True raised "Unexpected key(s)" and strict=False
+    loaded nothing), and reports what is missing or unexpected under the same names."""
+    saved, loaded = _Holder(0), _Holder(1)
+    state = {k: v + 1 for k, v in saved.state_dict().items()}
+    assert [k for k in state if k.startswith("model.")] == [f"model.{k}" for k in saved.model.module.state_dict()]
+    assert not loaded.load_state_dict(state).missing_keys
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
+    del state["model.0.bias"]
+    state["model.2.extra"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match=r'(?s)Missing key\(s\) in state_dict: "model.0.bias"'
+                       r'.*Unexpected key\(s\) in state_dict: "model.2.extra"'):
+        loaded.load_state_dict(state)
+    result = loaded.load_state_dict(state, strict=False)
+    assert (result.missing_keys, result.unexpected_keys) == (["model.0.bias"], ["model.2.extra"])
+
+
+class _Labelled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, labels=None):
+        return F.cross_entropy(self.fc(x), labels, reduction="sum")
+
+
+def test_the_transform_has_the_models_signature():
+    """Tools read the forward's signature to pick its arguments (the Hugging Face Trainer
+    drops the columns it does not name), and an argument it does not take raises the
+    model's TypeError, not Dynamo's failure to capture the call."""
+    model = _Labelled().to(DTYPE)
+    dp = fxdp.transform(model, loss_reduction="sum", compiler="eager")
+    assert inspect.signature(dp.forward) == inspect.signature(model.forward)
+    x, y = randn(3, 4), torch.tensor([0, 2, 1])
+    with pytest.raises(TypeError, match="_Labelled.forward\\(\\) got an unexpected keyword argument 'count'"):
+        dp(x, labels=y, count=torch.tensor(3))
+    dp(x, labels=y).backward()
+    assert model.fc.weight.grad is not None
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 6)
+        self.heads = nn.ModuleDict({"a": nn.Linear(6, 3), "b": nn.Linear(6, 2)})
+
+    def forward(self, x, task: str):
+        return self.heads[task](torch.tanh(self.body(x)))
+
+
+def test_a_parameter_a_step_does_not_use_keeps_no_grad_sample():
+    """A multi-task model's head chosen per step: the head the step does not use keeps no
+    grad sample of an earlier batch beside the others (it had the earlier step's ``[6, ...]``
+    beside a ``[5, ...]`` batch), as its ``p.grad`` stays ``None``."""
+    model = _TwoHeads().to(DTYPE)
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    mean_sq_loss(dp(randn(6, 4), "a")).backward()
+    assert model.heads["a"].weight.grad_sample.shape[0] == 6
+    model.zero_grad()
+    x = randn(5, 4, seed=2)
+    mean_sq_loss(dp(x, "b")).backward()
+    assert all(getattr(p, "grad_sample", None) is None for p in model.heads["a"].parameters())
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum(), kwargs={"task": "b"})
+    used = {n: g for n, g in ref.per_sample.items() if not n.startswith("heads.a")}
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters() if n in used}, used, TOL,
+                     "p.grad_sample")
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_a_copy_is_a_transform_of_the_copied_model(how):
     """``copy.deepcopy(dp_model)`` (an EMA or evaluation copy) and a saved and loaded
