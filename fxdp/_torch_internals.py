@@ -102,6 +102,8 @@ def capture_config():
       cannot call methods on the attribute as it keeps it.
     - ``requires_grad`` set on a value the forward computed is dropped (see
       ``_gradient_asked_of_a_computed_value``).
+    - A ``torch.autograd.Function`` context's ``saved_variables`` (deprecated) is its
+      ``saved_tensors``, the only one Dynamo knows (NAFNet's ``LayerNorm2d``).
     - ``torch.jit.isinstance(x, T)`` of a plain type (MONAI's ``UpCat``), which Dynamo
       skips, is the builtin ``isinstance``; a container type (``List[int]``) still breaks.
     - ``with torch.backends.cuda.sdp_kernel(enable_flash=..., ...)``, deprecated and
@@ -294,7 +296,7 @@ _NAMED_FOR: list[Callable[[Any], bool]] = []
 
 
 def name_function_calls(is_fxdp_backend: Callable[[Any], bool]) -> None:
-    """Have Dynamo capture for fxdp as ``capture_config`` has it, in five of its
+    """Have Dynamo capture for fxdp as ``capture_config`` has it, in six of its
     settings, when it captures for a backend that ``is_fxdp_backend`` recognises:
 
     - trace ``nn.RNN``/``nn.GRU``/``nn.LSTM`` modules as ``allow_rnn`` does. Without
@@ -309,7 +311,10 @@ def name_function_calls(is_fxdp_backend: Callable[[Any], bool]) -> None:
       captured, instead of breaking the graph (Hugging Face's ``loss_function`` warns
       once about an unset ``loss_type``, inside a compiled step's forward);
     - answer a string method of a class's name from the name (peft's DoRA asks
-      ``type(w).__module__.startswith("torchao.")`` of every weight).
+      ``type(w).__module__.startswith("torchao.")`` of every weight);
+    - read a ``torch.autograd.Function`` context's ``saved_variables``, the deprecated
+      alias of ``saved_tensors`` (NAFNet's and KBNet's ``LayerNorm2d`` read it in their
+      backward), as ``saved_tensors``: Dynamo knows only the latter.
 
     ``torch.compile(model, backend="fxdp")`` captures without fxdp on the stack, so
     fxdp's backend module calls this when it is imported, which Dynamo does when it
@@ -322,7 +327,8 @@ def name_function_calls(is_fxdp_backend: Callable[[Any], bool]) -> None:
 def _install_capture_hooks() -> None:
     from torch._dynamo.variables import ConstantVariable, SetAttrBuiltinVariable, TensorVariable
     from torch._dynamo.variables.builder import VariableBuilder
-    from torch._dynamo.variables.misc import AutogradFunctionVariable, GetAttrVariable, LoggingLoggerVariable
+    from torch._dynamo.variables.misc import (AutogradFunctionContextVariable, AutogradFunctionVariable,
+                                              GetAttrVariable, LoggingLoggerVariable)
 
     apply = AutogradFunctionVariable.call_apply
     if getattr(apply, "_fxdp_naming", False):
@@ -357,7 +363,14 @@ def _install_capture_hooks() -> None:
             return ConstantVariable.create(None)
         return set_attribute_call(self, tx, obj, name_var, val)
 
+    def context_attribute(self, tx, name):
+        if name == "saved_variables" and (_NAMING.capturing or _compiles_for(tx, _NAMED_FOR)):
+            name = "saved_tensors"  # its deprecated alias, which Dynamo does not know
+        return context_getattr(self, tx, name)
+
     refuse_skipped_frames_that_train()
+    context_getattr = AutogradFunctionContextVariable.var_getattr
+    AutogradFunctionContextVariable.var_getattr = context_attribute
     method_requires_grad = TensorVariable.method_requires_grad_
     set_attribute_call = SetAttrBuiltinVariable._call_setattr
     TensorVariable.method_requires_grad_ = requires_grad_

@@ -462,6 +462,59 @@ def test_through_the_torch_compile_backend():
                reduction="mean")
 
 
+class LayerNorm2dFunction(torch.autograd.Function):
+    """NAFNet's (and KBNet's) ``LayerNorm2d``, as written there: over the channels of
+    ``[N, C, H, W]``, reading the deprecated ``ctx.saved_variables`` in its backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        ctx.eps = eps
+        N, C, H, W = x.size()
+        mu = x.mean(1, keepdim=True)
+        var = (x - mu).pow(2).mean(1, keepdim=True)
+        y = (x - mu) / (var + eps).sqrt()
+        ctx.save_for_backward(y, var, weight)
+        return weight.view(1, C, 1, 1) * y + bias.view(1, C, 1, 1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        N, C, H, W = grad_output.size()
+        y, var, weight = ctx.saved_variables
+        g = grad_output * weight.view(1, C, 1, 1)
+        mean_g = g.mean(dim=1, keepdim=True)
+        mean_gy = (g * y).mean(dim=1, keepdim=True)
+        gx = 1. / torch.sqrt(var + ctx.eps) * (g - y * mean_gy - mean_g)
+        return gx, (grad_output * y).sum(dim=3).sum(dim=2).sum(dim=0), grad_output.sum(dim=3).sum(dim=2).sum(dim=0), None
+
+
+class NAFBlock(nn.Module):
+    def __init__(self, channels: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.weight = nn.Parameter(torch.rand(channels) + 0.5)
+        self.bias = nn.Parameter(torch.randn(channels))
+
+    def forward(self, x):
+        return x + LayerNorm2dFunction.apply(self.conv(x), self.weight, self.bias, 1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:'saved_variables' is deprecated")
+@pytest.mark.parametrize("entry", ["transform", "backend"])
+@pytest.mark.parametrize("mode", ["grad_sample", "clip"])
+def test_a_backward_reading_the_deprecated_saved_variables(entry, mode):
+    """Dynamo knows ``ctx.saved_tensors`` only: fxdp reads ``saved_variables`` as it (plain
+    ``torch.compile(fullgraph=True)`` fails on it, and fxdp refused the model)."""
+    torch._dynamo.reset()
+    model = NAFBlock().double()
+    x = _batch((5, 4, 3, 3), torch.float64)
+    clip = reference(model, (x,), lambda out, i: _loss(out).sum()).norms.median().item() if mode == "clip" else None
+    options = dict(grad_sample=True) if mode == "grad_sample" else dict(max_grad_norm=clip)
+    dp_model = (fxdp.transform(model, compiler="eager", **options) if entry == "transform"
+                else torch.compile(model, backend=fxdp.backend(compiler="eager", **options)))
+    _check(model, dp_model, x, mode=mode, reduction="mean", clip=clip)
+
+
 def test_captures_do_not_accumulate():
     """What fxdp keeps of a Function call lives as long as the graphs that use it."""
     import gc
