@@ -870,6 +870,7 @@ def nodes_with_bodies(gm: fx.GraphModule):
 
 _TRANSFORM_ENTER = ("_vmap_increment_nesting", "_grad_increment_nesting")
 _TRANSFORM_EXIT = ("_vmap_decrement_nesting", "_grad_decrement_nesting")
+_TRANSFORM_UNWRAP = ("_unwrap_for_grad", "_remove_batch_dim")  # a transform's results, as plain tensors
 FORWARD_MODE_AD = ("_jvp_increment_nesting", "_enter_dual_level", "_make_dual")
 
 
@@ -880,7 +881,8 @@ def transform_regions_as_aten(gm: fx.GraphModule, fake_mode) -> fx.GraphModule:
     Dynamo inlines a transform as its function's ops between ``_vmap_increment_nesting``
     (``_grad_increment_nesting``) and the matching ``_decrement_nesting``, the inputs
     wrapped (``_add_batch_dim``, ``_wrap_for_grad``): the ops between see one slice of a
-    hidden batch dim, or values of a nested autograd level, and
+    hidden batch dim, or values of a nested autograd level (used after the level's exit
+    too, by ``vjp``'s function: the region ends at their last use), and
     ``make_fx(pre_dispatch=True)`` (whose tracer sits above functorch) would keep the
     wrapped tensors as constants. Traced below functorch, as AOTAutograd traces it, the
     region is plain ATen code on whole tensors (vmap's batching rules, grad's backward
@@ -892,16 +894,23 @@ def transform_regions_as_aten(gm: fx.GraphModule, fake_mode) -> fx.GraphModule:
         if isinstance(body, fx.GraphModule):
             transform_regions_as_aten(body, fake_mode)
     nodes = list(gm.graph.nodes)
-    regions, depth, start = [], 0, 0
+    index = {n: i for i, n in enumerate(nodes)}
+    # A region ends at its last exit, or later where a value wrapped inside it is used
+    # after it: ``vjp``'s function, ``jacrev``'s vmap of it, run the backward of a level
+    # already exited, on that level's values.
+    regions, depth, start, until = [], 0, None, -1
     for i, node in enumerate(nodes):
         name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
         if name in _TRANSFORM_ENTER:
-            start = i if depth == 0 else start
+            start = i if start is None else start
             depth += 1
         elif name in _TRANSFORM_EXIT and depth:
             depth -= 1
-            if depth == 0:
-                regions.append(nodes[start:i + 1])
+        elif depth and name not in _TRANSFORM_UNWRAP:
+            until = max([until] + [index[u] for u in node.users if u.op != "output"])
+        if start is not None and depth == 0 and i >= until:
+            regions.append(nodes[start:i + 1])
+            start, until = None, -1
     for k, region in enumerate(regions):
         _region_as_aten(gm, region, f"_fxdp_transform_{k}", fake_mode)
     if regions:

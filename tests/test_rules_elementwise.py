@@ -3681,6 +3681,42 @@ def test_forces_through_views_and_linears_per_sample(kind):
     _against_the_loop(model, torch.randn(B + 2, 5, 3, dtype=torch.float64), dp=dp)
 
 
+class InputGradientOfTheBatch(nn.Module):
+    """The input gradient of a whole batch at once, with the backward run after the
+    transform's level is exited: ``vjp``'s function (the gradient penalty's way), or
+    ``jacrev``'s vmap of it, whose ``[B, o, B, i]`` Jacobian's diagonal is each sample's."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "vjp":
+            out, pullback = torch.func.vjp(self.net, x)
+            return x * pullback(out)[0]  # out as the cotangent: every parameter counts
+        jacobian = torch.func.jacrev(self.net)(x)
+        return torch.diagonal(jacobian, dim1=0, dim2=2).flatten(0, 1).T
+
+
+def test_a_vjp_of_the_whole_batch_is_exact():
+    """The region of the transform ends where its values are last used, its function's
+    backward included (before, fxdp cut it at the level's exit and failed to trace the
+    rest: "attempted to apply meta conversion to view functorch tensor")."""
+    torch.manual_seed(0)
+    model = InputGradientOfTheBatch("vjp").double()
+    dp = _against_the_loop(model, torch.randn(B, 3, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, 3, dtype=torch.float64), dp=dp)
+
+
+def test_the_diagonal_of_a_jacobian_of_the_whole_batch_is_refused():
+    """The diagonal is each sample's Jacobian only because the samples are independent,
+    which the diagonal itself cannot tell: refused by name (it crashed before, with a
+    fake tensor of the level's saved values left in the graph)."""
+    model = InputGradientOfTheBatch("jacrev").double()
+    assert "takes a diagonal across the batch dim" in _reasons(model, torch.randn(B, 3, dtype=torch.float64))
+
+
 def test_a_layer_norm_weight_gradient_over_the_batch_in_the_forward_is_refused():
     """``native_layer_norm_backward`` asked for its weight's gradient sums it over every
     row, the batch's included."""
