@@ -1932,6 +1932,9 @@ _MASKED = ("it works on the elements a boolean mask over the batch dim selected 
            "f(x[mask])), keep each element its sample's; compute on the whole "
            "tensor and select with torch.where(mask, f(x), other), or select per sample: x[torch.arange(B), "
            "position] with each sample's position, e.g. the last True of each row")
+_MASKED_OUTPUT = (_MASKED + "; returned by the forward, the list leaves its loss outside, where fxdp cannot tell "
+                  "each row's sample: compute the loss in the forward, where a sum over the rows "
+                  "(loss_reduction='sum') is the sum of the samples' own")
 
 
 def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parameter: bool) -> Any:
@@ -2970,7 +2973,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 if _any_masked(batch.get(out)):
                     # a loss over the list is no sum of the samples' own losses
                     op = out.args[0] if out.target is BATCH_TO_ROWS else out  # (the op run in place)
-                    problems.append(Problem(op_name(op.target), module_path_of(out), "", _MASKED,
+                    problems.append(Problem(op_name(op.target), module_path_of(out), "", _MASKED_OUTPUT,
                                             source_of(out)))
             continue
         if node.op != "call_function":

@@ -217,6 +217,8 @@ class TaggerLoss(nn.Module):
             return F.cross_entropy(scores, tags)
         if self.how == "over count":
             return F.cross_entropy(scores, tags, reduction="sum") / scores.shape[0]
+        if self.how == "returned":
+            return scores
         out = torch.zeros(*tokens.shape, 3, dtype=x.dtype)  # "rows over count"
         out[keep] = scores / scores.shape[0]
         return out.pow(2).sum()
@@ -245,3 +247,12 @@ def test_a_count_of_the_rows_every_mask_selected_is_refused(how):
     reasons = " ".join(p.reason for p in problems)
     assert problems and ("boolean mask selected from the whole batch" in reasons
                          or "one list of every sample's elements" in reasons), problems
+
+
+def test_the_rows_a_mask_selected_returned_by_the_forward_are_refused_with_where_to_put_the_loss():
+    """Outside the forward no loss can be told apart by sample (torchaudio's HuBERT
+    returns ``proj(x)[mask]``): the refusal says to compute the loss inside."""
+    problems = fxdp.validate(TaggerLoss("returned").double(), *_inputs(3, torch.float64), loss_reduction="sum")
+    assert [p.op for p in problems] == ["aten.index.Tensor"], problems
+    assert "returned by the forward, the list leaves its loss outside" in problems[0].reason
+    assert "compute the loss in the forward" in problems[0].reason
