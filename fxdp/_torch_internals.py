@@ -654,11 +654,19 @@ def fake_mode_of(values: Sequence[Any]):
 
 def make_fx_traced(fn: Callable, args: Sequence[Any], *, fake_mode, pre_dispatch: bool = False,
                    decompositions: dict | None = None) -> fx.GraphModule:
-    """Trace ``fn`` to an ATen graph with ``make_fx`` inside ``fake_mode``, keeping node meta."""
+    """Trace ``fn`` to an ATen graph with ``make_fx`` inside ``fake_mode``, keeping node meta.
+
+    A size the data decides (a slice at bounds read from a buffer with ``.item()``)
+    gets a fresh unbacked symbol for each value computed from it, which make_fx would
+    want bound to an output of the op that made it; as AOTAutograd's own retrace, this
+    one leaves them unbound: the graphs are traced again, by AOTAutograd, before they
+    run."""
     from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    with fake_mode, fx_traceback.preserve_node_meta():
+    shape_env = fake_mode.shape_env
+    fresh = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else contextlib.nullcontext()
+    with fake_mode, fx_traceback.preserve_node_meta(), fresh:
         return make_fx(fn, decomposition_table=decompositions or {}, pre_dispatch=pre_dispatch)(*args)
 
 

@@ -30,10 +30,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_hint, vmap_safe_solves
 from fxdp.batching import RAW, Rows, batch_major_all, retrack, scale_batch, unpermute
 from fxdp.clip_norm import max_grad_norm
+from fxdp.errors import UnsupportedError
 from fxdp.markers import USES, UseInfo
 from fxdp.opaque import holding, run_opaque, symbolic_batch
 from fxdp.options import Options
@@ -430,7 +432,16 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
             inputs = [env[o] for o in m.args[0][k: len(m.args[0]) - use.num_trailing]]
             sources, others = inputs[:n], inputs[n:]
 
-            mapped = _per_sample_vjp(use.transform.module, sources, others, psg)
+            try:
+                mapped = _per_sample_vjp(use.transform.module, sources, others, psg)
+            except GuardOnDataDependentSymNode as e:
+                raise UnsupportedError(
+                    f"fxdp cannot map the per-sample gradients of {', '.join(use.source_names or [use.param])} "
+                    f"back through the computation that makes the value {use.module_path or 'the model'} uses "
+                    "from them: it runs it for each sample with torch.func.vmap, which needs the positions it "
+                    "slices or writes at as numbers, and here they are read from a tensor's values (a slice at "
+                    "bounds held in a buffer, f[self.lo:self.hi] = w). Keep such positions as Python ints "
+                    f"(the data-dependent value: {str(e).splitlines()[0]})") from None
             return dict(zip(m.args[0][k: k + n], mapped))
 
         batch_size = None

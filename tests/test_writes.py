@@ -1210,3 +1210,48 @@ class WritesAConstantLikeAnExpand(nn.Module):
 def test_a_constant_like_an_expanded_parameter_written_in_place_stays_a_tensor():
     torch.manual_seed(0)
     _forward_and_grad_sample_as_the_loop(WritesAConstantLikeAnExpand().double(), torch.randn(B, 6, dtype=torch.float64))
+
+
+class SlicedAtBufferBounds(nn.Module):
+    """escnn's way: the bounds of each field's channels are held in index buffers, read
+    with ``.item()`` under Dynamo (values the data decides, unbacked sizes): an
+    activation written at them (``NormNonLinearity``), or a parameter block written into
+    a filter at them (``R3Conv``'s basis expansion)."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+        if what == "activation":
+            self.lin = nn.Linear(5, 4)
+        else:
+            self.block = nn.Parameter(torch.randn(2, 5))
+        self.register_buffer("bounds", torch.tensor([1, 3]))
+
+    def forward(self, x):
+        lo, hi = self.bounds[0], self.bounds[1]
+        if self.what == "activation":
+            h = self.lin(x)
+            out = torch.zeros_like(h)
+            out[:, lo:hi] = torch.tanh(h[:, lo:hi])
+            return torch.cat([out, h], 1)
+        weight = torch.zeros(4, 5, dtype=x.dtype)
+        weight[lo:hi] = self.block
+        return x @ weight.t()
+
+
+@pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
+def test_an_activation_sliced_at_bounds_a_buffer_holds(grad_sample):
+    """It failed to canonicalise ("Pending unbacked symbols … not in returned outputs"):
+    retraced with the sizes the data decides left unbound, as AOTAutograd does."""
+    torch.manual_seed(0)
+    _check(SlicedAtBufferBounds("activation").double(), torch.randn(B, 5, dtype=torch.float64), grad_sample)
+
+
+def test_a_parameter_written_at_bounds_a_buffer_holds_is_refused_with_what_to_do():
+    """Mapping its per-sample gradients back runs the write under vmap, which needs the
+    bounds as numbers: a clear refusal, where it crashed inside the backward's rewrite."""
+    model = SlicedAtBufferBounds("parameter").double()
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="cannot map the per-sample gradients of block back") as info:
+        dp(torch.randn(B, 5, dtype=torch.float64)).sum().backward()
+    assert "Keep such positions as Python ints" in str(info.value)
