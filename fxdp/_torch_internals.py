@@ -919,6 +919,17 @@ def transform_regions_as_aten(gm: fx.GraphModule, fake_mode) -> fx.GraphModule:
         if start is not None and depth == 0 and i >= until:
             regions.append(nodes[start:i + 1])
             start, until = None, -1
+    # A region that takes in the call re-enabling saved-tensor hooks after a ``grad``
+    # level (Dynamo's ``_saved_tensors_hooks_enable``) takes the call that disabled them
+    # before it too: traced apart from it, the disabling would stay in effect for good.
+    for k, region in enumerate(regions):
+        names = [getattr(n.target, "__name__", "") for n in region]
+        if "_saved_tensors_hooks_enable" in names and "_saved_tensors_hooks_disable" not in names:
+            first = index[region[0]]
+            disable = max((j for j in range(first) if getattr(nodes[j].target, "__name__", "")
+                           == "_saved_tensors_hooks_disable"), default=None)
+            if disable is not None:
+                regions[k] = nodes[disable:index[region[-1]] + 1]
     for k, region in enumerate(regions):
         _region_as_aten(gm, region, f"_fxdp_transform_{k}", fake_mode)
     if regions:

@@ -70,7 +70,7 @@ class Backend:
         if not torch.is_grad_enabled() or not any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
         ):
-            mixed = {}
+            mixed: tuple[dict[int, str], dict[int, str]] = ({}, {})
             if torch.is_grad_enabled() and not internals.in_optimizer():
                 # No gradient flows through it, but a break at its end (a call of a
                 # submodule Dynamo runs eagerly) may hide parameters from the next,
@@ -113,9 +113,9 @@ def vars_of(options: Options) -> dict:
 
 
 def _plain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
-           mixed: dict[int, str] | None = None) -> Callable:
+           mixed: tuple[dict[int, str], dict[int, str]] = ({}, {})) -> Callable:
     """No gradient can flow (``torch.no_grad()``, inference): nothing extra to do, but
-    mark the ``mixed`` outputs (``mixed_outputs``)."""
+    mark the ``mixed`` outputs and inputs (``mixed_outputs``)."""
     from fxdp.compiler import RUN_STATE
 
     if options.compiler == "inductor":
@@ -134,8 +134,11 @@ def _plain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
     def run(*args):
         RUN_STATE.ran = True
         out = compiled(*args)
-        for i, where in (mixed or {}).items():
+        outputs, inputs = mixed
+        for i, where in outputs.items():
             mark_mixed(out[i], where)
+        for i, where in inputs.items():
+            mark_mixed(args[i], where)
         if guarded:
             with torch.enable_grad():
                 out = type(out)(_NoBackward.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t

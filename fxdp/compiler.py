@@ -23,7 +23,7 @@ from fxdp.clip_norm import ClipNorm
 from fxdp.errors import Problem, UnsupportedError
 from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
-from fxdp.passes.batch_dims import UNKNOWN, SameCounts, batch_dim_pass, module_path_of, op_name, reached, source_of
+from fxdp.passes.batch_dims import _SHAPED_LIKE, UNKNOWN, SameCounts, batch_dim_pass, module_path_of, op_name, reached, source_of
 from fxdp.passes.canonicalize import canonicalize_pass
 from fxdp.passes.masked_rows import rows_in_place_pass
 from fxdp.passes.chunk_loops import chunk_loops_as_whole_pass
@@ -599,18 +599,19 @@ def _outputs(gm: fx.GraphModule) -> list[Any]:
     return pytree.tree_leaves(gm.graph.output_node().args[0])
 
 
-def mixed_outputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> dict[int, str]:
+def mixed_outputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                  options: Options) -> tuple[dict[int, str], dict[int, str]]:
     """For a graph no gradient flows through (no input needs one), run by the backend in a
     training step without clipping, where graph breaks are allowed: the positions of its
-    outputs computed by mixing samples, or from a value an earlier graph marked so, and
-    where that happened. The backend marks those outputs (``mark_mixed``) at every run, and
-    a graph after a break that computes with one of them and with parameters is refused
-    (``_refuse_unbatched_values_after_a_break``): ``x = x - x.mean(0)`` before a
-    ``print``, whose result keeps the batch dim, would otherwise mix samples where neither
-    graph sees it."""
+    outputs computed by mixing samples, or from a value an earlier graph marked so, and of
+    its inputs it writes such values into (``x.sub_(x.mean(0))``), each with where that
+    happened. The backend marks those tensors (``mark_mixed``) at every run, and a graph
+    that computes with one of them and with parameters refuses to run
+    (``_watched_inputs``): ``x = x - x.mean(0)`` before a ``print``, whose result keeps
+    the batch dim, would otherwise mix samples where neither graph sees it."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     marked = {n: where for n, t in zip(placeholders, example_inputs) if (where := mixed_where(t)) is not None}
-    found = _positions(_outputs(gm), _spread(marked))
+    found = _marked_positions(gm, _spread(marked))
     try:
         canon, _, _, analysis = analyse_graph(gm, example_inputs, options)
     except Exception:  # noqa: BLE001 - no batched input (nothing to mix), or a graph the analysis cannot read
@@ -619,64 +620,107 @@ def mixed_outputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
         return found
     starts = list(analysis.mixing) + [n for n, b in analysis.batch.items()
                                       if any(v is UNKNOWN for v in pytree.tree_leaves(b))]
-    return {**_positions(_outputs(canon), _spread({n: source_of(n) or op_name(n.target) for n in starts})),
-            **found}
+    mixed = _marked_positions(canon, _spread({n: source_of(n) or op_name(n.target) for n in starts}))
+    return {**mixed[0], **found[0]}, {**mixed[1], **found[1]}
 
 
 def _spread(starts: dict[fx.Node, str]) -> dict[fx.Node, str]:
-    """Every node computed from one of ``starts``, with the first such start's label."""
+    """Every node computed from one of ``starts``, with the first such start's label, and
+    every tensor such a value is written into (through its views), and what is computed
+    from that; not through ops that read only a shape (``zeros_like``)."""
     spread: dict[fx.Node, str] = {}
-    for start, label in starts.items():
-        for node in reached([start], lambda n: n.users):
-            spread.setdefault(node, label)
+    pending = dict(starts)
+    while pending:
+        for start, label in pending.items():
+            for node in reached([start], lambda n: [u for u in n.users if u.target not in _SHAPED_LIKE]):
+                spread.setdefault(node, label)
+        pending = {}
+        for node, label in spread.items():
+            base = _written(node)
+            if base is not None and base not in spread:
+                pending.setdefault(base, label)
     return spread
 
 
-def _positions(outputs: list[Any], mixed: dict[fx.Node, str]) -> dict[int, str]:
-    return {i: mixed[out] for i, out in enumerate(outputs) if isinstance(out, fx.Node) and out in mixed}
+def _written(node: fx.Node) -> fx.Node | None:
+    """The tensor an in-place op writes into, behind the views it writes through."""
+    if not (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and node.target._schema.is_mutable and node.args and isinstance(node.args[0], fx.Node)):
+        return None
+    base = node.args[0]
+    while (base.op == "call_function" and isinstance(base.target, torch._ops.OpOverload)
+           and not base.target._schema.is_mutable and base.target._schema.returns
+           and base.target._schema.returns[0].alias_info is not None and isinstance(base.args[0], fx.Node)):
+        base = base.args[0]
+    return base
 
 
-def _refuse_unbatched_values_after_a_break(gm: fx.GraphModule, canon: fx.GraphModule, analysis,
-                                           example_inputs: Sequence[Any], param_names: dict) -> None:
+def _marked_positions(gm: fx.GraphModule, mixed: dict[fx.Node, str]) -> tuple[dict[int, str], dict[int, str]]:
+    """The positions of ``gm``'s outputs, and of its inputs, in ``mixed``."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return ({i: mixed[out] for i, out in enumerate(_outputs(gm)) if isinstance(out, fx.Node) and out in mixed},
+            {i: mixed[n] for i, n in enumerate(placeholders) if n in mixed})
+
+
+def _watched_inputs(gm: fx.GraphModule, canon: fx.GraphModule, param_names: dict) -> dict[int, str]:
+    """Without clipping: the inputs (other than parameters) this graph computes with
+    together with parameters, by position and name, which it checks at every run for a
+    value an earlier graph without parameters mixed samples into (``mixed_outputs``):
+    one the code before a graph break computed, also where Dynamo compiled this graph
+    with a value that was not yet mixed, also one a list held, also in a submodule's
+    frame Dynamo compiles apart. A value used only for its shape, or with values
+    detached from the parameters (a metric), is not watched."""
+    gradient = reached(list(param_names), lambda n: [u for u in n.users if u.op != "output" and u.target not in (
+        *_SHAPED_LIKE, torch.ops.aten.detach.default)])
+    watched = {}
+    for i, (node, canonical) in enumerate(zip((n for n in gm.graph.nodes if n.op == "placeholder"),
+                                              (n for n in canon.graph.nodes if n.op == "placeholder"))):
+        if canonical in param_names or not isinstance(node.meta.get("example_value"), torch.Tensor):
+            continue
+        values = reached([canonical], lambda n: [u for u in n.users if u.op != "output" and u.target not in _SHAPED_LIKE])
+        if values & gradient:
+            watched[i] = re.sub(r"^L\['(\w+)'\]", r"\1", source_name(node))  # hs[0] for L['hs'][0]
+    return watched
+
+
+def _refuse_mixed_inputs(args: Sequence[Any], watched: dict[int, str]) -> None:
+    mixed = [f"{name} (mixed at {where})" for i, name in watched.items() if (where := mixed_where(args[i]))]
+    if mixed:
+        raise UnsupportedError(
+            f"fxdp cannot follow the batch: this graph computes with parameters and with {', '.join(mixed[:4])}, "
+            "which a graph without parameters before it (across a graph break, or in a frame Dynamo compiled "
+            "apart) computed by mixing samples: each sample's gradient would depend on the other samples. "
+            "Remove the mixing, or the break (torch.compile(..., fullgraph=True) names it), and fxdp names the op")
+
+
+def _refuse_unbatched_values_after_a_break(gm: fx.GraphModule, canon: fx.GraphModule, analysis) -> None:
     """Without clipping (graph breaks are allowed then), raise where a graph Dynamo resumes
     after a break computes with a tensor the code before the break computed and that has
     no batch dim here: a statistic of the batch (``mu = x.mean(0)`` before a
     ``print``), or batched values this graph cannot read as the batch (its first tensor
     argument, which gives ``B``, a list of pairs), either of which would mix samples
-    where no graph sees it. So does one an earlier graph computed by mixing samples
-    (``mixed_outputs``: ``x - x.mean(0)``) where this graph computes with it and with
-    parameters. The values the frame was called with are judged as any graph's inputs
-    are."""
+    where no graph sees it. The values the frame was called with are judged as any
+    graph's inputs are; batched values mixed before the break are checked at run time
+    (``_watched_inputs``)."""
     arguments = internals.resumed_arguments()
     if arguments is None:
         return
-    found, mixed = [], []
-    with_parameters = reached(list(param_names), lambda n: n.users)
-    for node, canonical, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"),
-                                      (n for n in canon.graph.nodes if n.op == "placeholder"), example_inputs):
+    found = []
+    for node, canonical in zip((n for n in gm.graph.nodes if n.op == "placeholder"),
+                               (n for n in canon.graph.nodes if n.op == "placeholder")):
         local = _LOCAL.fullmatch(source_name(node))
-        if not (isinstance(node.meta.get("example_value"), torch.Tensor) and local is not None):
+        if not (isinstance(node.meta.get("example_value"), torch.Tensor) and local is not None
+                and local.group(1) not in arguments):
             continue
-        # (an argument's name may hold a value computed before the break: ``x = x - x.mean(0)``)
-        if (where := mixed_where(value)) is not None and reached([canonical], lambda n: n.users) & with_parameters:
-            mixed.append(f"{local.group(1)} (mixed at {where})")
-        elif local.group(1) not in arguments and not isinstance(analysis.batch.get(canonical), BatchDim):
+        if not isinstance(analysis.batch.get(canonical), BatchDim):
             found.append(local.group(1))
-    where = internals.resumed_after()[0]
     if found:
         raise UnsupportedError(
             f"fxdp cannot follow the batch across a graph break: the graph after the break at "
-            f"{where} computes with {', '.join(found[:4])}, computed before the "
+            f"{internals.resumed_after()[0]} computes with {', '.join(found[:4])}, computed before the "
             "break, without the batch dim here. A statistic of the batch (x.mean(0)) would mix samples "
             "where no graph sees it. Remove the break (torch.compile(..., fullgraph=True) names it), or "
             "compute these values after it")
-    if mixed:
-        raise UnsupportedError(
-            f"fxdp cannot follow the batch across a graph break: the graph after the break at {where} "
-            f"computes with parameters and with {', '.join(mixed[:4])}, which the code before the break "
-            "computed by mixing samples: each sample's gradient would depend on the other samples. "
-            "Remove the mixing, or the break (torch.compile(..., fullgraph=True) names it), and fxdp "
-            "names the op")
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
@@ -692,7 +736,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     canon, fake_mode, param_names, analysis = analyse_graph(gm, example_inputs, options, names, arg_names)
     record._stage("canonical", canon)
     if options.max_grad_norm is None:
-        _refuse_unbatched_values_after_a_break(gm, canon, analysis, example_inputs, param_names)
+        _refuse_unbatched_values_after_a_break(gm, canon, analysis)
     record.param_names = list(param_names.values())
     excluded: set[str] = set()
     if analysis.problems:
@@ -782,7 +826,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     # the model's; the backend sees this graph's).
     frozen = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)
               and not t.requires_grad] if options.grad_sample else []
-    return _forward_runner(compiled, record, devices, handover, frozen, guarded)
+    watched = _watched_inputs(gm, canon, param_names) if options.max_grad_norm is None else {}
+    return _forward_runner(compiled, record, devices, handover, frozen, guarded, watched)
 
 
 CLASS_LOSSES = {
@@ -1004,10 +1049,13 @@ class _Handover:
 
 
 def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices: list[str],
-                    handover: _Handover, frozen: Sequence[int], trained: dict[int, str]) -> Callable:
+                    handover: _Handover, frozen: Sequence[int], trained: dict[int, str],
+                    watched: dict[int, str]) -> Callable:
     def run(*args):
         if torch.is_grad_enabled():
             guard_gradient_hooks((name, args[i]) for i, name in trained.items())
+            if watched and _MIXED:
+                _refuse_mixed_inputs(args, watched)
         RUN_STATE.ran = True
         RUN_STATE.trained = [args[i] for i in trained]
         if handover.positions:

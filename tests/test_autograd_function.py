@@ -469,7 +469,7 @@ class LayerNorm2dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         ctx.eps = eps
-        N, C, H, W = x.size()
+        _, C, _, _ = x.size()
         mu = x.mean(1, keepdim=True)
         var = (x - mu).pow(2).mean(1, keepdim=True)
         y = (x - mu) / (var + eps).sqrt()
@@ -478,7 +478,7 @@ class LayerNorm2dFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        N, C, H, W = grad_output.size()
+        _, C, _, _ = grad_output.size()
         y, var, weight = ctx.saved_variables
         g = grad_output * weight.view(1, C, 1, 1)
         mean_g = g.mean(dim=1, keepdim=True)
@@ -509,7 +509,7 @@ def test_a_backward_reading_the_deprecated_saved_variables(entry, mode):
     model = NAFBlock().double()
     x = _batch((5, 4, 3, 3), torch.float64)
     clip = reference(model, (x,), lambda out, i: _loss(out).sum()).norms.median().item() if mode == "clip" else None
-    options = dict(grad_sample=True) if mode == "grad_sample" else dict(max_grad_norm=clip)
+    options = {"grad_sample": True} if mode == "grad_sample" else {"max_grad_norm": clip}
     dp_model = (fxdp.transform(model, compiler="eager", **options) if entry == "transform"
                 else torch.compile(model, backend=fxdp.backend(compiler="eager", **options)))
     _check(model, dp_model, x, mode=mode, reduction="mean", clip=clip)

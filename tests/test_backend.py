@@ -323,17 +323,89 @@ class FrozenBatchNormBeforeTheBreak(MLP):
         return self.lin2(torch.relu(self.lin1(x)))
 
 
+class CentredInAList(MLP):
+    def forward(self, x):
+        held = [x - x.mean(0)]  # the graph after the break reads it out of the list
+        torch._dynamo.graph_break()
+        return self.lin2(torch.relu(self.lin1(held[0])))
+
+
+class CentredInPlace(MLP):
+    def forward(self, x):
+        x.sub_(x.mean(0))  # written into the argument itself
+        torch._dynamo.graph_break()
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+class CentredThroughAView(MLP):
+    def forward(self, x):
+        h = x * 1.0
+        part = h[:, :2]
+        part.sub_(part.mean(0))  # written into h through a view of it
+        torch._dynamo.graph_break()
+        return self.lin2(torch.relu(self.lin1(h)))
+
+
+class _BreaksInside(nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.lin1, self.lin2 = mlp.lin1, mlp.lin2
+
+    def forward(self, x):
+        h = torch.relu(self.lin1(x))
+        torch._dynamo.graph_break()
+        return self.lin2(h)
+
+
+class CentredIntoASubmodule(MLP):
+    """The break inside the submodule makes Dynamo compile the submodule's frame apart,
+    called with the centred batch: no resumed frame."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _BreaksInside(self)
+
+    def forward(self, x):
+        return self.inner(x - x.mean(0))
+
+
 @pytest.mark.parametrize("model", [CentredBeforeTheBreak, MixedUpBeforeTheBreak, CentredBeforeTwoBreaks,
-                                   FrozenBatchNormBeforeTheBreak],
-                         ids=["centred", "mixed up", "two breaks", "frozen batchnorm"])
+                                   FrozenBatchNormBeforeTheBreak, CentredInAList, CentredInPlace,
+                                   CentredThroughAView, CentredIntoASubmodule],
+                         ids=["centred", "mixed up", "two breaks", "frozen batchnorm", "in a list", "in place",
+                              "through a view", "into a submodule"])
 def test_values_mixed_before_a_break_are_refused(model):
     """A graph without trainable inputs before the break mixes samples into values that
     keep the batch dim: the graph after it cannot tell, so the backend marks what the
     first computed (before, sample 0's grad sample moved when only sample 1 changed)."""
     compiled = torch.compile(model().to(DTYPE), backend=fxdp.backend(grad_sample=True, compiler="eager"))
-    with pytest.raises(Exception, match="which the code before the break computed by mixing samples") as info:
+    with pytest.raises(Exception, match="computed by mixing samples") as info:
         compiled(randn(5, 4)).sum().backward()
     assert f"(mixed at {__file__}:" in str(info.value)
+
+
+class MixedUpAfterWarmUp(MLP):
+    def __init__(self):
+        super().__init__()
+        self.mix = False
+
+    def forward(self, x):
+        if self.mix:
+            x = 0.7 * x + 0.3 * x.flip(0)
+        torch._dynamo.graph_break()
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+def test_values_mixed_before_a_break_are_refused_by_a_graph_compiled_before_they_were():
+    """Only the graph before the break recompiles when the mixing starts (a mixup switched
+    on after warm-up): the graph after it, compiled with per-sample values, checks its
+    inputs at every run."""
+    model = MixedUpAfterWarmUp().to(DTYPE)
+    compiled = torch.compile(model, backend=fxdp.backend(grad_sample=True, compiler="eager"))
+    compiled(randn(5, 4)).sum().backward()
+    model.mix = True
+    with pytest.raises(fxdp.UnsupportedError, match="computed by mixing samples"):
+        compiled(randn(5, 4)).sum().backward()
 
 
 class ScaledBeforeTheBreak(MLP):
@@ -351,8 +423,28 @@ class ReportsAStatisticBeforeTheBreak(MLP):
         return self.lin2(torch.relu(self.lin1(x))), centred, spread
 
 
-@pytest.mark.parametrize("model", [ScaledBeforeTheBreak, ReportsAStatisticBeforeTheBreak],
-                         ids=["per-sample", "reported"])
+class MeasuresAStatisticBeforeTheBreak(MLP):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        stat = x - x.mean(0)  # mixes samples, into values no gradient flows through
+        torch._dynamo.graph_break()
+        out = self.lin2(torch.relu(self.lin1(x)))
+        if self.how == "norm":
+            return out, stat.norm(dim=1)
+        if self.how == "shape":
+            return out + torch.zeros_like(stat[:, :3])
+        agree = (out.detach().argmax(1) == stat[:, :3].argmax(1)).to(x.dtype).sum()
+        return out, agree
+
+
+@pytest.mark.parametrize("model", [ScaledBeforeTheBreak, ReportsAStatisticBeforeTheBreak,
+                                   lambda: MeasuresAStatisticBeforeTheBreak("norm"),
+                                   lambda: MeasuresAStatisticBeforeTheBreak("shape"),
+                                   lambda: MeasuresAStatisticBeforeTheBreak("metric")],
+                         ids=["per-sample", "reported", "its norm reported", "its shape", "a metric"])
 def test_values_computed_before_a_break_without_mixing_into_parameters_are_exact(model):
     """What the graph before the break computes per sample, or mixes only into values the
     graph after it returns without computing with them, leaves each sample's gradient its

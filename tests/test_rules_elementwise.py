@@ -3707,6 +3707,9 @@ def test_a_vjp_of_the_whole_batch_is_exact():
     model = InputGradientOfTheBatch("vjp").double()
     dp = _against_the_loop(model, torch.randn(B, 3, dtype=torch.float64))
     _against_the_loop(model, torch.randn(B + 2, 3, dtype=torch.float64), dp=dp)
+    # grad's disabling of saved-tensor hooks ends with the region (it stayed in effect,
+    # and activation checkpointing failed everywhere after)
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()
 
 
 def test_the_diagonal_of_a_jacobian_of_the_whole_batch_is_refused():
