@@ -23,7 +23,9 @@ from fxdp.clip_norm import ClipNorm
 from fxdp.errors import Problem, UnsupportedError
 from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
-from fxdp.passes.batch_dims import _SHAPED_LIKE, UNKNOWN, SameCounts, batch_dim_pass, module_path_of, op_name, reached, source_of
+from fxdp.passes.batch_dims import (
+    SHAPED_LIKE, UNKNOWN, SameCounts, batch_dim_pass, module_path_of, op_name, reached, source_of,
+)
 from fxdp.passes.canonicalize import canonicalize_pass
 from fxdp.passes.masked_rows import rows_in_place_pass
 from fxdp.passes.chunk_loops import chunk_loops_as_whole_pass
@@ -632,7 +634,7 @@ def _spread(starts: dict[fx.Node, str]) -> dict[fx.Node, str]:
     pending = dict(starts)
     while pending:
         for start, label in pending.items():
-            for node in reached([start], lambda n: [u for u in n.users if u.target not in _SHAPED_LIKE]):
+            for node in reached([start], lambda n: [u for u in n.users if u.target not in SHAPED_LIKE]):
                 spread.setdefault(node, label)
         pending = {}
         for node, label in spread.items():
@@ -671,13 +673,13 @@ def _watched_inputs(gm: fx.GraphModule, canon: fx.GraphModule, param_names: dict
     frame Dynamo compiles apart. A value used only for its shape, or with values
     detached from the parameters (a metric), is not watched."""
     gradient = reached(list(param_names), lambda n: [u for u in n.users if u.op != "output" and u.target not in (
-        *_SHAPED_LIKE, torch.ops.aten.detach.default)])
+        *SHAPED_LIKE, torch.ops.aten.detach.default)])
     watched = {}
     for i, (node, canonical) in enumerate(zip((n for n in gm.graph.nodes if n.op == "placeholder"),
                                               (n for n in canon.graph.nodes if n.op == "placeholder"))):
         if canonical in param_names or not isinstance(node.meta.get("example_value"), torch.Tensor):
             continue
-        values = reached([canonical], lambda n: [u for u in n.users if u.op != "output" and u.target not in _SHAPED_LIKE])
+        values = reached([canonical], lambda n: [u for u in n.users if u.op != "output" and u.target not in SHAPED_LIKE])
         if values & gradient:
             watched[i] = re.sub(r"^L\['(\w+)'\]", r"\1", source_name(node))  # hs[0] for L['hs'][0]
     return watched

@@ -2552,7 +2552,7 @@ def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter
     if node.target in (aten.slice_scatter.default, aten.select_scatter.default) \
             and _writes_its_own_row(node, arg_batch):
         return arg_batch[0]
-    if node.target in _SHAPED_LIKE and not _any_batched(arg_batch[1:]):
+    if node.target in SHAPED_LIKE and not _any_batched(arg_batch[1:]):
         # Only the piece's shape is read: SpeechT5's prenet draws one dropout mask for the
         # batch with ``torch.bernoulli(h[0], p)``.
         out = _meta(node)
@@ -2786,7 +2786,7 @@ def _is_arange(node: Any, length: Any) -> bool:
 FILLED_LIKE = (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
 # Ops that read only their first argument's shape (and dtype): constants, or random
 # draws whose probabilities are numbers (``bernoulli(x, p)``; ``bernoulli(x)`` reads x).
-_SHAPED_LIKE = (*FILLED_LIKE, aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+SHAPED_LIKE = (*FILLED_LIKE, aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
                 aten.randint_like.low_dtype, aten.bernoulli.p)
 
 
