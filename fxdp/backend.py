@@ -37,11 +37,15 @@ class Backend:
             own calls only, and checks that its graph ran.
         clip_norm: With ``max_grad_norm``, the ``C`` every graph of this backend reads
             at run time (``max_grad_norm`` below changes it between steps).
+        model: ``transform``'s model, whose parameters a backward did not cover lose their
+            grad samples (a backend of ``torch.compile`` may serve several models).
     """
 
     def __init__(self, options: Options, names: dict[int, str] | None = None,
-                 arg_names: Sequence[str] = (), guards_eager_fallback: bool = True):
+                 arg_names: Sequence[str] = (), guards_eager_fallback: bool = True,
+                 model: torch.nn.Module | None = None):
         self.options = options
+        self.model = model
         self.names = names
         self.arg_names = tuple(arg_names)
         self.guards_eager_fallback = guards_eager_fallback
@@ -66,7 +70,7 @@ class Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
         if kwargs.get("options"):
             return Backend(Options.from_kwargs({**vars_of(self.options), **kwargs["options"]}),
-                           self.names, self.arg_names, self.guards_eager_fallback)(gm, example_inputs)
+                           self.names, self.arg_names, self.guards_eager_fallback, self.model)(gm, example_inputs)
         if not torch.is_grad_enabled() or not any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
         ):
@@ -100,7 +104,8 @@ class Backend:
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         record = CompiledGraph(self.options)
         self.records.append(record)
-        return compile_graph(gm, example_inputs, self.options, self.names, record, self.arg_names, self.clip_norm)
+        return compile_graph(gm, example_inputs, self.options, self.names, record, self.arg_names, self.clip_norm,
+                             self.model)
 
     def __repr__(self) -> str:
         return f"fxdp.backend({self.options})"

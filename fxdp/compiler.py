@@ -35,8 +35,7 @@ from fxdp.passes.tag import tag_pass
 __all__ = ["compile_graph", "CompiledGraph", "RUN_STATE", "latest_record", "analyse_graph", "forward_arg_names"]
 
 # Set by every compiled fxdp forward; ``DPModule`` checks it to detect a silent
-# eager fallback of Dynamo (``ran``) and clears the grad samples of the parameters the
-# forward did not train (``trained``, set by a graph with trainable parameters).
+# eager fallback of Dynamo.
 RUN_STATE = threading.local()
 _step_counter = itertools.count(1)
 # .record: the StepRecord of the latest fxdp backward. Not thread-local: autograd runs a
@@ -728,8 +727,11 @@ def _refuse_unbatched_values_after_a_break(gm: fx.GraphModule, canon: fx.GraphMo
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
                   names: dict[int, str] | None = None,
                   record: CompiledGraph | None = None, arg_names: Sequence[str] = (),
-                  clip_norm: ClipNorm | None = None) -> Callable:
+                  clip_norm: ClipNorm | None = None, model: torch.nn.Module | None = None) -> Callable:
     """Capture → canonicalise → analyse → tag → AOTAutograd → rewrite backward → lower.
+
+    With ``model`` (``fxdp.transform``'s), each backward with ``grad_sample`` drops the grad
+    samples of the model's parameters it did not cover (a task's head the step did not run).
 
     With ``clip_norm``, the backward reads ``C`` from it at every run."""
     record = record or CompiledGraph(options)
@@ -813,7 +815,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             record.annotated_backward = annotated_code(new_gm)
             record._stage("backward_rewritten", new_gm)
             compiled = inner(new_gm, bw_inputs)
-        runner = _backward_runner(compiled, plan, options, devices, handover)
+        runner = _backward_runner(compiled, plan, options, devices, handover, model)
         runner.clip_norm = clip_norm  # type: ignore[attr-defined]  # what it reads C from lives as long
         return runner
 
@@ -1059,7 +1061,6 @@ def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices:
             if watched and _MIXED:
                 _refuse_mixed_inputs(args, watched)
         RUN_STATE.ran = True
-        RUN_STATE.trained = [args[i] for i in trained]
         if handover.positions:
             handover.params = {i: args[i] for i in handover.positions}
         for i in frozen:
@@ -1082,7 +1083,8 @@ class StepRecord:
 
 
 def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
-                     autocast_devices: list[str], handover: _Handover) -> Callable:
+                     autocast_devices: list[str], handover: _Handover,
+                     model: torch.nn.Module | None = None) -> Callable:
     n = plan.num_grads
     param_positions = [p.placeholder_index for p in plan.params]
     constant_positions = list(handover.positions)
@@ -1130,10 +1132,17 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
             p._fxdp_step = step
         for p, gs in zip(grad_sample_params, extras):
             p.grad_sample = gs
+        covered = {id(p) for p in grad_sample_params}
         for p in (handover.params[i] for i in constant_positions if i in handover.params):
             if options.grad_sample:
                 p.grad_sample = p.new_zeros(norms.shape[0], *p.shape)
+                covered.add(id(p))
             p._fxdp_step = step
+        if options.grad_sample and model is not None:
+            # replaced by this backward: nothing for a parameter the forward did not run
+            for p in model.parameters():
+                if id(p) not in covered and getattr(p, "grad_sample", None) is not None:
+                    p.grad_sample = None
         return list(outs[:n])
 
     run._boxed_call = True  # type: ignore[attr-defined]

@@ -33,7 +33,7 @@ class DPModule(nn.Module):
         object.__setattr__(self, "_module", model)
         object.__setattr__(self, "options", options)
         names = {id(p): n for n, p in model.named_parameters()}
-        backend = Backend(options, names, forward_arg_names(model), guards_eager_fallback=False)
+        backend = Backend(options, names, forward_arg_names(model), guards_eager_fallback=False, model=model)
         object.__setattr__(self, "_backend", backend)
 
         # Training calls and forwards without gradients (evaluation under no_grad or
@@ -65,8 +65,12 @@ class DPModule(nn.Module):
                 "steps, so it has no batch dim. Pass the padded batch instead ([B, T, ...] "
                 "with the lengths or a mask), run the RNN on it and read each sample's last "
                 "real step with the mask, e.g. (out * mask[..., None]).sum(1)")
-        RUN_STATE.ran, RUN_STATE.trained = False, ()
+        RUN_STATE.ran = False
         with_grad = torch.is_grad_enabled()
+        if with_grad and self.options.grad_sample:
+            for p in self._module.parameters():
+                if not p.requires_grad and getattr(p, "grad_sample", None) is not None:
+                    p.grad_sample = None  # frozen since an earlier step: it gets nothing now
         # Dynamo raises at its recompile limit for this model's training calls, instead of
         # running them eagerly without the fxdp backward; an evaluation run eagerly is
         # harmless. (A process-wide setting would reach the user's other compiled code.)
@@ -89,14 +93,6 @@ class DPModule(nn.Module):
                    "while the model trains." if stance else
                    "e.g. after its recompile limit); its gradients would not be private. Raise "
                    "torch._dynamo.config.recompile_limit or keep input shapes/types stable."))
-        if with_grad and self.options.grad_sample:
-            # A parameter frozen since an earlier step, or one this call does not use (a
-            # task's head chosen per step), gets nothing from this step's backward: no grad
-            # sample of an earlier batch may stay beside the others.
-            trained = {id(p) for p in RUN_STATE.trained}
-            for p in self._module.parameters():
-                if id(p) not in trained and getattr(p, "grad_sample", None) is not None:
-                    p.grad_sample = None
         return out
 
     # -- results of the last backward ---------------------------------------------------

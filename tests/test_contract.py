@@ -1439,8 +1439,13 @@ def test_a_parameter_a_step_does_not_use_keeps_no_grad_sample():
     assert model.heads["a"].weight.grad_sample.shape[0] == 6
     model.zero_grad()
     x = randn(5, 4, seed=2)
-    mean_sq_loss(dp(x, "b")).backward()
+    out = dp(x, "b")
+    assert model.heads["a"].weight.grad_sample.shape[0] == 6  # until the backward replaces them
+    mean_sq_loss(out).backward()
     assert all(getattr(p, "grad_sample", None) is None for p in model.heads["a"].parameters())
+    dp(x, "a")  # a forward with gradients on, no backward: the grad samples stay the last backward's
+    assert getattr(model.heads["a"].weight, "grad_sample", None) is None
+    assert model.heads["b"].weight.grad_sample.shape[0] == 5
     ref = reference(model, [x], lambda out, i: out.pow(2).sum(), kwargs={"task": "b"})
     used = {n: g for n, g in ref.per_sample.items() if not n.startswith("heads.a")}
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters() if n in used}, used, TOL,
