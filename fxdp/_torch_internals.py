@@ -46,6 +46,7 @@ __all__ = [
     "capture_config",
     "name_function_calls",
     "vmap_safe_solves",
+    "incompatible_keys",
 ]
 
 
@@ -640,6 +641,12 @@ def _name_function_call(cls: type, args: list, result: Any) -> None:
                     positions[k] = position
             call.meta["fxdp_function"] = (cls, positions)
             return
+
+
+def incompatible_keys(missing: list[str], unexpected: list[str]) -> Any:
+    """What ``load_state_dict`` hands its post hooks (and returns): ``nn.Module``'s
+    ``_IncompatibleKeys`` of these lists."""
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
 def fake_mode_of(values: Sequence[Any]):

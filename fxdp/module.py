@@ -137,17 +137,29 @@ class DPModule(nn.Module):
                               error_msgs) -> None:
         """Held by a module (``self.model = fxdp.transform(...)`` in a LightningModule), the
         wrapper's keys are under its name there: its holder's ``load_state_dict`` loads them
-        into the model, whose submodules are not the wrapper's."""
-        own = type(state_dict)((key[len(prefix):], value) for key, value in state_dict.items()
-                               if key.startswith(prefix))
+        into the model, whose submodules are not the wrapper's, as ``nn.Module`` loads its
+        own submodules (what is missing, unexpected or of another shape is reported under
+        the holder's names)."""
+        for hook in self._load_state_dict_pre_hooks.values():  # the wrapper's own, as nn.Module runs them
+            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         metadata = getattr(state_dict, "_metadata", None)
-        if metadata is not None:
-            own._metadata = type(metadata)(
-                (key[len(prefix):], value) for key, value in metadata.items() if f"{key}.".startswith(prefix))
-        result = self._module.load_state_dict(own, strict=False,
-                                              assign=local_metadata.get("assign_to_params_buffers", False))
-        missing_keys.extend(prefix + key for key in result.missing_keys)
-        unexpected_keys.extend(prefix + key for key in result.unexpected_keys)
+        assign = local_metadata.get("assign_to_params_buffers", False)
+
+        def load(module: nn.Module, own: dict, prefix: str) -> None:
+            module_metadata = {} if metadata is None else dict(metadata.get(prefix[:-1], {}))
+            if assign:
+                module_metadata["assign_to_params_buffers"] = assign
+            module._load_from_state_dict(own, prefix, module_metadata, True, missing_keys, unexpected_keys,
+                                         error_msgs)
+            for name, child in module._modules.items():
+                if child is not None:
+                    load(child, {k: v for k, v in own.items() if k.startswith(f"{prefix}{name}.")},
+                         f"{prefix}{name}.")
+            incompatible = internals.incompatible_keys(missing_keys, unexpected_keys)
+            for hook in module._load_state_dict_post_hooks.values():
+                hook(module, incompatible)
+
+        load(self._module, state_dict, prefix)
 
     def named_parameters(self, *args, **kwargs) -> Iterator:
         return self._module.named_parameters(*args, **kwargs)

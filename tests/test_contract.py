@@ -1393,6 +1393,10 @@ def test_a_module_holding_the_transform_loads_its_state_dict():
         loaded.load_state_dict(state)
     result = loaded.load_state_dict(state, strict=False)
     assert (result.missing_keys, result.unexpected_keys) == (["model.0.bias"], ["model.2.extra"])
+    state["model.0.bias"] = torch.zeros(3)
+    with pytest.raises(RuntimeError, match=r"Error\(s\) in loading state_dict for _Holder:\n\tsize mismatch "
+                                           r"for model.0.bias: copying a param with shape torch.Size\(\[3\]\)"):
+        loaded.load_state_dict(state, strict=False)
 
 
 class _Labelled(nn.Module):
