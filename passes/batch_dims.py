@@ -2787,7 +2787,7 @@ FILLED_LIKE = (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.
 # Ops that read only their first argument's shape (and dtype): constants, or random
 # draws whose probabilities are numbers (``bernoulli(x, p)``; ``bernoulli(x)`` reads x).
 SHAPED_LIKE = (*FILLED_LIKE, aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
-                aten.randint_like.low_dtype, aten.bernoulli.p)
+               aten.randint_like.low_dtype, aten.bernoulli.p)
 
 
 def _written_back(ids: Any, values: Any, into: Any, destination: Any) -> BatchDim | None:
