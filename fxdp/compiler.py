@@ -31,6 +31,7 @@ from fxdp.passes.masked_rows import rows_in_place_pass
 from fxdp.passes.chunk_loops import chunk_loops_as_whole_pass
 from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass, constant_gradients, unmarked_gradients
 from fxdp.passes.tag import tag_pass
+from fxdp.passes.writes import written_chain
 
 __all__ = ["compile_graph", "CompiledGraph", "RUN_STATE", "latest_record", "analyse_graph", "forward_arg_names"]
 
@@ -610,7 +611,7 @@ def mixed_outputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
     that computes with one of them and with parameters refuses to run
     (``_watched_inputs``): ``x = x - x.mean(0)`` before a ``print``, whose result keeps
     the batch dim, would otherwise mix samples where neither graph sees it."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = (n for n in gm.graph.nodes if n.op == "placeholder")
     marked = {n: where for n, t in zip(placeholders, example_inputs) if (where := mixed_where(t)) is not None}
     found = _marked_positions(gm, _spread(marked))
     try:
@@ -637,23 +638,10 @@ def _spread(starts: dict[fx.Node, str]) -> dict[fx.Node, str]:
                 spread.setdefault(node, label)
         pending = {}
         for node, label in spread.items():
-            base = _written(node)
-            if base is not None and base not in spread:
-                pending.setdefault(base, label)
+            chain = written_chain(node)  # the tensor it writes into, behind the views it writes through
+            if chain is not None and isinstance(chain[-1], fx.Node) and chain[-1] not in spread:
+                pending.setdefault(chain[-1], label)
     return spread
-
-
-def _written(node: fx.Node) -> fx.Node | None:
-    """The tensor an in-place op writes into, behind the views it writes through."""
-    if not (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and node.target._schema.is_mutable and node.args and isinstance(node.args[0], fx.Node)):
-        return None
-    base = node.args[0]
-    while (base.op == "call_function" and isinstance(base.target, torch._ops.OpOverload)
-           and not base.target._schema.is_mutable and base.target._schema.returns
-           and base.target._schema.returns[0].alias_info is not None and isinstance(base.args[0], fx.Node)):
-        base = base.args[0]
-    return base
 
 
 def _marked_positions(gm: fx.GraphModule, mixed: dict[fx.Node, str]) -> tuple[dict[int, str], dict[int, str]]:
@@ -1132,16 +1120,15 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
             p._fxdp_step = step
         for p, gs in zip(grad_sample_params, extras):
             p.grad_sample = gs
-        covered = {id(p) for p in grad_sample_params}
         for p in (handover.params[i] for i in constant_positions if i in handover.params):
             if options.grad_sample:
                 p.grad_sample = p.new_zeros(norms.shape[0], *p.shape)
-                covered.add(id(p))
             p._fxdp_step = step
         if options.grad_sample and model is not None:
             # replaced by this backward: nothing for a parameter the forward did not run
+            # (every one it ran has this step's record now)
             for p in model.parameters():
-                if id(p) not in covered and getattr(p, "grad_sample", None) is not None:
+                if getattr(p, "_fxdp_step", None) is not step and getattr(p, "grad_sample", None) is not None:
                     p.grad_sample = None
         return list(outs[:n])
 
