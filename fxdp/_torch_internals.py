@@ -1266,7 +1266,21 @@ RUN_TIME_CHECKS = ("fxdp: samples keep different numbers of targets", "fxdp: the
                    "fxdp: x[mask] = rows fills every sample's masked positions")
 
 
-def backend_error(error: BaseException) -> BaseException | None:
+def _modules_with_backward_hooks(model: torch.nn.Module | None) -> list[str]:
+    """The names of ``model``'s modules with a backward hook (``register_full_backward_hook``,
+    ``register_full_backward_pre_hook``, ``register_backward_hook``), and "every module"
+    for a global one (``register_module_full_backward_hook``)."""
+    from torch.nn.modules import module as module_globals
+
+    names = [] if model is None else [
+        f"'{name}'" if name else "the model" for name, m in model.named_modules()
+        if m._backward_hooks or m._backward_pre_hooks]
+    if module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks:
+        names.append("every module (a global hook)")
+    return names
+
+
+def backend_error(error: BaseException, model: torch.nn.Module | None = None) -> BaseException | None:
     """What to raise instead of a Dynamo error from an fxdp compilation, or ``None``.
 
     Dynamo wraps the backend's exceptions in ``BackendCompilerFailed``; fxdp's own
@@ -1276,7 +1290,8 @@ def backend_error(error: BaseException) -> BaseException | None:
     fails, its ``InternalTorchDynamoError`` (quoted too); a guard on a value read from a
     tensor (``GuardOnDataDependentSymNode``, from Dynamo, or from AOTAutograd tracing a
     backward on such a size) and an op failing on Dynamo's fake tensors
-    (``TorchRuntimeError``) are refusals that quote them as well.
+    (``TorchRuntimeError``) are refusals that quote them as well. A break at a module
+    backward hook names the modules of ``model`` that hold one.
     """
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
@@ -1295,6 +1310,19 @@ def backend_error(error: BaseException) -> BaseException | None:
             "may ask), to install its output-capturing hooks: call the model once before the "
             "transformed model's first call, e.g. under torch.no_grad() on one sample. "
             f"Dynamo's reason: {error}")
+    hooked = _modules_with_backward_hooks(model) if isinstance(
+        error, torch._dynamo.exc.Unsupported) else []
+    if hooked and ("backwards hooks" in str(error) or "grad_fn" in str(error)):
+        return UnsupportedError(
+            f"fxdp cannot capture a module backward hook (registered on {', '.join(hooked)}): "
+            "Dynamo traces register_full_backward_hook, register_full_backward_pre_hook and "
+            "register_backward_hook only under compiled autograd, and fxdp computes each "
+            "sample's gradient inside one compiled backward, where a module's grad_input and "
+            "grad_output are not values a hook could see. Remove the hook while the transformed "
+            "model trains (handle.remove()). To watch gradients, register a hook on a parameter "
+            "(p.register_hook(fn) sees the gradient fxdp hands it), or read p.grad, "
+            "p.grad_sample and the per-sample norms after "
+            f"backward(). Dynamo's reason: {error}")
     if isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
         return UnsupportedError(
             "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "

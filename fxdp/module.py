@@ -79,7 +79,7 @@ class DPModule(nn.Module):
                 out = (self._compiled if with_grad else self._compiled_without_grad)(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - only unwraps, always re-raises
                 _bind(self._module, args, kwargs)  # the model's TypeError, not Dynamo's
-                inner = internals.backend_error(e)
+                inner = internals.backend_error(e, self._module)
                 if inner is None:
                     raise
                 raise inner from None

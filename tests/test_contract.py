@@ -2354,6 +2354,32 @@ def test_a_gradient_hook_on_a_parameter_reads_the_clipped_gradient_and_may_not_c
     handle.remove()
 
 
+@pytest.mark.parametrize("register, where", [
+    (lambda m: m[2].register_full_backward_hook(lambda mod, grad_in, grad_out: None), "'2'"),
+    (lambda m: m[2].register_full_backward_pre_hook(lambda mod, grad_out: None), "'2'"),
+    (lambda m: m[2].register_backward_hook(lambda mod, grad_in, grad_out: None), "'2'"),
+    (lambda m: nn.modules.module.register_module_full_backward_hook(lambda mod, grad_in, grad_out: None),
+     "every module \\(a global hook\\)"),
+], ids=["full", "pre", "old", "global"])
+def test_a_module_backward_hook_is_refused_with_the_module_and_the_way_out(register, where):
+    """Dynamo captures a module backward hook only under compiled autograd: the refusal
+    names the module holding it (or says the hook is global) and points at parameter
+    hooks; once the hook is removed, the same transformed model trains exactly."""
+    model = mlp()
+    handle = register(model)
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    try:
+        with refused(f"module backward hook \\(registered on {where}\\).*handle.remove\\(\\).*"
+                     "p.register_hook"):
+            dp(randn(6, 4))
+    finally:
+        handle.remove()
+    x = randn(6, 4)
+    expected = reference(model, (x,), lambda out, i: out.pow(2).sum()).grad("mean", 1.0)
+    mean_sq_loss(dp(x)).backward()
+    assert_close_all({n: p.grad for n, p in model.named_parameters()}, expected, TOL, "clipped")
+
+
 def test_validate_of_a_supported_model_is_empty():
     assert fxdp.validate(mlp(), randn(6, 4)) == []
 
