@@ -36,6 +36,7 @@ __all__ = [
     "resumed_after",
     "resumed_arguments",
     "outputs_need_grad",
+    "stored_outputs",
     "inline_checkpoints",
     "erase_unused",
     "current_graph_task_id",
@@ -1246,6 +1247,35 @@ def resumed_arguments() -> frozenset[str] | None:
     count = original.co_argcount + original.co_kwonlyargcount \
         + bool(original.co_flags & 0x04) + bool(original.co_flags & 0x08)  # *args, **kwargs
     return frozenset(original.co_varnames[:count])
+
+
+def stored_outputs(gm: fx.GraphModule) -> frozenset[int]:
+    """The positions among ``gm``'s outputs of the tensors the forward stores into objects
+    that outlive the call (``module.weight = w * mask``, ``self.cache["k"] = t``, an
+    append to a module's list): Dynamo returns them from the graph and stores them after
+    it runs. Read from the side effects of the frame Dynamo compiles; empty outside one.
+    """
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch._dynamo.variables import base
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    tx = InstructionTranslator.current_tx()
+    if tx is None:
+        return frozenset()
+    side_effects = tx.output.side_effects
+    stored: set[fx.Node] = set()
+
+    def collect(variable: base.VariableTracker) -> None:
+        if isinstance(variable, TensorVariable):
+            stored.add(variable.as_proxy().node)
+
+    for variable in side_effects._get_modified_vars():
+        # An object the call creates reaches the caller only through one that existed,
+        # or as a returned value.
+        if not isinstance(variable.mutation_type, (base.AttributeMutationNew, base.ValueMutationNew)):
+            base.VariableTracker.visit(collect, variable, side_effects=side_effects)
+    outputs = gm.graph.output_node().args[0]
+    return frozenset(i for i, node in enumerate(outputs) if node in stored)
 
 
 def outputs_need_grad(gm: fx.GraphModule) -> bool:

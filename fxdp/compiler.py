@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import is_fake
 
 from fxdp import _torch_internals as internals
 from fxdp.batching import BatchDim
@@ -29,7 +30,8 @@ from fxdp.passes.batch_dims import (
 from fxdp.passes.canonicalize import canonicalize_pass
 from fxdp.passes.masked_rows import rows_in_place_pass
 from fxdp.passes.chunk_loops import chunk_loops_as_whole_pass
-from fxdp.passes.rewrite_backward import BackwardPlan, backward_rewrite_pass, constant_gradients, unmarked_gradients
+from fxdp.passes.rewrite_backward import (BackwardPlan, backward_rewrite_pass, constant_gradients, stored_gradients,
+                                          unmarked_gradients)
 from fxdp.passes.tag import tag_pass
 from fxdp.passes.writes import written_chain
 
@@ -480,14 +482,16 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                "closure or an attribute, which fxdp takes as shared by all samples" if shared else
                "; a forward that reads only the sizes of its arguments (x.shape[0]) gives no sample an "
                "output of its own"))
-    analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
+    # Dynamo returns what the forward stores from the graph, after what it returns.
+    stored = internals.stored_outputs(gm)
+    analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored)
     if analysis.rows_in_place:  # parameter uses on a mask's rows, run on the batch
         rows_in_place_pass(canon, analysis.rows_in_place, analysis.batch)
-        analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
+        analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored)
     # A loop after a refused one reads layouts the analysis no longer knows: each round
     # fuses the loops it can read, until none is left.
     while analysis.problems and chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode):
-        analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size)
+        analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored)
     analysis.notes = list(dict.fromkeys(notes))
     if analysis.loss not in (None, "batchmean", options.loss_reduction):
         reason = (f"the loss inside the graph is a {analysis.loss} over the batch but "
@@ -788,7 +792,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                 f"fxdp internal error: the backward graph has {len(outputs)} gradient outputs for {inputs} "
                 "forward inputs, so fxdp cannot tell which gradient is a parameter's; please report the model")
         at_output = {lifted + i: name for i, name in guarded.items()}
-        leaking = unmarked_gradients(bw_gm, at_output)
+        # The gradients of stored values of parameters alone must be zero (checked at run time)
+        checked = stored_gradients(bw_gm, at_output) if analysis.stored else {}
+        leaking = unmarked_gradients(bw_gm, at_output, checked)
         if leaking:
             raise UnsupportedError(
                 "fxdp internal error: part of the gradient of " + ", ".join(leaking) + " would not be "
@@ -803,7 +809,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             record.annotated_backward = annotated_code(new_gm)
             record._stage("backward_rewritten", new_gm)
             compiled = inner(new_gm, bw_inputs)
-        runner = _backward_runner(compiled, plan, options, devices, handover, model)
+        placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
+        zero = {placeholders.index(t): names for t, names in checked.items()}
+        runner = _backward_runner(compiled, plan, options, devices, handover, model, zero)
         runner.clip_norm = clip_norm  # type: ignore[attr-defined]  # what it reads C from lives as long
         return runner
 
@@ -1072,7 +1080,12 @@ class StepRecord:
 
 def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
                      autocast_devices: list[str], handover: _Handover,
-                     model: torch.nn.Module | None = None) -> Callable:
+                     model: torch.nn.Module | None = None,
+                     zero: dict[int, list[str]] | None = None) -> Callable:
+    """The compiled backward, run as fxdp's step: the checks before it, and the per-sample
+    results it hands the parameters after it. ``zero``: the argument positions of output
+    gradients that must be zero (values of parameters alone the forward stored, see
+    ``stored_gradients``), and the parameters each reaches."""
     n = plan.num_grads
     param_positions = [p.placeholder_index for p in plan.params]
     constant_positions = list(handover.positions)
@@ -1082,6 +1095,16 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
             raise UnsupportedError(
                 "fxdp does not support double backward (create_graph=True): per-sample "
                 "gradients and clipping are not differentiable here")
+        for i, names in (zero or {}).items():
+            if isinstance(args[i], torch.Tensor) and not is_fake(args[i]) and bool(args[i].any()):
+                raise UnsupportedError(
+                    "the loss used a value the forward computed from the parameter(s) "
+                    f"{', '.join(names)} alone and stored (on a module or elsewhere: "
+                    "torch.nn.utils.prune's module.weight = weight_orig * weight_mask, a cache): "
+                    "fxdp cannot see how each sample's loss uses it outside the forward, so that "
+                    "part of the gradient could not be made per-sample. Use the stored value "
+                    "inside the forward only (a penalty on the weights belongs in the optimizer, "
+                    "as its weight_decay)")
         params = [args[i] for i in param_positions]
         # a hook registered between the forward and this backward
         guard_gradient_hooks((p_plan.name, p) for p_plan, p in zip(plan.params, params))

@@ -73,6 +73,13 @@ def _fake_copy(model: nn.Module, mode: Any) -> nn.Module:
         memo[id(p)] = nn.Parameter(mode.from_tensor(p.detach(), static_shapes=True), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = mode.from_tensor(b, static_shapes=True)
+    for m in model.modules():
+        # A tensor an earlier call computed from parameters and stored (prune's
+        # ``module.weight``, the old ``weight_norm`` hook's): deepcopy takes no autograd
+        # history, and the forward computes it afresh.
+        for t in vars(m).values():
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None and id(t) not in memo:
+                memo[id(t)] = mode.from_tensor(t.detach(), static_shapes=True).requires_grad_(t.requires_grad)
     return copy.deepcopy(model, memo)
 
 

@@ -152,6 +152,11 @@ class BatchAnalysis:
             that no rule follows, a write the analysis cannot follow): with ``UNKNOWN``
             values, what a graph's outputs may have mixed from (see
             ``fxdp.compiler.mixed_outputs``).
+        stored: Each value of parameters alone the forward stores and does not return
+            (``torch.nn.utils.prune``'s ``module.weight = weight_orig * weight_mask``, a
+            cache recomputed every call), with the parameters it is computed from: its
+            gradient must be zero at run time (see ``fxdp.compiler``), as the loss may not
+            use it.
     """
 
     batch: dict[fx.Node, Any]
@@ -169,6 +174,7 @@ class BatchAnalysis:
     own_rows: list["OwnRows | SameCounts"] = dataclasses.field(default_factory=list)
     rows_in_place: list[tuple[fx.Node, dict]] = dataclasses.field(default_factory=list)
     mixing: list[fx.Node] = dataclasses.field(default_factory=list)
+    stored: dict[fx.Node, list[str]] = dataclasses.field(default_factory=dict)
 
 
 def op_name(target: Any) -> str:
@@ -2853,6 +2859,7 @@ def batch_dim_pass(
     function_body: bool = False,
     chunk: bool = False,
     sized_batched: str | None = None,
+    stored_outputs: frozenset[int] = frozenset(),
 ) -> BatchAnalysis:
     """Propagate batch dims through ``gm`` and collect everything that mixes samples.
 
@@ -2886,16 +2893,18 @@ def batch_dim_pass(
         sized_batched: Only this reading of the tensors built from ``B`` (``"all"``:
             batched along their dim of size ``B``), not the first that leaves no
             problems.
+        stored_outputs: The positions among ``gm``'s outputs of the values the forward
+            stores and does not return (``fxdp._torch_internals.stored_outputs``).
 
     Returns:
         The analysis; the graph is not changed (nodes get ``meta["fxdp_batch"]``).
     """
     analysis = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=sized_batched or "none",
-                          function_body=function_body, chunk=chunk)
+                          function_body=function_body, chunk=chunk, stored_outputs=stored_outputs)
     if sized_batched is None and (analysis.problems or analysis.sized_normaliser) and analysis.sized_by_batch:
         for reading in ("all", "unambiguous"):
             retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=reading,
-                                 function_body=function_body, chunk=chunk)
+                                 function_body=function_body, chunk=chunk, stored_outputs=stored_outputs)
             if not retried.problems or set(retried.problems) < set(analysis.problems):
                 # Refused either way, for some of the same reasons: name only those, not
                 # the ones this reading of the same tensors explains away.
@@ -2908,14 +2917,15 @@ def batch_dim_pass(
 
 
 def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any, *,
-               sized_batched: str, function_body: bool, chunk: bool = False) -> BatchAnalysis:
+               sized_batched: str, function_body: bool, chunk: bool = False,
+               stored_outputs: frozenset[int] = frozenset()) -> BatchAnalysis:
     """``batch_dim_pass`` with the tensors built from ``B`` shared (``"none"``), batched
     (``"all"``), or batched where a single dim has size ``B`` (``"unambiguous"``)."""
     _OWN_ROWS.append([])  # this propagation's (a Function's body is analysed inside another)
     _ROWS_IN_PLACE.append([])
     try:
         analysis = _propagate_rules(gm, placeholder_batch, param_names, batch_size, sized_batched, function_body,
-                                    chunk)
+                                    chunk, stored_outputs)
     finally:
         own_rows = _OWN_ROWS.pop()
         in_place = _ROWS_IN_PLACE.pop()
@@ -2928,7 +2938,8 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
 
 
 def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any,
-                     sized_batched: str, function_body: bool, chunk: bool) -> BatchAnalysis:
+                     sized_batched: str, function_body: bool, chunk: bool,
+                     stored_outputs: frozenset[int]) -> BatchAnalysis:
     sized_by_batch: list[fx.Node] = []
     expanded_params: dict[fx.Node, BatchDim] = {}  # read batched: see _classify_parameter_uses
     batch: dict[fx.Node, Any] = {}
@@ -2937,6 +2948,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     sources: dict[fx.Node, frozenset] = {p: frozenset([p]) for p in param_names}
     # (consumer, argument index or None, consumed parameter-only value)
     consumed: list[tuple[fx.Node, int | None, fx.Node]] = []
+    stored: dict[fx.Node, list[str]] = {}  # values of parameters alone the forward stores
     losses: dict[fx.Node, str] = {}  # the reductions that made a loss, and their kind
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = []
     sized_normaliser = False
@@ -2967,8 +2979,12 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             batch[node] = WHOLE if (single and b is not None) else b
             continue
         if node.op == "output":
+            outputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
             for out in node.all_input_nodes:
-                if out in sources:
+                if out in sources and all(i in stored_outputs for i, o in enumerate(outputs) if o is out):
+                    # stored, not returned: its gradient is checked to be zero at run time
+                    stored[out] = sorted({param_names[p] for p in sources[out]})
+                elif out in sources:
                     consumed.append((node, None, out))
                 if _any_masked(batch.get(out)):
                     # a loss over the list is no sum of the samples' own losses
@@ -3144,7 +3160,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     return BatchAnalysis(batch=batch, problems=problems, uses=uses, loss=loss,
                          broadcasts=broadcasts, param_only=sources, single=single,
                          empty=single and batch_size == 0, sized_by_batch=sized_by_batch,
-                         normalisers=normalisers, sized_normaliser=sized_normaliser, mixing=mixing)
+                         normalisers=normalisers, sized_normaliser=sized_normaliser, mixing=mixing,
+                         stored=stored)
 
 
 def _live_nodes(gm: fx.GraphModule) -> set[fx.Node]:
@@ -3356,17 +3373,12 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, wi
             if carries_no_gradient(value, without_grad):
                 continue  # no gradient flows back (spectral norm's power-iteration vectors)
             problems.append(Problem("output", "", _names(sources[value], param_names),
-                                    "a parameter (or a value computed from parameters alone) is returned, "
-                                    "or stored by the forward on a module or elsewhere (the graph returns what "
-                                    "the forward stores); fxdp cannot see how each sample's loss uses it, so "
-                                    "its gradient cannot be made per-sample: give it a batch dim inside the "
-                                    "forward (a flow's log-determinant of its weights: "
-                                    "logdet.expand(x.shape[0]), added to each sample's term), and compute a "
-                                    "cache of it afresh in every training call instead of storing it (timm's "
-                                    "LeViT keeps attention_bias_cache in eval mode). The old hooks "
-                                    "torch.nn.utils.weight_norm and spectral_norm store their weight on the "
-                                    "module this way: use torch.nn.utils.parametrizations.weight_norm and "
-                                    "spectral_norm instead"))
+                                    "a parameter (or a value computed from parameters alone) is returned; "
+                                    "fxdp cannot see how each sample's loss uses it, so its gradient cannot "
+                                    "be made per-sample: give it a batch dim inside the forward (a flow's "
+                                    "log-determinant of its weights: logdet.expand(x.shape[0]), added to each "
+                                    "sample's term). A value the forward only stores (on a module, in a "
+                                    "cache) is fine while the loss does not use it"))
             continue
         if node in sources or (node.op == "call_function" and _is_number(node)):
             continue  # a parameter-only computation (a transform, judged where it meets data), a size or number

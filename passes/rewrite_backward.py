@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.fx as fx
@@ -278,7 +278,8 @@ def _per_sample_shaped(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return grad.reshape(-1, *shape) if shape.numel() else grad.reshape(grad.shape[0], *shape)
 
 
-def unmarked_gradients(bw_gm: fx.GraphModule, params: dict[int, str]) -> list[str]:
+def unmarked_gradients(bw_gm: fx.GraphModule, params: dict[int, str],
+                       checked: Collection[fx.Node] = ()) -> list[str]:
     """The parameters whose gradient has a part that no marker made per-sample.
 
     Every part of a trainable parameter's gradient must reach it through a marker (its
@@ -291,9 +292,38 @@ def unmarked_gradients(bw_gm: fx.GraphModule, params: dict[int, str]) -> list[st
         bw_gm: The partitioned backward graph, before the rewrite.
         params: Output index of each trainable parameter's gradient (the index of its
             forward input) and its name.
+        checked: Output gradients that are checked to be zero at run time (see
+            ``stored_gradients``): their paths add nothing.
     """
     return [name for _, name, grad in _parameter_gradients(bw_gm, params)
-            if any(n.op == "placeholder" and n.name.startswith("tangents") for n in _upstream(grad))]
+            if any(n.op == "placeholder" and n.name.startswith("tangents") and n not in checked
+                   for n in _upstream(grad))]
+
+
+def stored_gradients(bw_gm: fx.GraphModule, params: dict[int, str]) -> dict[fx.Node, list[str]]:
+    """The output gradients (``tangents_*``) that reach parameters' gradients through no
+    marker at all, and those parameters' names.
+
+    They are the gradients of forward outputs computed from parameters alone, as a value
+    the forward stores (``torch.nn.utils.prune``'s ``module.weight``, see
+    ``BatchAnalysis.stored``): a loss that does not use the value sends zeros, which the
+    backward runner checks before it runs. An output gradient that reaches any marker is
+    an output computed with the batch, never one of these.
+    """
+    grads = {grad: name for _, name, grad in _parameter_gradients(bw_gm, params)}
+    found: dict[fx.Node, list[str]] = {}
+    for tangent in (n for n in bw_gm.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")):
+        stack, seen = [tangent], set()
+        while stack:
+            node = stack.pop()
+            if node not in seen:
+                seen.add(node)
+                stack.extend(node.users)
+        if not any(n.op == "call_function" and n.target is MARKER for n in seen):
+            reached = sorted(grads[n] for n in seen if n in grads)
+            if reached:
+                found[tangent] = reached
+    return found
 
 
 def constant_gradients(bw_gm: fx.GraphModule, params: dict[int, str]) -> list[int]:

@@ -23,13 +23,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import prune
 
 import fxdp
 from fxdp.batching import WHOLE, BatchDim, broadcast_batch
 from fxdp.rules.elementwise import Layout
 from fxdp.rules.matmul import matmul_batch
+from expect import refused
 from models import SequenceFirstBias
-from reference import assert_close_all, reference, tolerance
+from reference import Reference, assert_close_all, reference, tolerance
 
 aten = torch.ops.aten
 B, T, D, H = 3, 5, 4, 2
@@ -1146,11 +1148,88 @@ def test_spectral_norm_in_train_mode():
     assert_close_all(dict(model.named_buffers()), dict(after_one_forward.named_buffers()), tol, "buffers")
 
 
-def test_old_spectral_norm_hook_is_refused_with_the_replacement():
-    """The old hook stores ``weight_orig / sigma`` on the module, a value the graph
-    returns: its gradient could not be per-sample."""
-    message = _reasons(SpectralNormed("hook"), torch.randn(B, T, D))
-    assert "is returned" in message and "parametrizations" in message
+def _stores_its_weight(kind: str) -> Callable[[], nn.Module]:
+    """A model whose forward pre-hooks compute a weight from parameters and store it on
+    the module (``module.weight = ...``): ``torch.nn.utils.prune`` (stacked methods, a
+    structured one, a pruned bias) or the old hook-based ``spectral_norm`` (in train
+    mode: a power iteration per call) and ``weight_norm``."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        if kind == "old spectral_norm":
+            return SpectralNormed("hook").double()
+        model = nn.Sequential(nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, 2)).double()
+        if kind == "old weight_norm":
+            nn.utils.weight_norm(model[0])
+        else:
+            prune.l1_unstructured(model[0], "weight", 0.5)
+            prune.random_unstructured(model[0], "weight", 0.3)
+            prune.ln_structured(model[2], "weight", 0.5, n=2, dim=0)
+            prune.l1_unstructured(model[2], "bias", 0.5)
+        return model
+
+    return make
+
+
+def _loop_on_fresh_models(make: Callable[[], nn.Module], x: torch.Tensor):
+    """The microbatch loop, each sample on a model of its own from ``make`` (such a
+    model cannot be deep-copied once a forward stored a weight with a history)."""
+    rows = []
+    for i in range(x.shape[0]):
+        model = make()
+        model(x[i:i + 1]).pow(2).sum().backward()
+        rows.append({n: p.grad for n, p in model.named_parameters()})
+    names = list(rows[0])
+    return Reference(names, {n: torch.stack([r[n] for r in rows]) for n in names}, len(rows))
+
+
+@pytest.mark.parametrize("kind", ["prune", "old spectral_norm", "old weight_norm"])
+def test_a_weight_the_forward_computes_from_parameters_and_stores_is_exact(kind):
+    """Dynamo returns a stored value from the graph: the stored weight's gradient is zero
+    when the loss does not use it (checked at run time), and the per-sample gradients of
+    ``weight_orig`` (pruned entries zero), the norms and the clipped sum are the loop's,
+    over two steps."""
+    make = _stores_its_weight(kind)
+    model = make()
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.5, loss_reduction="sum", compiler="eager")
+    tol = tolerance(torch.float64)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        x = torch.randn(B, T, D, dtype=torch.float64)
+        expected = _loop_on_fresh_models(lambda: _with_state_of(make(), model), x)
+        dp.zero_grad()
+        dp(x).pow(2).sum().backward()
+        assert_close_all(_params(model, "grad_sample"), expected.per_sample, tol, "grad_sample")
+        assert_close_all(_params(model, "grad"), expected.grad("sum", 0.5), tol, "clipped")
+        assert_close_all({"norms": dp.per_sample_norms}, {"norms": expected.norms}, tol, "norms")
+    if kind == "prune":
+        pruned = model[0].weight_mask == 0
+        assert pruned.any() and not model[0].weight_orig.grad_sample[:, pruned].any()
+
+
+def _with_state_of(model: nn.Module, trained: nn.Module) -> nn.Module:
+    """``model`` with ``trained``'s parameters and buffers (no step runs here, but the
+    power iteration moves spectral norm's vectors at every call)."""
+    with torch.no_grad():
+        for mine, theirs in zip([*model.parameters(), *model.buffers()], [*trained.parameters(), *trained.buffers()]):
+            mine.copy_(theirs)
+    return model
+
+
+def test_a_loss_that_uses_a_stored_weight_is_refused_before_anything_is_written():
+    """A loss that uses the stored weight outside the forward (a penalty on the pruned
+    weight) sends it a gradient fxdp could not make per-sample: refused in
+    ``backward()``, with no gradient written."""
+    model = _stores_its_weight("prune")()
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=1.0, loss_reduction="sum", compiler="eager")
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    dp(x).pow(2).sum().backward()  # not used: fine
+    dp.zero_grad()
+    loss = dp(x).pow(2).sum() + model[0].weight.pow(2).sum()
+    with refused("the loss used a value the forward computed from the parameter\\(s\\) 0.weight_orig alone and "
+                 "stored .*torch.nn.utils.prune"):
+        loss.backward()
+    assert all(p.grad is None and getattr(p, "grad_sample", None) is None for p in model.parameters())
 
 
 class CachesABias(nn.Module):
@@ -1168,10 +1247,28 @@ class CachesABias(nn.Module):
         return x + self.cache["bias"]
 
 
-def test_a_value_of_parameters_stored_by_the_forward_is_refused_with_the_fix():
-    message = _reasons(CachesABias(), torch.randn(B, D))
-    assert "or stored by the forward on a module or elsewhere" in message
-    assert "compute a cache of it afresh in every training call" in message
+def test_a_value_of_parameters_stored_by_the_forward_and_used_there_is_exact():
+    """A cache the forward computes afresh and stores (``self.cache["bias"]``, a dict
+    entry): exact; a value of parameters alone it *returns* stays refused."""
+    torch.manual_seed(0)
+    model = CachesABias().double()
+    assert fxdp.validate(model, torch.randn(B, D, dtype=torch.float64)) == []
+    x = torch.randn(B, D, dtype=torch.float64)
+    expected = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), expected.per_sample, tolerance(torch.float64), "grad_sample")
+    message = _reasons(ReturnsAWeightsNorm(), torch.randn(B, D))
+    assert "is returned; fxdp cannot see how each sample's loss uses it" in message
+
+
+class ReturnsAWeightsNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.fc(x), self.fc.weight.norm()
 
 
 class ActNormFlow(nn.Module):
