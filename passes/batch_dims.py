@@ -1941,6 +1941,11 @@ _MASKED = ("it works on the elements a boolean mask over the batch dim selected 
 _MASKED_OUTPUT = (_MASKED + "; returned by the forward, the list leaves its loss outside, where fxdp cannot tell "
                   "each row's sample: compute the loss in the forward, where a sum over the rows "
                   "(loss_reduction='sum') is the sum of the samples' own")
+_ROWS_OUTPUT = ("returns rows in an order the whole batch's data decides (a sort or argsort over the samples): "
+                "a loss outside the forward pairs row j with sample j's target, so each sample's gradient "
+                "would depend on the others' data. Put the rows back in batch order inside the forward "
+                "(torch.empty_like(rows).index_copy(0, order, rows), or rows[order.argsort()]), or compute "
+                "the loss in the forward")
 
 
 def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parameter: bool) -> Any:
@@ -2543,6 +2548,10 @@ def _any_masked(value: Any) -> bool:
     return any(isinstance(b, Masked) for b in _flat(value))
 
 
+def _any_rows(value: Any) -> bool:
+    return any(isinstance(b, Rows) for b in _flat(value))
+
+
 # Ops whose first argument is sliced by the sizes (or a position) the others give.
 _SIZED_BY_SAMPLE = {aten.slice.Tensor, aten.select.int, aten.narrow.default}
 
@@ -2986,6 +2995,10 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     stored[out] = sorted({param_names[p] for p in sources[out]})
                 elif out in sources:
                     consumed.append((node, None, out))
+                if _any_rows(batch.get(out)) and not carries_no_gradient(out, without_grad):
+                    problems.append(Problem(op_name(out.target), module_path_of(out), "", _ROWS_OUTPUT,
+                                            source_of(out)))
+                    mixing.append(out)  # what a later graph reads (see fxdp.compiler.mixed_outputs)
                 if _any_masked(batch.get(out)):
                     # a loss over the list is no sum of the samples' own losses
                     op = out.args[0] if out.target is BATCH_TO_ROWS else out  # (the op run in place)

@@ -98,6 +98,8 @@ class _Dispatch(nn.Module):
         out = loop_grouped_mm(rows, self.w, offsets)
         if self.misuse == "counts":
             out = out * offsets[-1].to(out.dtype)
+        if self.misuse == "returned":  # a loss outside pairs row j with sample j's target
+            return out
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.shape[0])
         if self.misuse == "inverse":
@@ -110,6 +112,7 @@ class _Dispatch(nn.Module):
     ("offsets", "with the offsets counted from those sorted keys"),
     ("counts", "how many rows of the whole batch each key has"),
     ("inverse", "the position of each row among the rows of the whole batch sorted"),
+    ("returned", "returns rows in an order the whole batch's data decides"),
 ])
 def test_what_depends_on_the_order_of_the_whole_batch_is_refused(misuse, reason):
     x = torch.randn(B, T, D, dtype=torch.float64)
@@ -117,6 +120,49 @@ def test_what_depends_on_the_order_of_the_whole_batch_is_refused(misuse, reason)
     reasons = _reasons(model, x)
     assert reason in reasons
     assert _reasons(_Dispatch("none").double(), x) == ""
+
+
+class _SortsBeforeABreak(nn.Module):
+    """The batch's rows sorted by their first feature in a graph without parameters,
+    then a graph break, then a layer: each row reaches the loss at its rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        x = x[x[:, 0].argsort()]
+        torch._dynamo.graph_break()
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("where", ["one graph", "before a break"])
+def test_rows_returned_in_an_order_of_the_whole_batch_are_refused(where):
+    """Row j of such an output is the sample at rank j, not sample j: a loss outside the
+    forward pairs it with sample j's target, and every sample's gradient, norm and clip
+    factor would depend on the other samples' data (it did: sample 0's ``grad_sample``
+    moved when only the others changed)."""
+    x = torch.randn(6, D, dtype=torch.float64)
+    if where == "one graph":
+        model = nn.Sequential(nn.Linear(D, D), nn.Tanh()).double()
+        sorting = _Applied(model, lambda h: h[h[:, 0].argsort()])
+        assert "returns rows in an order the whole batch's data decides" in _reasons(sorting, x)
+        return
+    torch._dynamo.reset()
+    model = _SortsBeforeABreak().double()
+    step = torch.compile(model, backend=fxdp.backend(grad_sample=True, loss_reduction="sum", compiler="eager"))
+    with pytest.raises(Exception, match="fxdp cannot follow the batch: this graph computes with parameters and with"):
+        step(x).pow(2).sum().backward()
+    assert model.lin.weight.grad is None
+
+
+class _Applied(nn.Module):
+    def __init__(self, inner: nn.Module, then):
+        super().__init__()
+        self.inner, self.then = inner, then
+
+    def forward(self, x):
+        return self.then(self.inner(x))
 
 
 def test_counts_of_the_batch_s_values_without_a_sort_are_refused():
