@@ -253,10 +253,14 @@ def _agreed(result: Any, candidate: Any) -> Any:
 
 
 def _pointwise(node: fx.Node, arg_batch: list) -> Any:
-    """Broadcasting elementwise op: dims align from the right."""
+    """Broadcasting elementwise op: dims align from the right. An op with several outputs
+    (``native_dropout``'s, a fake quantisation's output and mask) gives each the layout
+    of the first: they have its shape."""
     out = _meta(node)
+    first = out[0] if isinstance(out, (list, tuple)) else out
     metas = [_meta(a) if isinstance(a, fx.Node) else None for a in node.args]
-    return broadcast_batch(arg_batch, metas, out.dim() if isinstance(out, torch.Tensor) else 0)
+    result = broadcast_batch(arg_batch, metas, first.dim() if isinstance(first, torch.Tensor) else 0)
+    return [result] * len(out) if isinstance(out, (list, tuple)) else result
 
 
 _EXTRA_POINTWISE = [
@@ -296,6 +300,13 @@ _EXTRA_POINTWISE = [
     aten.hardtanh_backward.default, aten.leaky_relu_backward.default, aten.elu_backward.default,
     aten.softplus_backward.default, aten.hardswish_backward.default, aten.hardsigmoid_backward.default,
     aten.mish_backward.default,
+    # Fake quantisation with given scale and zero point (quantisation-aware training with
+    # its observers off): each element on its own. Observing (min/max over the batch) is
+    # another op, refused.
+    aten.fake_quantize_per_tensor_affine.default, aten.fake_quantize_per_tensor_affine.tensor_qparams,
+    aten.fake_quantize_per_tensor_affine_cachemask.default,
+    aten._fake_quantize_per_tensor_affine_cachemask_tensor_qparams.default,
+    aten.fake_quantize_per_channel_affine.default, aten.fake_quantize_per_channel_affine_cachemask.default,
 ]
 
 

@@ -1148,6 +1148,57 @@ def test_spectral_norm_in_train_mode():
     assert_close_all(dict(model.named_buffers()), dict(after_one_forward.named_buffers()), tol, "buffers")
 
 
+class FakeQuantized(nn.Module):
+    """Quantisation-aware training with its observers off: the activations fake-quantised
+    with a given scale and zero point (per tensor, as floats or tensors, with the
+    ``fake_quant_enabled`` flag, or per channel), or, with ``observe``, a fused observer
+    that takes the batch's min and max first (``FusedMovingAvgObsFakeQuantize``)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.conv, self.out = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 16, 3)
+        for name, value in dict(scale=torch.tensor([0.05]), zero_point=torch.tensor([128], dtype=torch.int32),
+                                enabled=torch.tensor([1]), channel_scales=torch.tensor([0.02, 0.05, 0.03, 0.08]),
+                                channel_zeros=torch.zeros(4, dtype=torch.int32), low=torch.tensor([-1.0]),
+                                high=torch.tensor([1.0])).items():
+            self.register_buffer(name, value)
+
+    def forward(self, x):
+        h = self.conv(x)
+        if self.kind == "per tensor":
+            h = torch.fake_quantize_per_tensor_affine(h, 0.05, 128, 0, 255)
+        elif self.kind == "tensor qparams":
+            h = torch.ops.aten._fake_quantize_per_tensor_affine_cachemask_tensor_qparams(
+                h, self.scale, self.zero_point, self.enabled, 0, 255)[0]
+        elif self.kind == "per channel":
+            h = torch.fake_quantize_per_channel_affine(h, self.channel_scales, self.channel_zeros, 1, -128, 127)
+        else:
+            h = torch.ops.aten._fused_moving_avg_obs_fq_helper(
+                h, self.enabled, self.enabled, self.low, self.high, self.scale, self.zero_point, 0.01, 0, 255, -1)[0]
+        return self.out(torch.relu(h).flatten(1))
+
+
+@pytest.mark.parametrize("kind", ["per tensor", "tensor qparams", "per channel"])
+def test_fake_quantised_activations_with_given_qparams_are_exact(kind):
+    """Each element is quantised on its own (float32: PyTorch's fake quantisation takes no
+    float64). At one batch size only: PyTorch gives these ops no shapes for a symbolic
+    batch, so a second size fails in Dynamo, as under plain ``torch.compile``."""
+    torch.manual_seed(0)
+    model = FakeQuantized(kind)
+    x = torch.randn(5, 3, 4, 4)
+    expected = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=1.0, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
+    tol = tolerance(torch.float32)
+    assert_close_all(_params(model, "grad_sample"), expected.per_sample, tol, "grad_sample")
+    assert_close_all(_params(model, "grad"), expected.grad("sum", 1.0), tol, "clipped")
+
+
+def test_a_fused_observer_that_takes_the_batch_s_min_and_max_is_refused():
+    assert "_fused_moving_avg_obs_fq_helper" in _reasons(FakeQuantized("observed"), torch.randn(5, 3, 4, 4))
+
+
 def _stores_its_weight(kind: str) -> Callable[[], nn.Module]:
     """A model whose forward pre-hooks compute a weight from parameters and store it on
     the module (``module.weight = ...``): ``torch.nn.utils.prune`` (stacked methods, a
