@@ -1571,9 +1571,20 @@ def _view_backward(node, arg_batch):
     dim = _norm_dim(node.args[2], len(node.args[1]))
     if node.target is aten.select_backward.default:
         b = b.at(b.dim + (b.dim >= dim))  # grad lacks the selected dim
+    elif b.dim == dim and _whole_slice(node):
+        return b  # ``x[:, 0]`` traced with a symbolic B slices dim 0 whole: the identity
     if b.dim == dim:
         raise MixesSamples("it writes into part of the batch dim")
     return b
+
+
+def _whole_slice(node: fx.Node) -> bool:
+    """Whether ``slice_backward(grad, sizes, dim, start, end, step)`` writes ``grad`` into
+    the whole of ``sizes`` (start 0, step 1, ``grad`` as long as ``sizes`` along ``dim``)."""
+    grad, sizes, dim, start, _, step = (_meta(a) for a in node.args[:6])
+    dim = _norm_dim(dim, len(sizes))
+    return (statically_known_true(start == 0) and statically_known_true(step == 1)
+            and statically_known_true(grad.shape[dim] == _meta(sizes[dim])))
 
 
 @_register(aten.im2col.default, aten.col2im.default)

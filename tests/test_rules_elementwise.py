@@ -3860,6 +3860,33 @@ def test_a_vjp_of_the_whole_batch_is_exact():
     assert torch._C._autograd._saved_tensors_hooks_is_enabled()
 
 
+class SecondDerivativeOfTheBatch(nn.Module):
+    """A physics-informed residual's ``u_xx``: the ``vjp`` of a slice (``[:, 0]``) of the
+    whole batch's input gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.u = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def u_x(x):
+            u, pullback = torch.func.vjp(self.u, x)
+            return pullback(torch.ones_like(u))[0]
+
+        u_x0, pullback = torch.func.vjp(lambda x: u_x(x)[:, 0], x)
+        return pullback(torch.ones_like(u_x0))[0][:, 0] - u_x0 + self.u(x)[:, 0]
+
+
+def test_a_second_derivative_of_the_whole_batch_is_exact_at_a_second_batch_size():
+    """With a symbolic ``B`` (the second size) the slice's derivative is traced as a
+    ``slice_backward`` over the whole batch dim, the identity (it was refused, "it writes
+    into part of the batch dim", where the first size had run)."""
+    torch.manual_seed(0)
+    model = SecondDerivativeOfTheBatch().double()
+    dp = _against_the_loop(model, torch.rand(B, 2, dtype=torch.float64))
+    _against_the_loop(model, torch.rand(B + 2, 2, dtype=torch.float64), dp=dp)
+
+
 def test_the_diagonal_of_a_jacobian_of_the_whole_batch_is_refused():
     """The diagonal is each sample's Jacobian only because the samples are independent,
     which the diagonal itself cannot tell: refused by name (it crashed before, with a
