@@ -472,6 +472,15 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     "slices or writes at as numbers, and here they are read from a tensor's values (a slice at "
                     "bounds held in a buffer, f[self.lo:self.hi] = w). Keep such positions as Python ints "
                     f"(the data-dependent value: {str(e).splitlines()[0]})") from None
+            except RuntimeError as e:
+                if "Batching rule not implemented" not in str(e):
+                    raise
+                raise UnsupportedError(
+                    f"fxdp cannot map the per-sample gradients of {', '.join(use.source_names or [use.param])} "
+                    f"back through the computation that makes the value {use.module_path or 'the model'} uses "
+                    "from them: it runs it for each sample with torch.func.vmap, and an op there has no "
+                    "batching rule (a fused observer of quantisation-aware training on a weight). Compute "
+                    f"that value with other ops. PyTorch's error: {str(e).splitlines()[0]}") from None
             return dict(zip(m.args[0][k: k + n], mapped))
 
         batch_size = None

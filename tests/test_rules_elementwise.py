@@ -1199,6 +1199,34 @@ def test_a_fused_observer_that_takes_the_batch_s_min_and_max_is_refused():
     assert "_fused_moving_avg_obs_fq_helper" in _reasons(FakeQuantized("observed"), torch.randn(5, 3, 4, 4))
 
 
+class ObservedWeight(nn.Module):
+    """A weight fake-quantised by the fused observer (``ao.nn.qat.Linear``'s weight, the
+    observer over the weight alone): an op with no ``vmap`` batching rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 3)
+        for name, value in dict(on=torch.tensor([1]), low=torch.tensor([-1.0]), high=torch.tensor([1.0]),
+                                scale=torch.tensor([0.05]), zero_point=torch.tensor([0], dtype=torch.int32)).items():
+            self.register_buffer(name, value)
+
+    def forward(self, x):
+        w = torch.ops.aten._fused_moving_avg_obs_fq_helper(
+            self.lin.weight, self.on, self.on, self.low, self.high, self.scale, self.zero_point, 0.01, -128, 127, -1)[0]
+        return nn.functional.linear(x, w, self.lin.bias)
+
+
+def test_a_weight_computed_by_an_op_vmap_cannot_batch_is_refused_before_anything_is_written():
+    """The per-sample gradients of the weight are mapped back through its computation by
+    ``vmap``, which has no rule for the op: refused in the first ``backward()`` (it
+    crashed with PyTorch's "Batching rule not implemented"), no gradient written."""
+    model = ObservedWeight()
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    with refused("cannot map the per-sample gradients of lin.weight back .* has no batching rule"):
+        dp(torch.randn(B, D)).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def _stores_its_weight(kind: str) -> Callable[[], nn.Module]:
     """A model whose forward pre-hooks compute a weight from parameters and store it on
     the module (``module.weight = ...``): ``torch.nn.utils.prune`` (stacked methods, a
