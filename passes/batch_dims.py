@@ -3200,11 +3200,12 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
 
 
 def _live_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes the graph's outputs depend on (or that write in place: a write's base
-    is read later)."""
+    """The nodes whose values the graph's outputs depend on (or that write in place: a
+    write's base is read later), not those read only for a shape (``ones_like(s)``:
+    ``torch.func.grad`` of a sum seeds its backward so, and the sum is no loss)."""
     return reached([n for n in gm.graph.nodes if n.op == "output" or (
         n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)],
-        lambda n: n.all_input_nodes)
+        lambda n: () if n.op == "call_function" and n.target in SHAPED_LIKE else n.all_input_nodes)
 
 
 def reached(nodes: Sequence[fx.Node], step: Callable[[fx.Node], Sequence[fx.Node]]) -> set[fx.Node]:

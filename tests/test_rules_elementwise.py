@@ -3915,6 +3915,36 @@ def test_a_second_derivative_of_the_whole_batch_is_exact_at_a_second_batch_size(
     _against_the_loop(model, torch.rand(B + 2, 2, dtype=torch.float64), dp=dp)
 
 
+class GradOfTheBatchSum(nn.Module):
+    """``torch.func.grad`` of the whole batch's sum: each sample's input gradient (the
+    samples are independent); the sum seeds the backward, read for its shape only."""
+
+    def __init__(self):
+        super().__init__()
+        self.u = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u_x = torch.func.grad(lambda x: self.u(x).sum())(x)
+        return u_x[:, 0] + self.u(x)[:, 0]
+
+
+@pytest.mark.parametrize("loss_reduction", ["sum", "mean"])
+def test_grad_of_the_whole_batch_s_sum_is_no_loss_and_is_exact(loss_reduction):
+    """The sum is no loss of the graph: with a mean loss it was refused ("the loss inside
+    the graph is a sum over the batch but loss_reduction='mean'")."""
+    torch.manual_seed(0)
+    model = GradOfTheBatchSum().double()
+    x = torch.rand(B + 2, 2, dtype=torch.float64)
+    assert fxdp.validate(model, x, loss_reduction=loss_reduction) == []
+    expected = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.1, loss_reduction=loss_reduction, compiler="eager")
+    out = dp(x).pow(2)
+    (out.sum() if loss_reduction == "sum" else out.mean()).backward()
+    tol = tolerance(torch.float64)
+    assert_close_all(_params(model, "grad"), expected.grad(loss_reduction, 0.1), tol, "clipped")
+    assert_close_all({"norms": dp.per_sample_norms}, {"norms": expected.norms}, tol, "norms")
+
+
 def test_the_diagonal_of_a_jacobian_of_the_whole_batch_is_refused():
     """The diagonal is each sample's Jacobian only because the samples are independent,
     which the diagonal itself cannot tell: refused by name (it crashed before, with a
