@@ -122,6 +122,9 @@ def capture_config():
       it recomputes the forward in the backward, and the graph's recompute replays no
       Python code (``skip_fwd_side_effects_in_bwd_under_checkpoint``). The gradients
       are those of the region's ops either way.
+    - Module hooks are guarded on (``skip_nnmodule_hook_guards`` off): a forward hook
+      registered after the first call, or removed, is seen by the next call (a
+      recompile), where Dynamo's default runs the graph captured without it.
     - ``optimize_ddp`` is off: under ``DistributedDataParallel`` Dynamo's DDPOptimizer
       would split the graph at DDP's gradient buckets (the first holds 1 MB, so nearly
       every model), and clipping needs the whole model in one graph. The split would
@@ -159,7 +162,8 @@ def capture_config():
     _NAMING.capturing = True
     try:
         with config.patch(allow_rnn=True, reorderable_logging_functions=logging_functions,
-                          optimize_ddp=False, skip_fwd_side_effects_in_bwd_under_checkpoint=True), \
+                          optimize_ddp=False, skip_fwd_side_effects_in_bwd_under_checkpoint=True,
+                          skip_nnmodule_hook_guards=False), \
                 mock.patch.object(DebuggingVariable, "call_function", record_on_compiled_frame), \
                 mock.patch.object(LoggingLoggerVariable, "call_method", _logged_at_capture(logger_call)), \
                 mock.patch.object(GetAttrVariable, "call_method", _named_at_capture(attribute_call)), \

@@ -2354,6 +2354,25 @@ def test_a_gradient_hook_on_a_parameter_reads_the_clipped_gradient_and_may_not_c
     handle.remove()
 
 
+def test_a_forward_hook_registered_after_the_first_call_takes_effect():
+    """Dynamo's default skips guards on module hooks, so plain ``torch.compile`` keeps
+    running the graph it captured without a hook registered later; the transform
+    guards on them: the hook (here one that zeroes a layer's output) runs from the next
+    call, in the gradients too, and its removal is seen as well."""
+    model = mlp()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    x = randn(6, 4)
+    dp(x).pow(2).sum().backward()
+    handle = model[0].register_forward_hook(lambda mod, args, out: out * 0.5)
+    expected = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    model.zero_grad()
+    torch.testing.assert_close(dp(x), model(x))
+    dp(x).pow(2).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, expected.per_sample, TOL, "grad_sample")
+    handle.remove()
+    torch.testing.assert_close(dp(x), model(x))
+
+
 @pytest.mark.parametrize("register, where", [
     (lambda m: m[2].register_full_backward_hook(lambda mod, grad_in, grad_out: None), "'2'"),
     (lambda m: m[2].register_full_backward_pre_hook(lambda mod, grad_out: None), "'2'"),
