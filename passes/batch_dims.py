@@ -2570,6 +2570,16 @@ def _any_masked(value: Any) -> bool:
     return any(isinstance(b, Masked) for b in _flat(value))
 
 
+def _views_an_input(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether ``node``'s value shares memory with an input of ``gm`` (``w.t()`` of a
+    parameter): AOTAutograd regenerates such an output outside the graph, so a
+    gradient it gets reaches the input directly, not through the graph's backward."""
+    value = _meta(node)
+    return isinstance(value, torch.Tensor) and any(
+        isinstance(_meta(p), torch.Tensor) and torch._C._is_alias_of(value, _meta(p))
+        for p in gm.graph.nodes if p.op == "placeholder")
+
+
 def _any_rows(value: Any) -> bool:
     return any(isinstance(b, Rows) for b in _flat(value))
 
@@ -3012,7 +3022,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         if node.op == "output":
             outputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
             for out in node.all_input_nodes:
-                if out in sources and all(i in stored_outputs for i, o in enumerate(outputs) if o is out):
+                if out in sources and all(i in stored_outputs for i, o in enumerate(outputs) if o is out) \
+                        and not _views_an_input(out, gm):
                     # stored, not returned: its gradient is checked to be zero at run time
                     stored[out] = sorted({param_names[p] for p in sources[out]})
                 elif out in sources:
@@ -3409,12 +3420,13 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, wi
             if carries_no_gradient(value, without_grad):
                 continue  # no gradient flows back (spectral norm's power-iteration vectors)
             problems.append(Problem("output", "", _names(sources[value], param_names),
-                                    "a parameter (or a value computed from parameters alone) is returned; "
-                                    "fxdp cannot see how each sample's loss uses it, so its gradient cannot "
-                                    "be made per-sample: give it a batch dim inside the forward (a flow's "
+                                    "a parameter (or a value computed from parameters alone) is returned, "
+                                    "or stored as a view of a parameter (self.wt = self.weight.t()); fxdp "
+                                    "cannot see how each sample's loss uses it, so its gradient cannot be made "
+                                    "per-sample: give it a batch dim inside the forward (a flow's "
                                     "log-determinant of its weights: logdet.expand(x.shape[0]), added to each "
-                                    "sample's term). A value the forward only stores (on a module, in a "
-                                    "cache) is fine while the loss does not use it"))
+                                    "sample's term). A value the forward computes and only stores (on a "
+                                    "module, in a cache) is fine while the loss does not use it"))
             continue
         if node in sources or (node.op == "call_function" and _is_number(node)):
             continue  # a parameter-only computation (a transform, judged where it meets data), a size or number

@@ -1338,7 +1338,20 @@ def test_a_value_of_parameters_stored_by_the_forward_and_used_there_is_exact():
     dp(x).pow(2).sum().backward()
     assert_close_all(_params(model, "grad_sample"), expected.per_sample, tolerance(torch.float64), "grad_sample")
     message = _reasons(ReturnsAWeightsNorm(), torch.randn(B, D))
-    assert "is returned; fxdp cannot see how each sample's loss uses it" in message
+    assert "is returned, or stored as a view of a parameter" in message
+    # a stored view of a parameter: AOTAutograd rebuilds it outside the graph, where the
+    # loss's gradient would reach the parameter past fxdp's backward
+    assert "is returned, or stored as a view of a parameter" in _reasons(StoresAView(), torch.randn(B, D))
+
+
+class StoresAView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        self.weight_t = self.fc.weight.t()  # kept for a tied head
+        return torch.tanh(self.fc(x))
 
 
 class ReturnsAWeightsNorm(nn.Module):
