@@ -1191,6 +1191,7 @@ for _op, _kind in [
     (aten.any.dim, "any"), (aten.all.dim, "all"), (aten.norm.ScalarOpt_dim, "norm"),
     (aten.var_mean.correction, "var"), (aten.std_mean.correction, "std"), (aten.prod.default, "prod"),
     (aten.aminmax.default, "min"), (aten.nansum.default, "sum"),
+    (aten.count_nonzero.default, "count"), (aten.count_nonzero.dim_IntList, "count"),
     # over every dim: ``x.max()`` (Nystromformer's initialisation scale over the batch)
     (aten.max.default, "max"), (aten.min.default, "min"), (aten.median.default, "median"),
     (aten.nanmedian.default, "median"), (aten.any.default, "any"), (aten.all.default, "all"),

@@ -2092,6 +2092,8 @@ BATCHED_OPS = {
     "searchsorted": lambda m, h: h * m.s * torch.searchsorted(torch.sort(h.detach(), dim=-1).values,
                                                               h.detach().flip(-1).contiguous()),
     "renorm": lambda m, h: torch.renorm(h * m.s, 2, 0, 1.0),
+    # a count per sample (of the positive features), not over the batch
+    "count_nonzero": lambda m, h: h * m.s * torch.count_nonzero(h.detach() > 0, dim=2).unsqueeze(-1),
     # FNet's Fourier mixing (``.real`` is ``view_as_real``), complex rotary embeddings
     "fft_real": lambda m, h: torch.fft.fftn(h * m.s, dim=(1, 2)).real,
     "fft_imag": lambda m, h: torch.fft.fft(h * m.s, dim=1).imag,
