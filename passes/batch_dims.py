@@ -302,11 +302,10 @@ _EXTRA_POINTWISE = [
     aten.mish_backward.default,
     # Fake quantisation with given scale and zero point (quantisation-aware training with
     # its observers off): each element on its own. Observing (min/max over the batch) is
-    # another op, refused.
+    # another op, refused. (Per channel: ``_fake_quantize_per_channel``.)
     aten.fake_quantize_per_tensor_affine.default, aten.fake_quantize_per_tensor_affine.tensor_qparams,
     aten.fake_quantize_per_tensor_affine_cachemask.default,
     aten._fake_quantize_per_tensor_affine_cachemask_tensor_qparams.default,
-    aten.fake_quantize_per_channel_affine.default, aten.fake_quantize_per_channel_affine_cachemask.default,
 ]
 
 
@@ -1586,6 +1585,18 @@ def _whole_slice(node: fx.Node) -> bool:
     dim = _norm_dim(dim, len(sizes))
     return (statically_known_true(start == 0) and statically_known_true(step == 1)
             and statically_known_true(grad.shape[dim] == _meta(sizes[dim])))
+
+
+@_register(aten.fake_quantize_per_channel_affine.default, aten.fake_quantize_per_channel_affine_cachemask.default)
+def _fake_quantize_per_channel(node, arg_batch):
+    """Fake quantisation with a scale and zero point per index of ``axis``: each element on
+    its own, as the input is batched, where the scales are the model's (shared); scales
+    computed from the samples would quantise each sample's entries along ``axis`` by
+    another sample's scale."""
+    if any(isinstance(b, BatchDim) and b.dim is not None for b in arg_batch[1:3]):
+        raise MixesSamples("its per-channel scale or zero point is computed from the samples")
+    b = arg_batch[0]
+    return [b, b] if node.target is aten.fake_quantize_per_channel_affine_cachemask.default else b
 
 
 @_register(aten.im2col.default, aten.col2im.default)

@@ -1199,6 +1199,29 @@ def test_a_fused_observer_that_takes_the_batch_s_min_and_max_is_refused():
     assert "_fused_moving_avg_obs_fq_helper" in _reasons(FakeQuantized("observed"), torch.randn(5, 3, 4, 4))
 
 
+class ScaledBySamples(nn.Module):
+    """A weight fake-quantised per channel with one scale per sample: channel ``j`` of
+    the weight by sample ``j``'s value."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, x):
+        scales = (x[:, 0].detach().abs() + 0.01) / 50
+        w = torch.fake_quantize_per_channel_affine(self.lin.weight, scales, torch.zeros(5, dtype=torch.int32),
+                                                   1, -128, 127)
+        return nn.functional.linear(x, w, self.lin.bias)
+
+
+def test_per_channel_scales_computed_from_the_samples_are_refused():
+    """Read as an elementwise op, the scales lined up with the weight's last dim and
+    made it batched: the Linear rule then crashed ("no differentiable non-parameter
+    argument")."""
+    assert "its per-channel scale or zero point is computed from the samples" in _reasons(
+        ScaledBySamples(), torch.randn(5, 5))
+
+
 class ObservedWeight(nn.Module):
     """A weight fake-quantised by the fused observer (``ao.nn.qat.Linear``'s weight, the
     observer over the weight alone): an op with no ``vmap`` batching rule."""
