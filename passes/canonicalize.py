@@ -1979,6 +1979,19 @@ def _sole_view(view: fx.Node) -> bool:
     return node.op == "call_function"
 
 
+def _with_defaults_the_twin_lacks(node: fx.Node, twin: Any) -> tuple:
+    """``node``'s arguments, with the in-place op's defaults written out where its twin
+    has none: ``x.bernoulli_(0.5)`` is traced without its default ``p``, which
+    ``bernoulli.p`` requires."""
+    args = list(node.args)
+    for i, (mine, theirs) in enumerate(zip(node.target._schema.arguments, twin._schema.arguments)):
+        if mine.kwarg_only or theirs.has_default_value():
+            break
+        if i >= len(args) and mine.name not in node.kwargs and mine.has_default_value():
+            args.append(mine.default_value)
+    return tuple(args)
+
+
 def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """An in-place op on a tensor nothing else aliases becomes its out-of-place twin, and
     later reads of the tensor read the op's result (views taken after the write
@@ -2019,6 +2032,7 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
         if node.target is torch.ops.aten.copy_.default:
             node = _copy_as_broadcast(gm, node, written)
         else:
+            node.args = _with_defaults_the_twin_lacks(node, twin)
             node.target = twin
         for user in later:
             user.replace_input_with(written, node)

@@ -2132,6 +2132,35 @@ def test_ops_decomposed_or_propagated(op: str):
     _against_the_loop(around(BATCHED_OPS[op], s=(D,))().double(), torch.randn(B, T, D, dtype=torch.float64))
 
 
+class DropsSamples(nn.Module):
+    """torchvision's ``stochastic_depth`` (row mode): each sample's branch kept with
+    probability 1/2 by an in-place ``bernoulli_(0.5)``, or by the ``kept`` mask given."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, kept=None):
+        h = self.lin(x)
+        noise = torch.empty([h.shape[0], 1], dtype=h.dtype).bernoulli_(0.5) if kept is None else kept.clone()
+        return h * noise.div_(0.5)
+
+
+def test_an_in_place_bernoulli_at_its_default_probability_is_exact_for_the_mask_it_drew():
+    """``bernoulli_(0.5)`` is traced without its default ``p``, which the out-of-place
+    ``bernoulli.p`` requires: the twin got no ``p`` and the compile failed."""
+    torch.manual_seed(3)
+    model = DropsSamples().double()
+    x = torch.randn(6, D, dtype=torch.float64)
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    out = dp(x)
+    out.pow(2).sum().backward()
+    kept = (out.abs().sum(1, keepdim=True) > 0).to(x.dtype)
+    assert 0 < kept.sum() < 6
+    expected = reference(model, (x, kept), lambda out, i: out.pow(2).sum())
+    assert_close_all(_params(model, "grad_sample"), expected.per_sample, tolerance(torch.float64), "grad_sample")
+
+
 class SplitByTensor(nn.Module):
     """``torch.tensor_split`` at positions held in a tensor: sizes the trace cannot know."""
 
