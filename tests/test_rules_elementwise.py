@@ -1158,10 +1158,10 @@ class FakeQuantized(nn.Module):
         super().__init__()
         self.kind = kind
         self.conv, self.out = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 16, 3)
-        for name, value in dict(scale=torch.tensor([0.05]), zero_point=torch.tensor([128], dtype=torch.int32),
-                                enabled=torch.tensor([1]), channel_scales=torch.tensor([0.02, 0.05, 0.03, 0.08]),
-                                channel_zeros=torch.zeros(4, dtype=torch.int32), low=torch.tensor([-1.0]),
-                                high=torch.tensor([1.0])).items():
+        for name, value in {"scale": torch.tensor([0.05]), "zero_point": torch.tensor([128], dtype=torch.int32),
+                            "enabled": torch.tensor([1]), "channel_scales": torch.tensor([0.02, 0.05, 0.03, 0.08]),
+                            "channel_zeros": torch.zeros(4, dtype=torch.int32), "low": torch.tensor([-1.0]),
+                            "high": torch.tensor([1.0])}.items():
             self.register_buffer(name, value)
 
     def forward(self, x):
@@ -1229,8 +1229,8 @@ class ObservedWeight(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(D, 3)
-        for name, value in dict(on=torch.tensor([1]), low=torch.tensor([-1.0]), high=torch.tensor([1.0]),
-                                scale=torch.tensor([0.05]), zero_point=torch.tensor([0], dtype=torch.int32)).items():
+        for name, value in {"on": torch.tensor([1]), "low": torch.tensor([-1.0]), "high": torch.tensor([1.0]),
+                            "scale": torch.tensor([0.05]), "zero_point": torch.tensor([0], dtype=torch.int32)}.items():
             self.register_buffer(name, value)
 
     def forward(self, x):
