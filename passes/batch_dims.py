@@ -2686,7 +2686,7 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
         rows = hidden[order // top_k]            # Rows
         offsets = keys.histc(E, 0, E - 1).cumsum(0)  # Groups
         out = grouped_mm(rows, w, offsets)       # Rows: row r by expert keys[r]
-        inv = empty_like(order); inv[order] = arange(S)  # Inverse
+        inv = empty_like(order); inv[order] = arange(S)  # Inverse (or order.argsort())
         out[inv]                                 # BatchDim(0, inner) again
 
     Anything else that meets the counts or the inverse, or a sorted row with a value in
@@ -2701,6 +2701,10 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
         if isinstance(b, Rows):
             keep_values = target is not aten.detach.default
             return dataclasses.replace(b, ids=b.ids if keep_values else None, keys=b.keys and keep_values)
+    if target in (aten.argsort.default, aten.argsort.stable) and isinstance(arg_batch[0], Rows) \
+            and arg_batch[0].ids is not None and statically_known_true(arg_batch[0].ids == arg_batch[0].inner) \
+            and _meta(args[0]).dim() == 1:
+        return Inverse(arg_batch[0].order, arg_batch[0].inner)  # a permutation's argsort: its inverse
     if target is aten.cumsum.default and isinstance(arg_batch[0], Groups) and not arg_batch[0].cumulative \
             and _norm_dim(args[1], 1) == 0:
         return dataclasses.replace(arg_batch[0], cumulative=True)

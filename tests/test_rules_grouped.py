@@ -156,6 +156,34 @@ def test_rows_returned_in_an_order_of_the_whole_batch_are_refused(where):
     assert model.lin.weight.grad is None
 
 
+class _SortedAndPutBack(nn.Module):
+    """Rows sorted by a key of the whole batch, a layer, and the rows put back with the
+    order's own ``argsort`` (its inverse permutation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.lin = nn.Linear(D, D), nn.Linear(D, 3)
+
+    def forward(self, x):
+        order = x[:, 0].argsort()
+        rows = self.lin(torch.tanh(self.inp(x))[order])
+        return rows[order.argsort()]
+
+
+def test_rows_put_back_by_the_order_s_argsort_are_exact():
+    """``order.argsort()`` of a sort's indices is its inverse, as ``inv[order] =
+    arange(S)`` is (it was refused: "it groups or reduces rows that a sort … ordered")."""
+    torch.manual_seed(0)
+    model = _SortedAndPutBack().double()
+    x = torch.randn(6, D, dtype=torch.float64)
+    expected = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.5, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
+    tol = tolerance(torch.float64)
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, expected.per_sample, tol, "grad_sample")
+    assert_close_all({n: p.grad for n, p in model.named_parameters()}, expected.grad("sum", 0.5), tol, "clipped")
+
+
 class _Applied(nn.Module):
     def __init__(self, inner: nn.Module, then):
         super().__init__()
