@@ -1978,8 +1978,8 @@ _MASKED_OUTPUT = (_MASKED + "; returned by the forward, the list leaves its loss
 _ROWS_OUTPUT = ("returns rows in an order the whole batch's data decides (a sort or argsort over the samples): "
                 "a loss outside the forward pairs row j with sample j's target, so each sample's gradient "
                 "would depend on the others' data. Put the rows back in batch order inside the forward "
-                "(torch.empty_like(rows).index_copy(0, order, rows), or rows[inverse] with inverse[order] = "
-                "torch.arange(len(order))), or compute the loss in the forward")
+                "(rows[order.argsort()] with the sort's own indices, or "
+                "torch.empty_like(rows).index_copy(0, order, rows)), or compute the loss in the forward")
 
 
 def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parameter: bool) -> Any:
