@@ -1344,6 +1344,15 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
             "may ask), to install its output-capturing hooks: call the model once before the "
             "transformed model's first call, e.g. under torch.no_grad() on one sample. "
             f"Dynamo's reason: {error}")
+    if isinstance(error, torch._dynamo.exc.Unsupported) and "torch.autograd.grad" in str(error):
+        return UnsupportedError(
+            "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "
+            "Dynamo does not capture torch.autograd.grad there (its hint, trace_autograd_ops=True, "
+            "leads to gradients the compiled code takes itself, which fxdp cannot make per-sample). "
+            "Write the derivative with torch.func, which fxdp follows exactly: each sample's input "
+            "gradient as torch.func.vmap(torch.func.grad(lambda xi: u(xi).sum()))(x), or the whole "
+            "batch's as torch.func.vjp(u, x) (a physics-informed residual, forces as -dE/dx). "
+            f"Dynamo's reason: {error}")
     hooked = _modules_with_backward_hooks(model) if isinstance(
         error, torch._dynamo.exc.Unsupported) else []
     if hooked and ("backwards hooks" in str(error) or "grad_fn" in str(error)):

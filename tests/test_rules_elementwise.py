@@ -4012,6 +4012,27 @@ def test_grad_of_the_whole_batch_s_sum_is_no_loss_and_is_exact(loss_reduction):
     assert_close_all({"norms": dp.per_sample_norms}, {"norms": expected.norms}, tol, "norms")
 
 
+class AutogradGradInTheForward(nn.Module):
+    """A physics-informed residual written with ``torch.autograd.grad`` in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.u = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        u = self.u(x)
+        u_x = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        return u_x[:, 0] + u[:, 0]
+
+
+def test_autograd_grad_in_the_forward_is_refused_with_the_torch_func_forms():
+    """Dynamo's own hint (``trace_autograd_ops=True``) leads to another refusal: the
+    message names the ``torch.func`` forms fxdp follows instead."""
+    dp = fxdp.transform(AutogradGradInTheForward().double(), max_grad_norm=1.0, compiler="eager")
+    with refused("does not capture torch.autograd.grad .* torch.func.vmap\\(torch.func.grad\\("):
+        dp(torch.rand(B, 2, dtype=torch.float64, requires_grad=True))
+
+
 def test_the_diagonal_of_a_jacobian_of_the_whole_batch_is_refused():
     """The diagonal is each sample's Jacobian only because the samples are independent,
     which the diagonal itself cannot tell: refused by name (it crashed before, with a
