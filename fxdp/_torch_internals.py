@@ -931,14 +931,18 @@ def transform_regions_as_aten(gm: fx.GraphModule, fake_mode) -> fx.GraphModule:
         if start is not None and depth == 0 and i >= until:
             regions.append(nodes[start:i + 1])
             start, until = None, -1
-    # A region that takes in the call re-enabling saved-tensor hooks after a ``grad``
-    # level (Dynamo's ``_saved_tensors_hooks_enable``) takes the call that disabled them
-    # before it too: traced apart from it, the disabling would stay in effect for good.
+    # A region whose last saved-tensor-hooks call re-enables them after a ``grad`` level
+    # (Dynamo's ``_saved_tensors_hooks_enable``) takes the call that disabled them before
+    # it too: traced apart from it, the disabling would stay in effect for good. (Nested
+    # levels disable them again inside the region, to restore the outer level's state:
+    # the outer level's own call still stands before the region.)
+    hook_calls = ("_saved_tensors_hooks_enable", "_saved_tensors_hooks_disable")
     for k, region in enumerate(regions):
-        names = [getattr(n.target, "__name__", "") for n in region]
-        if "_saved_tensors_hooks_enable" in names and "_saved_tensors_hooks_disable" not in names:
+        names = [name for n in region if (name := getattr(n.target, "__name__", "")) in hook_calls]
+        if names and names[-1] == "_saved_tensors_hooks_enable":
             first = index[region[0]]
-            disable = max((j for j in range(first) if getattr(nodes[j].target, "__name__", "")
+            floor = index[regions[k - 1][-1]] + 1 if k else 0
+            disable = max((j for j in range(floor, first) if getattr(nodes[j].target, "__name__", "")
                            == "_saved_tensors_hooks_disable"), default=None)
             if disable is not None:
                 regions[k] = nodes[disable:index[region[-1]] + 1]

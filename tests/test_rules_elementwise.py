@@ -3975,11 +3975,15 @@ class SecondDerivativeOfTheBatch(nn.Module):
 def test_a_second_derivative_of_the_whole_batch_is_exact_at_a_second_batch_size():
     """With a symbolic ``B`` (the second size) the slice's derivative is traced as a
     ``slice_backward`` over the whole batch dim, the identity (it was refused, "it writes
-    into part of the batch dim", where the first size had run)."""
+    into part of the batch dim", where the first size had run). The nested levels leave
+    saved-tensor hooks as they found them."""
     torch.manual_seed(0)
     model = SecondDerivativeOfTheBatch().double()
     dp = _against_the_loop(model, torch.rand(B, 2, dtype=torch.float64))
     _against_the_loop(model, torch.rand(B + 2, 2, dtype=torch.float64), dp=dp)
+    # the nested levels' disabling of saved-tensor hooks ends with the outer one (it
+    # stayed in effect, and activation checkpointing failed everywhere after)
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()
 
 
 class GradOfTheBatchSum(nn.Module):
