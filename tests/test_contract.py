@@ -2357,7 +2357,7 @@ def test_a_gradient_hook_on_a_parameter_reads_the_clipped_gradient_and_may_not_c
 def test_a_forward_hook_registered_after_the_first_call_takes_effect():
     """Dynamo's default skips guards on module hooks, so plain ``torch.compile`` keeps
     running the graph it captured without a hook registered later; the transform
-    guards on them: the hook (here one that zeroes a layer's output) runs from the next
+    guards on them: the hook (here one that halves a layer's output) runs from the next
     call, in the gradients too, and its removal is seen as well."""
     model = mlp()
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
