@@ -3044,7 +3044,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     stored[out] = sorted({param_names[p] for p in sources[out]})
                 elif out in sources:
                     consumed.append((node, None, out))
-                if _any_rows(batch.get(out)) and not carries_no_gradient(out, without_grad):
+                value = _meta(out)
+                if _any_rows(batch.get(out)) and not carries_no_gradient(out, without_grad) and not (
+                        isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())):
                     problems.append(Problem(op_name(out.target), module_path_of(out), "", _ROWS_OUTPUT,
                                             source_of(out)))
                     mixing.append(out)  # what a later graph reads (see fxdp.compiler.mixed_outputs)

@@ -147,6 +147,8 @@ def test_rows_returned_in_an_order_of_the_whole_batch_are_refused(where):
         model = nn.Sequential(nn.Linear(D, D), nn.Tanh()).double()
         sorting = _Applied(model, lambda h: h[h[:, 0].argsort()])
         assert "returns rows in an order the whole batch's data decides" in _reasons(sorting, x)
+        # the order itself, an integer tensor, carries no gradient: reported as a statistic is
+        assert _reasons(_Applied(model, lambda h: (h, h[:, 0].argsort())), x) == ""
         return
     torch._dynamo.reset()
     model = _SortsBeforeABreak().double()
