@@ -1340,23 +1340,23 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
             "fxdp cannot trace packed sequences (torch.nn.utils.rnn.pack_padded_sequence). Pad "
             "the batch instead, run the RNN on the padded tensor and read each sample's last "
             "real step with a mask, e.g. (out * mask[..., None]).sum(1)")
+    def one_graph(why: str) -> UnsupportedError:
+        return UnsupportedError("fxdp needs the model's forward as one graph (it compiles with "
+                                f"fullgraph=True), and {why} Dynamo's reason: {error}")
+
     if isinstance(error, torch._dynamo.exc.Unsupported) and "enter a `lock` context manager" in str(error):
-        return UnsupportedError(
-            "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "
+        return one_graph(
             "Dynamo cannot capture a `with` of a threading lock in it. transformers 5 takes one "
             "on a model's first call that asks for hidden states or attentions (its own heads "
             "may ask), to install its output-capturing hooks: call the model once before the "
-            "transformed model's first call, e.g. under torch.no_grad() on one sample. "
-            f"Dynamo's reason: {error}")
+            "transformed model's first call, e.g. under torch.no_grad() on one sample.")
     if isinstance(error, torch._dynamo.exc.Unsupported) and "torch.autograd.grad" in str(error):
-        return UnsupportedError(
-            "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "
+        return one_graph(
             "Dynamo does not capture torch.autograd.grad there (its hint, trace_autograd_ops=True, "
             "leads to gradients the compiled code takes itself, which fxdp cannot make per-sample). "
             "Write the derivative with torch.func, which fxdp follows exactly: each sample's input "
             "gradient as torch.func.vmap(torch.func.grad(lambda xi: u(xi).sum()))(x), or the whole "
-            "batch's as torch.func.vjp(u, x) (a physics-informed residual, forces as -dE/dx). "
-            f"Dynamo's reason: {error}")
+            "batch's as torch.func.vjp(u, x) (a physics-informed residual, forces as -dE/dx).")
     hooked = _modules_with_backward_hooks(model) if isinstance(
         error, torch._dynamo.exc.Unsupported) else []
     if hooked and ("backwards hooks" in str(error) or "grad_fn" in str(error)):
@@ -1371,10 +1371,9 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
             "p.grad_sample and the per-sample norms after "
             f"backward(). Dynamo's reason: {error}")
     if isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
-        return UnsupportedError(
-            "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "
+        return one_graph(
             "Dynamo cannot capture it there; change that code or move it out of the forward "
-            f"(a step done once, before the transform). Dynamo's reason: {error}")
+            "(a step done once, before the transform).")
     if isinstance(error, torch._dynamo.exc.InternalTorchDynamoError):
         return UnsupportedError(
             "fxdp needs the model's forward as one graph, and Dynamo failed while capturing it (plain "
@@ -1382,12 +1381,10 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
             "model's own objects raises (a tuple subclass whose __len__ raises, read by Dynamo's guards); "
             f"pass plain values there. Dynamo's error: {error}")
     if isinstance(error, GuardOnDataDependentSymNode):
-        return UnsupportedError(
-            "fxdp needs the model's forward as one graph (it compiles with fullgraph=True), and "
+        return one_graph(
             "Dynamo cannot capture it there: a Python value is read from a tensor's contents "
             "(int(t), t.item(), a size computed from values) and then decides a branch or a shape. "
-            "Compute it from Python values or sizes instead, or once before the transform. "
-            f"Dynamo's reason: {error}")
+            "Compute it from Python values or sizes instead, or once before the transform.")
     if isinstance(error, torch._dynamo.exc.TorchRuntimeError):
         return UnsupportedError(
             "fxdp needs the model's forward as one graph, and an op failed while Dynamo captured it "

@@ -39,6 +39,7 @@ from fxdp.errors import UnsupportedError
 from fxdp.markers import USES, UseInfo
 from fxdp.opaque import holding, run_opaque, symbolic_batch
 from fxdp.options import Options
+from fxdp.passes.batch_dims import reached
 from fxdp.passes.writes import writes_in_place
 from fxdp.registry import GRAD, ghost_inner
 
@@ -313,16 +314,11 @@ def stored_gradients(bw_gm: fx.GraphModule, params: dict[int, str]) -> dict[fx.N
     grads = {grad: name for _, name, grad in _parameter_gradients(bw_gm, params)}
     found: dict[fx.Node, list[str]] = {}
     for tangent in (n for n in bw_gm.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")):
-        stack, seen = [tangent], set()
-        while stack:
-            node = stack.pop()
-            if node not in seen:
-                seen.add(node)
-                stack.extend(node.users)
+        seen = reached([tangent], lambda n: n.users)
         if not any(n.op == "call_function" and n.target is MARKER for n in seen):
-            reached = sorted(grads[n] for n in seen if n in grads)
-            if reached:
-                found[tangent] = reached
+            names = sorted(grads[n] for n in seen if n in grads)
+            if names:
+                found[tangent] = names
     return found
 
 
