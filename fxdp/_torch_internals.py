@@ -40,6 +40,7 @@ __all__ = [
     "inline_checkpoints",
     "erase_unused",
     "current_graph_task_id",
+    "when_backward_ends",
     "refuse_silent_eager_fallback",
     "eager_fallback_at_recompile_limit",
     "size_hint",
@@ -1423,6 +1424,15 @@ def in_double_backward() -> bool:
 
 def current_graph_task_id() -> int:
     return int(torch._C._current_graph_task_id())
+
+
+def when_backward_ends(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the running ``backward()`` has accumulated every gradient (the
+    engine's final callbacks; an exception it raises leaves ``backward()``). Only from
+    inside a backward. Dynamo does not trace ``fn`` (a backward in a compiled train step
+    runs it from the step's frame)."""
+    torch.autograd.Variable._execution_engine.queue_callback(
+        torch._dynamo.disable(fn, reason="fxdp's check after the backward is not user code"))
 
 
 def recompile_limit_message(what: str, limit: str = "recompile_limit", reason: str | None = None) -> str:

@@ -30,8 +30,8 @@ from fxdp.passes.batch_dims import (
 from fxdp.passes.canonicalize import canonicalize_pass
 from fxdp.passes.masked_rows import rows_in_place_pass
 from fxdp.passes.chunk_loops import chunk_loops_as_whole_pass
-from fxdp.passes.rewrite_backward import (BackwardPlan, backward_rewrite_pass, constant_gradients, stored_gradients,
-                                          unmarked_gradients)
+from fxdp.passes.rewrite_backward import (BackwardPlan, backward_rewrite_pass, constant_gradients, gradient_outputs,
+                                          stored_gradients, unmarked_gradients)
 from fxdp.passes.tag import tag_pass
 from fxdp.passes.writes import written_chain
 
@@ -801,6 +801,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                 "made per-sample (it reaches the parameter through no rule), so it would leave "
                 "unclipped; please report the model. fxdp.validate lists what it found.")
         handover.positions = [i - lifted for i in constant_gradients(bw_gm, at_output)]
+        # With clipping, each clipped gradient handed to a parameter must be all its p.grad gets
+        delivered = gradient_outputs(bw_gm, at_output) if options.max_grad_norm is not None else {}
         decomps = internals.inductor_decompositions() if inductor else None
         with no_autocast(devices):
             new_gm, plan = backward_rewrite_pass(bw_gm, options, decompositions=decomps,
@@ -811,7 +813,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             compiled = inner(new_gm, bw_inputs)
         placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
         zero = {placeholders.index(t): names for t, names in checked.items()}
-        runner = _backward_runner(compiled, plan, options, devices, handover, model, zero)
+        runner = _backward_runner(compiled, plan, options, devices, handover, model, zero, delivered)
         runner.clip_norm = clip_norm  # type: ignore[attr-defined]  # what it reads C from lives as long
         return runner
 
@@ -1069,25 +1071,85 @@ def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices:
 
 
 class StepRecord:
-    """The per-sample results of one backward, shared by the parameters it covered."""
+    """The per-sample results of one backward, shared by the parameters it covered.
+
+    ``handed``: the clipped gradients this backward handed to parameters, checked when it
+    ends (``_HandedGradient``)."""
 
     def __init__(self, step: int, task: int, norms: torch.Tensor, clip_factors: torch.Tensor | None):
         self.step = step
         self.task = task
         self.norms = norms
         self.clip_factors = clip_factors
+        self.handed: list[_HandedGradient] = []
+
+    def check_when_backward_ends(self, handed: list[_HandedGradient]) -> None:
+        if handed and not self.handed:
+            internals.when_backward_ends(self._check_handed)
+        self.handed.extend(handed)
+
+    def _check_handed(self) -> None:
+        handed, self.handed = self.handed, []
+        changed = [h.name for h in handed if not h.is_all_of_the_gradient()]
+        if changed:
+            raise UnsupportedError(
+                f"p.grad of {', '.join(map(repr, changed))} is not the clipped gradient fxdp's backward "
+                "computed: something outside the model's forward added to it in this backward(). Most "
+                "often the loss uses the parameter directly (a penalty such as lam * w.pow(2).sum(), a "
+                "tied head applied to the output in the loss). That part of the gradient is no sample's, "
+                "so it was neither clipped nor counted in the norms, and a use that involves the batch "
+                "would leave its data unbounded in p.grad. Put a penalty on the weights in the optimizer "
+                "(weight_decay) and any use that involves the batch inside the forward (a wrapper "
+                "module). A hook that changes p.grad after it is accumulated "
+                "(register_post_accumulate_grad_hook) has the same effect. p.grad now holds the sum: "
+                "zero it.")
+
+
+class _HandedGradient:
+    """A clipped gradient fxdp's backward handed a parameter whose ``.grad`` was None.
+
+    Autograd sums every contribution to a parameter before it accumulates (one
+    ``AccumulateGrad`` per backward), and a ``.grad`` that is None then becomes the sum
+    itself (without a copy where its layout allows). So when the backward ends, that
+    ``.grad`` is the handed tensor unchanged (same memory, same version), an equal copy,
+    or a sum with something fxdp never saw. Holding the storage keeps autograd from
+    summing into it in place and its memory from being reused meanwhile.
+    """
+
+    __slots__ = ("param", "name", "storage", "geometry", "version", "dtype")
+
+    def __init__(self, param: torch.Tensor, name: str, grad: torch.Tensor):
+        self.param, self.name = param, name
+        self.storage = grad.untyped_storage()
+        self.geometry = (grad.storage_offset(), grad.shape, grad.stride())
+        self.version = grad._version
+        self.dtype = grad.dtype
+
+    def is_all_of_the_gradient(self) -> bool:
+        grad = self.param.grad
+        if grad is None:  # torch.autograd.grad, or backward(inputs=...) without it
+            return True
+        if (grad.untyped_storage().data_ptr() == self.storage.data_ptr()
+                and (grad.storage_offset(), grad.shape, grad.stride()) == self.geometry):
+            return grad._version == self.version
+        handed = torch.empty(0, dtype=self.dtype, device=grad.device).set_(self.storage, *self.geometry)
+        return _same_values(grad, handed)
 
 
 def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
                      autocast_devices: list[str], handover: _Handover,
                      model: torch.nn.Module | None = None,
-                     zero: dict[int, list[str]] | None = None) -> Callable:
+                     zero: dict[int, list[str]] | None = None,
+                     delivered: dict[int, int] | None = None) -> Callable:
     """The compiled backward, run as fxdp's step: the checks before it, and the per-sample
     results it hands the parameters after it. ``zero``: the argument positions of output
     gradients that must be zero (values of parameters alone the forward stored, see
-    ``stored_gradients``), and the parameters each reaches."""
+    ``stored_gradients``), and the parameters each reaches. ``delivered``: the argument
+    position of each parameter → the output position of its clipped gradient, which must
+    be all its ``.grad`` receives (checked when the backward ends)."""
     n = plan.num_grads
     param_positions = [p.placeholder_index for p in plan.params]
+    plan_names = {p.placeholder_index: p.name for p in plan.params}
     constant_positions = list(handover.positions)
 
     def run(args: list):
@@ -1127,6 +1189,8 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
         for p in grad_sample_params:
             # replaced by this backward: free the old one before the new one is built
             p.grad_sample = None
+        # (the boxed call frees ``args``)
+        handing = [(args[i], plan_names[i], o) for i, o in (delivered or {}).items() if args[i].grad is None]
         with no_autocast(autocast_devices):
             outs = compiled(args)
         extras = list(outs[n:])
@@ -1141,6 +1205,10 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
         _LATEST.record = step
         for p in params:
             p._fxdp_step = step
+        if task != -1:
+            step.check_when_backward_ends([
+                _HandedGradient(p, name, outs[o]) for p, name, o in handing
+                if isinstance(outs[o], torch.Tensor) and outs[o].layout == torch.strided and not is_fake(outs[o])])
         for p, gs in zip(grad_sample_params, extras):
             p.grad_sample = gs
         for p in (handover.params[i] for i in constant_positions if i in handover.params):

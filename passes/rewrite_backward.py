@@ -43,7 +43,7 @@ from fxdp.passes.batch_dims import reached
 from fxdp.passes.writes import writes_in_place
 from fxdp.registry import GRAD, ghost_inner
 
-__all__ = ["BackwardPlan", "backward_rewrite_pass", "unmarked_gradients", "constant_gradients", "MARKER",
+__all__ = ["BackwardPlan", "backward_rewrite_pass", "unmarked_gradients", "gradient_outputs", "constant_gradients", "MARKER",
            "STABILITY_EPS"]
 
 MARKER = torch.ops.fxdp.param_grad.default
@@ -113,11 +113,11 @@ def _run(node: fx.Node, env: dict, gm: fx.GraphModule) -> Any:
     raise NotImplementedError(f"fxdp cannot re-trace backward node {node.format_node()}")
 
 
-def param_names_of(p: fx.Node, markers: list[fx.Node], sources_of) -> str:
+def param_names_of(p: fx.Node, markers: list[fx.Node]) -> str:
     """The name of parameter placeholder ``p`` as its uses recorded it."""
     for m in markers:
         use = USES[m.args[2]]
-        srcs = sources_of(m)
+        srcs = marker_sources(m)
         if p in srcs and len(use.source_names) == len(srcs):
             return use.source_names[srcs.index(p)]
     return USES[markers[0].args[2]].param
@@ -351,6 +351,30 @@ def _parameter_gradients(bw_gm: fx.GraphModule, params: dict[int, str]):
             yield index, name, grad
 
 
+def marker_sources(m: fx.Node) -> list[fx.Node]:
+    """The parameter placeholders whose gradient marker ``m`` carries (the sources of its
+    use's transform, or its one parameter)."""
+    use = USES[m.args[2]]
+    if use.transform is None:
+        return [m.args[1]]
+    k = use.num_rule_operands
+    return list(m.args[0][k: k + use.transform.num_sources])
+
+
+def gradient_outputs(bw_gm: fx.GraphModule, params: dict[int, str]) -> dict[int, int]:
+    """Where each parameter's gradient leaves the backward: its placeholder's index (the
+    parameter, saved for the backward) → the output index of its gradient, for the
+    parameters whose gradient comes from the markers of that parameter alone."""
+    placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
+    found: dict[int, int] = {}
+    for index, _, grad in _parameter_gradients(bw_gm, params):
+        sources = {p for n in _upstream(grad) if n.op == "call_function" and n.target is MARKER
+                   for p in marker_sources(n)}
+        if len(sources) == 1:
+            found[placeholders.index(sources.pop())] = index
+    return found
+
+
 def _upstream(grad: fx.Node):
     """The nodes ``grad`` is computed from, itself included; a marker is one of them,
     but what it reads is not (the rewrite replaces it)."""
@@ -385,17 +409,11 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
     output_node = nodes[-1]
     markers = [n for n in nodes if n.op == "call_function" and n.target is MARKER]
     deferred = _descendants(bw_gm, markers)
-    def sources_of(m: fx.Node) -> list[fx.Node]:
-        use = USES[m.args[2]]
-        if use.transform is None:
-            return [m.args[1]]
-        k = use.num_rule_operands
-        return list(m.args[0][k: k + use.transform.num_sources])
 
     keep = options.grad_sample
     by_param: dict[fx.Node, list[fx.Node]] = collections.OrderedDict()
     for m in markers:
-        for p in sources_of(m):
+        for p in marker_sources(m):
             by_param.setdefault(p, []).append(m)
 
     def is_simple(p: fx.Node) -> bool:
@@ -522,10 +540,12 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                 info = {"rule": ", ".join(sorted({u.rule.name for u in uses})), "param": first.param,
                         "strategy": strategy, "module": first.module_path}
                 with annotate({"fxdp": info}):
+                    # A Gram-matrix sum cancels: where the norm is tiny against its terms it
+                    # can come out a rounding error below zero, whose root would be NaN.
                     if groups is not None:
-                        sq = _tied_sq_norm(groups)
+                        sq = _tied_sq_norm(groups).clamp_min(0)
                     elif strategy == "ghost":
-                        sq = first.rule.ghost_sq_norm(*_for_norms(merged), **first.config)
+                        sq = first.rule.ghost_sq_norm(*_for_norms(merged), **first.config).clamp_min(0)
                     else:
                         psg = None
                         for use, o in zip(uses, ops):
@@ -540,7 +560,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                             strategy = "instantiate + keep"
             else:
                 strategy, costs = "instantiate (per-sample VJP)", {}
-                info = {"rule": ", ".join(sorted({u.rule.name for u in uses})), "param": param_names_of(p, ms, sources_of),
+                info = {"rule": ", ".join(sorted({u.rule.name for u in uses})), "param": param_names_of(p, ms),
                         "strategy": strategy, "module": first.module_path}
                 with annotate({"fxdp": info}):
                     psg = None
@@ -556,7 +576,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                         grad_samples[p] = psg
             sq_norms.append(sq)
             plan_of[p] = ParamPlan(
-                name=param_names_of(p, ms, sources_of), rule=", ".join(sorted({u.rule.name for u in uses})),
+                name=param_names_of(p, ms), rule=", ".join(sorted({u.rule.name for u in uses})),
                 uses=len(ms), strategy=strategy,
                 costs={k: float(v) for k, v in costs.items()},
                 placeholder_index=placeholders.index(p),

@@ -2354,6 +2354,91 @@ def test_a_gradient_hook_on_a_parameter_reads_the_clipped_gradient_and_may_not_c
     handle.remove()
 
 
+def _transposed_first_weight(model: nn.Module) -> nn.Module:
+    """The first layer's weight stored transposed: autograd copies a gradient laid out
+    unlike it into ``.grad`` instead of taking it as it is."""
+    model[0].weight = nn.Parameter(model[0].weight.detach().t().contiguous().t())
+    return model
+
+
+@pytest.mark.parametrize("wrapped", ["transform", "backend"])
+@pytest.mark.parametrize("use", ["penalty", "tied head", "transposed weight"])
+def test_a_loss_that_uses_a_parameter_outside_the_forward_raises_under_clipping(wrapped, use):
+    """With clipping, ``p.grad`` is the clipped sum and nothing else: a loss that also uses
+    a parameter directly (a penalty ``λ‖W‖²``, a head applied to the output in the loss)
+    adds a gradient that is no sample's, neither clipped nor in the norms. It raises when
+    the backward ends, naming the parameters, also where autograd copies the handed
+    gradient (a weight stored transposed). A term whose gradient is zero changes nothing
+    and passes, and the same model trains exactly without the extra term."""
+    model = mlp()
+    if use == "transposed weight":
+        model = _transposed_first_weight(model)
+    call = (fxdp.transform(model, max_grad_norm=1.0, compiler="eager") if wrapped == "transform"
+            else torch.compile(model, backend=fxdp.backend(max_grad_norm=1.0, compiler="eager")))
+    extra = {"penalty": lambda out: 1e-3 * model[2].weight.pow(2).sum(),
+             "tied head": lambda out: (out @ model[2].weight).pow(2).sum(1).mean(),
+             "transposed weight": lambda out: 1e-3 * model[0].weight.pow(2).sum()}[use]
+    culprit = "'0.weight'" if use == "transposed weight" else "'2.weight'"
+    x = randn(6, 4)
+    out = call(x)
+    with refused(f"p.grad of {culprit} is not the clipped gradient fxdp's backward computed.*"
+                 "optimizer \(weight_decay\)"):
+        (mean_sq_loss(out) + extra(out)).backward()
+    for term in (lambda out: 0.0 * model[2].weight.sum(), lambda out: 0.0):
+        model.zero_grad()
+        expected = reference(model, (x,), per_sample_sq_loss).grad("mean", 1.0)
+        out = call(x)
+        (mean_sq_loss(out) + term(out)).backward()
+        assert_close_all(grads(model), expected, TOL, "clipped")
+
+
+def test_what_the_check_of_the_handed_gradients_leaves_alone():
+    """Without clipping ``p.grad`` is the ordinary gradient, a penalty's part included.
+    ``torch.autograd.grad`` writes no ``.grad``; a later backward that accumulates into
+    an existing ``.grad`` adds the clipped sum; an optimizer run from a
+    post-accumulate hook (``p.grad = None`` after its step) trains on the clipped
+    gradient; a post-accumulate hook that changes ``p.grad`` raises."""
+    x = randn(6, 4)
+    model = mlp()
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    plain = copy.deepcopy(model)
+    (mean_sq_loss(plain(x)) + plain[2].weight.pow(2).sum()).backward()
+    (mean_sq_loss(dp(x)) + model[2].weight.pow(2).sum()).backward()
+    assert_close_all(grads(model), grads(plain), TOL, "ordinary gradient")
+
+    model = _transposed_first_weight(mlp())
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    expected = reference(model, (x,), per_sample_sq_loss).grad("mean", 1.0)
+    got = torch.autograd.grad(mean_sq_loss(dp(x)), list(model.parameters()))
+    assert_close_all(dict(zip(grads(model), got)), expected, TOL, "autograd.grad")
+    assert all(p.grad is None for p in model.parameters())
+    for _ in range(2):
+        mean_sq_loss(dp(x)).backward()
+    assert_close_all(grads(model), {n: 2 * g for n, g in expected.items()}, TOL, "accumulated")
+
+    model.zero_grad()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizers = {p: torch.optim.SGD([p], lr=0.5) for p in model.parameters()}
+
+    def step(p):
+        optimizers[p].step()
+        p.grad = None
+
+    handles = [p.register_post_accumulate_grad_hook(step) for p in model.parameters()]
+    mean_sq_loss(dp(x)).backward()
+    assert_close_all({n: before[n] - p.detach() for n, p in model.named_parameters()},
+                     {n: 0.5 * g for n, g in expected.items()}, TOL, "optimizer in backward")
+    for handle in handles:
+        handle.remove()
+    def halve(p):
+        p.grad.mul_(0.5)
+
+    handle = model[2].bias.register_post_accumulate_grad_hook(halve)
+    with refused("p.grad of '2.bias' is not the clipped gradient.*register_post_accumulate_grad_hook"):
+        mean_sq_loss(dp(x)).backward()
+    handle.remove()
+
+
 def test_a_forward_hook_registered_after_the_first_call_takes_effect():
     """Dynamo's default skips guards on module hooks, so plain ``torch.compile`` keeps
     running the graph it captured without a hook registered later; the transform

@@ -480,3 +480,38 @@ def test_dynamic_sizes_through_the_split_gram():
         assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean", 0.5), 1e-10,
                          f"{batch}x{steps}: clipped grad")
     assert len(dp.explain().graphs) == 2  # the first static graph, then one dynamic
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_gram_norm_that_cancels_to_below_zero_is_not_nan(dtype):
+    """Inputs normalised to a zero mean over time, then mean-pooled: each sample's
+    gradient is nearly zero, and the Gram sum ``Σ_ts (a_t·a_s)(g_t·g_s)`` cancels to a
+    rounding error that can fall below zero. Its root was NaN, and one NaN norm made
+    every clip factor and ``p.grad`` NaN. The norms stay within rounding of the loop's
+    (the root of a rounding error of the Gram terms) and ``p.grad`` finite."""
+    torch.manual_seed(0)
+
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.head = nn.Linear(32, 32, bias=False), nn.Linear(32, 4, bias=False)
+
+        def forward(self, x):
+            return self.head(self.proj(x).mean(1))
+
+    model = Pooled().to(dtype)
+    x = torch.randn(8, 16, 32, dtype=dtype)
+    x = x - x.mean(1, keepdim=True)
+    y = torch.randint(0, 4, (8,))
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    F.cross_entropy(dp(x), y).backward()
+    assert {p.strategy for p in dp.explain().plans} == {"ghost"}
+    ref = reference(model.double(), (x.double(),), lambda out, i: F.cross_entropy(out, y[i:i + 1]))
+    # The root of a rounding error: about the root of the dtype's eps, times the terms' scale (~1)
+    atol = 1e-3 if dtype == torch.float32 else 1e-7
+    torch.testing.assert_close(dp.per_sample_norms.double(), ref.norms, rtol=0, atol=atol)
+    # Every factor is 1: the clipped gradient is the batch's, itself a rounding error of the terms
+    for name, grad in ref.grad("mean", 1.0).items():
+        got = dict(model.named_parameters())[name].grad
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), grad, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-14)

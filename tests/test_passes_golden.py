@@ -134,7 +134,8 @@ def forward(self, arg0_1, arg1_1, arg2_1):
     pow_2 = torch.ops.aten.pow.Tensor_Scalar(view_1, 2);  view_1 = None
     sum_2 = torch.ops.aten.sum.dim_IntList(pow_2, [1, 2]);  pow_2 = None
     mul = torch.ops.aten.mul.Tensor(sum_1, sum_2);  sum_1 = sum_2 = None
-    stack = torch.ops.aten.stack.default([mul]);  mul = None
+    clamp_min = torch.ops.aten.clamp_min.default(mul, 0);  mul = None
+    stack = torch.ops.aten.stack.default([clamp_min]);  clamp_min = None
     sum_3 = torch.ops.aten.sum.dim_IntList(stack, [0]);  stack = None
     sqrt = torch.ops.aten.sqrt.default(sum_3);  sum_3 = None
     mul_1 = torch.ops.aten.mul.Tensor(sqrt, 5);  sqrt = None
