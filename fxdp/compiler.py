@@ -1116,7 +1116,7 @@ class _HandedGradient:
     summing into it in place and its memory from being reused meanwhile.
     """
 
-    __slots__ = ("param", "name", "storage", "geometry", "version", "dtype")
+    __slots__ = ("dtype", "geometry", "name", "param", "storage", "version")
 
     def __init__(self, param: torch.Tensor, name: str, grad: torch.Tensor):
         self.param, self.name = param, name

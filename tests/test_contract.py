@@ -2382,7 +2382,7 @@ def test_a_loss_that_uses_a_parameter_outside_the_forward_raises_under_clipping(
     x = randn(6, 4)
     out = call(x)
     with refused(f"p.grad of {culprit} is not the clipped gradient fxdp's backward computed.*"
-                 "optimizer \(weight_decay\)"):
+                 "optimizer \\(weight_decay\\)"):
         (mean_sq_loss(out) + extra(out)).backward()
     for term in (lambda out: 0.0 * model[2].weight.sum(), lambda out: 0.0):
         model.zero_grad()
