@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import weakref
 
 import torch
@@ -31,7 +32,7 @@ def check_max_grad_norm(c: object) -> float:
     an adaptive clipping rule computes it)."""
     if isinstance(c, torch.Tensor) and c.numel() == 1 and not (c.is_complex() or c.dtype == torch.bool):
         c = c.item()
-    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+    if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c <= 0:
         raise ValueError(f"max_grad_norm must be a finite number > 0, got {c!r}")
     return float(c)
 

@@ -279,6 +279,11 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
         if dim is None:
             placeholder_batch[node] = None
             continue
+        if dim < 0:  # counted from the end, as vmap's in_dims
+            if dim + fake.dim() < 0:
+                raise ValueError(f"in_dims gives {source_name(node)} (shape {tuple(fake.shape)}) batch dim "
+                                 f"{dim}, which it does not have")
+            dim += fake.dim()
         if batch_size is None:
             if fake.dim() <= dim and position is None and not explicit:
                 # A keyword argument without the dim (Hugging Face's 0-d

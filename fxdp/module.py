@@ -277,7 +277,37 @@ def transform(model: nn.Module, max_grad_norm: float | None = None, grad_sample:
     opts = Options.from_kwargs(dict(
         max_grad_norm=max_grad_norm, grad_sample=grad_sample, loss_reduction=loss_reduction,
         batch_first=batch_first, strict=strict, compiler=compiler, **options))
+    _check_in_dims(model, opts.in_dims)
     return DPModule(model, opts)
+
+
+def _check_in_dims(model: nn.Module, in_dims: tuple | frozenset | None) -> None:
+    """Raise where ``in_dims`` names an argument the model's forward does not have: more
+    entries than its positional parameters, a position past them, or a name that is none
+    of its parameters (a typo, which would leave the size rule to decide silently)."""
+    signature = _signature(model)
+    if in_dims is None or signature is None:
+        return
+    kinds = [p.kind for p in signature.parameters.values()]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        positional = None
+    else:
+        positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                         for k in kinds)
+    takes_any_name = inspect.Parameter.VAR_KEYWORD in kinds
+    names = {n for n, p in signature.parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+    where = f"{type(model).__name__}.forward{signature}"
+    if isinstance(in_dims, tuple):
+        if positional is not None and len(in_dims) > positional:
+            raise ValueError(f"in_dims has {len(in_dims)} entries, but {where} takes {positional} "
+                             "positional argument(s)")
+        return
+    for key, _ in in_dims:
+        if isinstance(key, int) and positional is not None and key >= positional:
+            raise ValueError(f"in_dims names position {key}, but {where} takes {positional} positional "
+                             "argument(s)")
+        if isinstance(key, str) and not takes_any_name and key not in names:
+            raise ValueError(f"in_dims names {key!r}, which is no parameter of {where}")
 
 
 def per_sample_norms(model: nn.Module) -> torch.Tensor | None:

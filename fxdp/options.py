@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,6 +75,12 @@ class Options:
             for d in dims:
                 if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
                     raise TypeError(f"in_dims entries must be int or None, got {d!r}")
+        budget = self.memory_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)
+                                   or budget < 0):
+            raise ValueError(f"memory_budget_bytes must be an int >= 0 or None, got {budget!r}")
+        if budget is not None:
+            object.__setattr__(self, "memory_budget_bytes", int(budget))
 
     def batch_dim_of(self, position: int | None, name: str | None) -> tuple[int | None, bool]:
         """The batch dim of a forward argument and whether ``in_dims`` chose it.

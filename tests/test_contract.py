@@ -1975,10 +1975,49 @@ def test_forward_graph_is_the_non_private_one():
     (dict(in_dims={1.5: 0}), TypeError),
     (dict(clip_norm=1.0), TypeError),
     (dict(noise_multiplier=1.0), TypeError),
+    (dict(memory_budget_bytes=-1), ValueError),
+    (dict(memory_budget_bytes=1.5), ValueError),
+    (dict(memory_budget_bytes=math.nan), ValueError),
+    (dict(memory_budget_bytes="big"), ValueError),
+    (dict(memory_budget_bytes=True), ValueError),
+    (dict(in_dims=(0, None)), ValueError),  # nn.Sequential.forward(input): one argument
+    (dict(in_dims={"mask": None}), ValueError),  # no such parameter
+    (dict(in_dims={1: None}), ValueError),  # no such position
 ])
 def test_bad_options_raise_at_transform(options, error):
     with pytest.raises(error):
         fxdp.transform(mlp(), **options)
+
+
+def test_option_values_of_other_numeric_types_are_taken():
+    """NumPy scalars and 0-d tensors are numbers too: ``max_grad_norm`` takes them as
+    floats, ``memory_budget_bytes`` integer ones as ints."""
+    for c in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5), 1):
+        assert fxdp.transform(mlp(), max_grad_norm=c, compiler="eager").max_grad_norm == float(c)
+    options = fxdp.transform(mlp(), memory_budget_bytes=np.int64(2**20), compiler="eager").options
+    assert options.memory_budget_bytes == 2**20 and type(options.memory_budget_bytes) is int
+
+
+def test_a_negative_in_dims_entry_counts_from_the_end():
+    """As ``vmap``'s: ``in_dims=(-1,)`` on ``[d, B]`` is ``in_dims=(1,)``, exact; a dim
+    the input does not have raises."""
+    model = mlp()
+
+    class SamplesLast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return self.inner(x.t())
+
+    wrapper = SamplesLast()
+    x = randn(4, 6)  # [d, B]
+    ref = reference(wrapper, [x], per_sample_sq_loss, batch_dim=1)
+    dp = _sum_sq_step(wrapper, x, options=dict(in_dims=(-1,)))
+    _check_sum_sq(wrapper, dp, ref)
+    with pytest.raises(ValueError, match="batch dim -3, which it does not have"):
+        fxdp.transform(wrapper, in_dims=(-3,), compiler="eager")(x)
 
 
 # ---------------------------------------------------------------------------
