@@ -42,7 +42,6 @@ class DPModule(nn.Module):
         # step's recompile limit.
         object.__setattr__(self, "_compiled", torch.compile(_calling(model), backend=backend, fullgraph=True))
         object.__setattr__(self, "_compiled_without_grad", torch.compile(_calling(model), backend=backend))
-        self.training = model.training
         # ``inspect.signature(dp.forward)`` is the model's: tools that pick the arguments to
         # pass by it (the Hugging Face Trainer drops the columns the forward does not name)
         # see the model.
@@ -187,8 +186,19 @@ class DPModule(nn.Module):
 
     def train(self, mode: bool = True) -> "DPModule":
         self._module.train(mode)
-        self.training = mode
         return self
+
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        """The model's own flag: ``model.train()``/``eval()`` called on the model shows here."""
+        module = self.__dict__.get("_module")
+        return True if module is None else module.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        module = self.__dict__.get("_module")
+        if module is not None:  # (nn.Module.__init__ sets it before there is a model)
+            module.training = mode
 
     def _apply(self, fn, recurse=True):
         self._module._apply(fn, recurse)

@@ -1536,6 +1536,10 @@ def test_train_and_eval_pass_through():
     mean_sq_loss(train1).backward()
     assert dp.per_sample_norms.shape == (8,) and torch.isfinite(dp.per_sample_norms).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    model.eval()  # on the model itself: dp.training is the model's flag (training loops read it)
+    assert not dp.training
+    model.train()
+    assert dp.training
 
 
 def test_dropout_in_training_is_per_sample():
