@@ -506,7 +506,11 @@ def backward_rule(node: fx.Node, index: int) -> tuple[ParamRule, list, list]:
             saved = [v.shape[0] if k in sizes else v for k, v in enumerate(values[num_grads:])]
             g = _run(bwd, *grads, *saved)[position]
             # A backward that returns no gradient for it: zero.
-            return g if g is not None else ts[0].new_zeros(param.shape)
+            if g is None:
+                return ts[0].new_zeros(param.shape)
+            # One broadcast over the sample's positions (g * x for a weight of shape [d]):
+            # autograd sums a gradient to its input's shape, and so does each sample's here.
+            return g if g.shape == param.shape else g.sum_to_size(param.shape)
 
         with vmap_safe_solves():
             return torch.func.vmap(one, in_dims=in_dims)(*tensors)

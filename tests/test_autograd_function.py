@@ -88,6 +88,22 @@ class ScaleWithMask(torch.autograd.Function):
         return grad * scale * ctx.alpha, None, grad_scale
 
 
+class SquaredScale(torch.autograd.Function):
+    """``x * w²`` whose backward leaves the gradient of ``w`` (shape ``[d]``) unreduced,
+    shaped like ``x``: autograd sums it to ``w``'s shape, and each sample's must be summed
+    the same way."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w * w, grad * x * 2 * w
+
+
 class LinearFn(torch.autograd.Function):
     """A fused linear layer with weight and bias, as C++/Triton extensions write them."""
 
@@ -311,6 +327,7 @@ CASES = [
     Case("quantised-weight", lambda m, h: torch.nn.functional.linear(h, RoundSTE.apply(m.weight), m.bias),
          {"weight": (D, D), "bias": (D,)}),
     Case("weight-through-saving-function", lambda m, h: h * Swish.apply(m.scale), {"scale": (D,)}),
+    Case("unreduced-parameter-gradient", lambda m, h: SquaredScale.apply(h, m.scale), {"scale": (D,)}),
     Case("softmax-backward-data", lambda m, h: MaskedSoftmax.apply(h, torch.arange(D) % 3 != 0) * h),
     Case("effectful-backward", lambda m, h: SolveFn.apply(h, m.weight + 2 * torch.eye(D, dtype=h.dtype)),
          {"weight": (D, D)}),
