@@ -363,15 +363,16 @@ def marker_sources(m: fx.Node) -> list[fx.Node]:
 
 def gradient_outputs(bw_gm: fx.GraphModule, params: dict[int, str]) -> dict[int, int]:
     """Where each parameter's gradient leaves the backward: its placeholder's index (the
-    parameter, saved for the backward) → the output index of its gradient, for the
-    parameters whose gradient comes from the markers of that parameter alone."""
+    parameter, saved for the backward) → the output index of its gradient. The markers
+    name their sources (``USES``), and ``params`` names the outputs."""
     placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
+    output_of = {name: index for index, name, _ in _parameter_gradients(bw_gm, params)}
     found: dict[int, int] = {}
-    for index, _, grad in _parameter_gradients(bw_gm, params):
-        sources = {p for n in _upstream(grad) if n.op == "call_function" and n.target is MARKER
-                   for p in marker_sources(n)}
-        if len(sources) == 1:
-            found[placeholders.index(sources.pop())] = index
+    for m in (n for n in bw_gm.graph.nodes if n.op == "call_function" and n.target is MARKER):
+        sources, names = marker_sources(m), USES[m.args[2]].source_names
+        if len(sources) == len(names):
+            found.update((placeholders.index(p), output_of[name]) for p, name in zip(sources, names)
+                         if name in output_of)
     return found
 
 

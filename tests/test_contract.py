@@ -2435,6 +2435,32 @@ def test_a_loss_that_uses_a_parameter_outside_the_forward_raises_under_clipping(
         assert_close_all(grads(model), expected, TOL, "clipped")
 
 
+class ConcatenatedWeights(nn.Module):
+    """One weight made of two parameters (``torch.cat``): a parameter transform."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.randn(2, 4)), nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        return x @ torch.cat([self.a, self.b]).t()
+
+
+@pytest.mark.parametrize("culprit", ["a", "b"])
+def test_a_loss_that_uses_one_part_of_a_transformed_weight_raises_under_clipping(culprit):
+    """The check follows each source of a parameter transform to its own gradient."""
+    torch.manual_seed(0)
+    model = ConcatenatedWeights().to(DTYPE)
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    x = randn(6, 4)
+    expected = reference(model, (x,), per_sample_sq_loss).grad("mean", 1.0)
+    mean_sq_loss(dp(x)).backward()
+    assert_close_all(grads(model), expected, TOL, "clipped")
+    model.zero_grad()
+    with refused(f"p.grad of '{culprit}' is not the clipped gradient"):
+        (mean_sq_loss(dp(x)) + getattr(model, culprit).sum()).backward()
+
+
 def test_what_the_check_of_the_handed_gradients_leaves_alone():
     """Without clipping ``p.grad`` is the ordinary gradient, a penalty's part included.
     ``torch.autograd.grad`` writes no ``.grad``; a later backward that accumulates into
