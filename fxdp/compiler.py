@@ -1131,12 +1131,23 @@ class _HandedGradient:
         self.dtype = grad.dtype
 
     def is_all_of_the_gradient(self) -> bool:
+        """Whether ``p.grad`` is what fxdp handed it, or was taken over after it was
+        accumulated in a way that can no longer be checked: None (``torch.autograd.grad``,
+        ``backward(inputs=...)`` without it, an optimizer step in a post-accumulate hook),
+        a view of another buffer (DDP's ``gradient_as_bucket_view``, which holds its
+        all-reduced average), or zeros (that hook's ``zero_grad(set_to_none=False)``).
+        Autograd's own results are never views."""
         grad = self.param.grad
-        if grad is None:  # torch.autograd.grad, or backward(inputs=...) without it
+        if grad is None:
             return True
-        if (grad.untyped_storage().data_ptr() == self.storage.data_ptr()
-                and (grad.storage_offset(), grad.shape, grad.stride()) == self.geometry):
-            return grad._version == self.version
+        same = (grad.untyped_storage().data_ptr() == self.storage.data_ptr()
+                and (grad.storage_offset(), grad.shape, grad.stride()) == self.geometry)
+        if same and grad._version == self.version:
+            return True
+        if not bool(grad.any()) or (not same and grad._is_view()):
+            return True
+        if same:  # written in place after it was accumulated
+            return False
         handed = torch.empty(0, dtype=self.dtype, device=grad.device).set_(self.storage, *self.geometry)
         return _same_values(grad, handed)
 

@@ -2465,8 +2465,8 @@ def test_what_the_check_of_the_handed_gradients_leaves_alone():
     """Without clipping ``p.grad`` is the ordinary gradient, a penalty's part included.
     ``torch.autograd.grad`` writes no ``.grad``; a later backward that accumulates into
     an existing ``.grad`` adds the clipped sum; an optimizer run from a
-    post-accumulate hook (``p.grad = None`` after its step) trains on the clipped
-    gradient; a post-accumulate hook that changes ``p.grad`` raises."""
+    post-accumulate hook (``zero_grad`` after its step, to None or to zeros) trains on
+    the clipped gradient; a post-accumulate hook that changes ``p.grad`` otherwise raises."""
     x = randn(6, 4)
     model = mlp()
     dp = fxdp.transform(model, grad_sample=True, compiler="eager")
@@ -2485,20 +2485,25 @@ def test_what_the_check_of_the_handed_gradients_leaves_alone():
         mean_sq_loss(dp(x)).backward()
     assert_close_all(grads(model), {n: 2 * g for n, g in expected.items()}, TOL, "accumulated")
 
-    model.zero_grad()
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizers = {p: torch.optim.SGD([p], lr=0.5) for p in model.parameters()}
+    for set_to_none in (True, False):
+        model.zero_grad()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        expected = reference(model, (x,), per_sample_sq_loss).grad("mean", 1.0)
 
-    def step(p):
-        optimizers[p].step()
-        p.grad = None
+        def step(p):
+            optimizers[p].step()
+            optimizers[p].zero_grad(set_to_none=set_to_none)  # noqa: B023 (runs in this iteration)
 
-    handles = [p.register_post_accumulate_grad_hook(step) for p in model.parameters()]
-    mean_sq_loss(dp(x)).backward()
-    assert_close_all({n: before[n] - p.detach() for n, p in model.named_parameters()},
-                     {n: 0.5 * g for n, g in expected.items()}, TOL, "optimizer in backward")
-    for handle in handles:
-        handle.remove()
+        handles = [p.register_post_accumulate_grad_hook(step) for p in model.parameters()]
+        mean_sq_loss(dp(x)).backward()
+        for handle in handles:
+            handle.remove()
+        assert_close_all({n: before[n] - p.detach() for n, p in model.named_parameters()},
+                         {n: 0.5 * g for n, g in expected.items()}, TOL, "optimizer in backward")
+
+    model.zero_grad()
+
     def halve(p):
         p.grad.mul_(0.5)
 

@@ -52,14 +52,15 @@ def _library_model(model: _Net) -> nn.Sequential:
     return nn.Sequential(*model.body, model.head)
 
 
-def _wrap(model: nn.Module, clip: float, how: str) -> nn.Module:
+def _wrap(model: nn.Module, clip: float, how: str, bucket_view: bool = False) -> nn.Module:
     if how == "transform":
-        return DistributedDataParallel(fxdp.transform(model, max_grad_norm=clip, compiler="eager"))
+        return DistributedDataParallel(fxdp.transform(model, max_grad_norm=clip, compiler="eager"),
+                                       gradient_as_bucket_view=bucket_view)
     if how == "backend-torch.nn":
         # Dynamo skips DDP's forward and torch.nn's: without fxdp's hook this compiled
         # nothing and trained unclipped.
         model = _library_model(model)
-    return torch.compile(DistributedDataParallel(model),
+    return torch.compile(DistributedDataParallel(model, gradient_as_bucket_view=bucket_view),
                          backend=fxdp.backend(max_grad_norm=clip, compiler="eager"))
 
 
@@ -83,12 +84,13 @@ def _save(model: nn.Module, path: str, **extra) -> None:
                 "norms": fxdp.per_sample_norms(model), **extra}, path)
 
 
-def _rank(rank: int, init_file: str, clip: float, out_dir: str, how: str, sizes: dict) -> None:
+def _rank(rank: int, init_file: str, clip: float, out_dir: str, how: str, sizes: dict,
+          bucket_view: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
         model = _model(**sizes)
-        _step(rank, _wrap(model, clip, how))
+        _step(rank, _wrap(model, clip, how, bucket_view))
         _save(model, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -117,16 +119,21 @@ def _rank_buckets(rank: int, init_file: str, clip: float, out_dir: str) -> None:
 
 
 # transform on a model DDP's buckets would split (it compiles with optimize_ddp off); the
-# backend on one that fits DDP's first bucket (the split is the next test's)
-@pytest.mark.parametrize("how,sizes", [("transform", WIDE), ("backend", {}), ("backend-torch.nn", {})],
-                         ids=["transform", "backend", "backend-torch.nn"])
-def test_ddp_averages_the_ranks_clipped_gradients(how, sizes):
+# backend on one that fits DDP's first bucket (the split is the next test's). With
+# gradient_as_bucket_view DDP replaces each p.grad by a view of its bucket as it arrives:
+# fxdp's check of the gradients it handed takes such a p.grad as DDP's.
+@pytest.mark.parametrize("how,sizes,bucket_view", [
+    ("transform", WIDE, False), ("backend", {}, False), ("backend-torch.nn", {}, False),
+    ("transform", WIDE, True), ("backend", {}, True),
+], ids=["transform", "backend", "backend-torch.nn", "transform-bucket-view", "backend-bucket-view"])
+def test_ddp_averages_the_ranks_clipped_gradients(how, sizes, bucket_view):
     model = _model(**sizes)
     x, y = _data()
     ref = reference(model, (x,), lambda out, i: _loss(out, y[i:i + 1]).sum())
     clip = float(ref.norms.median())
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(os.path.join(tmp, "init"), clip, tmp, how, sizes), nprocs=WORLD, join=True)
+        mp.spawn(_rank, args=(os.path.join(tmp, "init"), clip, tmp, how, sizes, bucket_view), nprocs=WORLD,
+                 join=True)
         results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(WORLD)]
     for r in results:
         assert_close_all(r["grads"], ref.grad("mean", clip), 1e-9, "averaged clipped p.grad")
