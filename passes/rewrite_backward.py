@@ -541,12 +541,10 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                 info = {"rule": ", ".join(sorted({u.rule.name for u in uses})), "param": first.param,
                         "strategy": strategy, "module": first.module_path}
                 with annotate({"fxdp": info}):
-                    # A Gram-matrix sum cancels: where the norm is tiny against its terms it
-                    # can come out a rounding error below zero, whose root would be NaN.
                     if groups is not None:
-                        sq = _tied_sq_norm(groups).clamp_min(0)
+                        sq = _tied_sq_norm(groups)
                     elif strategy == "ghost":
-                        sq = first.rule.ghost_sq_norm(*_for_norms(merged), **first.config).clamp_min(0)
+                        sq = first.rule.ghost_sq_norm(*_for_norms(merged), **first.config)
                     else:
                         psg = None
                         for use, o in zip(uses, ops):
@@ -600,7 +598,9 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
             else:
                 total = torch.zeros(0)
             scale = batch_size if (options.loss_reduction == "mean" and batch_size is not None) else 1
-            norms = total.sqrt() * scale
+            # A Gram-matrix sum cancels: where a norm is tiny against its terms it can come
+            # out a rounding error below zero, whose root would be NaN.
+            norms = total.clamp_min(0).sqrt() * scale
             extras.append(norms)
             if clip:
                 # C read at run time (fxdp/clip_norm.py) where the backend holds one

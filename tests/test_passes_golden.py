@@ -134,10 +134,10 @@ def forward(self, arg0_1, arg1_1, arg2_1):
     pow_2 = torch.ops.aten.pow.Tensor_Scalar(view_1, 2);  view_1 = None
     sum_2 = torch.ops.aten.sum.dim_IntList(pow_2, [1, 2]);  pow_2 = None
     mul = torch.ops.aten.mul.Tensor(sum_1, sum_2);  sum_1 = sum_2 = None
-    clamp_min = torch.ops.aten.clamp_min.default(mul, 0);  mul = None
-    stack = torch.ops.aten.stack.default([clamp_min]);  clamp_min = None
+    stack = torch.ops.aten.stack.default([mul]);  mul = None
     sum_3 = torch.ops.aten.sum.dim_IntList(stack, [0]);  stack = None
-    sqrt = torch.ops.aten.sqrt.default(sum_3);  sum_3 = None
+    clamp_min = torch.ops.aten.clamp_min.default(sum_3, 0);  sum_3 = None
+    sqrt = torch.ops.aten.sqrt.default(clamp_min);  clamp_min = None
     mul_1 = torch.ops.aten.mul.Tensor(sqrt, 5);  sqrt = None
     max_grad_norm = torch.ops.fxdp.max_grad_norm.default(key, mul_1)
     add = torch.ops.aten.add.Tensor(mul_1, 1e-06)
