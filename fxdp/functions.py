@@ -510,7 +510,7 @@ def backward_rule(node: fx.Node, index: int) -> tuple[ParamRule, list, list]:
                 return ts[0].new_zeros(param.shape)
             # One broadcast over the sample's positions (g * x for a weight of shape [d]):
             # autograd sums a gradient to its input's shape, and so does each sample's here.
-            return g if g.shape == param.shape else g.sum_to_size(param.shape)
+            return g.sum_to_size(param.shape)
 
         with vmap_safe_solves():
             return torch.func.vmap(one, in_dims=in_dims)(*tensors)

@@ -298,14 +298,10 @@ def _check_in_dims(model: nn.Module, in_dims: tuple | frozenset | None) -> None:
     signature = _signature(model)
     if in_dims is None or signature is None:
         return
-    kinds = [p.kind for p in signature.parameters.values()]
-    if inspect.Parameter.VAR_POSITIONAL in kinds:
-        positional = None
-    else:
-        positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                         for k in kinds)
+    kinds = {p.kind for p in signature.parameters.values()}
+    positional = None if inspect.Parameter.VAR_POSITIONAL in kinds else len(forward_arg_names(model))
     takes_any_name = inspect.Parameter.VAR_KEYWORD in kinds
-    names = {n for n, p in signature.parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+    names = set(signature.parameters)
     where = f"{type(model).__name__}.forward{signature}"
     if isinstance(in_dims, tuple):
         if positional is not None and len(in_dims) > positional:

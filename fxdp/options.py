@@ -76,10 +76,9 @@ class Options:
                 if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
                     raise TypeError(f"in_dims entries must be int or None, got {d!r}")
         budget = self.memory_budget_bytes
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)
-                                   or budget < 0):
-            raise ValueError(f"memory_budget_bytes must be an int >= 0 or None, got {budget!r}")
         if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
+                raise ValueError(f"memory_budget_bytes must be an int >= 0 or None, got {budget!r}")
             object.__setattr__(self, "memory_budget_bytes", int(budget))
 
     def batch_dim_of(self, position: int | None, name: str | None) -> tuple[int | None, bool]:
