@@ -785,6 +785,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     # there anyway.
     inductor = options.compiler == "inductor" and not analysis.empty
     handover = _Handover(list(guarded))
+    # With clipping, a parameter of the model that gets no gradient here must get none at all
+    unseen = _Unseen(model) if model is not None and options.max_grad_norm is not None else None
 
     def backward_compiler(bw_gm: fx.GraphModule, bw_inputs: Sequence[Any], inner: Callable) -> Callable:
         record._stage("backward", bw_gm)
@@ -818,7 +820,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             compiled = inner(new_gm, bw_inputs)
         placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
         zero = {placeholders.index(t): names for t, names in checked.items()}
-        runner = _backward_runner(compiled, plan, options, devices, handover, model, zero, delivered)
+        if unseen is not None:
+            unseen.covered = {name for i, name in at_output.items() if isinstance(outputs[i], fx.Node)}
+        runner = _backward_runner(compiled, plan, options, devices, handover, model, zero, delivered, unseen)
         runner.clip_norm = clip_norm  # type: ignore[attr-defined]  # what it reads C from lives as long
         return runner
 
@@ -834,7 +838,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     frozen = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)
               and not t.requires_grad] if options.grad_sample else []
     watched = _watched_inputs(gm, canon, param_names) if options.max_grad_norm is None else {}
-    return _forward_runner(compiled, record, devices, handover, frozen, guarded, watched)
+    return _forward_runner(compiled, record, devices, handover, frozen, guarded, watched, unseen)
 
 
 CLASS_LOSSES = {
@@ -1057,12 +1061,14 @@ class _Handover:
 
 def _forward_runner(compiled: Callable, record: CompiledGraph, autocast_devices: list[str],
                     handover: _Handover, frozen: Sequence[int], trained: dict[int, str],
-                    watched: dict[int, str]) -> Callable:
+                    watched: dict[int, str], unseen: _Unseen | None) -> Callable:
     def run(*args):
         if torch.is_grad_enabled():
             guard_gradient_hooks((name, args[i]) for i, name in trained.items())
             if watched and _MIXED:
                 _refuse_mixed_inputs(args, watched)
+            if unseen is not None:
+                unseen.note_forward()
         RUN_STATE.ran = True
         if handover.positions:
             handover.params = {i: args[i] for i in handover.positions}
@@ -1087,14 +1093,33 @@ class StepRecord:
         self.norms = norms
         self.clip_factors = clip_factors
         self.handed: list[_HandedGradient] = []
+        self.unseen: list[tuple[str, torch.Tensor]] = []
 
-    def check_when_backward_ends(self, handed: list[_HandedGradient]) -> None:
-        if handed and not self.handed:
+    def check_when_backward_ends(self, handed: list[_HandedGradient],
+                                 unseen: list[tuple[str, torch.Tensor]]) -> None:
+        """Check, when the running ``backward()`` ends, that each parameter in ``handed``
+        got its clipped gradient and nothing else, and that each in ``unseen`` (the
+        model's, which this backward gives no gradient, with no ``.grad`` at the forward)
+        got none."""
+        if (handed or unseen) and not (self.handed or self.unseen):
             internals.when_backward_ends(self._check_handed)
         self.handed.extend(handed)
+        self.unseen.extend(unseen)
 
     def _check_handed(self) -> None:
         handed, self.handed = self.handed, []
+        unseen, self.unseen = self.unseen, []
+        outside = [name for name, p in unseen if not _taken_over(p.grad)]
+        if outside:
+            raise UnsupportedError(
+                f"p.grad of {', '.join(map(repr, outside))} got a gradient in this backward(), but the "
+                "model's forward gives it none (it does not use the parameter, or uses it without a "
+                "gradient, e.g. detached): something outside the model used it, most often the loss "
+                "(logits / temperature, a penalty). That gradient is no sample's, so it was neither "
+                "clipped nor counted in the norms, and it would leave the batch's data unbounded in "
+                "p.grad. Use the parameter inside the forward (a wrapper module that also computes "
+                "what the loss needs), put a penalty on the weights in the optimizer (weight_decay), "
+                "or freeze it (requires_grad=False). p.grad now holds that gradient: zero it.")
         changed = [h.name for h in handed if not h.is_all_of_the_gradient()]
         if changed:
             raise UnsupportedError(
@@ -1144,7 +1169,7 @@ class _HandedGradient:
                 and (grad.storage_offset(), grad.shape, grad.stride()) == self.geometry)
         if same and grad._version == self.version:
             return True
-        if not bool(grad.any()) or (not same and grad._is_view()):
+        if (not same and grad._is_view()) or not bool(grad.any()):
             return True
         if same:  # written in place after it was accumulated
             return False
@@ -1152,17 +1177,48 @@ class _HandedGradient:
         return _same_values(grad, handed)
 
 
+def _taken_over(grad: torch.Tensor | None) -> bool:
+    """Whether a ``.grad`` holds no gradient of this backward that can be checked: None,
+    zeros, or a view of another buffer (DDP's ``gradient_as_bucket_view``, after its
+    all-reduce). Autograd's own results are never views."""
+    return grad is None or grad._is_view() or not bool(grad.any())
+
+
+class _Unseen:
+    """The trainable parameters of ``transform``'s model with no ``.grad`` when a forward
+    of this graph ran with gradients: when its backward ends, each that the backward
+    gives no gradient (``covered`` names those it does, known once the backward is
+    compiled) must still have none. A loss that uses a parameter the forward does not
+    (``logits / temperature``) would otherwise leave an unclipped gradient there."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.covered: set[str] = set()
+        self.fresh: list[tuple[str, torch.Tensor]] = []
+
+    def note_forward(self) -> None:
+        self.fresh = [(name, p) for name, p in self.model.named_parameters()
+                      if p.requires_grad and p.grad is None and name not in self.covered]
+
+    def take(self) -> list[tuple[str, torch.Tensor]]:
+        """Those of the last forward this backward gives no gradient (once: a second
+        backward of one forward is not the step it checks)."""
+        fresh, self.fresh = self.fresh, []
+        return [(name, p) for name, p in fresh if name not in self.covered]
+
+
 def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
                      autocast_devices: list[str], handover: _Handover,
                      model: torch.nn.Module | None = None,
                      zero: dict[int, list[str]] | None = None,
-                     delivered: dict[int, int] | None = None) -> Callable:
+                     delivered: dict[int, int] | None = None, unseen: _Unseen | None = None) -> Callable:
     """The compiled backward, run as fxdp's step: the checks before it, and the per-sample
     results it hands the parameters after it. ``zero``: the argument positions of output
     gradients that must be zero (values of parameters alone the forward stored, see
     ``stored_gradients``), and the parameters each reaches. ``delivered``: the argument
     position of each parameter → the output position of its clipped gradient, which must
-    be all its ``.grad`` receives (checked when the backward ends)."""
+    be all its ``.grad`` receives (checked when the backward ends). ``unseen``: the model's
+    parameters the backward gives no gradient, which must get none (checked then too)."""
     n = plan.num_grads
     param_positions = [p.placeholder_index for p in plan.params]
     plan_names = {p.placeholder_index: p.name for p in plan.params}
@@ -1221,10 +1277,12 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
         _LATEST.record = step
         for p in params:
             p._fxdp_step = step
+        outside = unseen.take() if unseen is not None else []
         if task != -1:
             step.check_when_backward_ends([
                 _HandedGradient(p, name, outs[o]) for p, name, o in handing
-                if isinstance(outs[o], torch.Tensor) and outs[o].layout == torch.strided and not is_fake(outs[o])])
+                if isinstance(outs[o], torch.Tensor) and outs[o].layout == torch.strided and not is_fake(outs[o])],
+                outside)
         for p, gs in zip(grad_sample_params, extras):
             p.grad_sample = gs
         for p in (handover.params[i] for i in constant_positions if i in handover.params):

@@ -2461,6 +2461,47 @@ def test_a_loss_that_uses_one_part_of_a_transformed_weight_raises_under_clipping
         (mean_sq_loss(dp(x)) + getattr(model, culprit).sum()).backward()
 
 
+class WithOutsideParameters(nn.Module):
+    """An MLP with a temperature its forward does not use and a scale it uses detached
+    (both for the loss to use), and a head the forward does not run."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        self.temperature = nn.Parameter(torch.tensor(2.0, dtype=DTYPE))
+        self.scale = nn.Parameter(torch.ones(3, dtype=DTYPE))
+        self.other_head = nn.Linear(3, 2).to(DTYPE)
+
+    def forward(self, x):
+        return self.body(x) * self.scale.detach()
+
+
+@pytest.mark.parametrize("use", ["temperature", "scale", "other_head"])
+def test_a_loss_that_uses_a_parameter_the_forward_gives_no_gradient_raises_under_clipping(use):
+    """A parameter the forward does not use (or uses detached) gets no gradient from
+    fxdp's backward; a loss that uses it would leave its ordinary, unclipped gradient in
+    ``p.grad``. It raises when the backward ends, naming it. A term whose gradient is
+    zero passes, and the parameters the loss leaves alone keep no ``.grad``, while the
+    model trains exactly."""
+    model = WithOutsideParameters()
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    extra = {"temperature": lambda out: mean_sq_loss(out / model.temperature),
+             "scale": lambda out: mean_sq_loss(out * model.scale),
+             "other_head": lambda out: mean_sq_loss(model.other_head(out))}[use]
+    x = randn(6, 4)
+    names = "'other_head.weight', 'other_head.bias'" if use == "other_head" else f"'{use}'"
+    with refused(f"p.grad of {names} got a gradient in this backward\\(\\), but the model's forward "
+                 "gives it none.*neither clipped nor counted in the norms.*zero it"):
+        extra(dp(x)).backward()
+    model.zero_grad()
+    expected = reference(model.body, (x,), per_sample_sq_loss).grad("mean", 1.0)
+    out = dp(x)
+    (mean_sq_loss(out) + 0.0 * model.temperature + 0.0 * model.other_head.weight.sum()).backward()
+    assert_close_all(grads(model.body), expected, TOL, "clipped")
+    assert all(not p.grad.any() for p in (model.temperature, model.other_head.weight))
+    assert model.scale.grad is None and model.other_head.bias.grad is None
+
+
 def test_what_the_check_of_the_handed_gradients_leaves_alone():
     """Without clipping ``p.grad`` is the ordinary gradient, a penalty's part included.
     ``torch.autograd.grad`` writes no ``.grad``; a later backward that accumulates into
