@@ -122,6 +122,53 @@ def test_is_supported():
     assert not fxdp.is_supported("linear")
 
 
+PARAMETER_FREE = [nn.MaxPool2d(2), nn.AvgPool1d(2), nn.AdaptiveAvgPool2d(1), nn.LPPool2d(2, 2), nn.LeakyReLU(),
+                  nn.ELU(), nn.Hardswish(), nn.Mish(), nn.GLU(), nn.Softmax2d(), nn.Upsample(scale_factor=2),
+                  nn.ZeroPad2d(1), nn.ReflectionPad1d(1), nn.Dropout2d(), nn.AlphaDropout(), nn.PixelShuffle(2),
+                  nn.ChannelShuffle(2), nn.Unflatten(1, (2, 2)), nn.Fold((4, 4), 2), nn.Unfold(2),
+                  nn.CrossEntropyLoss(weight=torch.ones(3)), nn.MSELoss(), nn.CosineSimilarity(),
+                  nn.LocalResponseNorm(2)]
+
+
+@pytest.mark.parametrize("module", PARAMETER_FREE, ids=lambda m: type(m).__name__)
+def test_a_parameter_free_module_of_torch_nn_is_supported_as_class_and_instance(module):
+    """Trivially supported, its class too (before, only a short list of classes was)."""
+    assert not list(module.parameters())
+    assert fxdp.is_supported(module) and fxdp.is_supported(type(module))
+
+
+def test_is_supported_answers_a_batch_norm_by_its_mode():
+    """A BatchNorm in eval mode with running statistics is an affine map per sample, and
+    runs exactly (validate finds nothing, the microbatch loop agrees); in training mode,
+    or without running statistics, it mixes samples and validate refuses it."""
+    norm = nn.BatchNorm1d(3).double()
+    norm.running_mean.uniform_(-1, 1)
+    norm.running_var.uniform_(0.5, 2)
+    model = nn.Sequential(nn.Linear(4, 3), norm).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    assert not fxdp.is_supported(norm) and not fxdp.is_supported(nn.BatchNorm1d)
+    assert fxdp.validate(model, x) != []
+    model.eval()
+    assert fxdp.is_supported(norm) and fxdp.validate(model, x) == []
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        loop = torch.stack([torch.autograd.grad(model(x[i:i + 1]).pow(2).sum(), p)[0] for i in range(5)])
+        torch.testing.assert_close(p.grad_sample, loop, msg=name)
+    stats_free = nn.BatchNorm1d(3, track_running_stats=False).eval()
+    assert not fxdp.is_supported(stats_free)
+    assert fxdp.validate(nn.Sequential(nn.Linear(4, 3), stats_free), torch.randn(5, 4)) != []
+
+
+def test_is_supported_knows_the_other_parameterised_modules_of_torch_nn():
+    """Lazy InstanceNorms and the RNN base classes count as what they become; PReLU has
+    no rule of its own (it runs through the per-sample VJP of ``prelu``)."""
+    assert fxdp.is_supported(nn.LazyInstanceNorm2d) and fxdp.is_supported(nn.RNNBase)
+    assert fxdp.is_supported(nn.RNNCellBase) and fxdp.is_supported(nn.LazyLinear)
+    assert not fxdp.is_supported(nn.PReLU) and fxdp.is_supported(nn.MultiheadAttention(4, 2))
+    assert not fxdp.is_supported(nn.AdaptiveLogSoftmaxWithLoss)
+
+
 class Custom(nn.Module):
     def __init__(self):
         super().__init__()

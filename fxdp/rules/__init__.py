@@ -33,6 +33,20 @@ MODULE_OPS.update({
     torch.nn.Transformer: (torch.ops.aten.linear.default, torch.ops.aten.layer_norm.default),
 })
 
+# So is every module of torch.nn's parameter-free families: activations, pooling, padding,
+# dropout, losses, upsampling, pixel and channel shuffles, fold/unfold, distances,
+# (un)flattening, local response norms. (``nn.PReLU`` and ``nn.MultiheadAttention`` live
+# among the activations and hold parameters.)
+_PARAMETER_FREE_FILES = {"activation", "pooling", "padding", "dropout", "loss", "pixelshuffle", "upsampling",
+                         "fold", "distance", "flatten", "channelshuffle"}
+MODULE_OPS.update({
+    cls: () for cls in vars(torch.nn).values()
+    if isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+    and cls.__module__.rpartition(".")[2] in _PARAMETER_FREE_FILES
+    and not issubclass(cls, (torch.nn.PReLU, torch.nn.MultiheadAttention))
+})
+MODULE_OPS.update({torch.nn.LocalResponseNorm: (), torch.nn.CrossMapLRN2d: ()})
+
 for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
     if _info.name.startswith("_"):
         continue

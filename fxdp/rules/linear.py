@@ -138,5 +138,4 @@ LINEAR = register_rule(
 
 # nn.RNN/LSTM/GRU are unrolled by the canonicalise pass into per-step aten.linear calls.
 MODULE_OPS = {cls: (torch.ops.aten.linear.default,)
-              for cls in (torch.nn.Linear, torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU, torch.nn.RNNCell,
-                          torch.nn.LSTMCell, torch.nn.GRUCell)}
+              for cls in (torch.nn.Linear, torch.nn.RNNBase, torch.nn.RNNCellBase)}

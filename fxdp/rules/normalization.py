@@ -41,6 +41,8 @@ __all__ = [
     "instance_norm_weight",
     "instance_norm_bias",
     "MODULE_OPS",
+    "BATCH_NORMS",
+    "BATCH_NORM_EVAL_OPS",
 ]
 
 aten = torch.ops.aten
@@ -447,4 +449,15 @@ MODULE_OPS = {
     torch.nn.InstanceNorm1d: (aten.instance_norm.default,),
     torch.nn.InstanceNorm2d: (aten.instance_norm.default,),
     torch.nn.InstanceNorm3d: (aten.instance_norm.default,),
+    torch.nn.LazyInstanceNorm1d: (aten.instance_norm.default,),
+    torch.nn.LazyInstanceNorm2d: (aten.instance_norm.default,),
+    torch.nn.LazyInstanceNorm3d: (aten.instance_norm.default,),
 }
+
+# BatchNorm has no rule of its own: in eval mode with running statistics canonicalisation
+# writes it as a per-channel affine map (``_batch_norm_eval_as_affine``), whose parameters
+# meet the elementwise rules; in training mode it mixes samples. ``fxdp.is_supported``
+# answers for an instance by its mode.
+BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm,
+               torch.nn.LazyBatchNorm1d, torch.nn.LazyBatchNorm2d, torch.nn.LazyBatchNorm3d)
+BATCH_NORM_EVAL_OPS = (aten.mul.Tensor, aten.add.Tensor)
