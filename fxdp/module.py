@@ -216,6 +216,19 @@ class DPModule(nn.Module):
         except AttributeError:
             return getattr(self._module, name)
 
+    # -- a container model (nn.Sequential): indexing, len and iteration reach it ----------
+    def __getitem__(self, index: Any) -> Any:
+        return self._module[index]
+
+    def __len__(self) -> int:
+        return len(self._module)
+
+    def __iter__(self) -> Iterator:
+        return iter(self._module)
+
+    def __bool__(self) -> bool:  # a model without __len__ is still true, as any module
+        return True
+
     def extra_repr(self) -> str:
         return f"options={self.options}\n(module): {self._module!r}"
 

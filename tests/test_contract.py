@@ -1542,6 +1542,28 @@ def test_train_and_eval_pass_through():
     assert dp.training
 
 
+def test_a_transformed_sequential_indexes_measures_and_iterates_as_the_model():
+    """``dp[0]``, ``dp[-1].weight``, ``len(dp)`` and ``for layer in dp`` reach the model
+    (an ``nn.Sequential``); a model without them raises the model's own TypeError, and
+    any transformed model is true, as a module is."""
+    model = mlp()
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    assert dp[0] is model[0] and dp[-1].weight is model[2].weight and len(dp) == 3
+    assert list(dp) == list(model) and isinstance(dp[1:], nn.Sequential)
+    x = randn(6, 4)
+    expected = reference(model, (x,), per_sample_sq_loss).grad("mean", 1.0)
+    mean_sq_loss(dp(x)).backward()
+    assert_close_all({"0.weight": dp[0].weight.grad}, {"0.weight": expected["0.weight"]}, TOL, "dp[0]")
+    plain = fxdp.transform(ConcatenatedWeights(), compiler="eager")
+    assert bool(plain)
+    with pytest.raises(TypeError, match="ConcatenatedWeights"):
+        plain[0]
+    with pytest.raises(TypeError, match="ConcatenatedWeights"):
+        len(plain)
+    with pytest.raises(TypeError, match="ConcatenatedWeights"):
+        iter(plain)
+
+
 def test_dropout_in_training_is_per_sample():
     """Active dropout: each sample's gradient through its own mask. The reference is
     autograd on the eager model's batched graph, sample by sample, with the same seed
