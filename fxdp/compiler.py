@@ -1169,7 +1169,7 @@ class _HandedGradient:
                 and (grad.storage_offset(), grad.shape, grad.stride()) == self.geometry)
         if same and grad._version == self.version:
             return True
-        if (not same and grad._is_view()) or not bool(grad.any()):
+        if not bool(grad.any()) or (not same and grad._is_view()):
             return True
         if same:  # written in place after it was accumulated
             return False
