@@ -898,12 +898,12 @@ def loss_normaliser_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
             args = (target, ignore_index, layout.dim, *(reference if by_sample else (None, None)), outer)
             with gm.graph.inserting_before(node):
                 gm.graph.call_function(fxdp_same_kept_targets, args)
-    for division, mask, layout in analysis.normalisers:
+    for division, mask, layout, floor in analysis.normalisers:
         outer = not bool(layout.outer == 1)
         if layout.plain:
-            args = (mask, layout.dim, mask, layout.dim, False)
+            args = (mask, layout.dim, mask, layout.dim, False, floor)
         elif reference is not None and (not outer or bool(layout.inner == 1)):
-            args = (mask, layout.dim, *reference, outer)
+            args = (mask, layout.dim, *reference, outer, floor)
         else:
             raise UnsupportedError(
                 "fxdp cannot make this model per-sample:", [Problem(
@@ -930,15 +930,25 @@ def _per_sample(values: torch.Tensor, dim: int, reference: torch.Tensor, referen
 
 
 def fxdp_same_mask_sums(mask: torch.Tensor, dim: int, reference: torch.Tensor, reference_dim: int,
-                        outer: bool) -> None:
+                        outer: bool, floor: float | None = None) -> None:
     """Assert that every sample's part of ``mask`` sums to as much as the first's (see
-    ``_per_sample``): ``(l * mask).sum() / mask.sum()`` is then a mean over the samples."""
+    ``_per_sample``): ``(l * mask).sum() / mask.sum()`` is then a mean over the samples.
+    With a ``floor`` (``clamp(mask.sum(), min=floor)``), that the sum is zero or at
+    least the floor: a floor would otherwise bind on one sample's sum and not on the
+    batch's, and the sample's share would not be its own loss's."""
     sums = _per_sample(mask, dim, reference, reference_dim, outer).sum(1)
     torch._assert_async((sums[:1] == sums).all(), (
         "fxdp: the loss is divided by the sum of a mask over the whole batch ((l * mask).sum() / "
         "mask.sum()), and the samples' masks sum to different amounts: each sample's share would depend "
         "on the other samples' masks. Divide by a fixed number instead (the most a sample's mask can "
         "hold, times the batch size), with loss_reduction='sum'."))
+    if floor is not None:
+        torch._assert_async(((sums[:1] >= floor) | (sums[:1] == 0)).all(), (
+            f"fxdp: the loss is divided by the sum of a mask over the whole batch with a floor, "
+            f"clamp(mask.sum(), min={floor}), and each "
+            f"sample's mask sums to less than {floor} (but not zero): the floor holds for one sample's loss "
+            "and not for the batch's, so the batch's loss is no mean of the samples' own. Divide by a fixed "
+            "number instead, with loss_reduction='sum'."))
 
 
 def fxdp_same_kept_targets(target: torch.Tensor, ignore_index: int, dim: int,
@@ -1109,7 +1119,7 @@ class StepRecord:
     def _check_handed(self) -> None:
         handed, self.handed = self.handed, []
         unseen, self.unseen = self.unseen, []
-        outside = [name for name, p in unseen if not _taken_over(p.grad)]
+        outside = [name for name, p in unseen if p.grad is not None and bool(p.grad.any())]
         if outside:
             raise UnsupportedError(
                 f"p.grad of {', '.join(map(repr, outside))} got a gradient in this backward(), but the "
@@ -1177,34 +1187,34 @@ class _HandedGradient:
         return _same_values(grad, handed)
 
 
-def _taken_over(grad: torch.Tensor | None) -> bool:
-    """Whether a ``.grad`` holds no gradient of this backward that can be checked: None,
-    zeros, or a view of another buffer (DDP's ``gradient_as_bucket_view``, after its
-    all-reduce). Autograd's own results are never views."""
-    return grad is None or grad._is_view() or not bool(grad.any())
-
-
 class _Unseen:
     """The trainable parameters of ``transform``'s model with no ``.grad`` when a forward
     of this graph ran with gradients: when its backward ends, each that the backward
     gives no gradient (``covered`` names those it does, known once the backward is
-    compiled) must still have none. A loss that uses a parameter the forward does not
-    (``logits / temperature``) would otherwise leave an unclipped gradient there."""
+    compiled) must still have none, or zeros. A loss that uses a parameter the forward
+    does not (``logits / temperature``) would otherwise leave an unclipped gradient
+    there. Not even a view of another buffer passes: the check runs before DDP's
+    finalisation, so a bucket view there holds a gradient of this backward.
+
+    A parameter another fxdp backward covered in between (a task's head, when each
+    task's forward runs before the first backward) has that backward's clipped
+    gradient, which that backward checked: it is left out."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.covered: set[str] = set()
-        self.fresh: list[tuple[str, torch.Tensor]] = []
+        self.fresh: list[tuple[str, torch.Tensor, StepRecord | None]] = []
 
     def note_forward(self) -> None:
-        self.fresh = [(name, p) for name, p in self.model.named_parameters()
+        self.fresh = [(name, p, getattr(p, "_fxdp_step", None)) for name, p in self.model.named_parameters()
                       if p.requires_grad and p.grad is None and name not in self.covered]
 
     def take(self) -> list[tuple[str, torch.Tensor]]:
         """Those of the last forward this backward gives no gradient (once: a second
         backward of one forward is not the step it checks)."""
         fresh, self.fresh = self.fresh, []
-        return [(name, p) for name, p in fresh if name not in self.covered]
+        return [(name, p) for name, p, step in fresh
+                if name not in self.covered and getattr(p, "_fxdp_step", None) is step]
 
 
 def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,

@@ -212,15 +212,19 @@ def is_supported(op_or_module: Any) -> bool:
     no parameter itself and all its submodules are; its forward is not read, so
     ``fxdp.validate`` is the reliable check. A BatchNorm instance is supported in eval
     mode with running statistics (an affine map per sample), not in training mode
-    (it mixes samples); its class, whose instances start in training mode, is not.
+    (it mixes samples); its class, whose instances start in training mode, is not. An
+    InstanceNorm with running statistics is not in training mode (it updates them from
+    the batch), nor are the lazy InstanceNorm classes, which keep them by default.
     """
     from fxdp.rules import MODULE_OPS  # the module→op map lives with the rules
-    from fxdp.rules.normalization import BATCH_NORM_EVAL_OPS, BATCH_NORMS
+    from fxdp.rules.normalization import BATCH_NORM_EVAL_OPS, BATCH_NORMS, INSTANCE_NORMS
 
     if isinstance(op_or_module, BATCH_NORMS):
         norm = op_or_module
         return (not norm.training and norm.running_mean is not None
                 and all(op in RULES for op in BATCH_NORM_EVAL_OPS))
+    if isinstance(op_or_module, INSTANCE_NORMS) and op_or_module.training and op_or_module.track_running_stats:
+        return False
     if isinstance(op_or_module, torch.nn.Module):
         module = op_or_module
         ops = next((MODULE_OPS[cls] for cls in type(module).__mro__ if cls in MODULE_OPS), ())

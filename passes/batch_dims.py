@@ -135,7 +135,7 @@ class BatchAnalysis:
             compiler, which reads them).
         sized_by_batch: Tensors built from sizes with ``B`` among them (see
             ``batch_dim_pass``).
-        normalisers: ``(division, mask, its layout)`` for each loss divided by the sum
+        normalisers: ``(division, mask, its layout, floor)`` for each loss divided by the sum
             of a mask over the whole batch (see ``_mask_normaliser``), which
             ``loss_normaliser_pass`` checks at run time.
         sized_normaliser: The loss is divided by the sum of a shared mask built from
@@ -169,7 +169,7 @@ class BatchAnalysis:
     empty: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
     sized_by_batch: list[fx.Node] = dataclasses.field(default_factory=list)
-    normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = dataclasses.field(default_factory=list)
+    normalisers: list[tuple[fx.Node, fx.Node, BatchDim, float | None]] = dataclasses.field(default_factory=list)
     sized_normaliser: bool = False
     own_rows: list["OwnRows | SameCounts"] = dataclasses.field(default_factory=list)
     rows_in_place: list[tuple[fx.Node, dict]] = dataclasses.field(default_factory=list)
@@ -2442,7 +2442,7 @@ def _mask_normaliser(node: fx.Node, losses: dict[fx.Node, str], placeholder_batc
     if (out_of_place(node.target) or node.target) is not aten.div.Tensor or len(node.args) != 2 \
             or not all(isinstance(a, fx.Node) for a in node.args):
         return None
-    numerator, denominator = (_behind_copies(a) for a in node.args)
+    numerator, denominator = _division_operands(node)
     if numerator not in losses or denominator.op != "call_function" or denominator.target not in _FULL_REDUCTIONS:
         return None
     if not _used_only_on_the_way(numerator, node):
@@ -2453,6 +2453,56 @@ def _mask_normaliser(node: fx.Node, losses: dict[fx.Node, str], placeholder_batc
     data = [p for p, b in placeholder_batch.items()
             if b is not None and isinstance(_meta(p), torch.Tensor) and _meta(p).is_floating_point()]
     return None if _built_from(mask, [*param_names, *data]) else mask
+
+
+def _division_operands(node: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """The numerator and denominator of ``node`` (a division) behind copies, and the
+    denominator behind a floor: ``(l * m).sum() / clamp(m.sum(), min=1)`` (Hugging
+    Face's ``weighted_average``, whose floor keeps an all-masked batch from dividing by
+    zero). Sample b's share of it is ``l_b / max(B·k, c)`` where every sample's mask sums
+    to ``k`` (checked at run time): its own count and the batch size decide it, as for
+    the mean without a floor."""
+    numerator, denominator = (_behind_copies(a) for a in node.args)
+    if _floor(denominator) is not None:
+        denominator = _behind_copies(_floor(denominator))
+    return numerator, denominator
+
+
+_FLOORS = {aten.clamp.default, aten.clamp_min.default}
+
+
+def _floor(node: fx.Node) -> fx.Node | None:
+    """What ``node`` floors, where it is ``clamp(x, min=c)`` (or ``clamp_min``) with a
+    number ``c`` and no ceiling."""
+    if node.op != "call_function" or node.target not in _FLOORS or not isinstance(node.args[0], fx.Node):
+        return None
+    low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+    high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+    return node.args[0] if isinstance(low, (int, float)) and not isinstance(low, bool) and high is None else None
+
+
+def _floor_value(node: fx.Node) -> float | None:
+    """The ``c`` of ``node`` where it is a floor (``_floor``) of a sum. (A floor of a mean,
+    ``clamp(m.mean(), min=c)``, takes the same value on the batch as on each sample, where
+    every sample's mask sums alike: nothing to check.)"""
+    floored = _floor(node)
+    if floored is None or _FULL_REDUCTIONS.get(_behind_copies(floored).target) != "sum":
+        return None
+    return float(node.args[1] if len(node.args) > 1 else node.kwargs["min"])
+
+
+def _floors_a_divisor(node: fx.Node) -> bool:
+    """``node`` floors a value (see ``_floor``) that, through copies, only divides."""
+    if _floor(node) is None:
+        return False
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.target in _COPIES:
+            node = user
+            continue
+        return (out_of_place(user.target) or user.target) is aten.div.Tensor and len(user.args) == 2 \
+            and user.args[1] is node and user.args[0] is not node
+    return False
 
 
 def _behind_copies(node: fx.Node) -> fx.Node:
@@ -3007,7 +3057,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     consumed: list[tuple[fx.Node, int | None, fx.Node]] = []
     stored: dict[fx.Node, list[str]] = {}  # values of parameters alone the forward stores
     losses: dict[fx.Node, str] = {}  # the reductions that made a loss, and their kind
-    normalisers: list[tuple[fx.Node, fx.Node, BatchDim]] = []
+    normalisers: list[tuple[fx.Node, fx.Node, BatchDim, float | None]] = []
     sized_normaliser = False
     single = isinstance(batch_size, int) and batch_size in (0, 1) and not chunk
     checks_only = _checks_only(gm)
@@ -3117,14 +3167,17 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 out = _meta(node)
                 batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
                 continue
+            if _floors_a_divisor(node):  # decided by the division (a mask normaliser or refused)
+                batch[node] = next(b for b in _flat(arg_batch) if isinstance(b, Loss))
+                continue
             mask = _mask_normaliser(node, losses, placeholder_batch, param_names)
             if mask is not None and isinstance(batch.get(mask), BatchDim):
                 # (l * mask).sum() / mask.sum(): a mean over the samples (checked at run time).
-                numerator, denominator = (_behind_copies(a) for a in node.args)
+                numerator, denominator = _division_operands(node)
                 del losses[numerator], losses[denominator]
                 losses[node] = "mean"
                 batch[node] = Loss("mean")
-                normalisers.append((node, mask, batch[mask]))
+                normalisers.append((node, mask, batch[mask], _floor_value(_behind_copies(node.args[1]))))
                 continue
             sized_normaliser |= mask is not None and batch.get(mask) is None and _built_from(mask, sized_by_batch)
             # Only sums, scalings by shared values and copies may follow the loss.

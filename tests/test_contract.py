@@ -1003,13 +1003,21 @@ class MaskedMean(nn.Module):
     same with means. The mask is the labels' kept positions, a pattern built from the
     batch size (``torch.ones(B, T)`` with every other position zeroed), or ViTMAE's: a
     random ``rand(B, T)`` argsorted, and a ``ones`` with its first half zeroed gathered by
-    those indices."""
+    those indices. ``floor``: the denominator clamped from below, as Hugging Face's
+    ``weighted_average`` writes it (``clamp(m.sum(), min=1)``); ``ceiling`` adds a
+    ``max``."""
 
-    def __init__(self, mask: str, means: bool = False):
+    def __init__(self, mask: str, means: bool = False, floor: float | None = None,
+                 ceiling: float | None = None):
         super().__init__()
         torch.manual_seed(0)
         self.fc = nn.Linear(4, 3).to(DTYPE)
-        self.mask, self.means = mask, means
+        self.mask, self.means, self.floor, self.ceiling = mask, means, floor, ceiling
+
+    def _denominator(self, count: torch.Tensor) -> torch.Tensor:
+        if self.floor is None:
+            return count
+        return torch.clamp(count, min=self.floor, max=self.ceiling)
 
     def forward(self, x, labels):  # x [B, T, 4], labels [B, T], -100 where ignored
         tokens = F.cross_entropy(self.fc(x).transpose(1, 2), labels.clamp(min=0), reduction="none")
@@ -1025,8 +1033,8 @@ class MaskedMean(nn.Module):
             m[:, : length // 2] = 0
             m = torch.gather(m, 1, restore)
         if self.means:
-            return (tokens * m).mean() / m.mean()
-        return (tokens * m).sum() / m.sum()
+            return (tokens * m).mean() / self._denominator(m.mean())
+        return (tokens * m).sum() / self._denominator(m.sum())
 
 
 def _labels(batch: int, ignored_per_sample: int = 2) -> torch.Tensor:
@@ -1058,6 +1066,43 @@ def test_a_loss_averaged_over_a_mask_that_every_sample_fills_alike_is_a_mean(mas
         assert ref.norms.min() < 1.0 < ref.norms.max()
     with refused(r"the loss inside the graph is a mean over the batch but loss_reduction='sum'"):
         fxdp.transform(step, loss_reduction="sum", compiler="eager")(x, labels)
+
+
+@pytest.mark.parametrize("means,floor", [(False, 1.0), (False, 4.0), (True, 0.9)],
+                         ids=["sum-floor-1", "sum-floor-k", "mean-floor-binding"])
+def test_a_mask_mean_with_a_floor_under_its_count_is_a_mean(means, floor):
+    """``(l * m).sum() / clamp(m.sum(), min=c)`` (Hugging Face's ``weighted_average``)
+    where each sample's mask sums to ``k >= c`` is the mean of ``l_b / k``; a floor of a
+    mean, ``m.mean()``, takes the same value on the batch as on one sample, so it may bind.
+    Exact against the loop at two batch sizes; the clamp was refused before."""
+    step = MaskedMean("labels", means, floor)
+    dp = fxdp.transform(step, max_grad_norm=1.0, grad_sample=True, compiler="eager")
+    for batch in (4, 6):
+        x, labels = randn(batch, 6, 4, seed=batch), _labels(batch)
+        ref = reference(step, [x, labels], lambda out, i: out)
+        for p in step.parameters():
+            p.grad = None
+        dp(x, labels).backward()
+        assert_close_all(grad_samples(step), ref.per_sample, TOL, "p.grad_sample")
+        assert_close_all(grads(step), ref.grad("mean", 1.0), TOL, "p.grad")
+
+
+def test_a_mask_mean_whose_floor_binds_on_one_sample_raises_and_a_ceiling_is_refused():
+    """Where each sample's mask sums to ``k`` below the floor ``c`` (but not zero), one
+    sample's loss is ``l_b / c`` while its share of the batch's is ``l_b / max(B·k, c)``:
+    the batch's loss is no mean of the samples' own, checked when the step runs. A mask
+    that is all zeros passes (every numerator is zero). A ceiling (``max=``) would bind
+    on the batch's count alone: refused when the graph compiles."""
+    step = MaskedMean("labels", floor=5.0)
+    dp = fxdp.transform(step, max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match=r"^the loss is divided by the sum of a mask .* with a "
+                       r"floor, clamp\(mask.sum\(\), min=5.0\), .* sums to less than 5.0 .* loss_reduction='sum'"):
+        dp(randn(4, 6, 4), _labels(4))
+    dp(randn(4, 6, 4), torch.full((4, 6), -100)).backward()
+    assert all(not p.grad.any() for p in step.parameters())
+    capped = fxdp.transform(MaskedMean("labels", floor=1.0, ceiling=100.0), max_grad_norm=1.0, compiler="eager")
+    with refused("aten.clamp.default .* is used by an op other than a sum"):
+        capped(randn(4, 6, 4), _labels(4)).backward()
 
 
 def test_a_mask_that_samples_fill_differently_raises_when_the_step_runs():

@@ -155,3 +155,44 @@ def test_ddp_optimizer_graph_split_raises_and_one_graph_clips():
         assert r["untouched"], "no unclipped gradient left behind"
         assert_close_all(r["grads"], ref.grad("mean", clip), 1e-9, "averaged clipped p.grad")
     torch.testing.assert_close(torch.cat([r["norms"] for r in results]), ref.norms, rtol=1e-9, atol=0)
+
+
+class _WithTemperature(_Net):
+    """A temperature the forward does not use, for the loss to divide by."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(2.0))
+
+
+def _rank_temperature(rank: int, init_file: str, out_dir: str, bucket_view: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = _WithTemperature().double()
+    ddp = DistributedDataParallel(fxdp.transform(model, max_grad_norm=1.0, compiler="eager"),
+                                  gradient_as_bucket_view=bucket_view)
+    x, y = _data()
+    shard = slice(rank * B // WORLD, (rank + 1) * B // WORLD)
+    out = ddp(x[shard])
+    try:
+        _loss(out / model.temperature, y[shard]).mean().backward()
+        error = None
+    except Exception as e:  # noqa: BLE001 (the message is what the test checks)
+        error = f"{type(e).__name__}: {e}"
+    torch.save({"error": error}, os.path.join(out_dir, f"{rank}.pt"))
+    # Freed, DDP's reducer would wait for the all-reduce the raising backward left unfinished
+    os._exit(0)
+
+
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["grad", "bucket-view"])
+def test_ddp_a_temperature_in_the_loss_raises_on_every_rank(bucket_view):
+    """The check that a parameter the forward gives no gradient gets none runs before
+    DDP's finalisation: with ``gradient_as_bucket_view`` the temperature's ``p.grad`` is by
+    then a view of DDP's bucket holding this rank's unclipped gradient, which raises too."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_temperature, args=(os.path.join(tmp, "init"), tmp, bucket_view), nprocs=WORLD, join=True)
+        results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(WORLD)]
+    for r in results:
+        assert r["error"] is not None and "p.grad of 'temperature' got a gradient" in r["error"], r["error"]
+

@@ -161,9 +161,19 @@ def test_is_supported_answers_a_batch_norm_by_its_mode():
 
 
 def test_is_supported_knows_the_other_parameterised_modules_of_torch_nn():
-    """Lazy InstanceNorms and the RNN base classes count as what they become; PReLU has
-    no rule of its own (it runs through the per-sample VJP of ``prelu``)."""
-    assert fxdp.is_supported(nn.LazyInstanceNorm2d) and fxdp.is_supported(nn.RNNBase)
+    """The RNN base classes count as what they become; PReLU has no rule of its own (it
+    runs through the per-sample VJP of ``prelu``). An InstanceNorm with running
+    statistics answers by its mode (in training mode it updates them from the batch,
+    which validate refuses), and the lazy InstanceNorms keep them by default."""
+    tracking = nn.InstanceNorm1d(3, affine=True, track_running_stats=True).double()
+    model = nn.Sequential(nn.Linear(4, 3), nn.Unflatten(1, (3, 1)), nn.Upsample(scale_factor=4),
+                          tracking).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    assert not fxdp.is_supported(tracking) and fxdp.validate(model, x) != []
+    model.eval()
+    assert fxdp.is_supported(tracking) and fxdp.validate(model, x) == []
+    assert fxdp.is_supported(nn.InstanceNorm2d(3, affine=True)) and fxdp.is_supported(nn.InstanceNorm2d)
+    assert not fxdp.is_supported(nn.LazyInstanceNorm2d) and fxdp.is_supported(nn.RNNBase)
     assert fxdp.is_supported(nn.RNNCellBase) and fxdp.is_supported(nn.LazyLinear)
     assert not fxdp.is_supported(nn.PReLU) and fxdp.is_supported(nn.MultiheadAttention(4, 2))
     assert not fxdp.is_supported(nn.AdaptiveLogSoftmaxWithLoss)

@@ -43,6 +43,7 @@ __all__ = [
     "MODULE_OPS",
     "BATCH_NORMS",
     "BATCH_NORM_EVAL_OPS",
+    "INSTANCE_NORMS",
 ]
 
 aten = torch.ops.aten
@@ -449,9 +450,6 @@ MODULE_OPS = {
     torch.nn.InstanceNorm1d: (aten.instance_norm.default,),
     torch.nn.InstanceNorm2d: (aten.instance_norm.default,),
     torch.nn.InstanceNorm3d: (aten.instance_norm.default,),
-    torch.nn.LazyInstanceNorm1d: (aten.instance_norm.default,),
-    torch.nn.LazyInstanceNorm2d: (aten.instance_norm.default,),
-    torch.nn.LazyInstanceNorm3d: (aten.instance_norm.default,),
 }
 
 # BatchNorm has no rule of its own: in eval mode with running statistics canonicalisation
@@ -461,3 +459,7 @@ MODULE_OPS = {
 BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm,
                torch.nn.LazyBatchNorm1d, torch.nn.LazyBatchNorm2d, torch.nn.LazyBatchNorm3d)
 BATCH_NORM_EVAL_OPS = (aten.mul.Tensor, aten.add.Tensor)
+# An InstanceNorm with running statistics updates them from the batch in training mode
+# (refused); the lazy ones keep them by default, so their classes are not supported.
+INSTANCE_NORMS = (torch.nn.InstanceNorm1d, torch.nn.InstanceNorm2d, torch.nn.InstanceNorm3d,
+                  torch.nn.LazyInstanceNorm1d, torch.nn.LazyInstanceNorm2d, torch.nn.LazyInstanceNorm3d)
