@@ -217,7 +217,11 @@ def is_supported(op_or_module: Any) -> bool:
     the batch), nor are the lazy InstanceNorm classes, which keep them by default.
     """
     from fxdp.rules import MODULE_OPS  # the module→op map lives with the rules
-    from fxdp.rules.normalization import BATCH_NORM_EVAL_OPS, BATCH_NORMS, INSTANCE_NORMS
+    from fxdp.rules.normalization import (
+        BATCH_NORM_EVAL_OPS,
+        BATCH_NORMS,
+        INSTANCE_NORMS,
+    )
 
     if isinstance(op_or_module, BATCH_NORMS):
         norm = op_or_module
