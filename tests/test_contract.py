@@ -1054,7 +1054,17 @@ def test_a_loss_averaged_over_a_mask_that_every_sample_fills_alike_is_a_mean(mas
     whole batch), or with a mask built from ``B`` read as a sum, which clipped each
     sample's gradient of ``l_b / B``."""
     step = MaskedMean(mask, means)
+    norms = _exact_against_the_loop_at_two_batch_sizes(step)
+    assert all(n.min() < 1.0 < n.max() for n in norms)
+    with refused(r"the loss inside the graph is a mean over the batch but loss_reduction='sum'"):
+        fxdp.transform(step, loss_reduction="sum", compiler="eager")(randn(4, 6, 4), _labels(4))
+
+
+def _exact_against_the_loop_at_two_batch_sizes(step: nn.Module) -> list[torch.Tensor]:
+    """Check ``step``'s grad samples and clipped gradient against the loop at B = 4 and 6;
+    returns the loop's norms."""
     dp = fxdp.transform(step, max_grad_norm=1.0, grad_sample=True, compiler="eager")
+    norms = []
     for batch in (4, 6):
         x, labels = randn(batch, 6, 4, seed=batch), _labels(batch)
         ref = reference(step, [x, labels], lambda out, i: out)
@@ -1063,9 +1073,8 @@ def test_a_loss_averaged_over_a_mask_that_every_sample_fills_alike_is_a_mean(mas
         dp(x, labels).backward()
         assert_close_all(grad_samples(step), ref.per_sample, TOL, "p.grad_sample")
         assert_close_all(grads(step), ref.grad("mean", 1.0), TOL, "p.grad")
-        assert ref.norms.min() < 1.0 < ref.norms.max()
-    with refused(r"the loss inside the graph is a mean over the batch but loss_reduction='sum'"):
-        fxdp.transform(step, loss_reduction="sum", compiler="eager")(x, labels)
+        norms.append(ref.norms)
+    return norms
 
 
 @pytest.mark.parametrize("means,floor", [(False, 1.0), (False, 4.0), (True, 0.9)],
@@ -1075,16 +1084,7 @@ def test_a_mask_mean_with_a_floor_under_its_count_is_a_mean(means, floor):
     where each sample's mask sums to ``k >= c`` is the mean of ``l_b / k``; a floor of a
     mean, ``m.mean()``, takes the same value on the batch as on one sample, so it may bind.
     Exact against the loop at two batch sizes; the clamp was refused before."""
-    step = MaskedMean("labels", means, floor)
-    dp = fxdp.transform(step, max_grad_norm=1.0, grad_sample=True, compiler="eager")
-    for batch in (4, 6):
-        x, labels = randn(batch, 6, 4, seed=batch), _labels(batch)
-        ref = reference(step, [x, labels], lambda out, i: out)
-        for p in step.parameters():
-            p.grad = None
-        dp(x, labels).backward()
-        assert_close_all(grad_samples(step), ref.per_sample, TOL, "p.grad_sample")
-        assert_close_all(grads(step), ref.grad("mean", 1.0), TOL, "p.grad")
+    _exact_against_the_loop_at_two_batch_sizes(MaskedMean("labels", means, floor))
 
 
 def test_a_mask_mean_whose_floor_binds_on_one_sample_raises_and_a_ceiling_is_refused():
