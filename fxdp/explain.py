@@ -170,6 +170,7 @@ def validate(model: nn.Module, *example_args: Any, **options: Any) -> list[Probl
     except torch._dynamo.exc.BackendCompilerFailed as e:
         if not isinstance(e.inner_exception, _Analysed):
             raise
-    except torch._dynamo.exc.Unsupported as e:
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+        # (UserError: a guard on a data-dependent value, as nn.GaussianNLLLoss's check of var)
         problems.append(Problem("dynamo", "", "", f"Dynamo cannot capture the model in one graph: {e}"))
     return problems

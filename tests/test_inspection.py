@@ -179,6 +179,25 @@ def test_is_supported_knows_the_other_parameterised_modules_of_torch_nn():
     assert not fxdp.is_supported(nn.AdaptiveLogSoftmaxWithLoss)
 
 
+class GaussianNLL(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.loss = nn.Linear(4, 3), nn.GaussianNLLLoss(reduction="sum")
+
+    def forward(self, x, y):
+        return self.loss(self.fc(x), y, torch.ones_like(y))
+
+
+def test_validate_lists_a_guard_on_data_as_dynamo_problem():
+    """``nn.GaussianNLLLoss`` checks its variance's values, on which Dynamo cannot guard
+    (a ``UserError``, not ``Unsupported``): validate lists it, as transform refuses it,
+    instead of raising Dynamo's error."""
+    (problem,) = fxdp.validate(GaussianNLL(), torch.randn(5, 4), torch.randn(5, 3))
+    assert problem.op == "dynamo" and "Could not guard on data-dependent expression" in problem.reason
+    with pytest.raises(fxdp.UnsupportedError, match="Dynamo cannot capture it there"):
+        fxdp.transform(GaussianNLL(), compiler="eager")(torch.randn(5, 4), torch.randn(5, 3))
+
+
 class Custom(nn.Module):
     def __init__(self):
         super().__init__()
