@@ -216,13 +216,16 @@ def is_supported(op_or_module: Any) -> bool:
     InstanceNorm with running statistics is not in training mode (it updates them from
     the batch), nor are the lazy InstanceNorm classes, which keep them by default.
     """
-    from fxdp.rules import MODULE_OPS  # the module→op map lives with the rules
+    from fxdp.rules import MODULE_OPS, REFUSED_MODULES  # the module→op map lives with the rules
     from fxdp.rules.normalization import (
         BATCH_NORM_EVAL_OPS,
         BATCH_NORMS,
         INSTANCE_NORMS,
     )
 
+    if isinstance(op_or_module, REFUSED_MODULES) or (
+            isinstance(op_or_module, type) and issubclass(op_or_module, REFUSED_MODULES)):
+        return False
     if isinstance(op_or_module, BATCH_NORMS):
         norm = op_or_module
         return (not norm.training and norm.running_mean is not None

@@ -179,6 +179,22 @@ def test_is_supported_knows_the_other_parameterised_modules_of_torch_nn():
     assert not fxdp.is_supported(nn.AdaptiveLogSoftmaxWithLoss)
 
 
+def test_a_refused_parameter_free_module_is_not_supported():
+    """``multilabel_margin_loss`` has no batch propagation (torch.compile's gradient of it
+    is wrong in torch 2.13): validate refuses it, and is_supported says so."""
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.loss = nn.Linear(4, 3), nn.MultiLabelMarginLoss(reduction="sum")
+
+        def forward(self, x, y):
+            return self.loss(self.fc(x), y)
+
+    y = torch.tensor([[0, 2, -1]] * 5)
+    assert fxdp.validate(Step(), torch.randn(5, 4), y) != []
+    assert not fxdp.is_supported(nn.MultiLabelMarginLoss) and not fxdp.is_supported(nn.MultiLabelMarginLoss())
+
+
 class GaussianNLL(nn.Module):
     def __init__(self):
         super().__init__()

@@ -11,7 +11,7 @@ import pkgutil
 
 import torch
 
-__all__ = ["MODULE_OPS"]
+__all__ = ["MODULE_OPS", "REFUSED_MODULES"]
 
 # Modules without parameters are trivially supported.
 MODULE_OPS: dict[type, tuple] = {
@@ -45,6 +45,11 @@ MODULE_OPS.update({
     and cls.__module__.rpartition(".")[2] in _PARAMETER_FREE_FILES
     and not issubclass(cls, (torch.nn.PReLU, torch.nn.MultiheadAttention))
 })
+# Parameter-free, but refused: torch.compile's gradient of ``multilabel_margin_loss`` is
+# wrong in torch 2.13, so its op has no batch propagation (passes/batch_dims.py).
+REFUSED_MODULES = (torch.nn.MultiLabelMarginLoss,)
+for _cls in REFUSED_MODULES:
+    del MODULE_OPS[_cls]
 MODULE_OPS.update({torch.nn.LocalResponseNorm: (), torch.nn.CrossMapLRN2d: ()})
 
 for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
