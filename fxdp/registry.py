@@ -216,7 +216,10 @@ def is_supported(op_or_module: Any) -> bool:
     InstanceNorm with running statistics is not in training mode (it updates them from
     the batch), nor are the lazy InstanceNorm classes, which keep them by default.
     """
-    from fxdp.rules import MODULE_OPS, REFUSED_MODULES  # the module→op map lives with the rules
+    from fxdp.rules import (  # the module→op map lives with the rules
+        MODULE_OPS,
+        REFUSED_MODULES,
+    )
     from fxdp.rules.normalization import (
         BATCH_NORM_EVAL_OPS,
         BATCH_NORMS,
