@@ -2463,32 +2463,33 @@ def _division_operands(node: fx.Node) -> tuple[fx.Node, fx.Node]:
     to ``k`` (checked at run time): its own count and the batch size decide it, as for
     the mean without a floor."""
     numerator, denominator = (_behind_copies(a) for a in node.args)
-    if _floor(denominator) is not None:
-        denominator = _behind_copies(_floor(denominator))
-    return numerator, denominator
+    floor = _floor(denominator)
+    return numerator, denominator if floor is None else _behind_copies(floor[0])
 
 
 _FLOORS = {aten.clamp.default, aten.clamp_min.default}
 
 
-def _floor(node: fx.Node) -> fx.Node | None:
-    """What ``node`` floors, where it is ``clamp(x, min=c)`` (or ``clamp_min``) with a
-    number ``c`` and no ceiling."""
+def _floor(node: fx.Node) -> tuple[fx.Node, float] | None:
+    """What ``node`` floors and its floor ``c``, where it is ``clamp(x, min=c)`` (or
+    ``clamp_min``) with a number ``c`` and no ceiling."""
     if node.op != "call_function" or node.target not in _FLOORS or not isinstance(node.args[0], fx.Node):
         return None
     low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
     high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
-    return node.args[0] if isinstance(low, (int, float)) and not isinstance(low, bool) and high is None else None
+    if isinstance(low, (int, float)) and not isinstance(low, bool) and high is None:
+        return node.args[0], float(low)
+    return None
 
 
 def _floor_value(node: fx.Node) -> float | None:
     """The ``c`` of ``node`` where it is a floor (``_floor``) of a sum. (A floor of a mean,
     ``clamp(m.mean(), min=c)``, takes the same value on the batch as on each sample, where
     every sample's mask sums alike: nothing to check.)"""
-    floored = _floor(node)
-    if floored is None or _FULL_REDUCTIONS.get(_behind_copies(floored).target) != "sum":
+    floor = _floor(node)
+    if floor is None or _FULL_REDUCTIONS.get(_behind_copies(floor[0]).target) != "sum":
         return None
-    return float(node.args[1] if len(node.args) > 1 else node.kwargs["min"])
+    return floor[1]
 
 
 def _floors_a_divisor(node: fx.Node) -> bool:
