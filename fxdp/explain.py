@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from fxdp._torch_internals import capture_config, new_fake_mode
 from fxdp.compiler import CompiledGraph, analyse_graph, forward_arg_names
@@ -66,13 +67,15 @@ def _fake_copy(model: nn.Module, mode: Any) -> nn.Module:
 
     Fake tensors keep the real device (unlike meta tensors), so tensors the forward
     creates without ``device=`` (``torch.zeros(x.shape)``, ``torch.arange(T)``) land on
-    the same device as the parameters; no data is copied or computed.
+    the same device as the parameters; no data is copied or computed. A lazy module's
+    uninitialised parameters stay uninitialised in the copy.
     """
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(mode.from_tensor(p.detach(), static_shapes=True), requires_grad=p.requires_grad)
+        memo[id(p)] = (_uninitialised_like(p) if is_lazy(p) else
+                       nn.Parameter(mode.from_tensor(p.detach(), static_shapes=True), requires_grad=p.requires_grad))
     for b in model.buffers():
-        memo[id(b)] = mode.from_tensor(b, static_shapes=True)
+        memo[id(b)] = _uninitialised_like(b) if is_lazy(b) else mode.from_tensor(b, static_shapes=True)
     for m in model.modules():
         # A tensor an earlier call computed from parameters and stored (prune's
         # ``module.weight``, the old ``weight_norm`` hook's): deepcopy takes no autograd
@@ -81,6 +84,15 @@ def _fake_copy(model: nn.Module, mode: Any) -> nn.Module:
             if isinstance(t, torch.Tensor) and t.grad_fn is not None and id(t) not in memo:
                 memo[id(t)] = mode.from_tensor(t.detach(), static_shapes=True).requires_grad_(t.requires_grad)
     return copy.deepcopy(model, memo)
+
+
+def _uninitialised_like(t: torch.Tensor) -> torch.Tensor:
+    """A fresh uninitialised parameter or buffer for a lazy module's copy: it has no data
+    to copy, and the copy's first forward, under the fake mode, gives it fake data of
+    the shape the example arguments imply, leaving the model's own untouched."""
+    if isinstance(t, nn.Parameter):
+        return nn.UninitializedParameter(requires_grad=t.requires_grad, device=t.device, dtype=t.dtype)
+    return nn.UninitializedBuffer(requires_grad=t.requires_grad, device=t.device, dtype=t.dtype)
 
 
 def _fake_args(args: Any, mode: Any) -> Any:

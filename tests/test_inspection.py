@@ -318,6 +318,24 @@ def test_validate_traces_rnns_as_transform_does():
     assert fxdp.validate(model, torch.randn(3, 5, 4)) == []
 
 
+def test_validate_and_explain_leave_a_lazy_model_uninitialised():
+    """A lazy module's parameters get their shapes from the example arguments in the fake
+    copy; the model itself stays lazy, and its first real forward initialises it."""
+    model = nn.Sequential(nn.LazyConv2d(4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2),
+                          nn.LazyBatchNorm1d())
+    x = torch.randn(3, 2, 6, 6)
+    problems = fxdp.validate(model, x)
+    assert [(p.op, p.module_path) for p in problems] == [("aten.batch_norm.default", "4")], problems
+    model[4].eval()  # eval mode: an uninitialised running mean cannot answer, the forward will
+    explanation = fxdp.explain(model, x, max_grad_norm=1.0)
+    assert {"conv.weight", "linear.weight"} <= set(explanation.rule_counts), explanation.rule_counts
+    assert "3.weight: rule=linear.weight" in str(explanation)
+    assert all(nn.parameter.is_lazy(p) for p in model.parameters())
+    assert all(nn.parameter.is_lazy(b) for b in model.buffers() if b.dtype.is_floating_point)
+    model(x)
+    assert model[3].weight.shape == (2, 64) and not nn.parameter.is_lazy(model[3].weight)
+
+
 class _SharedDataDependentShapes(nn.Module):
     """``nonzero`` and ``masked_select`` of shared data: output sizes known only at run time."""
 
