@@ -2438,7 +2438,9 @@ def _mask_normaliser(node: fx.Node, losses: dict[fx.Node, str], placeholder_batc
     and no batched floating-point input is behind it (a statistic of the inputs,
     ``loss / x.abs().mean()``, is refused as before, when the graph compiles); it
     may be built from the batch size (ViTMAE draws it), from integer or boolean
-    inputs (labels, an attention mask), or from shared tensors."""
+    inputs (labels, an attention mask), or from shared tensors, or be ``ones_like`` of
+    anything (Hugging Face's default weights: each sample's count is its number of
+    elements)."""
     if (out_of_place(node.target) or node.target) is not aten.div.Tensor or len(node.args) != 2 \
             or not all(isinstance(a, fx.Node) for a in node.args):
         return None
@@ -2452,7 +2454,7 @@ def _mask_normaliser(node: fx.Node, losses: dict[fx.Node, str], placeholder_batc
     mask = denominator.args[0]
     data = [p for p, b in placeholder_batch.items()
             if b is not None and isinstance(_meta(p), torch.Tensor) and _meta(p).is_floating_point()]
-    return None if _built_from(mask, [*param_names, *data]) else mask
+    return None if _built_from(mask, [*param_names, *data], values_only=True) else mask
 
 
 def _division_operands(node: fx.Node) -> tuple[fx.Node, fx.Node]:
@@ -2523,14 +2525,15 @@ def _used_only_on_the_way(node: fx.Node, end: fx.Node) -> bool:
     return True
 
 
-def _built_from(node: fx.Node, sources: Sequence[fx.Node]) -> bool:
-    """Whether any of ``sources`` is behind ``node``'s value."""
+def _built_from(node: fx.Node, sources: Sequence[fx.Node], *, values_only: bool = False) -> bool:
+    """Whether any of ``sources`` is behind ``node``'s value. With ``values_only``, not
+    through the tensor a ``FILLED_LIKE`` op (``ones_like(x)``) takes only its shape from."""
     sources, seen, stack = set(sources), set(), [node]
     while stack:
         n = stack.pop()
         if n in sources:
             return True
-        if n not in seen:
+        if n not in seen and not (values_only and n.target in FILLED_LIKE):
             seen.add(n)
             stack.extend(n.all_input_nodes)
     return False

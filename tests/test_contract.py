@@ -1001,7 +1001,8 @@ class MaskedMean(nn.Module):
     """A per-token loss averaged over a mask of the whole batch, ``(l * m).sum() / m.sum()``
     (ViTMAE's loss over its masked patches, Hugging Face's ``weighted_average``), or the
     same with means. The mask is the labels' kept positions, a pattern built from the
-    batch size (``torch.ones(B, T)`` with every other position zeroed), or ViTMAE's: a
+    batch size (``torch.ones(B, T)`` with every other position zeroed), ``ones_like`` of
+    the losses (Hugging Face's time-series models without an observed mask), or ViTMAE's: a
     random ``rand(B, T)`` argsorted, and a ``ones`` with its first half zeroed gathered by
     those indices. ``floor``: the denominator clamped from below, as Hugging Face's
     ``weighted_average`` writes it (``clamp(m.sum(), min=1)``); ``ceiling`` adds a
@@ -1027,6 +1028,8 @@ class MaskedMean(nn.Module):
         elif self.mask == "pattern":
             m = torch.ones(batch, length, dtype=tokens.dtype)
             m[:, ::2] = 0
+        elif self.mask == "ones_like":  # weighted_average's default weights
+            m = torch.ones_like(tokens)
         else:
             restore = torch.argsort(torch.argsort(torch.rand(batch, length), dim=1), dim=1)
             m = torch.ones(batch, length, dtype=tokens.dtype)
@@ -1045,17 +1048,19 @@ def _labels(batch: int, ignored_per_sample: int = 2) -> torch.Tensor:
     return labels
 
 
-@pytest.mark.parametrize("mask,means", [("labels", False), ("labels", True), ("pattern", False)],
-                         ids=["labels", "labels_means", "pattern"])
+@pytest.mark.parametrize("mask,means", [("labels", False), ("labels", True), ("pattern", False),
+                                        ("ones_like", False)],
+                         ids=["labels", "labels_means", "pattern", "ones_like"])
 def test_a_loss_averaged_over_a_mask_that_every_sample_fills_alike_is_a_mean(mask: str, means: bool):
     """Where every sample's mask sums to the same ``k``, ``(l * m).sum() / m.sum()`` is the
     mean over the samples of each one's own ``(l_b * m_b).sum() / k``: exact against
     the microbatch loop, at two batch sizes. It was refused (a normaliser from the
     whole batch), or with a mask built from ``B`` read as a sum, which clipped each
-    sample's gradient of ``l_b / B``."""
+    sample's gradient of ``l_b / B``; so was ``ones_like`` of the model's losses, read
+    as built from the model's values when only its shape is."""
     step = MaskedMean(mask, means)
-    norms = _exact_against_the_loop_at_two_batch_sizes(step)
-    assert all(n.min() < 1.0 < n.max() for n in norms)
+    norms = torch.cat(_exact_against_the_loop_at_two_batch_sizes(step))
+    assert norms.min() < 1.0 < norms.max()  # the clipping binds for some samples only
     with refused(r"the loss inside the graph is a mean over the batch but loss_reduction='sum'"):
         fxdp.transform(step, loss_reduction="sum", compiler="eager")(randn(4, 6, 4), _labels(4))
 
@@ -1077,14 +1082,15 @@ def _exact_against_the_loop_at_two_batch_sizes(step: nn.Module) -> list[torch.Te
     return norms
 
 
-@pytest.mark.parametrize("means,floor", [(False, 1.0), (False, 4.0), (True, 0.9)],
-                         ids=["sum-floor-1", "sum-floor-k", "mean-floor-binding"])
-def test_a_mask_mean_with_a_floor_under_its_count_is_a_mean(means, floor):
+@pytest.mark.parametrize("mask,means,floor", [("labels", False, 1.0), ("labels", False, 4.0),
+                                              ("labels", True, 0.9), ("ones_like", False, 1.0)],
+                         ids=["sum-floor-1", "sum-floor-k", "mean-floor-binding", "ones_like-floor-1"])
+def test_a_mask_mean_with_a_floor_under_its_count_is_a_mean(mask, means, floor):
     """``(l * m).sum() / clamp(m.sum(), min=c)`` (Hugging Face's ``weighted_average``)
     where each sample's mask sums to ``k >= c`` is the mean of ``l_b / k``; a floor of a
     mean, ``m.mean()``, takes the same value on the batch as on one sample, so it may bind.
     Exact against the loop at two batch sizes; the clamp was refused before."""
-    _exact_against_the_loop_at_two_batch_sizes(MaskedMean("labels", means, floor))
+    _exact_against_the_loop_at_two_batch_sizes(MaskedMean(mask, means, floor))
 
 
 def test_a_mask_mean_whose_floor_binds_on_one_sample_raises_and_a_ceiling_is_refused():
@@ -1278,6 +1284,35 @@ def test_hugging_face_causal_lm_labels_with_the_default_mean():
     ref = reference(step, [ids, ids], lambda out, i: out)
     fxdp.transform(step, grad_sample=True, compiler="eager")(ids, ids).backward()
     assert_close_all(grad_samples(step), ref.per_sample, 1e-6, "p.grad_sample")
+
+
+def test_hugging_face_time_series_loss_with_its_default_weights_is_a_mean():
+    """``TimeSeriesTransformerForPrediction(..., future_values=...).loss`` without an
+    observed mask weights the losses by ``ones_like(future_values)`` and divides by
+    ``clamp(weights.sum(), min=1)``: a mean (exact against the loop), refused under
+    "sum". It was read the other way round (the weights taken for a value of the
+    float inputs), and under "sum" clipped each sample's gradient of ``l_b / B``."""
+    transformers = pytest.importorskip(
+        "transformers", reason="Hugging Face models (the test extra)")
+    torch.manual_seed(0)
+    config = transformers.TimeSeriesTransformerConfig(
+        prediction_length=4, context_length=6, lags_sequence=[1, 2], num_time_features=1, scaling="std",
+        d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=8, decoder_ffn_dim=8, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+    model = transformers.TimeSeriesTransformerForPrediction(config).to(DTYPE).train()
+    inputs = dict(past_values=randn(3, 8), past_time_features=randn(3, 8, 1, seed=2),
+                  past_observed_mask=torch.ones(3, 8, dtype=DTYPE), future_values=randn(3, 4, seed=3),
+                  future_time_features=randn(3, 4, 1, seed=4))
+    ref = reference(model, [], lambda out, i: out.loss, kwargs=inputs)
+    clip = float(ref.norms.median())
+    dp = fxdp.transform(model, max_grad_norm=clip, grad_sample=True, compiler="eager")
+    dp(**inputs).loss.backward()
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+    assert_close_all(grads(model), ref.grad("mean", clip), TOL, "p.grad")
+    torch._dynamo.reset()
+    with refused(r"the loss inside the graph is a mean over the batch but loss_reduction='sum'"):
+        fxdp.transform(model, loss_reduction="sum", compiler="eager")(**inputs)
 
 
 def test_in_graph_sum_with_ignored_target_works():
