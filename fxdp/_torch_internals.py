@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 __all__ = [
+    "plain_expression",
     "fake_mode_of",
     "make_fx_traced",
     "inductor_compile",
@@ -1551,6 +1552,18 @@ def size_hint(size: Any) -> int:
 
         return int(node.shape_env.optimization_hint(node.expr, fallback=inductor_config.unbacked_symint_fallback))
     return int(size)
+
+
+def plain_expression(size: Any) -> Any:
+    """The sympy expression of a symbolic size or number, with the functions Dynamo
+    writes float arithmetic with (``FloatTrueDiv(1.0, ToFloat(s0))`` for ``1.0 / B``)
+    as plain division and the value itself, so that sympy can simplify it."""
+    from torch.utils._sympy.functions import FloatTrueDiv, IntTrueDiv, ToFloat
+
+    expr = size.node.expr
+    for division in (FloatTrueDiv, IntTrueDiv):
+        expr = expr.replace(division, lambda a, b: a / b)
+    return expr.replace(ToFloat, lambda a: a)
 
 
 _SOLVES = {torch.linalg.solve, torch.linalg.solve_ex, torch.ops.aten.linalg_solve.default,

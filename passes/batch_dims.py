@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 
+from fxdp._torch_internals import plain_expression
 from fxdp.batching import WHOLE, BatchDim, Groups, Inverse, Masked, Piece, Rows, broadcast_batch
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
@@ -1173,12 +1174,27 @@ def _reduction(node: fx.Node, arg_batch: list, kind: str) -> Any:
         dims = [dims]
     dims = [_norm_dim(d, x.dim()) for d in dims]
     if b.dim in dims:
-        if len(dims) == x.dim() and not keepdim and kind in ("sum", "mean"):
+        if kind in ("sum", "mean") and ((len(dims) == x.dim() and not keepdim) or _summed_to_a_scalar(node)):
             return Loss(kind)
         raise MixesSamples("it reduces over the batch dim (only the final loss may)")
     if keepdim:
         return b
     return b.at(b.dim - sum(1 for d in dims if d < b.dim))
+
+
+def _summed_to_a_scalar(node: fx.Node) -> bool:
+    """``node``'s value is only summed or averaged on, through copies, views and
+    selections, to scalars: ``l.mean(0).sum()``, ``l.sum(0).mean()``. Reduced over the
+    batch first, it is still the loss, a sum (or mean) of each sample's own terms."""
+    if not node.users:
+        return False
+    for user in node.users:
+        if user.op != "call_function" or user.args[0] is not node or not (
+                user.target in _LOSS_VECTORS or user.target in _COPIES):
+            return False
+        if not (user.target in _FULL_REDUCTIONS and _meta(user).dim() == 0) and not _summed_to_a_scalar(user):
+            return False
+    return True
 
 
 for _op, _kind in [
@@ -2558,14 +2574,57 @@ def _loss_misuse(target: Any, arg_batch: list, out: Any = None) -> str:
     return reason
 
 
-def _divides_by(node: fx.Node, batch_size: Any) -> bool:
-    """``node`` is ``x / B`` with ``B`` the batch size (a literal on a static compile)."""
-    if node.target not in (aten.div.Tensor, aten.div.Scalar) or len(node.args) < 2:
+def _divides_by(node: fx.Node, batch_size: Any, counts: Callable[[], set[int]] = lambda: {1}) -> bool:
+    """``node`` is ``x / (B·k)`` or ``x * (1 / (B·k))`` with ``B`` the batch size and
+    ``k > 0`` a number of entries per sample: ``x / B``, ``l.sum() / l.numel()``,
+    ``l.sum() / (B * T)``. On a static compile ``B·k`` is a literal, and ``k`` must be
+    one of ``counts()`` (a product of some of the summed tensor's sizes per sample), a
+    number that happens to be a multiple of ``B`` being no sign of it; a symbolic
+    ``B·k`` shows its factor ``B`` (any ``k`` free of it)."""
+    op = node.target
+    if op not in (aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar) or len(node.args) < 2:
         return False
-    divisor = node.args[1]
-    if isinstance(divisor, fx.Node):
-        divisor = _meta(divisor)
-    return isinstance(divisor, (int, torch.SymInt)) and _same_size(divisor, batch_size)
+    operands = [_meta(a) if isinstance(a, fx.Node) else a for a in node.args[:2]]
+    if op in (aten.div.Tensor, aten.div.Scalar):
+        divisor, reciprocal = operands[1], False
+    else:
+        divisor, reciprocal = next((f for f in operands if isinstance(f, (float, torch.SymFloat))), None), True
+    if divisor is None or isinstance(divisor, bool) or not isinstance(
+            divisor, (int, float, torch.SymInt, torch.SymFloat)):
+        return False
+    if not reciprocal and isinstance(divisor, (float, torch.SymFloat)):
+        return False
+    divisor, batch_size = _as_number(divisor), _as_number(batch_size)
+    if isinstance(divisor, (torch.SymInt, torch.SymFloat)) or isinstance(batch_size, torch.SymInt):
+        if not (isinstance(divisor, (torch.SymInt, torch.SymFloat)) and isinstance(batch_size, torch.SymInt)):
+            return False
+        b = plain_expression(batch_size)
+        k = (1 / (plain_expression(divisor) * b) if reciprocal else plain_expression(divisor) / b).simplify()
+        return not (k.free_symbols & b.free_symbols) and bool(k.is_positive)
+    if batch_size <= 0:
+        return False
+    k = 1 / (divisor * batch_size) if reciprocal else divisor / batch_size
+    if reciprocal and abs(k - round(k)) > 1e-9 * abs(k):
+        return False
+    k = round(k)
+    return (divisor % batch_size == 0 or reciprocal) and k in counts()
+
+
+def _counts_per_sample(reductions: Sequence[fx.Node], batch: dict, batch_size: int) -> set[int]:
+    """The numbers of entries per sample that sums over the batch (``reductions``) may be
+    divided by, with ``B``, to give a mean: the products of any of the summed tensor's
+    sizes, its batch dim's counted per sample (``B·T`` rows of ``T``)."""
+    counts = {1}
+    for r in reductions:
+        x, b = _meta(r.args[0]), batch.get(r.args[0])
+        if not (isinstance(x, torch.Tensor) and isinstance(b, BatchDim) and isinstance(b.dim, int)):
+            continue
+        sizes = [_as_number(s) for d, s in enumerate(x.shape) if d != b.dim]
+        sizes.append(_as_number(x.shape[b.dim]) // batch_size if batch_size else 0)
+        for size in sizes:
+            if isinstance(size, int) and size > 0:
+                counts |= {c * size for c in counts}
+    return counts
 
 
 def _multiplies_by(node: fx.Node, batch_size: Any) -> bool:
@@ -3187,12 +3246,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             # Only sums, scalings by shared values and copies may follow the loss.
             if _scales_the_loss(target, arg_batch):
                 batch[node] = next(b for b in _flat(arg_batch) if isinstance(b, Loss))
-                if _divides_by(node, batch_size):
-                    reductions = _reductions_behind(node, batch, losses)
+                reductions = _reductions_behind(node, batch, losses)
+                if _divides_by(node, batch_size, lambda: _counts_per_sample(reductions, batch, batch_size)):
                     if all(losses[r] == "sum" for r in reductions):
                         losses.update(dict.fromkeys(reductions, "batchmean"))
                 elif _multiplies_by(node, batch_size):  # a mean times B: the sum
-                    reductions = _reductions_behind(node, batch, losses)
                     if all(losses[r] == "mean" for r in reductions):
                         losses.update(dict.fromkeys(reductions, "sum"))
                 continue

@@ -25,7 +25,7 @@ from torch import nn
 import fxdp
 from expect import refused, unwrap
 from models import AsksTheType, ComposedSteps, FirstOutput, SequenceFirstBias
-from reference import assert_close_all, reference, tolerance
+from reference import Reference, assert_close_all, reference, tolerance
 
 DTYPE = torch.float64
 TOL = tolerance(DTYPE)
@@ -984,6 +984,92 @@ def test_nonlinear_functions_of_the_loss_are_refused(after):
     with refused("a reduction over the batch .* is used by an op other than a sum, a scaling"):
         dp(randn(6, 4), _target("cross_entropy", 6)).backward()
     assert all(p.grad is None for p in step.parameters())
+
+
+class TokenLoss(nn.Module):
+    """``reduce(l, x)`` of per-token losses ``l`` ``[B, T, 3]``."""
+
+    def __init__(self, reduce):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3).to(DTYPE)
+        self.reduce = reduce
+
+    def forward(self, x):
+        return self.reduce(torch.tanh(self.fc(x)).square(), x)
+
+
+# A sum divided by ``B`` times a count per sample: matches both reductions, as
+# ``loss.sum() / B`` does (the mean of the samples' losses, or the sum of their shares).
+DIVIDED_BY_THE_BATCH = {
+    "sum_over_numel": lambda l, x: l.sum() / l.numel(),
+    "sum_over_batch_times_length": lambda l, x: l.sum() / (x.shape[0] * x.shape[1]),
+    "sum_times_the_inverse_batch": lambda l, x: l.sum() * (1.0 / x.shape[0]),
+}
+# A reduction over the batch dim first, reduced on: a mean, or a sum.
+REDUCED_OVER_THE_BATCH_FIRST = {
+    "mean_over_the_batch_then_sum": (lambda l, x: l.mean(0).sum(), "mean"),
+    "mean_over_batch_and_time_then_sum": (lambda l, x: l.mean(dim=(0, 1)).sum(), "mean"),
+    "mean_keepdim_then_sum": (lambda l, x: l.mean(0, keepdim=True).sum(), "mean"),
+    "sum_over_the_batch_then_mean": (lambda l, x: l.sum(0).mean(), "sum"),
+}
+
+
+def _exact_at_a_static_and_a_dynamic_batch_size(step: nn.Module, loss_reduction: str, share: bool = False):
+    """B = 4 compiles statically (``B·T`` is the literal 20, ``1 / B`` the literal 0.25),
+    B = 6 dynamically (``s0 * 5``, ``1.0 / s0``). With ``share``, each sample's gradient is
+    that of its share of the batch's loss, ``1/B`` of its own loss's."""
+    dp = fxdp.transform(step, max_grad_norm=0.05, grad_sample=True, loss_reduction=loss_reduction,
+                        compiler="eager")
+    for batch in (4, 6):
+        x = randn(batch, 5, 4, seed=batch)
+        ref = reference(step, [x], lambda out, i: out)
+        if share:
+            ref = Reference(ref.names, {n: g / batch for n, g in ref.per_sample.items()}, batch)
+        step.zero_grad()
+        dp(x).backward()
+        assert_close_all(grad_samples(step), ref.per_sample, TOL, "p.grad_sample")
+        assert_close_all(grads(step), ref.grad(loss_reduction, 0.05), TOL, "p.grad")
+
+
+@pytest.mark.parametrize("form", list(DIVIDED_BY_THE_BATCH))
+def test_a_sum_divided_by_the_batch_times_a_count_per_sample_is_a_mean(form):
+    """``l.sum() / l.numel()`` is ``l.mean()``: exact against the loop as a mean, and as
+    the sum of the samples' shares under "sum", as ``l.sum() / B``. It was read as a sum
+    (refused under "mean")."""
+    _exact_at_a_static_and_a_dynamic_batch_size(TokenLoss(DIVIDED_BY_THE_BATCH[form]), "mean")
+    torch._dynamo.reset()
+    _exact_at_a_static_and_a_dynamic_batch_size(TokenLoss(DIVIDED_BY_THE_BATCH[form]), "sum", share=True)
+
+
+@pytest.mark.parametrize("form", list(REDUCED_OVER_THE_BATCH_FIRST))
+def test_a_reduction_over_the_batch_summed_on_is_the_loss(form):
+    """``l.mean(0).sum()`` is a mean over the samples, ``l.sum(0).mean()`` a sum: each exact
+    against the loop, the other ``loss_reduction`` refused. They were refused as a
+    reduction over the batch inside the model."""
+    reduce, reduction = REDUCED_OVER_THE_BATCH_FIRST[form]
+    _exact_and_the_other_reduction_refused(TokenLoss(reduce), reduction)
+
+
+def test_a_sum_divided_by_a_multiple_of_the_batch_that_counts_nothing_stays_a_sum():
+    """8 at B = 4 is ``2·B``, but a sample has 15 entries, not 2: a sum over a number."""
+    _exact_and_the_other_reduction_refused(TokenLoss(lambda l, x: l.sum() / 8), "sum")
+
+
+def _exact_and_the_other_reduction_refused(step: nn.Module, reduction: str) -> None:
+    _exact_at_a_static_and_a_dynamic_batch_size(step, reduction)
+    other = "sum" if reduction == "mean" else "mean"
+    torch._dynamo.reset()
+    with refused(f"the loss inside the graph is a {reduction} over the batch but loss_reduction={other!r}"):
+        fxdp.transform(step, loss_reduction=other, compiler="eager")(randn(4, 5, 4))
+
+
+def test_a_reduction_over_the_batch_used_otherwise_than_summed_on_is_refused():
+    """``l.mean(0)`` squared, or returned, is no sum of per-sample terms."""
+    for reduce in (lambda l, x: l.mean(0).square().sum(), lambda l, x: l.mean(0)):
+        torch._dynamo.reset()
+        with refused(r"aten.mean.dim .* it reduces over the batch dim \(only the final loss may\)"):
+            fxdp.transform(TokenLoss(reduce), compiler="eager")(randn(4, 5, 4))
 
 
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
