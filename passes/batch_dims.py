@@ -1183,16 +1183,20 @@ def _reduction(node: fx.Node, arg_batch: list, kind: str) -> Any:
 
 
 def _summed_to_a_scalar(node: fx.Node) -> bool:
-    """``node``'s value is only summed or averaged on, through copies, views and
-    selections, to scalars: ``l.mean(0).sum()``, ``l.sum(0).mean()``. Reduced over the
-    batch first, it is still the loss, a sum (or mean) of each sample's own terms."""
+    """``node``'s value is only summed, averaged, scaled or added to on, through copies,
+    views and selections, to scalars: ``l.mean(0).sum()``, ``l.sum(0).mean()``, a
+    multi-task loss ``(l.mean(0) * task_weights).sum()``. Reduced over the batch first,
+    it is still the loss, a sum (or mean) of each sample's own terms; what it meets on
+    the way is judged as what meets any loss (``_scales_the_loss``)."""
     if not node.users:
         return False
     for user in node.users:
-        if user.op != "call_function" or user.args[0] is not node or not (
-                user.target in _LOSS_VECTORS or user.target in _COPIES):
-            return False
-        if not (user.target in _FULL_REDUCTIONS and _meta(user).dim() == 0) and not _summed_to_a_scalar(user):
+        op = (out_of_place(user.target) or user.target) if user.op == "call_function" else None
+        if op in _LOSS_VECTORS or op in _COPIES or op in (aten.div.Tensor, aten.div.Scalar):
+            along = user.args[0] is node
+        else:
+            along = op in _LINEAR_IN_THE_LOSS or op in (aten.mul.Tensor, aten.mul.Scalar)
+        if not along or (_meta(user).dim() > 0 and not _summed_to_a_scalar(user)):
             return False
     return True
 

@@ -1012,6 +1012,10 @@ REDUCED_OVER_THE_BATCH_FIRST = {
     "mean_over_batch_and_time_then_sum": (lambda l, x: l.mean(dim=(0, 1)).sum(), "mean"),
     "mean_keepdim_then_sum": (lambda l, x: l.mean(0, keepdim=True).sum(), "mean"),
     "sum_over_the_batch_then_mean": (lambda l, x: l.sum(0).mean(), "sum"),
+    # a multi-task loss: each task's mean over the batch, weighted
+    "weighted_task_means": (lambda l, x: (l.mean(dim=(0, 1)) * torch.tensor([1.0, 2.0, 3.0], dtype=l.dtype)).sum(),
+                            "mean"),
+    "two_means_over_the_batch_added": (lambda l, x: (l.mean(0) + 0.5 * l.square().mean(0)).sum(), "mean"),
 }
 
 
@@ -1065,11 +1069,14 @@ def _exact_and_the_other_reduction_refused(step: nn.Module, reduction: str) -> N
 
 
 def test_a_reduction_over_the_batch_used_otherwise_than_summed_on_is_refused():
-    """``l.mean(0)`` squared, or returned, is no sum of per-sample terms."""
+    """``l.mean(0)`` squared, returned, or multiplied by itself is no sum of per-sample terms."""
     for reduce in (lambda l, x: l.mean(0).square().sum(), lambda l, x: l.mean(0)):
         torch._dynamo.reset()
         with refused(r"aten.mean.dim .* it reduces over the batch dim \(only the final loss may\)"):
             fxdp.transform(TokenLoss(reduce), compiler="eager")(randn(4, 5, 4))
+    torch._dynamo.reset()
+    with refused(r"aten.mul.Tensor .* a reduction over the batch .* is used by an op other than a sum"):
+        fxdp.transform(TokenLoss(lambda l, x: (l.mean(0) * l.mean(0)).sum()), compiler="eager")(randn(4, 5, 4))
 
 
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
@@ -2460,15 +2467,17 @@ def test_a_statistic_of_the_batch_that_only_reports_is_accepted(kind):
 
 
 @pytest.mark.parametrize("kind,op", [("perplexity", "aten.histc.default"), ("bincount", "aten.bincount.default"),
-                                     ("detached mean", "aten.mean.dim"), ("no_grad var", "aten.var.dim"),
+                                     ("detached mean", "aten.mul.Tensor"), ("no_grad var", "aten.var.dim"),
                                      ("input std", "aten.std.dim"), ("returned std", "aten.std.dim")])
 def test_a_statistic_of_the_batch_that_a_gradient_depends_on_is_refused(kind, op):
     """Scaling, or selecting, the value the loss reads: each sample's gradient would
     depend on the others'. A statistic returned with its gradient could be put into the
-    loss."""
+    loss. (A mean over the batch averaged on to a scalar, ``h.mean(0).mean()``, is
+    ``h.mean()``: refused where it scales ``h``, as a full mean is.)"""
     problems = fxdp.validate(Reports(kind, use=kind != "returned std").to(DTYPE), randn(6, 4))
     assert [p.op for p in problems] == [op], problems
-    assert "mixes samples" in problems[0].reason
+    assert ("a statistic of the batch) is used by an op other than a sum" if op == "aten.mul.Tensor"
+            else "mixes samples") in problems[0].reason
 
 
 def test_refusal_raises_fxdp_unsupported_error_itself():
