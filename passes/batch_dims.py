@@ -11,6 +11,7 @@ without a per-sample rule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 import os
@@ -3251,12 +3252,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             if _scales_the_loss(target, arg_batch):
                 batch[node] = next(b for b in _flat(arg_batch) if isinstance(b, Loss))
                 reductions = _reductions_behind(node, batch, losses)
-                if _divides_by(node, batch_size, lambda: _counts_per_sample(reductions, batch, batch_size)):
-                    if all(losses[r] == "sum" for r in reductions):
-                        losses.update(dict.fromkeys(reductions, "batchmean"))
-                elif _multiplies_by(node, batch_size):  # a mean times B: the sum
-                    if all(losses[r] == "mean" for r in reductions):
-                        losses.update(dict.fromkeys(reductions, "sum"))
+                counts = functools.partial(_counts_per_sample, reductions, batch, batch_size)
+                if _divides_by(node, batch_size, counts) and all(losses[r] == "sum" for r in reductions):
+                    losses.update(dict.fromkeys(reductions, "batchmean"))
+                elif _multiplies_by(node, batch_size) and all(losses[r] == "mean" for r in reductions):
+                    losses.update(dict.fromkeys(reductions, "sum"))  # a mean times B: the sum
                 continue
             problems.append(Problem(op_name(target), path, "", _loss_misuse(target, arg_batch, _meta(node)),
                                     source_of(node)))

@@ -1394,9 +1394,9 @@ def test_hugging_face_time_series_loss_with_its_default_weights_is_a_mean():
         encoder_ffn_dim=8, decoder_ffn_dim=8, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
         encoder_layerdrop=0.0, decoder_layerdrop=0.0)
     model = transformers.TimeSeriesTransformerForPrediction(config).to(DTYPE).train()
-    inputs = dict(past_values=randn(3, 8), past_time_features=randn(3, 8, 1, seed=2),
-                  past_observed_mask=torch.ones(3, 8, dtype=DTYPE), future_values=randn(3, 4, seed=3),
-                  future_time_features=randn(3, 4, 1, seed=4))
+    inputs = {"past_values": randn(3, 8), "past_time_features": randn(3, 8, 1, seed=2),
+              "past_observed_mask": torch.ones(3, 8, dtype=DTYPE), "future_values": randn(3, 4, seed=3),
+              "future_time_features": randn(3, 4, 1, seed=4)}
     ref = reference(model, [], lambda out, i: out.loss, kwargs=inputs)
     clip = float(ref.norms.median())
     dp = fxdp.transform(model, max_grad_norm=clip, grad_sample=True, compiler="eager")
