@@ -3252,8 +3252,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             if _scales_the_loss(target, arg_batch):
                 batch[node] = next(b for b in _flat(arg_batch) if isinstance(b, Loss))
                 reductions = _reductions_behind(node, batch, losses)
-                counts = functools.partial(_counts_per_sample, reductions, batch, batch_size)
-                if _divides_by(node, batch_size, counts) and all(losses[r] == "sum" for r in reductions):
+                per_sample_counts = functools.partial(_counts_per_sample, reductions, batch, batch_size)
+                if _divides_by(node, batch_size, per_sample_counts) and all(losses[r] == "sum" for r in reductions):
                     losses.update(dict.fromkeys(reductions, "batchmean"))
                 elif _multiplies_by(node, batch_size) and all(losses[r] == "mean" for r in reductions):
                     losses.update(dict.fromkeys(reductions, "sum"))  # a mean times B: the sum
