@@ -3189,7 +3189,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 batch[node] = None
                 continue
         if any(a in counts for a in node.all_input_nodes) and (
-                _is_pointwise(target) or target in _TENSORS_OF_COUNTS):
+                _is_pointwise(target) or target in _TENSORS_OF_COUNTS or target in _CREATION):
             problems.append(Problem(op_name(target), path, "", _COUNTED, source_of(node)))
             out = _meta(node)
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
@@ -3226,7 +3226,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     del sources[node]
                     expanded_params[node] = sized
                 continue
-        if not batched or target in _CREATION:
+        if not batched or (target in _CREATION and not _any_masked(arg_batch)):
             out = _meta(node)
             batch[node] = [None] * len(out) if isinstance(out, (list, tuple)) else None
             continue

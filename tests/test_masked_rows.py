@@ -219,6 +219,13 @@ class TaggerLoss(nn.Module):
             return F.cross_entropy(scores, tags, reduction="sum") / scores.shape[0]
         if self.how == "returned":
             return scores
+        # the count carried by a tensor the forward makes of the selected rows' size
+        counted = {"over ones_like": lambda: torch.ones_like(scores).sum(),
+                   "over new_ones": lambda: x.new_ones(scores.shape).sum(),
+                   "over ones of the count": lambda: torch.ones(scores.shape[0], dtype=x.dtype).sum(),
+                   "over arange of the count": lambda: torch.arange(scores.numel()).max() + 1}
+        if self.how in counted:
+            return F.cross_entropy(scores, tags, reduction="sum") / counted[self.how]()
         out = torch.zeros(*tokens.shape, 3, dtype=x.dtype)  # "rows over count"
         out[keep] = scores / scores.shape[0]
         return out.pow(2).sum()
@@ -239,14 +246,19 @@ def test_a_loss_summed_over_the_rows_a_mask_selected_is_exact(how):
                          f"grad_sample at B = {size}")
 
 
-@pytest.mark.parametrize("how", ["mean", "over count", "rows over count"])
+@pytest.mark.parametrize("how", ["mean", "over count", "rows over count", "over ones_like", "over new_ones",
+                                 "over ones of the count", "over arange of the count"])
 def test_a_count_of_the_rows_every_mask_selected_is_refused(how):
     """A mean over the selected rows, or their number used in arithmetic: each sample's
-    share would depend on how many rows the other samples' masks selected."""
+    share would depend on how many rows the other samples' masks selected. The count
+    passed on as the size of a tensor the forward makes (``ones_like`` of the rows,
+    ``ones(n)``, ``arange(n)``) and summed back was read as a shared constant, and the
+    loss divided by it accepted under "sum" (a privacy hole, found by a helper)."""
     problems = fxdp.validate(TaggerLoss(how).double(), *_inputs(3, torch.float64), loss_reduction="sum")
     reasons = " ".join(p.reason for p in problems)
     assert problems and ("boolean mask selected from the whole batch" in reasons
-                         or "one list of every sample's elements" in reasons), problems
+                         or "one list of every sample's elements" in reasons
+                         or "a normaliser from the whole batch's data" in reasons), problems
 
 
 def test_the_rows_a_mask_selected_returned_by_the_forward_are_refused_with_where_to_put_the_loss():
