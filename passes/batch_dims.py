@@ -2579,40 +2579,62 @@ def _loss_misuse(target: Any, arg_batch: list, out: Any = None) -> str:
     return reason
 
 
-def _divides_by(node: fx.Node, batch_size: Any, counts: Callable[[], set[int]] = lambda: {1}) -> bool:
-    """``node`` is ``x / (B·k)`` or ``x * (1 / (B·k))`` with ``B`` the batch size and
-    ``k > 0`` a number of entries per sample: ``x / B``, ``l.sum() / l.numel()``,
-    ``l.sum() / (B * T)``. On a static compile ``B·k`` is a literal, and ``k`` must be
-    one of ``counts()`` (a product of some of the summed tensor's sizes per sample), a
-    number that happens to be a multiple of ``B`` being no sign of it; a symbolic
-    ``B·k`` shows its factor ``B`` (any ``k`` free of it)."""
+def _batch_power(node: fx.Node, batch_size: Any, counts: Callable[[], set[int]]) -> int | None:
+    """How ``node`` scales a loss by the batch size: ``1`` for ``x / (B·k)`` or
+    ``x * (1 / (B·k))``, ``-1`` for ``x * (B·k)``, with ``k > 0`` a number of entries per
+    sample (``x / B``, ``l.sum() / l.numel()``, ``l.sum() / (B * T)``, ``l.mean() * B``);
+    ``0`` for a scaling that does not involve ``B``; ``None`` for a symbolic one that
+    involves ``B`` otherwise (``x / (B + 1)``, ``x / B ** 2``). On a static compile ``B·k``
+    is a literal, read so only where ``k`` is one of ``counts()`` (a product of some of
+    the summed tensor's sizes per sample: a number that happens to be a multiple of
+    ``B`` is no sign of it); a symbolic ``B·k`` shows its factor ``B``."""
     op = node.target
     if op not in (aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar) or len(node.args) < 2:
-        return False
+        return 0
     operands = [_meta(a) if isinstance(a, fx.Node) else a for a in node.args[:2]]
-    if op in (aten.div.Tensor, aten.div.Scalar):
-        divisor, reciprocal = operands[1], False
-    else:
-        divisor, reciprocal = next((f for f in operands if isinstance(f, (float, torch.SymFloat))), None), True
-    if divisor is None or isinstance(divisor, bool) or not isinstance(
-            divisor, (int, float, torch.SymInt, torch.SymFloat)):
-        return False
-    if not reciprocal and isinstance(divisor, (float, torch.SymFloat)):
-        return False
-    divisor, batch_size = _as_number(divisor), _as_number(batch_size)
-    if isinstance(divisor, (torch.SymInt, torch.SymFloat)) or isinstance(batch_size, torch.SymInt):
-        if not (isinstance(divisor, (torch.SymInt, torch.SymFloat)) and isinstance(batch_size, torch.SymInt)):
-            return False
+    numbers = [f for f in (operands[1:] if op in (aten.div.Tensor, aten.div.Scalar) else operands)
+               if isinstance(f, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(f, bool)]
+    if not numbers:
+        return 0
+    factor, divides = _as_number(numbers[0]), op in (aten.div.Tensor, aten.div.Scalar)
+    batch_size = _as_number(batch_size)
+    if isinstance(factor, (torch.SymInt, torch.SymFloat)):
+        if not isinstance(batch_size, torch.SymInt):
+            return 0
         b = plain_expression(batch_size)
-        k = (1 / (plain_expression(divisor) * b) if reciprocal else plain_expression(divisor) / b).simplify()
-        return not (k.free_symbols & b.free_symbols) and bool(k.is_positive)
-    if batch_size <= 0:
-        return False
-    k = 1 / (divisor * batch_size) if reciprocal else divisor / batch_size
-    if reciprocal and abs(k - round(k)) > 1e-9 * abs(k):
-        return False
-    k = round(k)
-    return (divisor % batch_size == 0 or reciprocal) and k in counts()
+        f = plain_expression(factor)
+        if not (f.free_symbols & b.free_symbols):
+            return 0
+        for power, k in ((1 if divides else -1, f / b), (-1 if divides else 1, 1 / (f * b))):
+            k = k.simplify()
+            if not (k.free_symbols & b.free_symbols) and bool(k.is_positive):
+                return power
+        return None
+    if isinstance(batch_size, torch.SymInt) or batch_size <= 0 or factor == 0:
+        return 0
+    for power, k in ((1 if divides else -1, factor / batch_size), (-1 if divides else 1, 1 / (factor * batch_size))):
+        if abs(k - round(k)) <= 1e-9 * abs(k) and round(k) in counts():
+            return power
+    return 0
+
+
+_SCALED_BY_THE_BATCH = (
+    "the loss inside the graph is scaled by the batch size so that it is neither a mean over the samples "
+    "nor a sum (l.mean() / B, l.sum() * B, l.sum() / B ** 2, l.sum() / (B + 1)): no sample's own loss would "
+    "give its gradient; divide a sum by B (or by B times a count per sample) for a mean, or by a fixed number "
+    "for a sum")
+
+
+def _scaled_kind(kind: str, divided: int) -> str | None:
+    """The kind of a loss reduced as ``kind`` ("sum" or "mean") and then divided by the
+    batch size ``divided`` times (multiplied where negative): a sum, a mean, a sum divided
+    by ``B`` once ("batchmean", which fits either ``loss_reduction``), or ``None``."""
+    total = int(kind == "mean") + divided
+    if total == 0:
+        return "sum"
+    if total == 1:
+        return "batchmean" if kind == "sum" else "mean"
+    return None
 
 
 def _counts_per_sample(reductions: Sequence[fx.Node], batch: dict, batch_size: int) -> set[int]:
@@ -2630,15 +2652,6 @@ def _counts_per_sample(reductions: Sequence[fx.Node], batch: dict, batch_size: i
             if isinstance(size, int) and size > 0:
                 counts |= {c * size for c in counts}
     return counts
-
-
-def _multiplies_by(node: fx.Node, batch_size: Any) -> bool:
-    """``node`` is ``x * B`` (or ``B * x``) with ``B`` the batch size."""
-    if node.target not in (aten.mul.Tensor, aten.mul.Scalar) or len(node.args) < 2:
-        return False
-    factors = [_meta(a) if isinstance(a, fx.Node) else a for a in node.args[:2]]
-    return any(isinstance(f, (int, torch.SymInt)) and not isinstance(f, bool) and _same_size(f, batch_size)
-               for f in factors)
 
 
 def _reductions_behind(node: fx.Node, batch: dict, losses: dict[fx.Node, str]) -> list[fx.Node]:
@@ -3125,6 +3138,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     consumed: list[tuple[fx.Node, int | None, fx.Node]] = []
     stored: dict[fx.Node, list[str]] = {}  # values of parameters alone the forward stores
     losses: dict[fx.Node, str] = {}  # the reductions that made a loss, and their kind
+    divided: dict[fx.Node, int] = {}  # how many times a loss was divided by B since (see _batch_power)
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim, float | None]] = []
     sized_normaliser = False
     single = isinstance(batch_size, int) and batch_size in (0, 1) and not chunk
@@ -3252,11 +3266,14 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             if _scales_the_loss(target, arg_batch):
                 batch[node] = next(b for b in _flat(arg_batch) if isinstance(b, Loss))
                 reductions = _reductions_behind(node, batch, losses)
-                per_sample_counts = functools.partial(_counts_per_sample, reductions, batch, batch_size)
-                if _divides_by(node, batch_size, per_sample_counts) and all(losses[r] == "sum" for r in reductions):
-                    losses.update(dict.fromkeys(reductions, "batchmean"))
-                elif _multiplies_by(node, batch_size) and all(losses[r] == "mean" for r in reductions):
-                    losses.update(dict.fromkeys(reductions, "sum"))  # a mean times B: the sum
+                power = _batch_power(node, batch_size,
+                                     functools.partial(_counts_per_sample, reductions, batch, batch_size))
+                if power is None:
+                    problems.append(Problem(op_name(target), path, "", _SCALED_BY_THE_BATCH, source_of(node)))
+                    batch[node] = None
+                    continue
+                for r in reductions:
+                    divided[r] = divided.get(r, 0) + power
                 continue
             problems.append(Problem(op_name(target), path, "", _loss_misuse(target, arg_batch, _meta(node)),
                                     source_of(node)))
@@ -3333,6 +3350,10 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     # is none: only the losses the outputs depend on count.
     live = _live_nodes(gm)
     losses = {n: kind for n, kind in losses.items() if n in live}
+    losses = {n: _scaled_kind(kind, divided.get(n, 0)) for n, kind in losses.items()}
+    if None in losses.values():
+        problems.append(Problem("loss", "", "", _SCALED_BY_THE_BATCH))
+        losses = {n: kind for n, kind in losses.items() if kind is not None}
     # A sum divided by the batch size fits beside a mean and beside a sum alike.
     loss_kinds = set(losses.values())
     if loss_kinds:

@@ -1055,6 +1055,38 @@ def test_a_reduction_over_the_batch_summed_on_is_the_loss(form):
     _exact_and_the_other_reduction_refused(TokenLoss(reduce), reduction)
 
 
+# Scaled by the batch size and back: what the scalings add up to.
+SCALED_AND_BACK = {
+    "sum_over_the_batch_times_the_batch": (lambda l, x: l.sum() / x.shape[0] * x.shape[0], "sum"),
+    "mean_times_numel": (lambda l, x: l.mean() * l.numel(), "sum"),
+    "mean_over_the_batch_times_the_batch": (lambda l, x: l.mean() / x.shape[0] * x.shape[0], "mean"),
+}
+
+
+@pytest.mark.parametrize("form", list(SCALED_AND_BACK))
+def test_a_loss_scaled_by_the_batch_size_and_back_reads_as_what_it_adds_up_to(form):
+    """``(l.sum() / B) * B`` is a sum and ``l.mean() * l.numel()`` too: under "mean" they
+    were accepted as means, each sample's gradient B times its own loss's (found by a
+    helper). ``l.mean() / B * B`` is a mean (it was refused as a sum)."""
+    reduce, reduction = SCALED_AND_BACK[form]
+    _exact_and_the_other_reduction_refused(TokenLoss(reduce), reduction)
+
+
+def test_a_loss_scaled_by_the_batch_size_into_neither_a_mean_nor_a_sum_is_refused():
+    """``l.mean() / B`` (each sample's share ``l_b / B²``) was accepted as a mean; ``l.sum()
+    / (B + 1)``, symbolic after a second batch size, as a sum."""
+    for reduction in ("mean", "sum"):
+        torch._dynamo.reset()
+        with refused(r"the loss inside the graph is scaled by the batch size so that it is neither a mean"):
+            fxdp.transform(TokenLoss(lambda l, x: l.mean() / x.shape[0]), loss_reduction=reduction,
+                           compiler="eager")(randn(4, 5, 4))
+    torch._dynamo.reset()
+    dp = fxdp.transform(TokenLoss(lambda l, x: l.sum() / (x.shape[0] + 1)), loss_reduction="sum", compiler="eager")
+    dp(randn(4, 5, 4)).backward()  # the static compile: 5 is a number like any other
+    with refused(r"aten.div.Tensor .* the loss inside the graph is scaled by the batch size"):
+        dp(randn(6, 5, 4))
+
+
 def test_a_sum_divided_by_a_multiple_of_the_batch_that_counts_nothing_stays_a_sum():
     """8 at B = 4 is ``2·B``, but a sample has 15 entries, not 2: a sum over a number."""
     _exact_and_the_other_reduction_refused(TokenLoss(lambda l, x: l.sum() / 8), "sum")
