@@ -1557,12 +1557,14 @@ def size_hint(size: Any) -> int:
 def plain_expression(size: Any) -> Any:
     """The sympy expression of a symbolic size or number, with the functions Dynamo
     writes float arithmetic with (``FloatTrueDiv(1.0, ToFloat(s0))`` for ``1.0 / B``)
-    as plain division and the value itself, so that sympy can simplify it."""
-    from torch.utils._sympy.functions import FloatTrueDiv, IntTrueDiv, ToFloat
+    as plain division, powers and the value itself, so that sympy can simplify it."""
+    from torch.utils._sympy.functions import FloatPow, FloatTrueDiv, IntTrueDiv, PowByNatural, ToFloat
 
     expr = size.node.expr
     for division in (FloatTrueDiv, IntTrueDiv):
         expr = expr.replace(division, lambda a, b: a / b)
+    for power in (FloatPow, PowByNatural):
+        expr = expr.replace(power, lambda a, b: a ** b)
     return expr.replace(ToFloat, lambda a: a)
 
 

@@ -2579,7 +2579,7 @@ def _loss_misuse(target: Any, arg_batch: list, out: Any = None) -> str:
     return reason
 
 
-def _batch_power(node: fx.Node, batch_size: Any, counts: Callable[[], set[int]]) -> int | None:
+def _batch_power(node: fx.Node, batch_size: Any, counts: Callable[[], set[int]]) -> tuple[int, bool] | None:
     """How ``node`` scales a loss by the batch size: ``1`` for ``x / (B·k)`` or
     ``x * (1 / (B·k))``, ``-1`` for ``x * (B·k)``, with ``k > 0`` a number of entries per
     sample (``x / B``, ``l.sum() / l.numel()``, ``l.sum() / (B * T)``, ``l.mean() * B``);
@@ -2587,35 +2587,36 @@ def _batch_power(node: fx.Node, batch_size: Any, counts: Callable[[], set[int]])
     involves ``B`` otherwise (``x / (B + 1)``, ``x / B ** 2``). On a static compile ``B·k``
     is a literal, read so only where ``k`` is one of ``counts()`` (a product of some of
     the summed tensor's sizes per sample: a number that happens to be a multiple of
-    ``B`` is no sign of it); a symbolic ``B·k`` shows its factor ``B``."""
+    ``B`` is no sign of it); a symbolic ``B·k`` shows its factor ``B``. With the power,
+    whether it was read from a literal (which may be ``B`` or a number equal to it)."""
     op = node.target
     if op not in (aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar) or len(node.args) < 2:
-        return 0
+        return 0, False
     operands = [_meta(a) if isinstance(a, fx.Node) else a for a in node.args[:2]]
     numbers = [f for f in (operands[1:] if op in (aten.div.Tensor, aten.div.Scalar) else operands)
                if isinstance(f, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(f, bool)]
     if not numbers:
-        return 0
+        return 0, False
     factor, divides = _as_number(numbers[0]), op in (aten.div.Tensor, aten.div.Scalar)
     batch_size = _as_number(batch_size)
     if isinstance(factor, (torch.SymInt, torch.SymFloat)):
         if not isinstance(batch_size, torch.SymInt):
-            return 0
+            return 0, False
         b = plain_expression(batch_size)
         f = plain_expression(factor)
         if not (f.free_symbols & b.free_symbols):
-            return 0
+            return 0, False
         for power, k in ((1 if divides else -1, f / b), (-1 if divides else 1, 1 / (f * b))):
             k = k.simplify()
             if not (k.free_symbols & b.free_symbols) and bool(k.is_positive):
-                return power
+                return power, False
         return None
     if isinstance(batch_size, torch.SymInt) or batch_size <= 0 or factor == 0:
-        return 0
+        return 0, False
     for power, k in ((1 if divides else -1, factor / batch_size), (-1 if divides else 1, 1 / (factor * batch_size))):
         if abs(k - round(k)) <= 1e-9 * abs(k) and round(k) in counts():
-            return power
-    return 0
+            return power, True
+    return 0, False
 
 
 _SCALED_BY_THE_BATCH = (
@@ -2625,11 +2626,20 @@ _SCALED_BY_THE_BATCH = (
     "for a sum")
 
 
-def _scaled_kind(kind: str, divided: int) -> str | None:
+def _scaled_kind(kind: str, steps: list[tuple[int, bool]]) -> str | None:
     """The kind of a loss reduced as ``kind`` ("sum" or "mean") and then divided by the
-    batch size ``divided`` times (multiplied where negative): a sum, a mean, a sum divided
-    by ``B`` once ("batchmean", which fits either ``loss_reduction``), or ``None``."""
-    total = int(kind == "mean") + divided
+    batch size once per ``steps`` power (multiplied where negative; see ``_batch_power``):
+    a sum, a mean, a sum divided by ``B`` once ("batchmean", which fits either
+    ``loss_reduction``), or ``None``. A literal read as ``B`` where that leaves neither is
+    a number equal to it instead (``l.mean() * B * T`` on a static compile with ``T ==
+    B``; a constant divisor): the symbolic graph of a later batch size tells them apart."""
+    total = int(kind == "mean") + sum(power for power, literal in steps if not literal)
+    literals = [power for power, literal in steps if literal]
+    if total + sum(literals) in (0, 1):
+        total += sum(literals)
+    else:
+        for power in literals:
+            total += power if total + power in (0, 1) else 0
     if total == 0:
         return "sum"
     if total == 1:
@@ -3138,7 +3148,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     consumed: list[tuple[fx.Node, int | None, fx.Node]] = []
     stored: dict[fx.Node, list[str]] = {}  # values of parameters alone the forward stores
     losses: dict[fx.Node, str] = {}  # the reductions that made a loss, and their kind
-    divided: dict[fx.Node, int] = {}  # how many times a loss was divided by B since (see _batch_power)
+    divided: dict[fx.Node, list] = {}  # the loss's divisions by B since, and their kind (see _batch_power)
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim, float | None]] = []
     sized_normaliser = False
     single = isinstance(batch_size, int) and batch_size in (0, 1) and not chunk
@@ -3272,8 +3282,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     problems.append(Problem(op_name(target), path, "", _SCALED_BY_THE_BATCH, source_of(node)))
                     batch[node] = None
                     continue
-                for r in reductions:
-                    divided[r] = divided.get(r, 0) + power
+                for r in reductions if power[0] else ():
+                    divided.setdefault(r, []).append(power)
                 continue
             problems.append(Problem(op_name(target), path, "", _loss_misuse(target, arg_batch, _meta(node)),
                                     source_of(node)))
@@ -3350,7 +3360,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     # is none: only the losses the outputs depend on count.
     live = _live_nodes(gm)
     losses = {n: kind for n, kind in losses.items() if n in live}
-    losses = {n: _scaled_kind(kind, divided.get(n, 0)) for n, kind in losses.items()}
+    losses = {n: _scaled_kind(kind, divided.get(n, [])) for n, kind in losses.items()}
     if None in losses.values():
         problems.append(Problem("loss", "", "", _SCALED_BY_THE_BATCH))
         losses = {n: kind for n, kind in losses.items() if kind is not None}

@@ -1072,18 +1072,17 @@ def test_a_loss_scaled_by_the_batch_size_and_back_reads_as_what_it_adds_up_to(fo
     _exact_and_the_other_reduction_refused(TokenLoss(reduce), reduction)
 
 
-def test_a_loss_scaled_by_the_batch_size_into_neither_a_mean_nor_a_sum_is_refused():
-    """``l.mean() / B`` (each sample's share ``l_b / B²``) was accepted as a mean; ``l.sum()
-    / (B + 1)``, symbolic after a second batch size, as a sum."""
-    for reduction in ("mean", "sum"):
-        torch._dynamo.reset()
-        with refused(r"the loss inside the graph is scaled by the batch size so that it is neither a mean"):
-            fxdp.transform(TokenLoss(lambda l, x: l.mean() / x.shape[0]), loss_reduction=reduction,
-                           compiler="eager")(randn(4, 5, 4))
-    torch._dynamo.reset()
-    dp = fxdp.transform(TokenLoss(lambda l, x: l.sum() / (x.shape[0] + 1)), loss_reduction="sum", compiler="eager")
-    dp(randn(4, 5, 4)).backward()  # the static compile: 5 is a number like any other
-    with refused(r"aten.div.Tensor .* the loss inside the graph is scaled by the batch size"):
+@pytest.mark.parametrize("form,reduction", [("mean_over_the_batch", "mean"), ("sum_over_the_batch_plus_one", "sum")])
+def test_a_loss_scaled_by_the_batch_size_into_neither_a_mean_nor_a_sum_is_refused(form, reduction):
+    """``l.mean() / B`` (each sample's share ``l_b / B²``) was accepted as a mean (found by
+    a helper), ``l.sum() / (B + 1)`` as a sum. Symbolic, after a second batch size, both
+    are refused. On the first, static, compile ``B`` is a literal, a number like any
+    other: ``l.mean() / 4`` is a mean, ``l.sum() / 5`` a sum."""
+    reduce = {"mean_over_the_batch": lambda l, x: l.mean() / x.shape[0],
+              "sum_over_the_batch_plus_one": lambda l, x: l.sum() / (x.shape[0] + 1)}[form]
+    dp = fxdp.transform(TokenLoss(reduce), loss_reduction=reduction, compiler="eager")
+    dp(randn(4, 5, 4)).backward()
+    with refused(r"the loss inside the graph is scaled by the batch size so that it is neither"):
         dp(randn(6, 5, 4))
 
 
