@@ -988,7 +988,7 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
         if isinstance(gather, SameCounts):
             with gm.graph.inserting_before(gather.node):
                 gm.graph.call_function(fxdp_same_mask_counts, (gather.mask, gather.dim, gather.source, gather.like,
-                                                               gather.rows))
+                                                               gather.rows, gather.mean))
             continue
         if reference is None:
             raise UnsupportedError(
@@ -1008,12 +1008,13 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
 
 
 def fxdp_same_mask_counts(mask: torch.Tensor, dim: int, source: torch.Tensor | None = None,
-                          like: torch.Tensor | None = None, rows: bool = False) -> None:
+                          like: torch.Tensor | None = None, rows: bool = False, mean: bool = False) -> None:
     """Assert that every sample's part of the boolean ``mask`` (batched along ``dim``)
     selects as many elements as the first's, or, for a ``masked_scatter``, as one
     sample's part of its ``source`` holds (``source`` batched along dim 0, a row or
     several per sample; the mask broadcast to ``like``'s shape), or, with ``rows``, as
-    many positions as one sample's part of ``source`` has rows (see ``SameCounts``)."""
+    many positions as one sample's part of ``source`` has rows (see ``SameCounts``).
+    ``mean``: the selected elements are averaged, not viewed."""
     if like is not None:
         mask = mask.expand(torch.broadcast_shapes(mask.shape, like.shape))
     counts = mask.movedim(dim, 0).flatten(1).sum(1)
@@ -1025,6 +1026,13 @@ def fxdp_same_mask_counts(mask: torch.Tensor, dim: int, source: torch.Tensor | N
             "source rows, and the samples' masks select other numbers of positions than a sample's "
             "source rows hold: samples would be filled from each other's rows. Fill each sample from a "
             "source of the output's shape instead: torch.where(mask, filled, x)."))
+        return
+    if mean:
+        torch._assert_async((counts[:1] == counts).all(), (
+            "fxdp: the loss is a mean over the elements a boolean mask selected over the batch (x[mask].mean(), "
+            "a loss of logits[mask] with reduction='mean'), and the samples' masks select different numbers "
+            "of elements: each sample's share would depend on the other samples' masks. Sum the selected "
+            "elements' losses and divide by a fixed number instead, with loss_reduction='sum'."))
         return
     torch._assert_async((counts[:1] == counts).all(), (
         "fxdp: rows a boolean mask selected over the batch (h[mask]) are viewed as [B, n, ...] (one row of n "

@@ -471,7 +471,10 @@ class SameCounts:
     (``h[eos_mask].view(B, -1, d)``, the sentence representation of Hugging Face's BART
     and T5 classification heads): row ``(b, j)`` is sample ``b``'s ``j``-th selected
     row only where every sample's mask selects as many (``n``), which ``own_rows_pass``
-    checks at run time. Or a ``masked_scatter`` of a source batched along its dim 0
+    checks at run time. Or a mean over every element of the selected rows
+    (``x[mask].mean()``, ``bce_with_logits(logits[mask], labels[mask])``, ELECTRA's
+    discriminator loss), the mean over the samples of each one's own mean where every
+    sample's mask selects as many. Or a ``masked_scatter`` of a source batched along its dim 0
     (see ``_masked_scatter``): every sample's mask must select as many positions as
     one sample's source holds.
 
@@ -491,6 +494,7 @@ class SameCounts:
     source: "fx.Node | None" = None
     like: "fx.Node | None" = None
     rows: bool = False
+    mean: bool = False  # ``node`` is a mean over every element of the selected rows
 
 
 # The gathers and writes of each propagation running now, innermost last (``_propagate``).
@@ -2065,7 +2069,7 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
             raise MixesSamples(_MASKED)
     except (MixesSamples, GuardOnDataDependentSymNode, ValueError):  # along the list: a flip, a slice of its length
         raise MixesSamples(_MASKED_PARAMETER if uses_parameter else _MASKED) from None
-    out = _as_masked(out, first)
+    out = _as_masked(out, first, node)
     if uses_parameter:
         # Run on the rows put back in place, it is a use on the batch (masked_rows.py).
         masks = {a: b.mask for a, b in zip(node.args, arg_batch) if isinstance(a, fx.Node) and isinstance(b, Masked)}
@@ -2142,21 +2146,36 @@ def _masked_as_plain(b: Any, plain: BatchDim) -> Any:
     return plain if isinstance(b, Masked) else b
 
 
-def _as_masked(out: Any, selected: Masked) -> Any:
+def _as_masked(out: Any, selected: Masked, node: fx.Node) -> Any:
     """An op's layout on ``Masked`` lists taken as a plain batch along dim 0, as lists
     again: the rows must stay along dim 0, each on its own."""
     if isinstance(out, (list, tuple)):
-        return type(out)(_as_masked(b, selected) for b in out)
+        return type(out)(_as_masked(b, selected, node) for b in out)
     if out is None:
         return None
     if isinstance(out, BatchDim) and out.dim == 0 and out.plain:
         return selected
     if isinstance(out, Loss) and out.reduction == "sum":
         # Every element summed (``cross_entropy(logits[mask], y[mask], reduction="sum")``,
-        # flair's tagger): the sum over the samples of each sample's own elements' sum. A
-        # mean divides by how many elements every sample's mask selected: refused.
+        # flair's tagger): the sum over the samples of each sample's own elements' sum.
+        return out
+    layout = selected.layout
+    if isinstance(out, Loss) and (node.target in _MEANS_OF_EVERY_ELEMENT) \
+            and isinstance(layout, BatchDim) and isinstance(layout.dim, int) and layout.plain:
+        # A mean divides by how many elements every sample's mask selected: the mean of
+        # the samples' own means where they select as many (checked at run time).
+        _OWN_ROWS[-1].append(SameCounts(node, selected.mask, layout.dim, mean=True))
         return out
     raise MixesSamples(_MASKED)
+
+
+# Means over every element alike: not a cross entropy, whose mean counts the targets
+# that are not ``ignore_index``.
+_MEANS_OF_EVERY_ELEMENT = {
+    aten.mean.default, aten.mean.dim, aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
+    aten.huber_loss.default, aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default,
+    aten.soft_margin_loss.default, aten.kl_div.default,
+}
 
 
 def _viewed_per_sample(node: fx.Node, arg_batch: list, selected: Masked) -> BatchDim | None:
@@ -2461,7 +2480,8 @@ def _mask_normaliser(node: fx.Node, losses: dict[fx.Node, str], placeholder_batc
     may be built from the batch size (ViTMAE draws it), from integer or boolean
     inputs (labels, an attention mask), or from shared tensors, or be ``ones_like`` of
     anything (Hugging Face's default weights: each sample's count is its number of
-    elements)."""
+    elements); floating-point data may place its values (ViTMAE's mask gathered by the
+    ``noise`` passed in)."""
     if (out_of_place(node.target) or node.target) is not aten.div.Tensor or len(node.args) != 2 \
             or not all(isinstance(a, fx.Node) for a in node.args):
         return None
@@ -2548,7 +2568,8 @@ def _used_only_on_the_way(node: fx.Node, end: fx.Node) -> bool:
 
 def _built_from(node: fx.Node, sources: Sequence[fx.Node], *, values_only: bool = False) -> bool:
     """Whether any of ``sources`` is behind ``node``'s value. With ``values_only``, not
-    through the tensor a ``FILLED_LIKE`` op (``ones_like(x)``) takes only its shape from."""
+    through the tensor a ``FILLED_LIKE`` op (``ones_like(x)``) takes only its shape from,
+    nor through the indices that only place values (``_value_inputs``)."""
     sources, seen, stack = set(sources), set(), [node]
     while stack:
         n = stack.pop()
@@ -2556,8 +2577,31 @@ def _built_from(node: fx.Node, sources: Sequence[fx.Node], *, values_only: bool 
             return True
         if n not in seen and not (values_only and n.target in FILLED_LIKE):
             seen.add(n)
-            stack.extend(n.all_input_nodes)
+            stack.extend(_value_inputs(n) if values_only else n.all_input_nodes)
     return False
+
+
+# Arguments that only say where values are read or written (a gather's index): the
+# values come from the other arguments.
+_POSITION_ARGUMENTS = {
+    aten.gather.default: (2,), aten.index_select.default: (2,), aten.index.Tensor: (1,),
+    aten.take_along_dim.default: (1,), aten.scatter.src: (2,), aten.scatter.value: (2,),
+    aten.scatter_add.default: (2,), aten.index_put.default: (1,), aten._unsafe_index_put.default: (1,),
+}
+
+
+def _value_inputs(node: fx.Node) -> list[fx.Node]:
+    """The inputs ``node``'s values come from: all but the indices that only place them
+    (ViTMAE's ``gather(ones_mask, 1, argsort(argsort(noise)))`` is zeros and ones, wherever
+    the noise puts them)."""
+    target = (out_of_place(node.target) or node.target) if node.op == "call_function" else None
+    positions = _POSITION_ARGUMENTS.get(target, ())
+    if not positions:
+        return node.all_input_nodes
+    found: list[fx.Node] = []
+    fx.node.map_arg([a for i, a in enumerate(node.args) if i not in positions] + list(node.kwargs.values()),
+                    found.append)
+    return found
 
 
 def _loss_misuse(target: Any, arg_batch: list, out: Any = None) -> str:
@@ -3127,7 +3171,9 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
     finally:
         own_rows = _OWN_ROWS.pop()
         in_place = _ROWS_IN_PLACE.pop()
-    analysis.own_rows = [g for g in own_rows if isinstance(analysis.batch.get(g.node), BatchDim)]
+    # Only the checks of values the analysis kept (not of a refused op's).
+    analysis.own_rows = [g for g in own_rows if isinstance(analysis.batch.get(g.node), BatchDim) or (
+        isinstance(g, SameCounts) and g.mean and isinstance(analysis.batch.get(g.node), Loss))]
     analysis.rows_in_place = [(n, masks) for n, masks in in_place if _any_masked(analysis.batch.get(n))]
     if function_body:  # the rewrite runs on the model's graph only
         analysis.problems += [Problem(op_name(n.target), module_path_of(n), "", _MASKED_PARAMETER, source_of(n))

@@ -1248,6 +1248,43 @@ def test_a_mask_that_samples_fill_differently_raises_when_the_step_runs():
         dp(randn(5, 6, 4), labels)
 
 
+class MaskedByGivenNoise(nn.Module):
+    """ViTMAE's random masking with the noise passed in (``ViTMAEForPreTraining(pixel_values,
+    noise=...)``, for reproducible masks): a ``ones(B, L)`` with its first half zeroed,
+    gathered by ``argsort(argsort(noise))``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4).to(DTYPE)
+
+    def forward(self, x, noise):
+        batch, length, _ = x.shape
+        restore = torch.argsort(torch.argsort(noise, dim=1), dim=1)
+        mask = torch.ones(batch, length, dtype=x.dtype)
+        mask[:, : length // 2] = 0
+        mask = torch.gather(mask, 1, restore)
+        tokens = (self.fc(x) - x).square().mean(-1)
+        return (tokens * mask).sum() / mask.sum()
+
+
+def test_vitmae_masking_by_the_noise_passed_in_is_a_mean():
+    """The noise (floating-point data) only places the mask's zeros and ones, so the mask
+    is data like one built from labels: exact against the loop at two batch sizes. It was
+    refused ("it gathers shared data along another dim than the batch of its indices"),
+    the mask taken for a statistic of the inputs (found by a helper)."""
+    step = MaskedByGivenNoise()
+    dp = fxdp.transform(step, max_grad_norm=1.0, grad_sample=True, compiler="eager")
+    for batch in (4, 6):
+        x = randn(batch, 6, 4, seed=batch)
+        noise = torch.rand(batch, 6, generator=torch.Generator().manual_seed(batch), dtype=DTYPE)
+        ref = reference(step, [x, noise], lambda out, i: out)
+        step.zero_grad()
+        dp(x, noise).backward()
+        assert_close_all(grad_samples(step), ref.per_sample, TOL, "p.grad_sample")
+        assert_close_all(grads(step), ref.grad("mean", 1.0), TOL, "p.grad")
+
+
 def test_vitmae_random_masking_is_read_as_a_mean():
     """ViTMAE draws each sample's mask at random, from ``rand(B, T)``: fxdp reads it
     batched, row b sample b's, so the loss is a mean. The draws of a batch cannot be

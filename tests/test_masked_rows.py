@@ -219,6 +219,10 @@ class TaggerLoss(nn.Module):
             return F.cross_entropy(scores, tags, reduction="sum") / scores.shape[0]
         if self.how == "returned":
             return scores
+        if self.how == "mean of squares":
+            return scores.pow(2).mean()
+        if self.how == "bce mean":  # ELECTRA's discriminator loss over the attended tokens
+            return F.binary_cross_entropy_with_logits(scores[:, 0], (tags == 1).to(x.dtype))
         # the count carried by a tensor the forward makes of the selected rows' size
         counted = {"over ones_like": lambda: torch.ones_like(scores).sum(),
                    "over new_ones": lambda: x.new_ones(scores.shape).sum(),
@@ -244,6 +248,42 @@ def test_a_loss_summed_over_the_rows_a_mask_selected_is_exact(how):
         params = dict(model.named_parameters())
         assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tolerance(torch.float64),
                          f"grad_sample at B = {size}")
+
+
+def _inputs_keeping_as_many(size: int, dtype: torch.dtype, padded: int = 2):
+    """``_inputs`` whose samples each have ``padded`` positions the tagger's mask drops."""
+    x, tokens = _inputs(size, dtype)
+    g = torch.Generator().manual_seed(size + 1)
+    tokens = tokens % (V - 2)
+    for b in range(size):
+        tokens[b, torch.randperm(T, generator=g)[:padded]] = V - 1
+    return x, tokens
+
+
+@pytest.mark.parametrize("how", ["mean of squares", "bce mean"])
+def test_a_mean_over_the_rows_masks_that_select_as_many_is_exact(how):
+    """A mean over every element of the rows a mask selected (ELECTRA's discriminator loss,
+    ``bce_with_logits(logits[attended], labels[attended])``) is the mean of the samples'
+    own means where every sample's mask selects as many: exact against the loop at two
+    batch sizes; where they differ, the step fails (a run-time check in the graph). It
+    was refused, found by a helper."""
+    torch.manual_seed(0)
+    model = TaggerLoss(how).double()
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=1.0, compiler="eager")
+    for size in (3, 4):
+        x, tokens = _inputs_keeping_as_many(size, torch.float64)
+        ref = reference(model, (x, tokens), lambda out, i: out)
+        model.zero_grad()
+        dp(x, tokens).backward()
+        params = dict(model.named_parameters())
+        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tolerance(torch.float64),
+                         f"grad_sample at B = {size}")
+        assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("mean", 1.0), tolerance(torch.float64),
+                         f"p.grad at B = {size}")
+    x, tokens = _inputs_keeping_as_many(4, torch.float64)
+    tokens[1, :3] = V - 1
+    with pytest.raises(Exception, match="the loss is a mean over the elements a boolean mask selected over the batch"):
+        dp(x, tokens)
 
 
 @pytest.mark.parametrize("how", ["mean", "over count", "rows over count", "over ones_like", "over new_ones",
