@@ -138,7 +138,11 @@ def capture_config():
 
     from torch._dynamo.variables import ConstantVariable
     from torch._dynamo.variables.functions import SkipFunctionVariable
-    from torch._dynamo.variables.misc import DebuggingVariable, GetAttrVariable, LoggingLoggerVariable
+    from torch._dynamo.variables.misc import (
+        DebuggingVariable,
+        GetAttrVariable,
+        LoggingLoggerVariable,
+    )
     from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
 
     config = torch._dynamo.config
@@ -333,10 +337,18 @@ def name_function_calls(is_fxdp_backend: Callable[[Any], bool]) -> None:
 
 
 def _install_capture_hooks() -> None:
-    from torch._dynamo.variables import ConstantVariable, SetAttrBuiltinVariable, TensorVariable
+    from torch._dynamo.variables import (
+        ConstantVariable,
+        SetAttrBuiltinVariable,
+        TensorVariable,
+    )
     from torch._dynamo.variables.builder import VariableBuilder
-    from torch._dynamo.variables.misc import (AutogradFunctionContextVariable, AutogradFunctionVariable,
-                                              GetAttrVariable, LoggingLoggerVariable)
+    from torch._dynamo.variables.misc import (
+        AutogradFunctionContextVariable,
+        AutogradFunctionVariable,
+        GetAttrVariable,
+        LoggingLoggerVariable,
+    )
 
     apply = AutogradFunctionVariable.call_apply
     if getattr(apply, "_fxdp_naming", False):
@@ -1558,7 +1570,13 @@ def plain_expression(size: Any) -> Any:
     """The sympy expression of a symbolic size or number, with the functions Dynamo
     writes float arithmetic with (``FloatTrueDiv(1.0, ToFloat(s0))`` for ``1.0 / B``)
     as plain division, powers and the value itself, so that sympy can simplify it."""
-    from torch.utils._sympy.functions import FloatPow, FloatTrueDiv, IntTrueDiv, PowByNatural, ToFloat
+    from torch.utils._sympy.functions import (
+        FloatPow,
+        FloatTrueDiv,
+        IntTrueDiv,
+        PowByNatural,
+        ToFloat,
+    )
 
     expr = size.node.expr
     for division in (FloatTrueDiv, IntTrueDiv):
