@@ -1315,7 +1315,8 @@ def outputs_need_grad(gm: fx.GraphModule) -> bool:
 RUN_TIME_CHECKS = ("fxdp: samples keep different numbers of targets", "fxdp: the loss is divided by the sum of a mask",
                    "fxdp: an index into rows of several samples", "fxdp: rows a boolean mask selected over the batch",
                    "fxdp: masked_scatter fills every sample's masked positions",
-                   "fxdp: x[mask] = rows fills every sample's masked positions")
+                   "fxdp: x[mask] = rows fills every sample's masked positions",
+                   "fxdp: the loss is a mean over the elements a boolean mask selected")
 
 
 def _modules_with_backward_hooks(model: torch.nn.Module | None) -> list[str]:
