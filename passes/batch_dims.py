@@ -1383,16 +1383,18 @@ def _class_loss(node, arg_batch):
     return _loss_with_classes(node, arg_batch, 3)
 
 
-@_register(aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
-           aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default,
-           aten.soft_margin_loss.default, aten.kl_div.default)
+# Losses of elements, each on its own, and where their ``reduction`` argument is.
+_ELEMENTWISE_LOSSES = {
+    aten.mse_loss.default: 2, aten.l1_loss.default: 2, aten.smooth_l1_loss.default: 2,
+    aten.huber_loss.default: 2, aten.binary_cross_entropy.default: 3,
+    aten.binary_cross_entropy_with_logits.default: 4, aten.soft_margin_loss.default: 2,
+    aten.kl_div.default: 2,
+}
+
+
+@_register(*_ELEMENTWISE_LOSSES)
 def _elementwise_loss(node, arg_batch):
-    index = {
-        aten.mse_loss.default: 2, aten.l1_loss.default: 2, aten.smooth_l1_loss.default: 2,
-        aten.huber_loss.default: 2, aten.binary_cross_entropy.default: 3,
-        aten.binary_cross_entropy_with_logits.default: 4, aten.soft_margin_loss.default: 2,
-        aten.kl_div.default: 2,
-    }[node.target]
+    index = _ELEMENTWISE_LOSSES[node.target]
     reduction = node.args[index] if len(node.args) > index else node.kwargs.get("reduction", 1)
     batched = [b for b in arg_batch[:2] if isinstance(b, BatchDim)]
     if not batched:
@@ -2171,11 +2173,7 @@ def _as_masked(out: Any, selected: Masked, node: fx.Node) -> Any:
 
 # Means over every element alike: not a cross entropy, whose mean counts the targets
 # that are not ``ignore_index``.
-_MEANS_OF_EVERY_ELEMENT = {
-    aten.mean.default, aten.mean.dim, aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
-    aten.huber_loss.default, aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default,
-    aten.soft_margin_loss.default, aten.kl_div.default,
-}
+_MEANS_OF_EVERY_ELEMENT = {aten.mean.default, aten.mean.dim, *_ELEMENTWISE_LOSSES}
 
 
 def _viewed_per_sample(node: fx.Node, arg_batch: list, selected: Masked) -> BatchDim | None:
@@ -2582,10 +2580,10 @@ def _built_from(node: fx.Node, sources: Sequence[fx.Node], *, values_only: bool 
 
 
 # Arguments that only say where values are read or written (a gather's index): the
-# values come from the other arguments.
+# values come from the other arguments. (``take_along_dim`` is a ``gather`` here.)
 _POSITION_ARGUMENTS = {
     aten.gather.default: (2,), aten.index_select.default: (2,), aten.index.Tensor: (1,),
-    aten.take_along_dim.default: (1,), aten.scatter.src: (2,), aten.scatter.value: (2,),
+    aten.scatter.src: (2,), aten.scatter.value: (2,),
     aten.scatter_add.default: (2,), aten.index_put.default: (1,), aten._unsafe_index_put.default: (1,),
 }
 
@@ -2691,12 +2689,12 @@ def _scaled_kind(kind: str, steps: list[tuple[int, bool]]) -> str | None:
     return None
 
 
-def _counts_per_sample(reductions: Sequence[fx.Node], batch: dict, batch_size: int) -> set[int]:
-    """The numbers of entries per sample that sums over the batch (``reductions``) may be
-    divided by, with ``B``, to give a mean: the products of any of the summed tensor's
-    sizes, its batch dim's counted per sample (``B·T`` rows of ``T``)."""
+def _counts_per_sample(node: fx.Node, batch: dict, losses: dict[fx.Node, str], batch_size: int) -> set[int]:
+    """The numbers of entries per sample that the sums over the batch behind the loss
+    ``node`` may be divided by, with ``B``, to give a mean: the products of any of a
+    summed tensor's sizes, its batch dim's counted per sample (``B·T`` rows of ``T``)."""
     counts = {1}
-    for r in reductions:
+    for r in _reductions_behind(node, batch, losses):
         x, b = _meta(r.args[0]), batch.get(r.args[0])
         if not (isinstance(x, torch.Tensor) and isinstance(b, BatchDim) and isinstance(b.dim, int)):
             continue
@@ -3321,14 +3319,13 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             # Only sums, scalings by shared values and copies may follow the loss.
             if _scales_the_loss(target, arg_batch):
                 batch[node] = next(b for b in _flat(arg_batch) if isinstance(b, Loss))
-                reductions = _reductions_behind(node, batch, losses)
                 power = _batch_power(node, batch_size,
-                                     functools.partial(_counts_per_sample, reductions, batch, batch_size))
+                                     functools.partial(_counts_per_sample, node, batch, losses, batch_size))
                 if power is None:
                     problems.append(Problem(op_name(target), path, "", _SCALED_BY_THE_BATCH, source_of(node)))
                     batch[node] = None
                     continue
-                for r in reductions if power[0] else ():
+                for r in _reductions_behind(node, batch, losses) if power[0] else ():
                     divided.setdefault(r, []).append(power)
                 continue
             problems.append(Problem(op_name(target), path, "", _loss_misuse(target, arg_batch, _meta(node)),
