@@ -2088,6 +2088,41 @@ _COUNTED = ("it computes with how many elements a boolean mask selected from the
             "each sample's elements and divide by a fixed number instead, with loss_reduction='sum'")
 _TENSORS_OF_COUNTS = {aten.scalar_tensor.default, aten.full.default}
 _SIZES = {aten.sym_size.int, aten.sym_numel.default}
+_COUNT_AS_SIZE = (
+    "it takes how many elements a boolean mask selected from the whole batch (x[mask].shape[0], "
+    "x.masked_select(mask).numel()) as a size, an index or an offset of other values: what each sample's "
+    "values are would depend on the other samples' masks; use sizes the data does not decide, or each "
+    "sample's own count as a tensor (mask.sum(1))")
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _count_as_rows(node: fx.Node, counts: set) -> bool:
+    """Whether ``node``, which takes a count of masked elements (see ``_counts_selected``)
+    as an argument, only gives the rows of a list their own number: a view of them
+    (``rows.view(n, h, d)``: the sizes are forced by the elements, which the layout
+    rule places), the list taken back from the batch (``batch_to_rows``), an ``expand``
+    that leaves every size the count decides as it was (``rows.expand(n, d)``) or a
+    ``slice`` that keeps everything (``rows[:n]``). A count anywhere else
+    (``h[:, :n]``, ``h.roll(n, 1)``, ``topk(k=n)``, ``pad`` by it) decides other
+    values by the other samples' masks. Ops without a tensor result (Dynamo's asserts
+    on the count) only read it."""
+    out = _meta(node)
+    if not isinstance(out, torch.Tensor) and not (
+            isinstance(out, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in out)):
+        return True
+    if node.target in _RESHAPES or node.target is BATCH_TO_ROWS:
+        return True
+    if node.target not in (aten.slice.Tensor, aten.expand.default):
+        return False
+    before = _meta(node.args[0]).shape
+    if node.target is aten.slice.Tensor:
+        return out.dim() == len(before) and all(statically_known_true(a == b) for a, b in zip(out.shape, before))
+    symbols = set().union(*(_meta(c).node.expr.free_symbols for c in node.all_input_nodes
+                            if c in counts and isinstance(_meta(c), torch.SymInt)))
+    lead = out.dim() - len(before)  # the dims an expand adds in front
+    return all(not (isinstance(size, torch.SymInt) and size.node.expr.free_symbols & symbols)
+               or (d >= lead and statically_known_true(size == before[d - lead]))
+               for d, size in enumerate(out.shape))
 
 
 def _counts_selected(node: fx.Node, batch: dict, counts: set) -> bool:
@@ -2101,7 +2136,8 @@ def _counts_selected(node: fx.Node, batch: dict, counts: set) -> bool:
     if not any(a in counts for a in node.all_input_nodes):
         return False
     # Arithmetic on the count as a number (``n * 2``, ``float(n)``), or the count as a tensor.
-    return not isinstance(_meta(node), torch.Tensor) or node.target in _TENSORS_OF_COUNTS
+    return isinstance(_meta(node), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)) \
+        or node.target in _TENSORS_OF_COUNTS
 
 
 def _blocks_of(mask: Any, rows: fx.Node) -> bool:
@@ -3259,6 +3295,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         if any(a in counts for a in node.all_input_nodes) and (
                 _is_pointwise(target) or target in _TENSORS_OF_COUNTS or target in _CREATION):
             problems.append(Problem(op_name(target), path, "", _COUNTED, source_of(node)))
+            out = _meta(node)
+            batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
+            continue
+        if any(a in counts for a in node.all_input_nodes) and not _count_as_rows(node, counts):
+            problems.append(Problem(op_name(target), path, "", _COUNT_AS_SIZE, source_of(node)))
             out = _meta(node)
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
             continue

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from fxdp._torch_internals import erase_unused, inline_checkpoints, make_fx_traced, size_hint, transform_regions_as_aten
 from fxdp.errors import UnsupportedError
@@ -1502,7 +1502,7 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
             shapes = [a.meta["val"].shape for j, a in enumerate(node.args)
                       if j != i and isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
             broadcast = torch.broadcast_shapes(*shapes, source.meta["val"].shape)
-            if len(broadcast) == out.dim() and all(bool(a == b) for a, b in zip(broadcast, out.shape)):
+            if len(broadcast) == out.dim() and all(guard_or_false(a == b) for a, b in zip(broadcast, out.shape)):
                 node.replace_input_with(arg, source)
                 changed = True
             elif arg.meta["val"].dim() == out.dim() and arg.target is not torch.ops.aten.expand_as.default \

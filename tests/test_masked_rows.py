@@ -302,6 +302,62 @@ def test_a_count_of_the_rows_every_mask_selected_is_refused(how):
                          or "a normaliser from the whole batch's data" in reasons), problems
 
 
+class CountAsSize(nn.Module):
+    """The number of rows every sample's mask selected used as a size, an index or an
+    offset: what sample 0's values are then depends on the other samples' masks. Every
+    form but ``expand`` (which failed to compile) was accepted: under "slice", sample 0's
+    per-sample gradient moved by 4.1 when only sample 2's tokens changed (a privacy
+    hole, found by probing the count's uses after the forty-seventh session's fix).
+    ``"rows as their own number"`` gives the rows only their own number: exact."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, tokens):
+        h = self.lin(x)  # [B, T, D]
+        rows = h[tokens < V // 2]
+        n = rows.shape[0]
+        forms = {
+            "slice": lambda: h[..., : n % D + 1],
+            "narrow": lambda: h.narrow(2, 0, n % D + 1),
+            "pad": lambda: F.pad(h, (0, n % 3)),
+            "topk": lambda: h.topk(n % D + 1, dim=2).values,
+            "expand": lambda: h[..., :1].expand(-1, -1, n % 3 + 1),
+            "roll": lambda: h.roll(n, 2) * h,
+            "select": lambda: h.select(2, n % D),
+            "tril": lambda: h.view(h.shape[0], T, 2, D // 2).tril(n % 2),
+            "masked_select count": lambda: h[..., : x.masked_select(x > 0).numel() % D + 1],
+            "rows' columns": lambda: rows[:, : n % D + 1],
+        }
+        if self.how in forms:
+            return forms[self.how]().pow(2).sum()
+        # "rows as their own number": views, a whole slice and an expand by the count
+        return rows[:n].view(n, 2, D // 2).expand(n, 2, D // 2).pow(2).sum() + h.pow(2).sum()
+
+
+@pytest.mark.parametrize("how", ["slice", "narrow", "pad", "topk", "expand", "roll", "select", "tril",
+                                 "masked_select count", "rows' columns"])
+def test_the_count_of_masked_rows_as_a_size_or_an_index_is_refused(how):
+    problems = fxdp.validate(CountAsSize(how).double(), *_inputs(3, torch.float64), loss_reduction="sum")
+    assert problems and all("as a size, an index or an offset of other values" in p.reason for p in problems), \
+        problems
+
+
+def test_the_count_of_masked_rows_as_their_own_number_is_exact():
+    torch.manual_seed(0)
+    model = CountAsSize("rows as their own number").double()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for size in (3, 4):
+        x, tokens = _inputs(size, torch.float64)
+        ref = reference(model, (x, tokens), lambda out, i: out)
+        dp(x, tokens).backward()
+        params = dict(model.named_parameters())
+        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tolerance(torch.float64),
+                         f"grad_sample at B = {size}")
+
+
 def test_the_rows_a_mask_selected_returned_by_the_forward_are_refused_with_where_to_put_the_loss():
     """Outside the forward no loss can be told apart by sample (torchaudio's HuBERT
     returns ``proj(x)[mask]``): the refusal says to compute the loss inside."""
