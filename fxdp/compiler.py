@@ -515,7 +515,10 @@ def refuse_graph_break(gm: fx.GraphModule, options: Options, example_inputs: Seq
     touches no parameter. A graph Dynamo resumes after any other break is refused where
     it computes with a value that carries a gradient (``_refuse_gradients_after_a_break``).
     Any other break ends a graph whose code at the break runs eagerly, unseen: refused."""
-    if options.max_grad_norm is None or internals.after_backward():
+    if internals.after_backward():
+        return
+    if options.max_grad_norm is None:
+        _refuse_values_read_before_gradients(gm, example_inputs)
         return
     resumed = internals.resumed_after()
     if resumed is not None:
@@ -541,6 +544,31 @@ def refuse_graph_break(gm: fx.GraphModule, options: Options, example_inputs: Seq
             "nothing to overlap), or use DistributedDataParallel(fxdp.transform(model, ...)). "
             f"Dynamo's reason: {reason}.")
     _refuse_break(reason)
+
+
+def _refuse_values_read_before_gradients(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Without clipping (graph breaks are allowed then), raise where a graph Dynamo resumes
+    after a break at which the compiled function read a tensor's value (``int(m.sum())``,
+    ``if (t == 0).any():``, ``loss.item()``) computes with parameters or with values that
+    carry a gradient: the number read, or the branch taken, is a constant in this graph,
+    and may come from the whole batch (a count over every sample's mask), so each
+    sample's gradient could depend on the others unseen. A graph that only reads such
+    values (``loss.detach()``) is harmless."""
+    resumed = internals.resumed_after()
+    if resumed is not None and resumed[1] is not None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        found = [_param_name(source_name(node)) for node, real in zip(placeholders, example_inputs)
+                 if isinstance(real, torch.Tensor) and real.requires_grad and _carries_a_gradient(node)]
+        if found:
+            raise UnsupportedError(
+                f"fxdp cannot follow the samples across a graph break: the code reads a tensor's value at "
+                f"{resumed[0]} ({resumed[1]}), and the graph after that computes with {', '.join(found[:3])}"
+                f"{', ...' if len(found) > 3 else ''}, which carry gradients. The number read, or the branch "
+                "taken, may come from the whole batch (int(mask.sum()), if x.any():) and would enter every "
+                "sample's gradient unseen. Compute it as a tensor inside the graph (mask.sum(), torch.where), "
+                "or read values once the forward has run")
+    if internals.graph_break_reason(gm) is not None and internals.breaks_at_a_data_read(gm):
+        internals.record_data_read(gm)
 
 
 def _refuse_break(reason: str) -> None:
@@ -721,6 +749,48 @@ def _refuse_unbatched_values_after_a_break(gm: fx.GraphModule, canon: fx.GraphMo
             "compute these values after it")
 
 
+# What autograd records for a tensor an fxdp graph returned (AOTAutograd's node), and for
+# the views of it AOTAutograd regenerates outside the graph.
+_GRAPH_OUTPUT = "CompiledFunctionBackward"
+_VIEWS_OF_OUTPUTS = ("AliasBackward0", "ViewBackward0", "AsStridedBackward0", "UnsafeViewBackward0",
+                     "SliceBackward0", "SelectBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+                     "TransposeBackward0", "PermuteBackward0", "ExpandBackward0", "TBackward0")
+
+
+def _computed_by_a_graph(grad_fn: Any) -> bool:
+    """Whether the autograd node ``grad_fn`` is that of a compiled graph's output, or of a
+    view of one."""
+    while grad_fn is not None and type(grad_fn).__name__ in _VIEWS_OF_OUTPUTS:
+        grad_fn = next((f for f, _ in grad_fn.next_functions if f is not None), None)
+    return grad_fn is not None and type(grad_fn).__name__ == _GRAPH_OUTPUT
+
+
+def _refuse_eager_gradients_after_a_break(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Without clipping (graph breaks are allowed then), raise where a graph Dynamo resumes
+    after a break computes with a tensor that code run eagerly at the break computed with
+    a gradient (a ``torch.compiler.disable``'d function, a submodule frame Dynamo skipped):
+    no graph sees that code, which may mix samples (``h - h.mean(0)``) both in its values
+    and in the gradient it sends back to the graph before the break, so every grad
+    sample after it could depend on the other samples. A tensor a graph returned (or a
+    view of it), or the caller's input, passes."""
+    resumed = internals.resumed_after()
+    if resumed is None:
+        return
+    found = []
+    for node, real in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
+        if isinstance(real, torch.Tensor) and real.grad_fn is not None and _carries_a_gradient(node) \
+                and not _computed_by_a_graph(real.grad_fn):
+            found.append(f"{_param_name(source_name(node))} ({type(real.grad_fn).__name__})")
+    if found:
+        raise UnsupportedError(
+            f"fxdp cannot follow the samples across a graph break: the graph after the break at {resumed[0]} "
+            f"computes with {', '.join(found[:4])}, which code Dynamo ran eagerly there computed with a gradient "
+            "(a torch.compiler.disable'd function, a submodule whose frame Dynamo skipped, an op it cannot "
+            "trace). No graph sees that code, which may mix samples in its values and in the gradient it sends "
+            "back, so the grad samples could depend on the other samples. Remove the break "
+            "(torch.compile(..., fullgraph=True) names it), or use fxdp.transform")
+
+
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
                   names: dict[int, str] | None = None,
                   record: CompiledGraph | None = None, arg_names: Sequence[str] = (),
@@ -738,6 +808,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     record._stage("canonical", canon)
     if options.max_grad_norm is None:
         _refuse_unbatched_values_after_a_break(gm, canon, analysis)
+        _refuse_eager_gradients_after_a_break(gm, example_inputs)
     record.param_names = list(param_names.values())
     excluded: set[str] = set()
     if analysis.problems:

@@ -415,6 +415,74 @@ class ScaledBeforeTheBreak(MLP):
         return self.lin2(torch.relu(self.lin1(x)))
 
 
+@torch.compiler.disable
+def _centred_eagerly(h):
+    return h - h.mean(0)
+
+
+@torch.compiler.disable
+def _scaled_eagerly(h):
+    return h * 2.0
+
+
+class EagerBetweenTheGraphs(MLP):
+    """A ``torch.compiler.disable``'d function between two layers: Dynamo runs it eagerly,
+    between the graph before it and the one it resumes after it."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def forward(self, x):
+        return self.lin2(self.step(torch.relu(self.lin1(x))))
+
+
+@pytest.mark.parametrize("step", [_centred_eagerly, _scaled_eagerly], ids=["mixing", "per-sample"])
+def test_values_computed_eagerly_between_graphs_with_a_gradient_are_refused(step):
+    """No graph sees the code Dynamo ran eagerly at the break, which may mix samples in its
+    values and in the gradient it sends back. Before, the mixing one was accepted
+    without clipping: sample 0's grad sample of the layer after it moved when only
+    sample 2 changed. The per-sample one is refused too, as it is under clipping."""
+    compiled = torch.compile(EagerBetweenTheGraphs(step).to(DTYPE),
+                             backend=fxdp.backend(grad_sample=True, compiler="eager"))
+    with pytest.raises(Exception, match="fxdp cannot follow the samples across a graph break: the graph after "
+                       r"the break at .* computes with .*\((SubBackward0|MulBackward0)\), which code Dynamo ran "
+                       "eagerly there computed with a gradient"):
+        compiled(randn(5, 4)).sum().backward()
+
+
+class ReadsTheBatchBeforeTheLayers(MLP):
+    """The forward reads a number or a branch from the whole batch (a graph break), which
+    the graph with the parameters after the break sees as a constant."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "count":
+            n = int((x > 0).sum())  # over every sample
+            return self.lin2(torch.relu(self.lin1(x))) / n
+        if (x > 2).any():  # "branch": decided by any sample
+            return self.lin2(torch.relu(self.lin1(x))) * 2
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+@pytest.mark.parametrize("how", ["count", "branch"])
+def test_a_value_read_from_the_batch_before_the_layers_is_refused_without_clipping(how):
+    """Before, accepted without clipping (refused under it): sample 0's grad sample moved
+    when only sample 2 changed (a helper's twin check: by 0.06 for a count, 4.5 for a
+    branch). A value read after the layers, for a print, still passes (the first test
+    of this file's graph breaks, and the train steps that log ``loss.item()``)."""
+    compiled = torch.compile(ReadsTheBatchBeforeTheLayers(how).to(DTYPE),
+                             backend=fxdp.backend(grad_sample=True, compiler="eager"))
+    x = randn(5, 4)
+    x[2, 0] = 3.0  # the branch is taken
+    with pytest.raises(Exception, match="fxdp cannot follow the samples across a graph break: the code reads a "
+                       r"tensor's value at .*, and the graph after that computes with .*lin1.weight"):
+        compiled(x).sum().backward()
+
+
 class ReportsAStatisticBeforeTheBreak(MLP):
     def forward(self, x):
         centred = x - x.mean(0)  # mixes samples, but only into a value returned beside the output
