@@ -265,6 +265,105 @@ def _pointwise(node: fx.Node, arg_batch: list) -> Any:
     return [result] * len(out) if isinstance(out, (list, tuple)) else result
 
 
+_SAME_DIMS = {aten.slice.Tensor, aten.clone.default, aten.contiguous.default, aten.detach.default,
+              aten.alias.default, aten._to_copy.default, aten.to.dtype, aten.lift_fresh_copy.default}
+_PIECES_OF_ALL = {aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+_VIEWS_OF_ALL = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+                 aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.permute.default,
+                 aten.transpose.int, aten.t.default, aten.select.int, aten.flatten.using_ints}
+
+
+def _uniform_along(node: Any, dim: int) -> bool:
+    """Whether a shared value (no batch dim of its own) holds the same values all along
+    ``dim`` (negative: a dim it broadcasts along): one of size 1 there, a constant fill
+    or an independent random draw (``ones(B, T)``, ``zeros_like``, ``randn(B, d)``), an
+    ``expand`` along it (``arange(T).expand(B, T)``), and elementwise ops, copies,
+    slices and views of such. Not a range, a buffer or a cumulative sum along it."""
+    value = _meta(node) if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or dim < 0 or dim >= value.dim() \
+            or statically_known_true(value.shape[dim] == 1):
+        return True
+    if node.op == "placeholder":
+        # An input or buffer read as shared: the size rule's reading, which in_dims settles
+        # (an RNN state [layers, B, hidden] is the samples' own, row by row).
+        return True
+    target = node.target
+    if target is aten.slice.Tensor and (node.args[1] if len(node.args) > 1 else 0) % value.dim() == dim \
+            and not statically_known_true(_meta(node.args[0]).shape[dim] == value.shape[dim]):
+        return False  # a window of a table along it (``table[:B]``), placed by position
+    if target in _SIZED_BY_ARGUMENT or target in SHAPED_LIKE or target in _DRAWS \
+            or target is aten.scalar_tensor.default:
+        return True
+    if target in (aten.index.Tensor, aten.index_select.default, aten.embedding.default):
+        # A shared table looked up by positions alike all along ``dim`` (diffusion's
+        # ``alphas[t]`` with ``t = randint(0, N, (B,))`` drawn in the forward).
+        return _looked_up_alike(node, dim)
+    if target is aten.expand.default:
+        new = value.dim() - _meta(node.args[0]).dim()
+        return dim < new or _uniform_along(node.args[0], dim - new)
+    if target in _SAME_DIMS:
+        return _uniform_along(node.args[0], dim)
+    if target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _PIECES_OF_ALL:
+        node = node.args[0]  # a piece of an unbind or split: alike where its whole source is
+        target = node.target
+    if target in _VIEWS_OF_ALL or target in _PIECES_OF_ALL:
+        source = _meta(node.args[0])
+        return all(_uniform_along(node.args[0], d) for d in range(source.dim()))
+    if _is_pointwise(target):
+        return all(_uniform_along(a, dim - (value.dim() - _meta(a).dim())) for a in node.all_input_nodes
+                   if isinstance(_meta(a), torch.Tensor))
+    return False
+
+
+# Random draws: each element its own, alike wherever it is.
+_DRAWS = {aten.randint.low, aten.randint.default, aten.normal.float_float, aten.rand_like.default,
+          aten.randn_like.default}
+
+
+def _looked_up_alike(node: fx.Node, dim: int) -> bool:
+    """For ``table[idx]`` (one integer index, on the first dim), ``index_select`` or
+    ``embedding``: whether ``dim`` of the result comes from ``idx`` where it is alike all
+    along it, or from the table where that is."""
+    if node.target is aten.index_select.default:
+        table, at, idx = node.args
+        return _uniform_along(idx, 0) if dim == at else _uniform_along(table, dim)
+    if node.target is aten.embedding.default:
+        table, idx = node.args[0], node.args[1]
+    else:
+        table, indices = node.args[0], node.args[1]
+        if len(indices) != 1 or not isinstance(indices[0], fx.Node) or _meta(indices[0]).dtype is torch.bool:
+            return False
+        idx = indices[0]
+    rank = _meta(idx).dim()
+    return _uniform_along(idx, dim) if dim < rank else _uniform_along(table, dim - rank + 1)
+
+
+_ALONG_THE_BATCH = (
+    "it combines the batch with a shared tensor whose values vary along the batch dim (arange(B), a buffer "
+    "sliced to B, a cumulative sum over the batch): each sample would get the entry at its position in the "
+    "batch, so its gradient would change as other samples are added or removed; give such values no batch "
+    "dim (size 1 there) or compute them from each sample")
+
+
+def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sources: dict) -> bool:
+    """Whether the elementwise op ``node``, batched as ``out_batch``, takes a shared tensor
+    that spans its batch dim with values that may differ along it (see ``_uniform_along``).
+    Integer results are left to the layouts of indices (``arange(B)[:, None] * T + pos``,
+    each sample's own rows of a flattened batch), and values computed from parameters
+    to their rules (a parameter with a row per sample)."""
+    out = _meta(node)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    if not (isinstance(out_batch, BatchDim) and isinstance(out_batch.dim, int) and isinstance(out, torch.Tensor)
+            and (out.is_floating_point() or out.is_complex())):
+        return False
+    for arg, b in zip(node.args, arg_batch):
+        value = _meta(arg) if isinstance(arg, fx.Node) else None
+        if b is None and arg not in sources and isinstance(value, torch.Tensor) and value.dim() \
+                and not _uniform_along(arg, out_batch.dim - (out.dim() - value.dim())):
+            return True
+    return False
+
+
 _EXTRA_POINTWISE = [
     aten.dropout.default, aten.native_dropout.default, aten.clone.default, aten.contiguous.default,
     aten.detach.default, aten.alias.default, aten._to_copy.default, aten.to.dtype, aten.to.device,
@@ -2008,6 +2107,11 @@ _ROWS_OUTPUT = ("returns rows in an order the whole batch's data decides (a sort
                 "(rows[order.argsort()] with the sort's own indices, or "
                 "torch.empty_like(rows).index_copy(0, order, rows)), or compute the loss in the forward")
 
+_PIECE_OUTPUT = ("returns values of one sample taken out of the batch (x[i], x[i:i + 1], with i a number): a loss "
+                 "computed from them is the sample's at that position alone, not a sum of every sample's own, "
+                 "and changes as samples are added or removed; return the whole batch, or the pieces of every "
+                 "sample concatenated in their order (torch.cat([f(x[i:i + 1]) for i in range(B)]))")
+
 
 def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parameter: bool) -> Any:
     """The layout of an op on ``Masked`` lists (see there)."""
@@ -3272,6 +3376,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     problems.append(Problem(op_name(out.target), module_path_of(out), "", _ROWS_OUTPUT,
                                             source_of(out)))
                     mixing.append(out)  # what a later graph reads (see fxdp.compiler.mixed_outputs)
+                if _any_piece(batch.get(out)) and not carries_no_gradient(out, without_grad) and not (
+                        isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())):
+                    problems.append(Problem(op_name(out.target), module_path_of(out), "", _PIECE_OUTPUT,
+                                            source_of(out)))
+                    mixing.append(out)
                 if _any_masked(batch.get(out)):
                     # a loss over the list is no sum of the samples' own losses
                     op = out.args[0] if out.target is BATCH_TO_ROWS else out  # (the op run in place)
@@ -3401,6 +3510,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it "
                     "keeps samples independent; register a rule for it with fxdp.register_rule"
                 )
+            if _is_pointwise(target) and _varies_along_the_batch(node, arg_batch, batch[node], sources):
+                raise MixesSamples(_ALONG_THE_BATCH)
             _check_batch_rows(node, batch[node], batch_size)
             if isinstance(batch[node], Loss):
                 losses[node] = batch[node].reduction

@@ -2548,6 +2548,85 @@ def test_a_statistic_of_the_batch_that_a_gradient_depends_on_is_refused(kind, op
             else "mixes samples") in problems[0].reason
 
 
+class AlongTheBatch(nn.Module):
+    """Multiplies the batch by a shared tensor (no batch dim of its own) that spans the
+    batch dim: ``uniform`` forms hold the same values all along it (a fill, an
+    expand, a random draw), the others differ by position, so sample ``b`` gets entry
+    ``b``. Those were accepted, a helper found: with sample 0 removed from the batch,
+    sample 3's grad sample moved by 1.3 (``buffer[:B]``) to 60 (``arange(B)``)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("table", torch.linspace(0.5, 2.0, 16))
+
+    def forward(self, x):
+        h = self.lin(x)  # [B, T, 4]
+        B, T = h.shape[:2]
+        forms = {
+            "buffer[:B]": lambda: h * self.table[:B, None, None],
+            "arange(B)": lambda: h * (torch.arange(B, dtype=h.dtype) + 1)[:, None, None],
+            "cumsum over the batch": lambda: h * torch.ones_like(h).cumsum(0),
+            "arange(B * T)": lambda: h * torch.arange(B * T, dtype=h.dtype).view(B, T, 1),
+            "a loss weighted by position": lambda: (h.pow(2).sum((1, 2)) * self.table[:B]).sum(),
+            # uniform along the batch
+            "ones(B, T) mask": lambda: h + (1.0 - torch.ones(B, T, dtype=h.dtype)[:, :, None]) * -1e4,
+            "positions expanded": lambda: h * torch.arange(T, dtype=h.dtype).expand(B, T)[..., None],
+            "full, unsqueezed": lambda: h * torch.full((B, T), 2.0, dtype=h.dtype).unsqueeze(-1),
+        }
+        out = forms[self.how]()
+        return out if out.dim() == 0 else out.pow(2).sum()
+
+
+@pytest.mark.parametrize("how", ["buffer[:B]", "arange(B)", "cumsum over the batch", "arange(B * T)",
+                                 "a loss weighted by position"])
+def test_a_shared_tensor_that_varies_along_the_batch_is_refused(how):
+    problems = fxdp.validate(AlongTheBatch(how).to(DTYPE), randn(4, 5, 4), loss_reduction="sum")
+    assert [p.op for p in problems] == ["aten.mul.Tensor"], problems
+    assert "a shared tensor whose values vary along the batch dim" in problems[0].reason
+
+
+@pytest.mark.parametrize("how", ["ones(B, T) mask", "positions expanded", "full, unsqueezed"])
+def test_a_shared_tensor_uniform_along_the_batch_is_exact(how):
+    model = AlongTheBatch(how).to(DTYPE)
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for size in (4, 6):
+        x = randn(size, 5, 4, seed=size)
+        ref = reference(model, [x], lambda out, i: out)
+        model.zero_grad()
+        dp(x).backward()
+        assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample at B = {size}")
+
+
+class DrawsTimesteps(nn.Module):
+    """A diffusion model's training forward that draws each sample's timestep itself
+    (``t = randint(0, N, (B,))``, lucidrains' ``GaussianDiffusion``) and looks the
+    schedule up at it: shared values along the batch, but each an independent draw."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.net = nn.Linear(4, 4)
+        self.register_buffer("alphas", torch.linspace(0.9, 0.1, 10))
+
+    def forward(self, x):
+        t = torch.randint(0, 10, (x.shape[0],))
+        if self.how == "index":
+            a = self.alphas[t]
+        elif self.how == "index_select":
+            a = self.alphas.index_select(0, t)
+        else:
+            a = F.embedding(t, self.alphas[:, None])[:, 0]
+        noise = torch.randn_like(x)
+        return (self.net(a.sqrt()[:, None] * x + (1 - a).sqrt()[:, None] * noise) - noise).pow(2).sum(1)
+
+
+@pytest.mark.parametrize("how", ["index", "index_select", "embedding"])
+def test_a_schedule_looked_up_at_timesteps_drawn_in_the_forward_is_accepted(how):
+    assert fxdp.validate(DrawsTimesteps(how).to(DTYPE), randn(4, 4), loss_reduction="sum") == []
+
+
 def test_refusal_raises_fxdp_unsupported_error_itself():
     dp = fxdp.transform(Centred().to(DTYPE), compiler="eager")
     with pytest.raises(fxdp.UnsupportedError):

@@ -676,6 +676,10 @@ class PiecesMixed(torch.nn.Module):
             return torch.cat([h[i:i + 1] + h[0:1] for i in range(x.shape[0])])
         if self.kind == "expanded":
             return h + h[0:1].expand(x.shape[0], -1, -1)
+        if self.kind == "returned":  # a loss of the first sample alone (accepted before, a helper found)
+            return h[0].pow(2).sum()
+        if self.kind == "returned-slice":
+            return h[1:2]
         if self.kind == "padded-reversed":
             return pad_sequence(list(reversed(h.unbind(0))), batch_first=True)
         if self.kind == "written-into-a-buffer":
@@ -703,6 +707,8 @@ class PiecesMixed(torch.nn.Module):
     ("accumulated", "combines the values of one sample taken out of the batch"),
     ("expanded", "combines the values of one sample taken out of the batch"),
     ("padded-reversed", "combines the values of one sample taken out of the batch"),
+    ("returned", "returns values of one sample taken out of the batch"),
+    ("returned-slice", "returns values of one sample taken out of the batch"),
     # Read as shared, the buffer's rows would have been constants to every sample.
     ("written-into-a-buffer", "writes one sample's values, taken out of the batch .* shared by all samples"),
     ("parameter", "uses a parameter on the values of one sample taken out of the batch"),

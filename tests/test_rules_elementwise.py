@@ -3548,9 +3548,13 @@ def test_a_shared_matrix_solved_against_the_samples_under_inductor():
 
 def test_solves_and_cross_products_across_the_batch_are_refused():
     x = torch.randn(3, D, dtype=torch.float64)  # three samples: the batch is a matrix dim
+    # (Not ``+ 3 * eye(3)``: a shared matrix whose rows line up with the three samples is
+    # refused at the addition, each sample getting its own row of it.)
+    model = around(lambda m, h: torch.linalg.solve(h * m.s + 3, h), d_in=3, d_out=3, s=(3,))().double()
+    assert "the batch is a row or column of the matrices it works on" in _reasons(model, x)
     model = around(lambda m, h: torch.linalg.solve(h * m.s + 3 * torch.eye(3, dtype=h.dtype), h), d_in=3, d_out=3,
                    s=(3,))().double()
-    assert "the batch is a row or column of the matrices it works on" in _reasons(model, x)
+    assert "a shared tensor whose values vary along the batch dim" in _reasons(model, x)
     model = around(lambda m, h: torch.linalg.cross(h * m.s, h, dim=0), d_in=3, d_out=3, s=(3,))().double()
     assert "it takes cross products along the batch dim" in _reasons(model, x)
 
