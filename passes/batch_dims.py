@@ -3363,6 +3363,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             continue
         if node.op == "output":
             outputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
+            pieces: list[fx.Node] = []  # outputs holding one sample's values (with a gradient)
             for out in node.all_input_nodes:
                 if out in sources and all(i in stored_outputs for i, o in enumerate(outputs) if o is out) \
                         and not _views_an_input(out, gm):
@@ -3378,14 +3379,20 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     mixing.append(out)  # what a later graph reads (see fxdp.compiler.mixed_outputs)
                 if _any_piece(batch.get(out)) and not carries_no_gradient(out, without_grad) and not (
                         isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())):
-                    problems.append(Problem(op_name(out.target), module_path_of(out), "", _PIECE_OUTPUT,
-                                            source_of(out)))
-                    mixing.append(out)
+                    pieces.append(out)
                 if _any_masked(batch.get(out)):
                     # a loss over the list is no sum of the samples' own losses
                     op = out.args[0] if out.target is BATCH_TO_ROWS else out  # (the op run in place)
                     problems.append(Problem(op_name(op.target), module_path_of(out), "", _MASKED_OUTPUT,
                                             source_of(out)))
+            # Every sample's own pieces, returned apart (Hugging Face's list of each image's
+            # features), are each sample's; some of them alone are those at their positions.
+            returned = {b.sample for out in pieces for b in _flat(batch.get(out)) if isinstance(b, Piece)}
+            if pieces and returned != set(range(batch_size if isinstance(batch_size, int) else -1)):
+                for out in pieces:
+                    problems.append(Problem(op_name(out.target), module_path_of(out), "", _PIECE_OUTPUT,
+                                            source_of(out)))
+                    mixing.append(out)
             continue
         if node.op != "call_function":
             batch[node] = None
