@@ -273,12 +273,25 @@ _VIEWS_OF_ALL = {aten.view.default, aten.reshape.default, aten._unsafe_view.defa
                  aten.transpose.int, aten.t.default, aten.select.int, aten.flatten.using_ints}
 
 
-def _uniform_along(node: Any, dim: int) -> bool:
+def _uniform_along(node: Any, dim: int, memo: dict | None = None) -> bool:
     """Whether a shared value (no batch dim of its own) holds the same values all along
-    ``dim`` (negative: a dim it broadcasts along): one of size 1 there, a constant fill
-    or an independent random draw (``ones(B, T)``, ``zeros_like``, ``randn(B, d)``), an
-    ``expand`` along it (``arange(T).expand(B, T)``), and elementwise ops, copies,
-    slices and views of such. Not a range, a buffer or a cumulative sum along it."""
+    ``dim`` (negative: a dim it broadcasts along), or values drawn alike there: one of
+    size 1 there, a constant fill or an independent random draw (``ones(B, T)``,
+    ``zeros_like``, ``randn(B, d)``), an ``expand`` along it (``arange(T).expand(B, T)``),
+    a table looked up at such positions, an input or buffer as the size rule read it
+    (``in_dims`` settles that reading), and elementwise ops, copies, slices, views and
+    pieces of such. Not a range, a window of a table (``buffer[:B]``) or a cumulative
+    sum along it. ``memo`` holds the answers found so far (shared masks are diamonds of
+    ops)."""
+    if not isinstance(node, fx.Node):
+        return True  # a number
+    memo = {} if memo is None else memo
+    if (node, dim) not in memo:
+        memo[node, dim] = _uniform_along_uncached(node, dim, memo)
+    return memo[node, dim]
+
+
+def _uniform_along_uncached(node: Any, dim: int, memo: dict) -> bool:
     value = _meta(node) if isinstance(node, fx.Node) else None
     if not isinstance(value, torch.Tensor) or dim < 0 or dim >= value.dim() \
             or statically_known_true(value.shape[dim] == 1):
@@ -297,20 +310,20 @@ def _uniform_along(node: Any, dim: int) -> bool:
     if target in (aten.index.Tensor, aten.index_select.default, aten.embedding.default):
         # A shared table looked up by positions alike all along ``dim`` (diffusion's
         # ``alphas[t]`` with ``t = randint(0, N, (B,))`` drawn in the forward).
-        return _looked_up_alike(node, dim)
+        return _looked_up_alike(node, dim, memo)
     if target is aten.expand.default:
         new = value.dim() - _meta(node.args[0]).dim()
-        return dim < new or _uniform_along(node.args[0], dim - new)
+        return dim < new or _uniform_along(node.args[0], dim - new, memo)
     if target in _SAME_DIMS:
-        return _uniform_along(node.args[0], dim)
+        return _uniform_along(node.args[0], dim, memo)
     if target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _PIECES_OF_ALL:
         node = node.args[0]  # a piece of an unbind or split: alike where its whole source is
         target = node.target
     if target in _VIEWS_OF_ALL or target in _PIECES_OF_ALL:
         source = _meta(node.args[0])
-        return all(_uniform_along(node.args[0], d) for d in range(source.dim()))
+        return all(_uniform_along(node.args[0], d, memo) for d in range(source.dim()))
     if _is_pointwise(target):
-        return all(_uniform_along(a, dim - (value.dim() - _meta(a).dim())) for a in node.all_input_nodes
+        return all(_uniform_along(a, dim - (value.dim() - _meta(a).dim()), memo) for a in node.all_input_nodes
                    if isinstance(_meta(a), torch.Tensor))
     return False
 
@@ -320,13 +333,13 @@ _DRAWS = {aten.randint.low, aten.randint.default, aten.normal.float_float, aten.
           aten.randn_like.default}
 
 
-def _looked_up_alike(node: fx.Node, dim: int) -> bool:
+def _looked_up_alike(node: fx.Node, dim: int, memo: dict) -> bool:
     """For ``table[idx]`` (one integer index, on the first dim), ``index_select`` or
     ``embedding``: whether ``dim`` of the result comes from ``idx`` where it is alike all
     along it, or from the table where that is."""
     if node.target is aten.index_select.default:
         table, at, idx = node.args
-        return _uniform_along(idx, 0) if dim == at else _uniform_along(table, dim)
+        return _uniform_along(idx, 0, memo) if dim == at else _uniform_along(table, dim, memo)
     if node.target is aten.embedding.default:
         table, idx = node.args[0], node.args[1]
     else:
@@ -335,7 +348,7 @@ def _looked_up_alike(node: fx.Node, dim: int) -> bool:
             return False
         idx = indices[0]
     rank = _meta(idx).dim()
-    return _uniform_along(idx, dim) if dim < rank else _uniform_along(table, dim - rank + 1)
+    return _uniform_along(idx, dim, memo) if dim < rank else _uniform_along(table, dim - rank + 1, memo)
 
 
 _ALONG_THE_BATCH = (
