@@ -291,8 +291,8 @@ def _uniform_along(node: Any, dim: int, memo: dict | None = None) -> bool:
     return memo[node, dim]
 
 
-def _uniform_along_uncached(node: Any, dim: int, memo: dict) -> bool:
-    value = _meta(node) if isinstance(node, fx.Node) else None
+def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
+    value = _meta(node)
     if not isinstance(value, torch.Tensor) or dim < 0 or dim >= value.dim() \
             or statically_known_true(value.shape[dim] == 1):
         return True
