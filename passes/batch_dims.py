@@ -2160,7 +2160,7 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
         raise MixesSamples(_MASKED)
     if any(_any_batched(b) and not isinstance(b, Masked) for b in flat):
         raise MixesSamples(_MASKED)
-    rule = lookup(node.target) if uses_parameter and pure_op(node.target) else None
+    rule = lookup(node.target) if pure_op(node.target) else None
     if uses_parameter and rule is None and not (_is_pointwise(node.target) or node.target in PROPAGATION):
         raise _NoPropagation(_MASKED_PARAMETER)
     outs = _meta(node)

@@ -358,6 +358,37 @@ def test_the_count_of_masked_rows_as_their_own_number_is_exact():
                          f"grad_sample at B = {size}")
 
 
+class NormalisedRows(nn.Module):
+    """A parameter-free op with a rule on the selected rows: ``F.layer_norm`` without a
+    weight normalises each row over its own features. It was refused ("it works on the
+    elements a boolean mask … selected"), as the analysis looked rules up only for ops
+    that use a parameter; ``nn.LayerNorm`` on the same rows worked (found by a helper)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, tokens):
+        h = self.lin(x)
+        m = tokens < V // 2
+        out = h.clone()
+        out[m] = F.layer_norm(h[m], (D,))
+        return out
+
+
+def test_a_parameter_free_op_with_a_rule_on_the_rows_is_exact():
+    torch.manual_seed(0)
+    model = NormalisedRows().double()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for size in (3, 4):
+        x, tokens = _inputs(size, torch.float64)
+        ref = reference(model, (x, tokens), lambda out, i: out.pow(2).sum())
+        dp(x, tokens).pow(2).sum().backward()
+        params = dict(model.named_parameters())
+        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tolerance(torch.float64),
+                         f"grad_sample at B = {size}")
+
+
 def test_the_rows_a_mask_selected_returned_by_the_forward_are_refused_with_where_to_put_the_loss():
     """Outside the forward no loss can be told apart by sample (torchaudio's HuBERT
     returns ``proj(x)[mask]``): the refusal says to compute the loss inside."""
