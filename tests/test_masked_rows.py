@@ -239,12 +239,17 @@ class TaggerLoss(nn.Module):
 def test_a_loss_summed_over_the_rows_a_mask_selected_is_exact(how):
     """Refused before ("it works on the elements a boolean mask … selected")."""
     torch.manual_seed(0)
-    model = TaggerLoss(how).double()
+    _grad_samples_exact_at_two_sizes(TaggerLoss(how).double())
+
+
+def _grad_samples_exact_at_two_sizes(model: nn.Module, loss=lambda out: out) -> None:
+    """``model``'s grad samples under ``loss_reduction="sum"`` match the loop's at B = 3
+    (static) and 4 (dynamic)."""
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
     for size in (3, 4):
         x, tokens = _inputs(size, torch.float64)
-        ref = reference(model, (x, tokens), lambda out, i: out)
-        dp(x, tokens).backward()
+        ref = reference(model, (x, tokens), lambda out, i: loss(out))
+        loss(dp(x, tokens)).backward()
         params = dict(model.named_parameters())
         assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tolerance(torch.float64),
                          f"grad_sample at B = {size}")
@@ -347,15 +352,7 @@ def test_the_count_of_masked_rows_as_a_size_or_an_index_is_refused(how):
 
 def test_the_count_of_masked_rows_as_their_own_number_is_exact():
     torch.manual_seed(0)
-    model = CountAsSize("rows as their own number").double()
-    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
-    for size in (3, 4):
-        x, tokens = _inputs(size, torch.float64)
-        ref = reference(model, (x, tokens), lambda out, i: out)
-        dp(x, tokens).backward()
-        params = dict(model.named_parameters())
-        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tolerance(torch.float64),
-                         f"grad_sample at B = {size}")
+    _grad_samples_exact_at_two_sizes(CountAsSize("rows as their own number").double())
 
 
 class NormalisedRows(nn.Module):
@@ -378,15 +375,7 @@ class NormalisedRows(nn.Module):
 
 def test_a_parameter_free_op_with_a_rule_on_the_rows_is_exact():
     torch.manual_seed(0)
-    model = NormalisedRows().double()
-    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
-    for size in (3, 4):
-        x, tokens = _inputs(size, torch.float64)
-        ref = reference(model, (x, tokens), lambda out, i: out.pow(2).sum())
-        dp(x, tokens).pow(2).sum().backward()
-        params = dict(model.named_parameters())
-        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tolerance(torch.float64),
-                         f"grad_sample at B = {size}")
+    _grad_samples_exact_at_two_sizes(NormalisedRows().double(), lambda out: out.pow(2).sum())
 
 
 def test_the_rows_a_mask_selected_returned_by_the_forward_are_refused_with_where_to_put_the_loss():
