@@ -546,6 +546,14 @@ def refuse_graph_break(gm: fx.GraphModule, options: Options, example_inputs: Seq
     _refuse_break(reason)
 
 
+def _inputs_carrying_gradients(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[tuple[fx.Node, Any]]:
+    """``gm``'s placeholders, with their values, that need a gradient and that the graph
+    may send one into (``_carries_a_gradient``)."""
+    placeholders = (n for n in gm.graph.nodes if n.op == "placeholder")
+    return [(node, real) for node, real in zip(placeholders, example_inputs)
+            if isinstance(real, torch.Tensor) and real.requires_grad and _carries_a_gradient(node)]
+
+
 def _refuse_values_read_before_gradients(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     """Without clipping (graph breaks are allowed then), raise where a graph Dynamo resumes
     after a break at which the compiled function read a tensor's value (``int(m.sum())``,
@@ -556,9 +564,7 @@ def _refuse_values_read_before_gradients(gm: fx.GraphModule, example_inputs: Seq
     values (``loss.detach()``) is harmless."""
     resumed = internals.resumed_after()
     if resumed is not None and resumed[1] is not None:
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        found = [_param_name(source_name(node)) for node, real in zip(placeholders, example_inputs)
-                 if isinstance(real, torch.Tensor) and real.requires_grad and _carries_a_gradient(node)]
+        found = [_param_name(source_name(node)) for node, _ in _inputs_carrying_gradients(gm, example_inputs)]
         if found:
             raise UnsupportedError(
                 f"fxdp cannot follow the samples across a graph break: the code reads a tensor's value at "
@@ -590,11 +596,9 @@ def _refuse_gradients_after_a_break(gm: fx.GraphModule, example_inputs: Sequence
     that only reads such values (``loss.detach()``) is harmless. After a break at
     ``opt.zero_grad()`` (``cleared``), which reads and computes nothing, only the values
     an earlier graph computed are refused: the forward would be split there."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     own, computed = [], []
-    for node, real in zip(placeholders, example_inputs):
-        if isinstance(real, torch.Tensor) and real.requires_grad and _carries_a_gradient(node):
-            (computed if real.grad_fn is not None else own).append(_param_name(source_name(node)))
+    for node, real in _inputs_carrying_gradients(gm, example_inputs):
+        (computed if real.grad_fn is not None else own).append(_param_name(source_name(node)))
     if not computed and (cleared or not own):
         return
     if cleared:
@@ -776,11 +780,9 @@ def _refuse_eager_gradients_after_a_break(gm: fx.GraphModule, example_inputs: Se
     resumed = internals.resumed_after()
     if resumed is None:
         return
-    found = []
-    for node, real in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
-        if isinstance(real, torch.Tensor) and real.grad_fn is not None and _carries_a_gradient(node) \
-                and not _computed_by_a_graph(real.grad_fn):
-            found.append(f"{_param_name(source_name(node))} ({type(real.grad_fn).__name__})")
+    found = [f"{_param_name(source_name(node))} ({type(real.grad_fn).__name__})"
+             for node, real in _inputs_carrying_gradients(gm, example_inputs)
+             if real.grad_fn is not None and not _computed_by_a_graph(real.grad_fn)]
     if found:
         raise UnsupportedError(
             f"fxdp cannot follow the samples across a graph break: the graph after the break at {resumed[0]} "

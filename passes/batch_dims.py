@@ -265,12 +265,12 @@ def _pointwise(node: fx.Node, arg_batch: list) -> Any:
     return [result] * len(out) if isinstance(out, (list, tuple)) else result
 
 
-_SAME_DIMS = {aten.slice.Tensor, aten.clone.default, aten.contiguous.default, aten.detach.default,
-              aten.alias.default, aten._to_copy.default, aten.to.dtype, aten.lift_fresh_copy.default}
+_SAME_DIMS = _COPIES | {aten.slice.Tensor}
 _PIECES_OF_ALL = {aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
-_VIEWS_OF_ALL = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
-                 aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.permute.default,
-                 aten.transpose.int, aten.t.default, aten.select.int, aten.flatten.using_ints}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_VIEWS_OF_ALL = _RESHAPES | {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+                             aten.permute.default, aten.transpose.int, aten.t.default, aten.select.int,
+                             aten.flatten.using_ints}
 
 
 def _uniform_along(node: Any, dim: int, memo: dict | None = None) -> bool:
@@ -2210,7 +2210,6 @@ _COUNT_AS_SIZE = (
     "x.masked_select(mask).numel()) as a size, an index or an offset of other values: what each sample's "
     "values are would depend on the other samples' masks; use sizes the data does not decide, or each "
     "sample's own count as a tensor (mask.sum(1))")
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def _count_as_rows(node: fx.Node, counts: set) -> bool:
