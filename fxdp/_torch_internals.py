@@ -536,14 +536,18 @@ def refuse_skipped_frames_that_train() -> None:
             from fxdp.errors import UnsupportedError
 
             code = frame.f_code
-            reasons = (str(e).strip().splitlines()[0] for e in (error, error.__cause__) if e is not None and str(e))
+            reasons = [str(e).strip().splitlines()[0] for e in (error, error.__cause__) if e is not None and str(e)]
+            sized_by_data = any("Dynamic shape operator" in r for r in reasons)
             raise UnsupportedError(
                 f"fxdp: Dynamo cannot compile {code.co_qualname} ({code.co_filename}:{code.co_firstlineno}) "
                 f"and would run it eagerly, outside any fxdp graph: {', '.join(names)} would get "
                 f"ordinary, unclipped gradients. Dynamo's reason: {'; '.join(dict.fromkeys(reasons))}. "
                 "A graph break inside a for/while loop or a try block makes Dynamo skip the whole "
                 "function: remove the break (torch._dynamo.explain shows it) or use "
-                "fxdp.transform, which compiles with fullgraph=True.") from error
+                "fxdp.transform, which compiles with fullgraph=True."
+                + (" An op whose output size depends on the data (nonzero, x[mask]) breaks the graph "
+                   "unless torch._dynamo.config.capture_dynamic_output_shape_ops is True: set it, and "
+                   "fxdp follows the op." if sized_by_data else "")) from error
 
     __call__._fxdp_guard = True  # type: ignore[attr-defined]
     ConvertFrameAssert.__call__ = __call__

@@ -100,6 +100,13 @@ class Rows:
     says gives the batch again. Position ``r`` itself depends on every sample's keys:
     it must not meet a shared value along ``dim``.
 
+    The rows a ``nonzero`` of a batched mask found are such rows too, some of the
+    batch's, not all: a mixture of experts written as a loop runs each expert on the
+    tokens routed to it (``slot, token = torch.where(expert_mask[e])``, ``h[token]``,
+    then ``out.index_add_(0, token, y)``). ``order`` is then the ``nonzero``, ``column``
+    the column of its output that holds the batch's positions; put back, each row goes
+    to its own position of the mask flattened (``found``), zeros where none was found.
+
     Attributes:
         ids: The values are row ids of a batch with ``ids`` rows per sample (the sort's
             indices, ``ids = inner``, and ``indices // k``), so indexing such a batch
@@ -108,6 +115,10 @@ class Rows:
             counts, summed up, are the group offsets of these rows.
         major: As a marker operand: put back in batch order, also brought to ``[B, …]``
             (``False``: left in the op's layout, for a rule that does that itself).
+        column: ``order`` is a ``nonzero`` whose output column ``column`` names the
+            batch rows (``None``: a sort, whose indices do, every row once).
+        found: The layout of the ``nonzero``'s mask flattened, where its rows are put
+            back (``None`` for a sort).
     """
 
     dim: int
@@ -116,6 +127,8 @@ class Rows:
     ids: Any = None
     keys: bool = False
     major: bool = True
+    column: int | None = None
+    found: BatchDim | None = None
 
     def same_order(self, other: Any) -> bool:
         return isinstance(other, Rows) and other.order is self.order and other.dim == self.dim
@@ -123,7 +136,7 @@ class Rows:
     @property
     def in_batch_order(self) -> BatchDim:
         """The layout of these rows put back in batch order (``unpermute``)."""
-        return BatchDim(self.dim, self.inner)
+        return BatchDim(self.dim, self.inner) if self.found is None else self.found.at(self.dim)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -149,10 +162,21 @@ class Inverse:
     inner: Any
 
 
-def unpermute(t: torch.Tensor, order: torch.Tensor, rows: Rows) -> torch.Tensor:
+def unpermute(t: torch.Tensor, order: torch.Tensor, rows: Rows, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``t``, whose rows along ``rows.dim`` are in ``order``, with its rows put back in
-    batch order: then in layout ``BatchDim(rows.dim, rows.inner)``."""
-    return t.new_zeros(t.shape).index_copy(rows.dim, order, t)
+    batch order: then in layout ``rows.in_batch_order``.
+
+    Rows a ``nonzero`` of ``mask`` found (``rows.found``) each go to their own position
+    of ``mask`` flattened (a token routed by two slots has two), zeros where it found
+    none."""
+    if rows.found is None:
+        return t.new_zeros(t.shape).index_copy(rows.dim, order, t)
+    flat = order[:, 0]
+    for j in range(1, order.shape[1]):
+        flat = flat * mask.shape[j] + order[:, j]
+    shape = list(t.shape)
+    shape[rows.dim] = mask.numel()
+    return t.new_zeros(shape).index_copy(rows.dim, flat, t)
 
 
 WHOLE = BatchDim(None)

@@ -464,6 +464,12 @@ def _reshape(node: fx.Node, arg_batch: list) -> Any:
             if bool(math.prod(dst[:j]) == math.prod(src[:b.dim])) and bool(size == src[b.dim]):
                 return b.at(j)
         raise MixesSamples("it reshapes the batch dim of an empty tensor into several dims")
+    for j, size in enumerate(dst):
+        # The batch dim kept whole, as many elements before it (``[1, n, d]`` to ``[n, d]``
+        # with ``n`` rows a nonzero found: no guard on the data-dependent ``n``).
+        if statically_known_true(size == src[b.dim]) \
+                and statically_known_true(math.prod(dst[:j]) == math.prod(src[:b.dim])):
+            return b.at(j)
     stride = b.inner
     for size in src[b.dim + 1:]:
         stride = stride * size
@@ -845,6 +851,10 @@ def _flattens_by_value(node, arg_batch):
     """Positions or elements found by value, in one list for the whole tensor: the
     samples' entries are flattened together (their count depends on the data).
 
+    The positions a ``nonzero`` finds name rows of the batch in one of its columns:
+    rows some samples' values chose (``Rows`` with ``column``), which ops that keep
+    rows apart may follow and an ``index_add`` by that column puts back.
+
     ``masked_select(x, mask)`` of a mask of ``x``'s own shape and batch is ``x[mask]``:
     a ``Masked`` list."""
     if node.target is aten.masked_select.default:
@@ -852,6 +862,13 @@ def _flattens_by_value(node, arg_batch):
         if isinstance(x, BatchDim) and x.dim is not None and isinstance(mask, BatchDim) and x.same_as(mask) \
                 and _meta(node.args[0]).shape == _meta(node.args[1]).shape:
             return Masked(node.args[1], mask)
+    b = arg_batch[0]
+    if node.target in (aten.nonzero.default, aten.argwhere.default) and isinstance(b, BatchDim) \
+            and isinstance(b.dim, int) and _equal_one(b.outer):
+        # Rows of the batch, in an order every sample's values decide (see ``Rows``).
+        shape = _meta(node.args[0]).shape
+        found = BatchDim(0, b.inner * math.prod(shape[b.dim + 1:]), math.prod(shape[:b.dim]))
+        return Rows(0, node, b.inner, column=b.dim, found=found)
     if any(isinstance(b, BatchDim) and b.dim is not None for b in arg_batch):
         raise MixesSamples("it flattens the batch into one list of what it finds, whose length "
                            "depends on the data (compute densely with a mask instead: torch.where(mask, a, b), a "
@@ -2114,11 +2131,12 @@ _MASKED = ("it works on the elements a boolean mask over the batch dim selected 
 _MASKED_OUTPUT = (_MASKED + "; returned by the forward, the list leaves its loss outside, where fxdp cannot tell "
                   "each row's sample: compute the loss in the forward, where a sum over the rows "
                   "(loss_reduction='sum') is the sum of the samples' own")
-_ROWS_OUTPUT = ("returns rows in an order the whole batch's data decides (a sort or argsort over the samples): "
-                "a loss outside the forward pairs row j with sample j's target, so each sample's gradient "
-                "would depend on the others' data. Put the rows back in batch order inside the forward "
-                "(rows[order.argsort()] with the sort's own indices, or "
-                "torch.empty_like(rows).index_copy(0, order, rows)), or compute the loss in the forward")
+_ROWS_OUTPUT = ("returns rows in an order the whole batch's data decides (a sort, an argsort or a nonzero over "
+                "the samples): a loss outside the forward pairs row j with sample j's target, so each sample's "
+                "gradient would depend on the others' data. Put the rows back in batch order inside the forward "
+                "(rows[order.argsort()] with the sort's own indices, "
+                "torch.empty_like(rows).index_copy(0, order, rows), or torch.zeros_like(h).index_add(0, token, "
+                "rows) for the rows of h a nonzero found), or compute the loss in the forward")
 
 _PIECE_OUTPUT = ("returns values of one sample taken out of the batch (x[i], x[i:i + 1], with i a number): a loss "
                  "computed from them is the sample's at that position alone, not a sum of every sample's own, "
@@ -2200,16 +2218,17 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
     return out
 
 
-_COUNTED = ("it computes with how many elements a boolean mask selected from the whole batch (x[mask].shape[0], "
-            "mask.sum() as a number): every sample's share would depend on the other samples' masks; sum "
-            "each sample's elements and divide by a fixed number instead, with loss_reduction='sum'")
+_COUNTED = ("it computes with how many elements a boolean mask selected from the whole batch, or a nonzero "
+            "found in it (x[mask].shape[0], mask.nonzero().shape[0], mask.sum() as a number): every "
+            "sample's share would depend on the other samples' masks; sum each sample's elements and divide "
+            "by a fixed number instead, with loss_reduction='sum'")
 _TENSORS_OF_COUNTS = {aten.scalar_tensor.default, aten.full.default}
 _SIZES = {aten.sym_size.int, aten.sym_numel.default}
 _COUNT_AS_SIZE = (
-    "it takes how many elements a boolean mask selected from the whole batch (x[mask].shape[0], "
-    "x.masked_select(mask).numel()) as a size, an index or an offset of other values: what each sample's "
-    "values are would depend on the other samples' masks; use sizes the data does not decide, or each "
-    "sample's own count as a tensor (mask.sum(1))")
+    "it takes how many elements a boolean mask selected from the whole batch, or a nonzero found in it "
+    "(x[mask].shape[0], x.masked_select(mask).numel(), mask.nonzero().shape[0]) as a size, an index or an "
+    "offset of other values: what each sample's values are would depend on the other samples' masks; use "
+    "sizes the data does not decide, or each sample's own count as a tensor (mask.sum(1))")
 
 
 def _count_as_rows(node: fx.Node, counts: set) -> bool:
@@ -2248,6 +2267,8 @@ def _counts_selected(node: fx.Node, batch: dict, counts: set) -> bool:
     arithmetic on values may."""
     if node.target in _SIZES:
         b = batch.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+        if isinstance(b, Rows) and b.column is not None:  # how many rows a nonzero found
+            return node.target is aten.sym_numel.default or _norm_dim(node.args[1], _meta(node.args[0]).dim()) == b.dim
         return isinstance(b, Masked) and (node.target is aten.sym_numel.default or node.args[1] == 0)
     if not any(a in counts for a in node.all_input_nodes):
         return False
@@ -3062,10 +3083,18 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
         data, ids = arg_batch[0], arg_batch[1][0]
         if isinstance(ids, Inverse) and isinstance(data, Rows) and data.dim == 0 and data.order is ids.order:
             return BatchDim(0, ids.inner)  # the sorted rows put back
-        if isinstance(ids, Rows) and ids.ids is not None and _meta(args[1][0]).dim() == 1 and (
-                isinstance(data, BatchDim) and data.dim == 0 and _equal_one(data.outer)
-                and statically_known_true(data.inner == ids.ids)):
-            return Rows(0, ids.order, ids.inner)  # the batch's rows, in the sort's order
+    if target is aten.index.Tensor:
+        rows = _rows_indexed(args[1], arg_batch[0], arg_batch[1])
+        if rows is not None:
+            return rows
+    if target is aten.index_select.default:
+        d = _norm_dim(args[1], _meta(args[0]).dim())
+        rows = _rows_indexed([None] * d + [args[2]], arg_batch[0], [None] * d + [arg_batch[2]])
+        if rows is not None:
+            return rows
+    found = _found_columns(node, arg_batch[0])
+    if found is not None:
+        return found
     if any(isinstance(b, Inverse) for b in flat):
         raise MixesSamples("it reads the position of each row among the rows of the whole batch sorted, "
                            "which depends on every sample")
@@ -3112,6 +3141,47 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
     return _as_rows(out, first)
 
 
+def _rows_indexed(indices: Sequence[Any], data: Any, index_batches: Sequence[Any]) -> Rows | None:
+    """``h[ids]`` (``h[None, ids]``, ``w[ids, slot]``): the batch dim of ``h`` indexed by
+    row ids of such a batch (``Rows`` with ``ids``), any other dim by values of the same
+    rows, one per row: each row reads its own sample's row of ``h``, the rows in the
+    order of the ids."""
+    if not (isinstance(data, BatchDim) and isinstance(data.dim, int) and _equal_one(data.outer)
+            and data.dim < len(indices) and isinstance(indices[data.dim], fx.Node)):
+        return None
+    ids = index_batches[data.dim]
+    if not (isinstance(ids, Rows) and ids.ids is not None and statically_known_true(data.inner == ids.ids)):
+        return None
+    tensors = [i for i, ix in enumerate(indices) if ix is not None]
+    if any(not (isinstance(index_batches[i], Rows) and index_batches[i].same_order(ids)
+                and _meta(indices[i]).dim() == 1 and not _meta(indices[i]).dtype.is_floating_point
+                and _meta(indices[i]).dtype not in (torch.bool, torch.uint8)) for i in tensors):
+        return None
+    adjacent = tensors == list(range(tensors[0], tensors[-1] + 1))
+    return dataclasses.replace(ids, dim=tensors[0] if adjacent else 0, ids=None, keys=False)
+
+
+def _found_columns(node: fx.Node, b: Any) -> Any:
+    """The columns of a ``nonzero`` of a batched tensor (``unbind(1)``, ``select(1, c)``,
+    the one column of a 1-D tensor's squeezed or viewed): the one that holds the batch
+    dim's positions gives the rows' ids."""
+    if not (isinstance(b, Rows) and b.column is not None and node.args[0] is b.order):
+        return None
+    found = _meta(b.order)
+    columns = found.shape[1]
+
+    def column(c: int) -> Rows:
+        return dataclasses.replace(b, ids=b.inner if c == b.column else None, keys=False)
+
+    if node.target is aten.unbind.int and _norm_dim(named_arg(node, "dim", 0), 2) == 1:
+        return [column(c) for c in range(columns)]
+    if node.target is aten.select.int and _norm_dim(node.args[1], 2) == 1:
+        return column(_norm_dim(node.args[2], columns))
+    if columns == 1 and _meta(node).dim() == 1 and node.target in _VIEWS_OF_ALL:
+        return column(0)
+    return None
+
+
 def rule_layout(b: Any) -> Any:
     """A layout as rules see it (and ``meta["fxdp_batch"]`` holds it): sorted rows reach
     their markers put back in batch order."""
@@ -3132,7 +3202,16 @@ def _as_rows(out: Any, rows: Rows) -> Any:
     if out is None:
         return None
     if isinstance(out, BatchDim) and isinstance(out.dim, int) and out.plain:
-        return Rows(out.dim, rows.order, rows.inner)
+        return dataclasses.replace(rows, dim=out.dim, ids=None, keys=False, major=True)
+    if isinstance(out, Loss):
+        # Every row summed (or, of all the batch's rows sorted, averaged): the samples'
+        # losses together. A mean of the rows a nonzero found divides by their count.
+        if rows.found is None or out.reduction == "sum":
+            return out
+        raise MixesSamples(
+            "it averages the rows a nonzero found over the whole batch, dividing by how many every sample "
+            "has together: each sample's share would depend on the others'; sum them with "
+            "loss_reduction='sum' and divide by a fixed number")
     raise MixesSamples("it groups or reduces rows that a sort of the whole batch ordered, which belong to "
                        "different samples")
 

@@ -462,7 +462,8 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     values[i] = trailing[j]
                 for i, b in enumerate(layouts):
                     if isinstance(b, Rows):
-                        values[i] = unpermute(values[i], trailing[b.order], b)
+                        mask = None if b.found is None else trailing[b.order + 1]
+                        values[i] = unpermute(values[i], trailing[b.order], b, mask)
                         layouts[i] = b.in_batch_order if b.major else RAW
             return batch_major_all(values, [retrack(b, pool) for b in layouts])
 

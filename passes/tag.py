@@ -370,7 +370,10 @@ def tag_pass(gm: fx.GraphModule, analysis: BatchAnalysis, param_names: dict[fx.N
             for position, b in enumerate(operand_batch):
                 if isinstance(b, Rows):  # put back in batch order by the sort's indices
                     operand_batch[position] = dataclasses.replace(b, order=len(trailing))
-                    trailing.append(_sort_indices(gm, b.order))
+                    if b.column is None:
+                        trailing.append(_sort_indices(gm, b.order))
+                    else:  # the positions a nonzero found, and its mask (their shape)
+                        trailing += [b.order, b.order.args[0]]
             transform = None
             if site.kind == "transform":
                 transform, inputs = _extract_transform(node.args[site.index], analysis.param_only, params)

@@ -26,6 +26,7 @@ __all__ = [
     "FirstOutput", "SequenceFirstBias",
     "VmapPerSample", "VmapOverPositions", "VmapMask", "VmapSegmentMask", "ScanRecurrence", "VmapEnsemble",
     "EnergyForces", "VmapJacobian", "CheckpointedVmap", "PerSampleLoop", "SortedExperts", "loop_grouped_mm",
+    "LoopedExperts",
 ]
 
 
@@ -914,3 +915,52 @@ class SortedExperts(nn.Module):
         else:
             mixed = torch.zeros_like(h).index_add(0, order // self.top_k, out)
         return x + mixed.view(x.shape)
+
+
+class LoopedExperts(nn.Module):
+    """A top-k mixture of experts written as a loop over the experts, each run on the
+    tokens routed to it, which a ``nonzero`` finds (the rows of the whole batch routed
+    there, in the order of the mask's positions):
+
+    - ``"where"``: Mixtral's eager experts in transformers (``slot, token =
+      torch.where(one_hot(chosen).permute(2, 1, 0)[e])``, ``h[token]``, the expert's
+      ``F.linear`` of a slice of stacked weights, ``index_add_`` into zeros);
+    - ``"where_eq"``: DeepSeek-V3's reference (``token, slot = torch.where(chosen ==
+      e)``, ``y[token] += expert(h[token]) * weights[token, slot, None]``), experts as
+      ``nn.Linear`` modules;
+    - ``"flat"``: the flattened choices' ``nonzero().squeeze(-1)``, the token by
+      ``// top_k``, ``index_select`` and ``index_add``."""
+
+    def __init__(self, d: int = 8, hidden: int = 12, experts: int = 3, top_k: int = 2, dispatch: str = "where"):
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts, self.top_k, self.dispatch = experts, top_k, dispatch
+        if dispatch == "where":  # [E, out, in] stacks, as transformers' MixtralExperts
+            self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * hidden, d) / d ** 0.5)
+            self.down_proj = nn.Parameter(torch.randn(experts, d, hidden) / hidden ** 0.5)
+        else:
+            self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+                                      for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(h).softmax(-1).topk(self.top_k)
+        out = torch.zeros_like(h)
+        if self.dispatch == "where":
+            expert_mask = F.one_hot(chosen, num_classes=self.experts).permute(2, 1, 0)
+            for e in range(self.experts):
+                slot, token = torch.where(expert_mask[e])
+                gate, up = F.linear(h[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+                out.index_add_(0, token, y)
+        elif self.dispatch == "where_eq":
+            for e in range(self.experts):
+                token, slot = torch.where(chosen == e)
+                out[token] += self.mlps[e](h[token]) * weights[token, slot, None]
+        else:
+            flat = weights.reshape(-1)
+            for e in range(self.experts):
+                found = (chosen.reshape(-1) == e).nonzero().squeeze(-1)
+                token = found // self.top_k
+                out = out.index_add(0, token, self.mlps[e](h.index_select(0, token)) * flat[found, None])
+        return x + out.view(x.shape)

@@ -2267,7 +2267,13 @@ def test_ops_that_flatten_the_batch_are_refused_with_their_reason():
     model = around(lambda m, h: h + torch.masked_select(h * m.s, h > 0).sum(), s=(D,))()
     assert "a reduction over the batch (the loss, or a statistic of the batch) is used by an op other than a sum" \
         in _reasons(model, x)
+    # The positions a nonzero finds name rows of the batch (see test_found_rows.py): their
+    # sum is one too, a statistic of the batch when added to every sample.
     model = around(lambda m, h: h[torch.nonzero(h * m.s > 0, as_tuple=True)].sum() + h, s=(D,))()
+    assert "a reduction over the batch (the loss, or a statistic of the batch) is used by an op other than a sum" \
+        in _reasons(model, x)
+    # nonzero_static pads its list (with -1) to a size: no rows of the batch to follow
+    model = around(lambda m, h: h[torch.nonzero_static(h * m.s > 0, size=3).unbind(1)].sum() + h, s=(D,))()
     assert flattens in _reasons(model, x)
     model = around(lambda m, h: h + torch.take(h * m.s, torch.tensor([0, 5])).sum(), s=(D,))()
     assert "it indexes the flattened tensor, across the samples' rows" in _reasons(model, x)
