@@ -147,6 +147,9 @@ CASES = [
          lambda: (_randn(B, 3, 8),)),
     Case("experts_sorted_with_biases", lambda: models.SortedExperts(biases=True), lambda: (_randn(B, 3, 8),),
          float32=True),
+    Case("experts_looped_where", models.LoopedExperts, lambda: (_randn(B, 3, 8),), float32=True),
+    Case("experts_looped_where_eq", lambda: models.LoopedExperts(dispatch="where_eq"), lambda: (_randn(B, 3, 8),)),
+    Case("experts_looped_flat", lambda: models.LoopedExperts(dispatch="flat"), lambda: (_randn(B, 3, 8),)),
 ]
 CASE_BY_ID = {c.id: c for c in CASES}
 
@@ -874,6 +877,7 @@ def test_padded_lstm_matches_the_packed_model(mode: str):
     ("vmap_per_sample", "clip", None),
     ("loop_over_samples_slices", "clip", None),
     ("experts_sorted_with_biases", "grad_sample", None),
+    ("experts_looped_where", "clip", None),
 ])
 def test_inductor_float32(case_id: str, mode: str, blocks: int | None):
     case = CASE_BY_ID[case_id]

@@ -1,0 +1,164 @@
+"""Rows of the batch a ``nonzero`` found (``Rows`` with ``column`` in
+``fxdp/batching.py``): a mixture of experts written as a loop over its experts runs each
+one on the tokens routed to it, ``torch.where(expert_mask[e])``, and adds the results
+back into their tokens' rows. The models of ``models.LoopedExperts`` run in
+``test_models_e2e.py`` (``experts_looped_*``, float64, float32 and Inductor); here: a
+token found twice, a loss over the rows found, the batch sizes of the backend, and the
+refusals of what depends on every sample's routing.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxdp
+from models import LoopedExperts
+from reference import assert_close_all, reference, tolerance
+
+D = 8
+
+
+def _reasons(model: nn.Module, *args) -> str:
+    return "\n".join(str(p) for p in fxdp.validate(model, *args))
+
+
+def _exact(model: nn.Module, args: tuple, loss, clip: float | None = None) -> None:
+    """``grad_sample`` and the clipped sum of a ``loss_reduction="sum"`` step against the
+    microbatch loop (``loss(out)`` is each sample's loss summed)."""
+    ref = reference(model, args, lambda out, i: loss(out))
+    clip = float(ref.norms.median()) if clip is None else clip
+    trained = copy.deepcopy(model)
+    dp = fxdp.transform(trained, grad_sample=True, max_grad_norm=clip, loss_reduction="sum", compiler="eager")
+    loss(dp(*args)).backward()
+    tol = tolerance(torch.float64)
+    params = dict(trained.named_parameters())
+    assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tol, "grad_sample")
+    torch.testing.assert_close(dp.per_sample_norms, ref.norms)
+    assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("sum", clip), tol, "clipped")
+
+
+class _Routed(nn.Module):
+    """Tokens routed to one expert by a router, found by ``torch.where``, the expert run
+    on them and added back; ``misuse`` does one thing more with the rows found."""
+
+    def __init__(self, misuse: str = "none"):
+        super().__init__()
+        self.router = nn.Linear(D, 2, bias=False)
+        self.expert = nn.Linear(D, D)
+        self.misuse = misuse
+
+    def forward(self, x):
+        h = x.reshape(-1, D)
+        probs = self.router(h).softmax(-1)
+        mask = probs.argmax(-1) == 1
+        if self.misuse == "twice":  # every token it finds, found by two slots
+            slot, token = torch.where(torch.stack([mask, mask]))
+        else:
+            (token,) = torch.where(mask)
+        rows = self.expert(h[token]) * probs[token][:, 1:]
+        if self.misuse == "twice":
+            rows = rows * (slot + 1).unsqueeze(-1).to(rows.dtype)  # each slot's copy its own weight
+        if self.misuse == "positions":  # each row scaled by its place among the rows found
+            rows = rows * torch.arange(rows.shape[0], dtype=rows.dtype).unsqueeze(-1)
+        if self.misuse == "count":  # divided by how many the whole batch routed
+            rows = rows / token.numel()
+        if self.misuse == "returned":  # a loss outside pairs row j with sample j's target
+            return rows
+        if self.misuse == "reduced":
+            return x + rows.sum(0)
+        return x + torch.zeros_like(h).index_add(0, token, rows).view(x.shape)
+
+
+def test_a_token_found_twice_is_put_back_in_two_places():
+    """Two slots of the mask name the same token: its two rows go to their own positions
+    of the mask flattened, so both copies' gradients count (one place for the token would
+    keep one copy)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, D, dtype=torch.float64)
+    _exact(_Routed("twice").double(), (x,), lambda out: out.pow(2).sum())
+
+
+class _Selected(nn.Module):
+    """A head on the positions a per-token mask selects, ``h[mask.nonzero(as_tuple=True)]``
+    (the samples' masks select different numbers of positions), the loss its rows' sum."""
+
+    def __init__(self, reduction: str):
+        super().__init__()
+        self.proj, self.head = nn.Linear(D, D), nn.Linear(D, 3)
+        self.reduction = reduction
+
+    def forward(self, x, mask):
+        rows = self.head(torch.tanh(self.proj(x))[mask.nonzero(as_tuple=True)])
+        return rows.pow(2).sum() if self.reduction == "sum" else rows.pow(2).mean()
+
+
+def test_a_loss_summed_over_the_rows_found_is_the_samples_losses():
+    torch.manual_seed(0)
+    x = torch.randn(4, 5, D, dtype=torch.float64)
+    mask = torch.rand(4, 5, generator=torch.Generator().manual_seed(1)) > 0.4
+    mask[0] = False  # a sample with no row found: a zero gradient
+    mask[1] = True
+    _exact(_Selected("sum").double(), (x, mask), lambda loss: loss)
+    assert "it averages the rows a nonzero found over the whole batch" in _reasons(_Selected("mean").double(), x, mask)
+
+
+@pytest.mark.parametrize("misuse, reason", [
+    ("positions", "how many elements a boolean mask selected from the whole batch, or a nonzero found in it"),
+    ("count", "how many elements a boolean mask selected from the whole batch, or a nonzero found in it"),
+    ("returned", "returns rows in an order the whole batch's data decides (a sort, an argsort or a nonzero"),
+    ("reduced", "mixes samples: it reduces over the batch dim"),
+])
+def test_what_depends_on_every_sample_s_routing_is_refused(misuse, reason):
+    x = torch.randn(3, 4, D, dtype=torch.float64)
+    assert reason in _reasons(_Routed(misuse).double(), x)
+    assert _reasons(_Routed().double(), x) == ""
+
+
+@pytest.mark.parametrize("dispatch", ["where", "flat"])
+def test_under_the_backend_at_several_batch_sizes_and_lengths(dispatch):
+    """The rows found are put back at positions of a mask whose sizes Dynamo makes
+    symbolic after the first call (``top_k · B · T``), rebuilt in the backward."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LoopedExperts(dispatch=dispatch).double()
+    compiled = torch.compile(model, backend=fxdp.backend(grad_sample=True, max_grad_norm=1.0, compiler="eager"))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        for batch_size, length in ((3, 4), (5, 4), (4, 6), (1, 7)):
+            x = torch.randn(batch_size, length, D, dtype=torch.float64)
+            ref = reference(copy.deepcopy(model), (x,), lambda out, i: out.pow(2).sum())
+            model.zero_grad(set_to_none=True)
+            compiled(x).pow(2).sum(dim=(1, 2)).mean().backward()
+            what = f"B = {batch_size}, T = {length}"
+            params = dict(model.named_parameters())
+            assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample,
+                             tolerance(torch.float64), what)
+            assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("mean", 1.0),
+                             tolerance(torch.float64), what)
+
+
+def test_the_backend_without_dynamic_output_shapes_names_the_setting():
+    """Without ``capture_dynamic_output_shape_ops`` Dynamo breaks the graph at the
+    ``nonzero`` (inside the loop: it skips the whole forward), which fxdp refuses."""
+    torch._dynamo.reset()
+    model = LoopedExperts().double()
+    compiled = torch.compile(model, backend=fxdp.backend(max_grad_norm=1.0, compiler="eager"))
+    with pytest.raises(fxdp.UnsupportedError, match="capture_dynamic_output_shape_ops is True: set it"):
+        compiled(torch.randn(3, 4, D, dtype=torch.float64)).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_batch_of_none_and_of_one():
+    torch.manual_seed(0)
+    model = LoopedExperts().double()
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=1.0, loss_reduction="sum", compiler="eager")
+    dp(torch.randn(0, 4, D, dtype=torch.float64)).pow(2).sum().backward()
+    assert all(p.grad_sample.shape[0] == 0 and not p.grad.any() for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(1, 4, D, dtype=torch.float64)
+    ref = reference(copy.deepcopy(model), (x,), lambda out, i: out.pow(2).sum())
+    dp(x).pow(2).sum().backward()
+    assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("sum", 1.0),
+                     tolerance(torch.float64), "B = 1")
