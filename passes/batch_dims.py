@@ -3029,11 +3029,11 @@ def _equal_one(size: Any) -> bool:
 
 
 _SORTED_ELSEWHERE = (
-    "it combines rows that a sort of the whole batch ordered (a mixture of experts' dispatch) with "
-    "values in another order")
+    "it combines rows that a sort of the whole batch ordered (or a nonzero found: a mixture of experts' "
+    "dispatch) with values in another order")
 
 
-def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: Any) -> Any:
+def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: Any, batch: dict) -> Any:
     """The layout of an op on rows sorted across the batch (``Rows``), their counts by
     key (``Groups``) or the sort's inverse (``Inverse``): a mixture of experts' dispatch
     as Hugging Face's ``grouped_mm`` experts write it::
@@ -3113,6 +3113,12 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
         written = _written_back(arg_batch[2], arg_batch[3], arg_batch[0], args[0])
         if written is not None:
             return written
+    if target in _SCATTERS and isinstance(args[2], fx.Node) and _norm_dim(args[1], _meta(args[0]).dim()) == 0:
+        # ``out.scatter_add_(0, ids[:, None].expand(-1, d), rows)``: each row's entries all
+        # written into the batch row its id names.
+        written = _written_back(_ids_along_rows(args[2], batch), arg_batch[3], arg_batch[0], args[0])
+        if written is not None:
+            return written
     if target in (aten.floor_divide.default, aten.floor_divide.Scalar) or (
             target is aten.div.Tensor_mode and named_arg(node, "rounding_mode", None) == "floor"):
         b, k = arg_batch[0], args[1]
@@ -3139,6 +3145,36 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
             f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it keeps samples "
             "independent; register a rule for it with fxdp.register_rule")
     return _as_rows(out, first)
+
+
+# Writes of a source's entries at the positions an index tensor of its shape names.
+_SCATTERS = {aten.scatter.src, aten.scatter_.src, aten.scatter_add.default, aten.scatter_add_.default,
+             aten.scatter_reduce.two, aten.scatter_reduce_.two}
+
+
+def _ids_along_rows(index: fx.Node, batch: dict) -> Rows | None:
+    """The row ids a scatter's ``index`` holds in every entry of each row: a 1-D tensor
+    of ids (``Rows`` with ``ids``) with trailing dims added and expanded or repeated
+    (``ids[:, None].expand(-1, d)``, ``ids.view(-1, 1).repeat(1, d)``), else ``None``."""
+    node, layout = index, batch.get(index)
+    while isinstance(layout, Rows) and layout.ids is None and node.op == "call_function" and node.args:
+        source = node.args[0]
+        if not isinstance(source, fx.Node) or _meta(source).dim() < 1:
+            return None
+        before, after = _meta(source).shape, _meta(node).shape
+        keeps_rows = statically_known_true(before[0] == after[0])
+        if node.target is aten.unsqueeze.default and _norm_dim(node.args[1], len(after)) >= 1:
+            pass
+        elif node.target is aten.expand.default and keeps_rows and len(after) == len(before):
+            pass
+        elif node.target is aten.repeat.default and len(node.args[1]) == len(before) and node.args[1][0] == 1:
+            pass
+        elif node.target in _RESHAPES and keeps_rows and math.prod(before[1:]) == 1:
+            pass
+        else:
+            return None
+        node, layout = source, batch.get(source)
+    return layout if isinstance(layout, Rows) and layout.ids is not None and _meta(node).dim() == 1 else None
 
 
 def _rows_indexed(indices: Sequence[Any], data: Any, index_batches: Sequence[Any]) -> Rows | None:
@@ -3212,8 +3248,8 @@ def _as_rows(out: Any, rows: Rows) -> Any:
             "it averages the rows a nonzero found over the whole batch, dividing by how many every sample "
             "has together: each sample's share would depend on the others'; sum them with "
             "loss_reduction='sum' and divide by a fixed number")
-    raise MixesSamples("it groups or reduces rows that a sort of the whole batch ordered, which belong to "
-                       "different samples")
+    raise MixesSamples("it groups or reduces rows that a sort of the whole batch ordered (or a nonzero found), "
+                       "which belong to different samples")
 
 
 def _check_shared_along_rows(node: fx.Node, arg_batch: list, dim: int) -> None:
@@ -3227,8 +3263,8 @@ def _check_shared_along_rows(node: fx.Node, arg_batch: list, dim: int) -> None:
         at = dim - (out.dim() - m.dim())
         if 0 <= at < m.dim() and not _equal_one(m.shape[at]):
             raise MixesSamples(
-                "it meets a shared value that varies along rows a sort of the whole batch ordered, so "
-                "which sample's row meets which entry depends on every sample")
+                "it meets a shared value that varies along rows a sort of the whole batch ordered (or a "
+                "nonzero found), so which sample's row meets which entry depends on every sample")
 
 
 def _counts_each_key(node: fx.Node) -> bool:
@@ -3589,7 +3625,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 batch[node] = [WHOLE] * len(out) if isinstance(out, (list, tuple)) else WHOLE
                 continue
             if _any_sorted(arg_batch) or _any_sorted(kwarg_batch):
-                batch[node] = _sorted_rows_batch(node, arg_batch, kwarg_batch, rule)
+                batch[node] = _sorted_rows_batch(node, arg_batch, kwarg_batch, rule, batch)
             elif _any_piece(arg_batch) or _any_piece(kwarg_batch):
                 batch[node] = _piece_batch(node, arg_batch + kwarg_batch, batch_size, bool(paramish))
             elif _any_masked(arg_batch) or _any_masked(kwarg_batch):

@@ -162,3 +162,48 @@ def test_a_batch_of_none_and_of_one():
     dp(x).pow(2).sum().backward()
     assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("sum", 1.0),
                      tolerance(torch.float64), "B = 1")
+
+
+class _Scattered(nn.Module):
+    """Two experts' rows added back into their tokens by ``scatter_add`` / ``scatter_reduce``
+    with the ids broadcast along each row, the rows sorted by expert or found per expert;
+    ``"shifted"`` writes half of each row's entries one token further (into another
+    sample's row at a sample's last token)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.router = nn.Linear(D, 2, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+        self.how = how
+
+    def forward(self, x):
+        h = x.reshape(-1, D)
+        weights, chosen = self.router(h).softmax(-1).topk(2)
+        out = torch.zeros_like(h)
+        if self.how == "sorted":
+            keys, order = chosen.reshape(-1).sort()
+            token = order // 2
+            rows = h[token] * weights.reshape(-1)[order, None]
+            y = sum(expert(rows) * (keys == e).unsqueeze(-1) for e, expert in enumerate(self.experts))
+            return x + out.scatter_add(0, token.unsqueeze(-1).expand(-1, D), y).view(x.shape)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            y = expert(h[token]) * weights[token, slot, None]
+            if self.how == "found":
+                out = out.scatter_reduce(0, token.view(-1, 1).repeat(1, D), y, reduce="sum")
+            else:
+                out = out.scatter_add(0, token[:, None] + torch.arange(D) % 2, y)
+        return x + out.view(x.shape)
+
+
+@pytest.mark.parametrize("how", ["sorted", "found"])
+def test_rows_scattered_back_into_their_tokens_are_exact(how):
+    """(Refused before the forty-ninth session: "it combines rows that a sort of the
+    whole batch ordered with values in another order".)"""
+    torch.manual_seed(0)
+    _exact(_Scattered(how).double(), (torch.randn(3, 4, D, dtype=torch.float64),), lambda out: out.pow(2).sum())
+
+
+def test_rows_scattered_into_other_rows_are_refused():
+    x = torch.randn(3, 4, D, dtype=torch.float64)
+    assert "it combines rows that a sort of the whole batch ordered" in _reasons(_Scattered("shifted").double(), x)
