@@ -3059,7 +3059,7 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
             return dataclasses.replace(b, ids=b.ids if keep_values else None, keys=b.keys and keep_values)
     if target in (aten.argsort.default, aten.argsort.stable) and isinstance(arg_batch[0], Rows) \
             and arg_batch[0].ids is not None and statically_known_true(arg_batch[0].ids == arg_batch[0].inner) \
-            and _meta(args[0]).dim() == 1:
+            and arg_batch[0].column is None and _meta(args[0]).dim() == 1:
         return Inverse(arg_batch[0].order, arg_batch[0].inner)  # a permutation's argsort: its inverse
     if target is aten.cumsum.default and isinstance(arg_batch[0], Groups) and not arg_batch[0].cumulative \
             and _norm_dim(args[1], 1) == 0:
@@ -3102,7 +3102,7 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
             and len(args[1]) == 1:
         ids, values = arg_batch[1][0], arg_batch[2]
         if isinstance(ids, Rows) and ids.ids is not None and statically_known_true(ids.ids == ids.inner) \
-                and _is_arange(args[2], _meta(args[1][0]).shape[0]) \
+                and ids.column is None and _is_arange(args[2], _meta(args[1][0]).shape[0]) \
                 and not (len(args) > 3 and args[3]):
             return Inverse(ids.order, ids.inner)  # inv[order] = arange(S)
         written = _written_back(ids, values, arg_batch[0], args[0])

@@ -207,3 +207,32 @@ def test_rows_scattered_back_into_their_tokens_are_exact(how):
 def test_rows_scattered_into_other_rows_are_refused():
     x = torch.randn(3, 4, D, dtype=torch.float64)
     assert "it combines rows that a sort of the whole batch ordered" in _reasons(_Scattered("shifted").double(), x)
+
+
+class _EveryToken(nn.Module):
+    """Every token found (``n = B·T``), the rows put back by the ids' ``argsort`` or by an
+    inverse written as for sorted rows: neither is a permutation's inverse here (the rows
+    a nonzero finds are a subset of the batch, or hold a token twice), so neither is taken
+    for the batch in order (before the fix both were)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.router, self.lin, self.how = nn.Linear(D, 2, bias=False), nn.Linear(D, D), how
+
+    def forward(self, x):
+        h = x.reshape(-1, D)
+        (token,) = torch.where(self.router(h).argmax(-1) >= 0)
+        rows = self.lin(h[token])
+        if self.how == "argsort":
+            return rows[token.argsort()].view(x.shape)
+        inverse = torch.empty_like(token)
+        inverse[token] = torch.arange(token.shape[0])
+        return rows[inverse].view(x.shape)
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("argsort", "it groups or reduces rows that a sort of the whole batch ordered (or a nonzero found)"),
+    ("inverse", "it indexes the batch dim with a tensor other than torch.arange(B)"),
+])
+def test_the_ids_argsort_or_inverse_is_no_way_back(how, reason):
+    assert reason in _reasons(_EveryToken(how).double(), torch.randn(3, 4, D, dtype=torch.float64))
