@@ -3084,12 +3084,12 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
         if isinstance(ids, Inverse) and isinstance(data, Rows) and data.dim == 0 and data.order is ids.order:
             return BatchDim(0, ids.inner)  # the sorted rows put back
     if target is aten.index.Tensor:
-        rows = _rows_indexed(args[1], arg_batch[0], arg_batch[1])
+        rows = _rows_indexed(args[0], args[1], arg_batch[0], arg_batch[1])
         if rows is not None:
             return rows
     if target is aten.index_select.default:
         d = _norm_dim(args[1], _meta(args[0]).dim())
-        rows = _rows_indexed([None] * d + [args[2]], arg_batch[0], [None] * d + [arg_batch[2]])
+        rows = _rows_indexed(args[0], [None] * d + [args[2]], arg_batch[0], [None] * d + [arg_batch[2]])
         if rows is not None:
             return rows
     found = _found_columns(node, arg_batch[0])
@@ -3177,11 +3177,12 @@ def _ids_along_rows(index: fx.Node, batch: dict) -> Rows | None:
     return layout if isinstance(layout, Rows) and layout.ids is not None and _meta(node).dim() == 1 else None
 
 
-def _rows_indexed(indices: Sequence[Any], data: Any, index_batches: Sequence[Any]) -> Rows | None:
+def _rows_indexed(source: fx.Node, indices: Sequence[Any], data: Any, index_batches: Sequence[Any]) -> Rows | None:
     """``h[ids]`` (``h[None, ids]``, ``w[ids, slot]``): the batch dim of ``h`` indexed by
     row ids of such a batch (``Rows`` with ``ids``), any other dim by values of the same
     rows, one per row: each row reads its own sample's row of ``h``, the rows in the
-    order of the ids."""
+    order of the ids. The keys a sort sorted, taken in its order (``keys[keys.argsort()]``),
+    are its sorted keys, which a count may read (``Groups``)."""
     if not (isinstance(data, BatchDim) and isinstance(data.dim, int) and _equal_one(data.outer)
             and data.dim < len(indices) and isinstance(indices[data.dim], fx.Node)):
         return None
@@ -3194,7 +3195,9 @@ def _rows_indexed(indices: Sequence[Any], data: Any, index_batches: Sequence[Any
                 and _meta(indices[i]).dtype not in (torch.bool, torch.uint8)) for i in tensors):
         return None
     adjacent = tensors == list(range(tensors[0], tensors[-1] + 1))
-    return dataclasses.replace(ids, dim=tensors[0] if adjacent else 0, ids=None, keys=False)
+    keys = (len(tensors) == 1 and ids.column is None and statically_known_true(ids.ids == ids.inner)
+            and _meta(source).dim() == 1 and _sort_of(source) is ids.order)
+    return dataclasses.replace(ids, dim=tensors[0] if adjacent else 0, ids=None, keys=keys)
 
 
 def _found_columns(node: fx.Node, b: Any) -> Any:

@@ -253,3 +253,57 @@ def test_under_the_backend_at_several_batch_sizes_and_lengths():
         what = f"B = {batch_size}, T = {length}"
         assert_close_all({n: p.grad_sample for n, p in trained}, ref.per_sample, tolerance(torch.float64), what)
         assert_close_all({n: p.grad for n, p in trained}, ref.grad("mean", 1.0), tolerance(torch.float64), what)
+
+
+class _SortedKeysCounted(nn.Module):
+    """The keys taken in their own ``argsort``'s order (``keys[order]``: the sorted keys)
+    and counted (``bincount`` or ``histc``) for the offsets (was refused: "it reads how
+    many rows of the whole batch each key has")."""
+
+    def __init__(self, count: str):
+        super().__init__()
+        self.router = nn.Linear(D, 3, bias=False)
+        self.w = nn.Parameter(torch.randn(3, D, D))
+        self.count = count
+
+    def forward(self, x):
+        h = x.reshape(-1, D)
+        keys = self.router(h).argmax(-1)
+        order = keys.argsort(stable=True)
+        if self.count == "bincount":
+            offsets = torch.bincount(keys[order], minlength=3)
+        else:
+            offsets = torch.histc(keys[order].float(), bins=3, min=0, max=2)
+        out = loop_grouped_mm(h[order] * torch.tanh(self.router(h))[order][:, :1], self.w,
+                              offsets.cumsum(0, dtype=torch.int32))
+        return x + out[order.argsort()].view(x.shape)
+
+
+@pytest.mark.parametrize("count", ["bincount", "histc"])
+def test_the_keys_gathered_in_their_sort_s_order_are_the_sorted_keys(count):
+    torch.manual_seed(0)
+    model = _SortedKeysCounted(count).double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    expected = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=1.0, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
+    tol = tolerance(torch.float64)
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, expected.per_sample, tol, "grad_sample")
+    assert_close_all({n: p.grad for n, p in model.named_parameters()}, expected.grad("sum", 1.0), tol, "clipped")
+
+
+def test_other_values_gathered_in_a_sort_s_order_are_no_keys():
+    """``keys[order]`` counts as the sorted keys only where ``order`` sorts ``keys``
+    themselves: a count of other values taken in that order is the batch's."""
+
+    class OtherCounted(_SortedKeysCounted):
+        def forward(self, x):
+            h = x.reshape(-1, D)
+            keys = self.router(h).argmax(-1)
+            order = keys.argsort(stable=True)
+            other = (keys + 1) % 3  # not the values the argsort sorted
+            out = loop_grouped_mm(h[order], self.w, torch.bincount(other[order], minlength=3).cumsum(0, dtype=torch.int32))
+            return x + out[order.argsort()].view(x.shape)
+
+    assert "it counts values over the whole batch" in _reasons(OtherCounted("bincount").double(),
+                                                               torch.randn(B, T, D, dtype=torch.float64))
