@@ -1389,6 +1389,16 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
             "(p.register_hook(fn) sees the gradient fxdp hands it), or read p.grad, "
             "p.grad_sample and the per-sample norms after "
             f"backward(). Dynamo's reason: {error}")
+    data_dependent = isinstance(error, GuardOnDataDependentSymNode) or (
+        isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError))
+        and "Could not guard on data-dependent expression" in str(error))
+    if data_dependent:
+        return one_graph(
+            "Dynamo cannot capture it there: a Python value is read from a tensor's contents "
+            "(int(t), t.item(), a size computed from values: how many rows a nonzero or x[mask] "
+            "found) and then decides a branch or a shape. Compute it from Python values or sizes "
+            "instead, or once before the transform; a branch that skips an op on no rows (a mixture "
+            "of experts' `if token.shape[0] == 0: continue`) can go: the op computes nothing there.")
     if isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
         return one_graph(
             "Dynamo cannot capture it there; change that code or move it out of the forward "
@@ -1399,11 +1409,6 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
             "torch.compile(model, fullgraph=True) fails the same way): often code Dynamo calls on the "
             "model's own objects raises (a tuple subclass whose __len__ raises, read by Dynamo's guards); "
             f"pass plain values there. Dynamo's error: {error}")
-    if isinstance(error, GuardOnDataDependentSymNode):
-        return one_graph(
-            "Dynamo cannot capture it there: a Python value is read from a tensor's contents "
-            "(int(t), t.item(), a size computed from values) and then decides a branch or a shape. "
-            "Compute it from Python values or sizes instead, or once before the transform.")
     if isinstance(error, torch._dynamo.exc.TorchRuntimeError):
         return UnsupportedError(
             "fxdp needs the model's forward as one graph, and an op failed while Dynamo captured it "

@@ -236,3 +236,26 @@ class _EveryToken(nn.Module):
 ])
 def test_the_ids_argsort_or_inverse_is_no_way_back(how, reason):
     assert reason in _reasons(_EveryToken(how).double(), torch.randn(3, 4, D, dtype=torch.float64))
+
+
+class _SkipsEmptyExperts(LoopedExperts):
+    """transformers' older Mixtral loop: an expert no token chose is skipped by a branch
+    on the rows found, which Dynamo cannot capture."""
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(h).softmax(-1).topk(self.top_k)
+        out = torch.zeros_like(h)
+        for e in range(self.experts):
+            token, slot = torch.where(chosen == e)
+            if token.shape[0] == 0:
+                continue
+            out.index_add_(0, token, self.mlps[e](h[token]) * weights[token, slot, None])
+        return x + out.view(x.shape)
+
+
+def test_a_branch_on_how_many_rows_were_found_says_it_can_go():
+    model = _SkipsEmptyExperts(dispatch="where_eq").double()
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="if token.shape\\[0\\] == 0: continue`\\) can go"):
+        dp(torch.randn(3, 4, D, dtype=torch.float64))
