@@ -3169,7 +3169,7 @@ def _ids_along_rows(index: fx.Node, batch: dict) -> Rows | None:
             pass
         elif node.target is aten.repeat.default and len(node.args[1]) == len(before) and node.args[1][0] == 1:
             pass
-        elif node.target in _RESHAPES and keeps_rows and math.prod(before[1:]) == 1:
+        elif node.target in _RESHAPES and keeps_rows and statically_known_true(math.prod(before[1:]) == 1):
             pass
         else:
             return None

@@ -307,3 +307,33 @@ def test_other_values_gathered_in_a_sort_s_order_are_no_keys():
 
     assert "it counts values over the whole batch" in _reasons(OtherCounted("bincount").double(),
                                                                torch.randn(B, T, D, dtype=torch.float64))
+
+
+class _SortedRowsLoss(nn.Module):
+    """A loss over every sorted row inside the forward: their mean is the mean over the
+    samples of each one's rows' mean (every sample has ``T`` of the ``B·T`` rows), their
+    sum the sum of the samples' own (was refused: "it groups or reduces rows that a sort
+    of the whole batch ordered")."""
+
+    def __init__(self, reduction: str):
+        super().__init__()
+        self.lin = nn.Linear(D, 3)
+        self.reduction = reduction
+
+    def forward(self, x):
+        h = x.reshape(-1, D)
+        rows = self.lin(h[h[:, 0].argsort()]).pow(2)
+        return rows.sum() if self.reduction == "sum" else rows.mean()
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_a_loss_over_every_sorted_row_is_the_samples_losses(reduction):
+    torch.manual_seed(0)
+    model = _SortedRowsLoss(reduction).double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    expected = reference(model, (x,), lambda loss, i: loss)  # a sample alone: its own rows
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.5, loss_reduction=reduction, compiler="eager")
+    dp(x).backward()
+    tol = tolerance(torch.float64)
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, expected.per_sample, tol, "grad_sample")
+    assert_close_all({n: p.grad for n, p in model.named_parameters()}, expected.grad(reduction, 0.5), tol, "clipped")
