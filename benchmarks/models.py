@@ -21,6 +21,8 @@ untied``  ghost clipping accepts it: untied head,
 ``moe``   ``SortedMoEStack``: residual top-2 mixtures     ``x [16, 128, 256]``,
           of 8 experts (hidden 512) run as Hugging        10 classes
           Face's grouped_mm experts, 4 blocks, mean-pool
+``moe_    the same experts run in a loop over them, each  as ``moe``
+loop``    on the tokens ``torch.where`` finds
 ========  ==============================================  =============================
 
 ``gpt_untied`` exists for the comparison with Opacus, which cannot run ``gpt`` (ghost
@@ -319,6 +321,24 @@ class _SortedMoE(nn.Module):
         return out[inverse].view(h.shape[0], self.top_k, -1).sum(1).view(x.shape)
 
 
+class _LoopedMoE(_SortedMoE):
+    """The same experts run in a loop, each on the tokens routed to it, as transformers'
+    eager experts (over ``range(E)``) and DeepSeek-V3's reference code do:
+    ``torch.where`` of the expert's column of the one-hot routing, ``index_add_`` back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(h).softmax(-1).topk(self.top_k)
+        weights = weights / weights.sum(-1, keepdim=True)
+        expert_mask = F.one_hot(chosen, num_classes=self.experts).permute(2, 1, 0)
+        out = torch.zeros_like(h)
+        for e in range(self.experts):
+            slot, token = torch.where(expert_mask[e])
+            gate, up = (h[token] @ self.gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, token, (F.silu(gate) * up) @ self.down[e] * weights[token, slot, None])
+        return out.view(x.shape)
+
+
 class SortedMoEStack(nn.Module):
     """Residual pre-norm mixture-of-experts blocks over a sequence, mean-pooled to a
     linear head: ``ResidualMLPStack`` with each MLP a mixture of experts.
@@ -330,13 +350,15 @@ class SortedMoEStack(nn.Module):
         top_k: Experts each token is routed to.
         blocks: Number of residual blocks.
         num_classes: Number of output logits.
+        looped: Run the experts in a loop over them (``_LoopedMoE``), not sorted.
     """
 
     def __init__(self, d: int = 256, hidden: int = 512, experts: int = 8, top_k: int = 2, blocks: int = 4,
-                 num_classes: int = 10) -> None:
+                 num_classes: int = 10, looped: bool = False) -> None:
         super().__init__()
         self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(blocks))
-        self.blocks = nn.ModuleList(_SortedMoE(d, hidden, experts, top_k) for _ in range(blocks))
+        moe = _LoopedMoE if looped else _SortedMoE
+        self.blocks = nn.ModuleList(moe(d, hidden, experts, top_k) for _ in range(blocks))
         self.head = nn.Linear(d, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -446,6 +468,13 @@ CASES: dict[str, BenchmarkCase] = {
             name="moe",
             description="top-2 of 8 experts d=256 h=512 sorted (grouped_mm) x4, B=16 T=128",
             build=SortedMoEStack,
+            make_batch=_classification_batch((16, 128, 256)),
+            batch_size=16,
+        ),
+        BenchmarkCase(
+            name="moe_loop",
+            description="the moe experts run in a loop over them (torch.where + index_add_), B=16 T=128",
+            build=lambda: SortedMoEStack(looped=True),
             make_batch=_classification_batch((16, 128, 256)),
             batch_size=16,
         ),

@@ -642,6 +642,8 @@ def run_case(
     # One Dynamo state per case: no graph of another case's model serves this one.
     # Variants of one case compile different module objects, guarded apart.
     torch._dynamo.reset()
+    # ``compiled`` captures ``moe_loop``'s nonzero in its graph, as fxdp.transform does.
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
     runs = {}
     for variant in variants:
         log(f"[{case.name}] {variant}: compile and warm up")

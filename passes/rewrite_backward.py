@@ -428,6 +428,18 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                 return False
         return True
 
+    def in_blocks(p: fx.Node) -> bool:
+        """Each use takes a block of ``p`` of its own (``Transform.block``: ``w[e]`` for
+        expert ``e``, ``w[:d]`` and ``w[d:]``): the gradients land in disjoint places, so
+        the per-sample squared norms add over the uses, each taken in its rule's space
+        (ghost norms possible), no ``[B, *p.shape]`` gradient per use."""
+        uses = [USES[m.args[2]] for m in by_param[p]]
+        if keep or any(u.strategy_hint == "generic" or u.transform is None or u.transform.block is None
+                       for u in uses):
+            return False
+        blocks = sorted(u.transform.block for u in uses)
+        return len({b[0] for b in blocks}) == 1 and all(a[2] <= b[1] for a, b in zip(blocks, blocks[1:]))
+
     plans: list[ParamPlan] = []
     rule_counts: collections.Counter = collections.Counter()
     for m in markers:
@@ -558,6 +570,26 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                             budget.take(psg)
                             kept[p] = psg
                             strategy = "instantiate + keep"
+            elif in_blocks(p):
+                sq, strategies, costs = None, set(), collections.Counter()
+                for m, use in zip(ms, uses):
+                    ops = major_operands(m)
+                    if batch_size is None:
+                        batch_size = ops[0].shape[0]
+                    strategy, use_costs = _choose(use, ops, False)
+                    strategies.add(strategy)
+                    costs.update(use_costs)
+                    info = {"rule": use.rule.name, "param": use.param, "strategy": f"{strategy} (a block)",
+                            "module": use.module_path}
+                    with annotate({"fxdp": info}):
+                        if strategy == "ghost":
+                            block = use.rule.ghost_sq_norm(*_for_norms(ops), **use.config)
+                        else:
+                            derived = env[m.args[1]]
+                            block = _sq_norms(_per_sample_shaped(use.rule.per_sample_grad(*ops, **use.config),
+                                                                 derived.shape), derived.numel())
+                    sq = block if sq is None else sq + block
+                strategy = f"{' / '.join(sorted(strategies))} per block"
             else:
                 strategy, costs = "instantiate (per-sample VJP)", {}
                 info = {"rule": ", ".join(sorted({u.rule.name for u in uses})), "param": param_names_of(p, ms),

@@ -174,7 +174,31 @@ def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple
     graph.output(env[derived])
     module = fx.GraphModule(torch.nn.Module(), graph)
     isometric = len(sources) == 1 and not extras and all(n.target in ISOMETRIC for n in needed)
-    return Transform(module=module, num_sources=len(sources), isometric=isometric), sources + extras
+    block = _block_taken(needed, sources) if len(sources) == 1 and not extras else None
+    return Transform(module=module, num_sources=len(sources), isometric=isometric, block=block), sources + extras
+
+
+def _block_taken(needed: list[fx.Node], sources: list[fx.Node]) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)`` where the transform's first op takes a block of the
+    parameter along one dim with constant bounds (``w[e]``, ``w[:, d:2 * d]``) and the
+    others only rearrange it (see ``Transform.block``)."""
+    if not needed or needed[0].args[:1] != (sources[0],) or any(n.target not in ISOMETRIC for n in needed[1:]):
+        return None
+    first, shape = needed[0], sources[0].meta["val"].shape
+    dim = first.args[1] if len(first.args) > 1 else 0
+    if not isinstance(dim, int) or not -len(shape) <= dim < len(shape) or not isinstance(shape[dim], int):
+        return None
+    dim, size = dim % len(shape), shape[dim]
+    if first.target is aten.select.int and isinstance(first.args[2], int) and -size <= first.args[2] < size:
+        start = first.args[2] % size
+        return dim, start, start + 1
+    if first.target is aten.slice.Tensor:
+        given = list(first.args[2:5])
+        start, stop, step = given + [None, None, 1][len(given):]
+        if step == 1 and all(v is None or isinstance(v, int) for v in (start, stop)):
+            start, stop, _ = slice(start, stop).indices(size)
+            return (dim, start, stop) if start < stop else None
+    return None
 
 
 def _explicit_dropout_masks(gm: fx.GraphModule, analysis: BatchAnalysis) -> None:

@@ -443,6 +443,43 @@ def test_parameter_transforms(case: Case):
     _check(case, dp, model, ref, "sum", max_grad_norm, 1e-9)
 
 
+class _Blocks(nn.Module):
+    """One parameter used by several ops, each on a block of it: ``w[e]`` of a stacked
+    weight (a negative index among them, one transposed after the select) and the slices
+    of a packed one; with ``overlap`` two slices share a row."""
+
+    def __init__(self, overlap: bool = False):
+        super().__init__()
+        self.stacked = nn.Parameter(torch.randn(3, D, D) / D ** 0.5)
+        self.packed = nn.Parameter(torch.randn(2 * D, D) / D ** 0.5)
+        self.overlap = overlap
+
+    def forward(self, x):
+        h = torch.tanh(F.linear(x, self.stacked[0]) + x @ self.stacked[1].t()) * F.linear(x, self.stacked[-1])
+        cut = D + 1 if self.overlap else D
+        return torch.tanh(F.linear(h, self.packed[:cut])).sum(-1, keepdim=True) * F.linear(h, self.packed[D:])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["disjoint", "overlapping"])
+def test_uses_of_blocks_of_one_parameter(overlap):
+    """Disjoint blocks' per-sample norms add up, each taken in its use's own space: no
+    ``[B, *p.shape]`` gradient per use (which a loop of experts over a stacked weight made
+    for every expert before the forty-ninth session); overlapping ones keep the per-sample
+    VJP into the parameter."""
+    torch.manual_seed(0)
+    model = _Blocks(overlap).double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    clip = float(ref.norms.median())
+    dp = fxdp.transform(model, max_grad_norm=clip, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
+    torch.testing.assert_close(dp.per_sample_norms, ref.norms)
+    assert_close_all(_params(model, "grad"), ref.grad("sum", clip), 1e-9, "clipped")
+    plan = {line.split(":")[0].strip(): line for line in str(dp.explain()).splitlines() if " uses=" in line}
+    assert "per block" in plan["stacked"], plan
+    assert ("instantiate (per-sample VJP)" if overlap else "per block") in plan["packed"], plan
+
+
 # ---------------------------------------------------------------------------
 # The propagation rules alone
 # ---------------------------------------------------------------------------
