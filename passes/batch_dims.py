@@ -3163,15 +3163,12 @@ def _ids_along_rows(index: fx.Node, batch: dict) -> Rows | None:
             return None
         before, after = _meta(source).shape, _meta(node).shape
         keeps_rows = statically_known_true(before[0] == after[0])
-        if node.target is aten.unsqueeze.default and _norm_dim(node.args[1], len(after)) >= 1:
-            pass
-        elif node.target is aten.expand.default and keeps_rows and len(after) == len(before):
-            pass
-        elif node.target is aten.repeat.default and len(node.args[1]) == len(before) and node.args[1][0] == 1:
-            pass
-        elif node.target in _RESHAPES and keeps_rows and statically_known_true(math.prod(before[1:]) == 1):
-            pass
-        else:
+        copies_each_row = (
+            (node.target is aten.unsqueeze.default and _norm_dim(node.args[1], len(after)) >= 1)
+            or (node.target is aten.expand.default and keeps_rows and len(after) == len(before))
+            or (node.target is aten.repeat.default and len(node.args[1]) == len(before) and node.args[1][0] == 1)
+            or (node.target in _RESHAPES and keeps_rows and statically_known_true(math.prod(before[1:]) == 1)))
+        if not copies_each_row:
             return None
         node, layout = source, batch.get(source)
     return layout if isinstance(layout, Rows) and layout.ids is not None and _meta(node).dim() == 1 else None
