@@ -259,3 +259,30 @@ def test_a_branch_on_how_many_rows_were_found_says_it_can_go():
     dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
     with pytest.raises(fxdp.UnsupportedError, match="if token.shape\\[0\\] == 0: continue`\\) can go"):
         dp(torch.randn(3, 4, D, dtype=torch.float64))
+
+
+class _WithoutARule(nn.Module):
+    """A parameter used on the rows found by an op without a per-sample rule, taken by
+    the generic per-sample VJP: ``torch.maximum(rows, p)``, or a table gathered by each
+    row's slot (the count of rows, which the data decides, crashed the first before the
+    fix: "an unbacked size")."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.router = nn.Linear(D, 2, bias=False)
+        self.p = nn.Parameter(torch.randn(D)) if how == "maximum" else None
+        self.table = nn.Parameter(torch.randn(2, D)) if how == "gathered" else None
+
+    def forward(self, x):
+        h = x.reshape(-1, D)
+        probs = self.router(h).softmax(-1)
+        slot, token = torch.where(torch.stack([probs[:, 0] > 0.3, probs[:, 1] > 0.3]))
+        rows = h[token] * probs[token, slot, None]
+        rows = torch.maximum(rows, self.p) if self.p is not None else rows * self.table[slot]
+        return x + torch.zeros_like(h).index_add(0, token, rows).view(x.shape)
+
+
+@pytest.mark.parametrize("how", ["maximum", "gathered"])
+def test_parameters_without_a_rule_on_the_rows_found(how):
+    torch.manual_seed(0)
+    _exact(_WithoutARule(how).double(), (torch.randn(3, 4, D, dtype=torch.float64),), lambda out: out.pow(2).sum())

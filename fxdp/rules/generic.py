@@ -173,6 +173,8 @@ def _shared_rows_line_up(args: tuple, layouts: dict[int, BatchDim]) -> bool:
     shared = [value(a) for i, a in enumerate(args)
               if isinstance(value(a), torch.Tensor) and not isinstance(layouts[i].dim, int)]
     for data, dim in batched:
+        if isinstance(data.shape[dim], torch.SymInt) and data.shape[dim].node.hint is None:
+            continue  # rows a nonzero found, as many as the data says: no shared tensor has them
         size = _hinted(data.shape[dim])
         if size == 1:
             continue
