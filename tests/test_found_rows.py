@@ -3,8 +3,9 @@
 one on the tokens routed to it, ``torch.where(expert_mask[e])``, and adds the results
 back into their tokens' rows. The models of ``models.LoopedExperts`` run in
 ``test_models_e2e.py`` (``experts_looped_*``, float64, float32 and Inductor); here: a
-token found twice, a loss over the rows found, the batch sizes of the backend, and the
-refusals of what depends on every sample's routing.
+token found twice, a loss over the rows found, the batch sizes of the backend, rows put
+back by a scatter, parameters without a rule on the rows, and the refusals of what
+depends on every sample's routing.
 """
 from __future__ import annotations
 
