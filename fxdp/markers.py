@@ -38,16 +38,17 @@ class Transform:
         module: The computation as a graph module.
         num_sources: How many leading inputs are trainable parameters.
         isometric: A bijective rearrangement of one parameter: norms are unchanged.
-        block: ``(dim, start, stop)``: the transform takes the parameter's positions
-            ``start … stop - 1`` along ``dim`` (a ``select`` or a ``slice`` of constant
-            bounds, then only rearrangements), so its gradient lands there and nowhere
-            else, with its norm (``None`` for other transforms).
+        block: ``(how, dim, start, stop)``: after rearranging the parameter (``how``,
+            spelt out), the transform takes positions ``start … stop - 1`` along ``dim``
+            (a ``select``, a ``slice`` of constant bounds, a piece of a ``chunk``,
+            ``split`` or ``unbind``), then only rearranges them, so its gradient lands
+            there and nowhere else, with its norm (``None`` for other transforms).
     """
 
     module: Any
     num_sources: int
     isometric: bool
-    block: tuple[int, int, int] | None = None
+    block: tuple | None = None
 
     def __post_init__(self):
         # A size input (``pos[:, :T]`` with a symbolic ``T``) reaches the backward as a

@@ -439,7 +439,7 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                        for u in uses):
             return False
         blocks = sorted(u.transform.block for u in uses)
-        return len({b[0] for b in blocks}) == 1 and all(a[2] <= b[1] for a, b in itertools.pairwise(blocks))
+        return len({b[:2] for b in blocks}) == 1 and all(a[3] <= b[2] for a, b in itertools.pairwise(blocks))
 
     plans: list[ParamPlan] = []
     rule_counts: collections.Counter = collections.Counter()

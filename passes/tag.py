@@ -178,27 +178,69 @@ def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple
     return Transform(module=module, num_sources=len(sources), isometric=isometric, block=block), sources + extras
 
 
-def _block_taken(needed: list[fx.Node], sources: list[fx.Node]) -> tuple[int, int, int] | None:
-    """``(dim, start, stop)`` where the transform's first op takes a block of the
-    parameter along one dim with constant bounds (``w[e]``, ``w[:, d:2 * d]``) and the
-    others only rearrange it (see ``Transform.block``)."""
-    if not needed or needed[0].args[:1] != (sources[0],) or any(n.target not in ISOMETRIC for n in needed[1:]):
+def _block_taken(needed: list[fx.Node], sources: list[fx.Node]) -> tuple | None:
+    """``(how, dim, start, stop)`` where the transform, after rearrangements of the
+    parameter (``how``, spelt out), takes a block of it along one dim with constant
+    bounds (``w[e]``, ``w[:, d:2 * d]``, a piece of ``chunk``, ``split`` or ``unbind``) and
+    then only rearranges that (see ``Transform.block``)."""
+    previous, at = sources[0], 0
+    while at < len(needed) and needed[at].target in ISOMETRIC and needed[at].args[:1] == (previous,):
+        previous, at = needed[at], at + 1
+    how = tuple((str(n.target), repr(n.args[1:]), repr(n.kwargs)) for n in needed[:at])
+    if at == len(needed) or needed[at].args[:1] != (previous,):
         return None
-    first, shape = needed[0], sources[0].meta["val"].shape
-    dim = first.args[1] if len(first.args) > 1 else 0
+    first = needed[at]
+    taken = _block_bounds(first, needed[at + 1] if at + 1 < len(needed) else None)
+    if taken is None:
+        return None
+    rest = needed[at + (2 if first.target in _PIECES else 1):]
+    chain = [first if first.target not in _PIECES else needed[at + 1], *rest]
+    if any(n.target not in ISOMETRIC or n.args[:1] != (before,) for before, n in zip(chain, rest)):
+        return None
+    return (how, *taken)
+
+
+# Ops that cut a tensor into pieces along one dim (read by ``getitem``).
+_PIECES = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
+
+
+def _block_bounds(op: fx.Node, getitem: fx.Node | None) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)`` of the block ``op`` takes (with ``getitem`` the piece read
+    of a cut into pieces), or ``None``."""
+    shape = op.args[0].meta["val"].shape
+    args = list(op.args[1:])
+    if op.target is aten.unbind.int:
+        dim = args[0] if args else 0
+    elif op.target in _PIECES:
+        dim = args[1] if len(args) > 1 else 0
+    else:
+        dim = args[0] if args else 0
     if not isinstance(dim, int) or not -len(shape) <= dim < len(shape) or not isinstance(shape[dim], int):
         return None
     dim, size = dim % len(shape), shape[dim]
-    if first.target is aten.select.int and isinstance(first.args[2], int) and -size <= first.args[2] < size:
-        start = first.args[2] % size
-        return dim, start, start + 1
-    if first.target is aten.slice.Tensor:
-        given = list(first.args[2:5])
-        start, stop, step = given + [None, None, 1][len(given):]
-        if step == 1 and all(v is None or isinstance(v, int) for v in (start, stop)):
-            start, stop, _ = slice(start, stop).indices(size)
-            return (dim, start, stop) if start < stop else None
-    return None
+    if op.target is aten.select.int:
+        index = args[1]
+        return (dim, index % size, index % size + 1) if isinstance(index, int) and -size <= index < size else None
+    if op.target is aten.slice.Tensor:
+        start, stop, step = args[1:4] + [None, None, 1][len(args[1:4]):]
+        if step != 1 or not all(v is None or isinstance(v, int) for v in (start, stop)):
+            return None
+        start, stop, _ = slice(start, stop).indices(size)
+        return (dim, start, stop) if start < stop else None
+    if op.target not in _PIECES or getitem is None or getitem.target is not operator.getitem \
+            or getitem.args[0] is not op or not isinstance(getitem.args[1], int):
+        return None
+    if op.target is aten.unbind.int:
+        sizes = [1] * size
+    elif op.target is aten.split_with_sizes.default:
+        sizes = list(args[0])
+    else:
+        step = args[0] if op.target is aten.split.Tensor else -(-size // args[0])  # chunk's piece size
+        sizes = [min(step, size - start) for start in range(0, size, step)] if isinstance(step, int) and step > 0 else []
+    if not all(isinstance(n, int) for n in sizes) or not 0 <= getitem.args[1] < len(sizes):
+        return None
+    start = sum(sizes[:getitem.args[1]])
+    return dim, start, start + sizes[getitem.args[1]]
 
 
 def _explicit_dropout_masks(gm: fx.GraphModule, analysis: BatchAnalysis) -> None:

@@ -445,19 +445,26 @@ def test_parameter_transforms(case: Case):
 
 class _Blocks(nn.Module):
     """One parameter used by several ops, each on a block of it: ``w[e]`` of a stacked
-    weight (a negative index among them, one transposed after the select) and the slices
-    of a packed one; with ``overlap`` two slices share a row."""
+    weight (a negative index among them, one transposed after the select), the slices
+    of a packed one, the pieces of a ``chunk`` and of an ``unbind`` after a ``view``;
+    with ``overlap`` two slices share a row."""
 
     def __init__(self, overlap: bool = False):
         super().__init__()
         self.stacked = nn.Parameter(torch.randn(3, D, D) / D ** 0.5)
         self.packed = nn.Parameter(torch.randn(2 * D, D) / D ** 0.5)
+        self.chunked = nn.Parameter(torch.randn(2 * D, D) / D ** 0.5)
+        self.flat = nn.Parameter(torch.randn(2 * D * D) / D ** 0.5)
         self.overlap = overlap
 
     def forward(self, x):
         h = torch.tanh(F.linear(x, self.stacked[0]) + x @ self.stacked[1].t()) * F.linear(x, self.stacked[-1])
         cut = D + 1 if self.overlap else D
-        return torch.tanh(F.linear(h, self.packed[:cut])).sum(-1, keepdim=True) * F.linear(h, self.packed[D:])
+        h = torch.tanh(F.linear(h, self.packed[:cut])).sum(-1, keepdim=True) * F.linear(h, self.packed[D:])
+        first, second = self.chunked.chunk(2)
+        h = torch.tanh(F.linear(h, first)) + F.linear(h, second)
+        first, second = self.flat.view(2, D, D).unbind(0)
+        return torch.tanh(F.linear(h, first)) * F.linear(h, second)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["disjoint", "overlapping"])
@@ -476,7 +483,7 @@ def test_uses_of_blocks_of_one_parameter(overlap):
     torch.testing.assert_close(dp.per_sample_norms, ref.norms)
     assert_close_all(_params(model, "grad"), ref.grad("sum", clip), 1e-9, "clipped")
     plan = {line.split(":")[0].strip(): line for line in str(dp.explain()).splitlines() if " uses=" in line}
-    assert "per block" in plan["stacked"], plan
+    assert all("per block" in plan[name] for name in ("stacked", "chunked", "flat")), plan
     assert ("instantiate (per-sample VJP)" if overlap else "per block") in plan["packed"], plan
 
 
