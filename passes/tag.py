@@ -207,14 +207,11 @@ _PIECES = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default,
 def _block_bounds(op: fx.Node, getitem: fx.Node | None) -> tuple[int, int, int] | None:
     """``(dim, start, stop)`` of the block ``op`` takes (with ``getitem`` the piece read
     of a cut into pieces), or ``None``."""
+    if op.target not in (aten.select.int, aten.slice.Tensor, *_PIECES):
+        return None
     shape = op.args[0].meta["val"].shape
-    args = list(op.args[1:])
-    if op.target is aten.unbind.int:
-        dim = args[0] if args else 0
-    elif op.target in _PIECES:
-        dim = args[1] if len(args) > 1 else 0
-    else:
-        dim = args[0] if args else 0
+    args = list(schema_args(op.target, op.args, op.kwargs))[1:]
+    dim = args[0] if op.target in (aten.select.int, aten.slice.Tensor, aten.unbind.int) else args[1]
     if not isinstance(dim, int) or not -len(shape) <= dim < len(shape) or not isinstance(shape[dim], int):
         return None
     dim, size = dim % len(shape), shape[dim]
@@ -222,13 +219,13 @@ def _block_bounds(op: fx.Node, getitem: fx.Node | None) -> tuple[int, int, int] 
         index = args[1]
         return (dim, index % size, index % size + 1) if isinstance(index, int) and -size <= index < size else None
     if op.target is aten.slice.Tensor:
-        start, stop, step = args[1:4] + [None, None, 1][len(args[1:4]):]
+        start, stop, step = args[1:4]
         if step != 1 or not all(v is None or isinstance(v, int) for v in (start, stop)):
             return None
         start, stop, _ = slice(start, stop).indices(size)
         return (dim, start, stop) if start < stop else None
-    if op.target not in _PIECES or getitem is None or getitem.target is not operator.getitem \
-            or getitem.args[0] is not op or not isinstance(getitem.args[1], int):
+    if getitem is None or getitem.target is not operator.getitem or getitem.args[0] is not op \
+            or not isinstance(getitem.args[1], int):
         return None
     if op.target is aten.unbind.int:
         sizes = [1] * size
