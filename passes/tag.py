@@ -183,30 +183,35 @@ def _block_taken(needed: list[fx.Node], sources: list[fx.Node]) -> tuple | None:
     parameter (``how``, spelt out), takes a block of it along one dim with constant
     bounds (``w[e]``, ``w[:, d:2 * d]``, a piece of ``chunk``, ``split`` or ``unbind``) and
     then only rearranges that (see ``Transform.block``)."""
-    previous, at = sources[0], 0
-    while at < len(needed) and needed[at].target in ISOMETRIC and needed[at].args[:1] == (previous,):
-        previous, at = needed[at], at + 1
-    how = tuple((str(n.target), repr(n.args[1:]), repr(n.kwargs)) for n in needed[:at])
-    if at == len(needed) or needed[at].args[:1] != (previous,):
+    at = _rearranged(needed, 0, sources[0])
+    if at == len(needed) or needed[at].args[:1] != ((needed[at - 1] if at else sources[0]),):
         return None
-    first = needed[at]
-    taken = _block_bounds(first, needed[at + 1] if at + 1 < len(needed) else None)
+    op, piece = needed[at], needed[at + 1] if at + 1 < len(needed) else None
+    taken = _block_bounds(op, piece)
     if taken is None:
         return None
-    rest = needed[at + (2 if first.target in _PIECES else 1):]
-    chain = [first if first.target not in _PIECES else needed[at + 1], *rest]
-    if any(n.target not in ISOMETRIC or n.args[:1] != (before,) for before, n in zip(chain, rest)):
+    block = piece if op.target in _PIECES else op
+    end = needed.index(block) + 1
+    if _rearranged(needed, end, block) != len(needed):
         return None
-    return (how, *taken)
+    return (tuple((str(n.target), repr(n.args[1:]), repr(n.kwargs)) for n in needed[:at]), *taken)
+
+
+def _rearranged(needed: list[fx.Node], at: int, value: fx.Node) -> int:
+    """Where the chain of rearrangements (``ISOMETRIC`` ops) of ``value`` that starts at
+    ``needed[at]`` ends."""
+    while at < len(needed) and needed[at].target in ISOMETRIC and needed[at].args[:1] == (value,):
+        value, at = needed[at], at + 1
+    return at
 
 
 # Ops that cut a tensor into pieces along one dim (read by ``getitem``).
 _PIECES = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
 
 
-def _block_bounds(op: fx.Node, getitem: fx.Node | None) -> tuple[int, int, int] | None:
-    """``(dim, start, stop)`` of the block ``op`` takes (with ``getitem`` the piece read
-    of a cut into pieces), or ``None``."""
+def _block_bounds(op: fx.Node, piece: fx.Node | None) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)`` of the block ``op`` takes (with ``piece`` the ``getitem``
+    that reads one piece of a cut into pieces), or ``None``."""
     if op.target not in (aten.select.int, aten.slice.Tensor, *_PIECES):
         return None
     shape = op.args[0].meta["val"].shape
@@ -224,20 +229,15 @@ def _block_bounds(op: fx.Node, getitem: fx.Node | None) -> tuple[int, int, int] 
             return None
         start, stop, _ = slice(start, stop).indices(size)
         return (dim, start, stop) if start < stop else None
-    if getitem is None or getitem.target is not operator.getitem or getitem.args[0] is not op \
-            or not isinstance(getitem.args[1], int):
+    if piece is None or piece.target is not operator.getitem or piece.args[0] is not op \
+            or not isinstance(piece.args[1], int):
         return None
-    if op.target is aten.unbind.int:
-        sizes = [1] * size
-    elif op.target is aten.split_with_sizes.default:
-        sizes = list(args[0])
-    else:
-        step = args[0] if op.target is aten.split.Tensor else -(-size // args[0])  # chunk's piece size
-        sizes = [min(step, size - start) for start in range(0, size, step)] if isinstance(step, int) and step > 0 else []
-    if not all(isinstance(n, int) for n in sizes) or not 0 <= getitem.args[1] < len(sizes):
+    # The pieces' sizes as the trace gave them (an unbind's pieces lose the dim: one each).
+    sizes = [1 if op.target is aten.unbind.int else p.shape[dim] for p in op.meta["val"]]
+    if not all(isinstance(n, int) for n in sizes):
         return None
-    start = sum(sizes[:getitem.args[1]])
-    return dim, start, start + sizes[getitem.args[1]]
+    start = sum(sizes[:piece.args[1]])
+    return dim, start, start + sizes[piece.args[1]]
 
 
 def _explicit_dropout_masks(gm: fx.GraphModule, analysis: BatchAnalysis) -> None:
