@@ -1337,6 +1337,19 @@ def _modules_with_backward_hooks(model: torch.nn.Module | None) -> list[str]:
     return names
 
 
+def _eager_experts_hint(model: torch.nn.Module | None) -> str:
+    """A sentence for a Hugging Face model whose mixture of experts runs transformers'
+    eager experts (a loop over ``expert_hit = (...).nonzero()``, whose length the data
+    decides), or ``""``."""
+    configs = [m.config for m in (model.modules() if model is not None else ())
+               if getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager"]
+    if not configs:
+        return ""
+    return (" This model's experts are transformers' eager ones (experts_implementation=\"eager\"), "
+            "which loop over the experts hit: load or build it with experts_implementation=\"grouped_mm\" "
+            "(the default) or \"batched_mm\", which fxdp follows exactly.")
+
+
 def backend_error(error: BaseException, model: torch.nn.Module | None = None) -> BaseException | None:
     """What to raise instead of a Dynamo error from an fxdp compilation, or ``None``.
 
@@ -1391,14 +1404,18 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
             f"backward(). Dynamo's reason: {error}")
     data_dependent = isinstance(error, GuardOnDataDependentSymNode) or (
         isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError))
-        and "Could not guard on data-dependent expression" in str(error))
+        and any(f"{what} data-dependent expression" in str(error)
+                for what in ("Could not guard on", "Could not extract specialized integer from")))
     if data_dependent:
         return one_graph(
             "Dynamo cannot capture it there: a Python value is read from a tensor's contents "
             "(int(t), t.item(), a size computed from values: how many rows a nonzero or x[mask] "
-            "found) and then decides a branch or a shape. Compute it from Python values or sizes "
-            "instead, or once before the transform; a branch that skips an op on no rows (a mixture "
-            "of experts' `if token.shape[0] == 0: continue`) can go: the op computes nothing there.")
+            "found, a loop over the values of a tensor) and then decides a branch, a loop or a "
+            "shape. Compute it from Python values or sizes instead, or once before the transform; "
+            "a branch that skips an op on no rows (a mixture of experts' `if token.shape[0] == 0: "
+            "continue`) can go: the op computes nothing there; a loop over the experts some token "
+            "chose can run over every expert (`for e in range(num_experts)`)."
+            + _eager_experts_hint(model))
     if isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
         return one_graph(
             "Dynamo cannot capture it there; change that code or move it out of the forward "

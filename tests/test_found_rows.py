@@ -287,3 +287,25 @@ class _WithoutARule(nn.Module):
 def test_parameters_without_a_rule_on_the_rows_found(how):
     torch.manual_seed(0)
     _exact(_WithoutARule(how).double(), (torch.randn(3, 4, D, dtype=torch.float64),), lambda out: out.pow(2).sum())
+
+
+class _LoopsOverExpertsHit(LoopedExperts):
+    """transformers' eager experts: a loop over the experts some token chose
+    (``expert_hit``), whose length the data decides."""
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(h).softmax(-1).topk(self.top_k)
+        out = torch.zeros_like(h)
+        for e in torch.unique(chosen):
+            token, slot = torch.where(chosen == e)
+            out.index_add_(0, token, self.mlps[e](h[token]) * weights[token, slot, None])
+        return x + out.view(x.shape)
+
+
+def test_a_loop_over_the_experts_hit_says_to_loop_over_every_expert():
+    dp = fxdp.transform(_LoopsOverExpertsHit(dispatch="where_eq").double(), max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="a loop over the values of a tensor.*"
+                       "`for e in range\\(num_experts\\)`") as info:
+        dp(torch.randn(3, 4, D, dtype=torch.float64))
+    assert "experts_implementation" not in str(info.value)  # not a transformers model

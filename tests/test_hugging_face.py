@@ -10,7 +10,7 @@ are checked against ``tests/reference.py``'s loop: ``p.grad`` against the clippe
 ``per_sample_norms`` on its own. A few cases also run with ``grad_sample=True``.
 
 Models that compute parts in float32 whatever the model's dtype (Gemma 2's RMSNorm,
-Mamba's selective scan) are exact to float32 rounding only: the batch and one sample
+Mamba's selective scan, DeepSeek-V3's router) are exact to float32 rounding only: the batch and one sample
 round differently.
 """
 from __future__ import annotations
@@ -81,6 +81,7 @@ ENCODER = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_la
                max_position_embeddings=16)
 VISION = dict(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
               num_attention_heads=2)
+MOE = dict(DECODER, num_local_experts=4, num_experts_per_tok=2)
 SEQ2SEQ = dict(vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)
 
@@ -167,6 +168,20 @@ CASES = [
     Case("mamba", "MambaModel", "MambaConfig",
          dict(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=3),
          lambda: (_tokens(),), tol=1e-6),
+    # mixtures of experts with transformers' dense batched_mm experts (its default grouped_mm
+    # ones: test_rules_grouped.py)
+    Case("mixtral_batched_mm", "MixtralForCausalLM", "MixtralConfig", dict(MOE, experts_implementation="batched_mm"),
+         lambda: (_tokens(),), grad_sample=True),
+    # a shared expert behind a sigmoid gate beside the routed ones
+    Case("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+         dict(DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+              shared_expert_intermediate_size=16, experts_implementation="batched_mm"), lambda: (_tokens(),)),
+    # multi-head latent attention, group-limited routing with a float32 router, a dense first layer
+    Case("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config",
+         dict(DECODER, num_key_value_heads=4, head_dim=4, moe_intermediate_size=16, n_routed_experts=4,
+              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=8,
+              q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+              experts_implementation="batched_mm"), lambda: (_tokens(),), tol=1e-6),
 ]
 
 
@@ -208,3 +223,15 @@ def test_hugging_face_model_is_exact(case: Case, grad_sample: bool):
     if grad_sample:
         assert_close_all({n: params[n].grad_sample for n in used}, {n: ref.per_sample[n] for n in used}, case.tol,
                          "p.grad_sample")
+
+
+def test_transformers_eager_experts_are_refused_with_the_setting_to_use():
+    """transformers' eager experts loop over the experts some token chose, a loop whose
+    length the data decides (Dynamo cannot capture it, with or without fxdp); the refusal
+    names the experts implementations fxdp follows."""
+    case = Case("mixtral_eager", "MixtralForCausalLM", "MixtralConfig", dict(MOE, experts_implementation="eager"),
+                lambda: (_tokens(),))
+    dp_model = fxdp.transform(case.build(), max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match='a loop over the values of a tensor.*'
+                       'experts_implementation="grouped_mm"'):
+        dp_model(*case.inputs())
