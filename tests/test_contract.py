@@ -1476,6 +1476,37 @@ def test_hugging_face_time_series_loss_with_its_default_weights_is_a_mean():
         fxdp.transform(model, loss_reduction="sum", compiler="eager")(**inputs)
 
 
+def test_hugging_face_time_series_mean_scaler_needs_a_default_scale():
+    """The mean scaler gives a series with no observed values the scale averaged over the
+    whole batch (``num_observed.sum(0)``): refused, although these inputs observe every
+    value, since another sample's data could then change one sample's gradient. With a
+    ``default_scale`` in the config, the same model is exact."""
+    transformers = pytest.importorskip(
+        "transformers", reason="Hugging Face models (the test extra)")
+    inputs = {"past_values": randn(3, 8) + 3, "past_time_features": randn(3, 8, 1, seed=2),
+              "past_observed_mask": torch.ones(3, 8, dtype=DTYPE), "future_values": randn(3, 4, seed=3),
+              "future_time_features": randn(3, 4, 1, seed=4)}
+
+    def build(**scaler):
+        torch.manual_seed(0)
+        config = transformers.TimeSeriesTransformerConfig(
+            prediction_length=4, context_length=6, lags_sequence=[1, 2], num_time_features=1, scaling="mean",
+            d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+            encoder_ffn_dim=8, decoder_ffn_dim=8, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+            encoder_layerdrop=0.0, decoder_layerdrop=0.0, **scaler)
+        return transformers.TimeSeriesTransformerForPrediction(config).to(DTYPE).train()
+
+    with refused(r"num_observed.sum\(0\).*reduces over the batch dim"):
+        fxdp.transform(build(), max_grad_norm=1.0, compiler="eager")(**inputs)
+    model = build(default_scale=1.0)
+    ref = reference(model, [], lambda out, i: out.loss, kwargs=inputs)
+    clip = float(ref.norms.median())
+    dp = fxdp.transform(model, max_grad_norm=clip, compiler="eager")
+    dp(**inputs).loss.backward()
+    assert_close_all(grads(model), ref.grad("mean", clip), TOL, "p.grad")
+    assert_tensor_close(dp.per_sample_norms, ref.norms, "per_sample_norms")
+
+
 def test_in_graph_sum_with_ignored_target_works():
     step = TrainStep(mlp(), "cross_entropy", "sum")
     x, target = randn(6, 4), torch.tensor([0, 1, -100, 0, 1, 2])
