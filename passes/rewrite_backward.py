@@ -41,6 +41,7 @@ from fxdp.markers import USES, UseInfo
 from fxdp.opaque import holding, run_opaque, symbolic_batch
 from fxdp.options import Options
 from fxdp.passes.batch_dims import reached
+from fxdp.passes.tag import ISOMETRIC, PIECES
 from fxdp.passes.writes import writes_in_place
 from fxdp.registry import GRAD, ghost_inner
 
@@ -264,6 +265,61 @@ def _per_sample_vjp(transform: Callable, sources: list[torch.Tensor], others: li
     return tuple(run_opaque(lambda *ts: list(vjps(*ts)), shapes, (cotangents, *sources, *tensors)))
 
 
+def _block_parts(module: fx.GraphModule) -> tuple[fx.GraphModule | None, fx.GraphModule, fx.GraphModule | None]:
+    """A block use's transform (``Transform.block``: rearrangements, one block taken,
+    rearrangements of it) as three graphs, ``post(take(prefix(p)))``; ``None`` for a
+    part without ops."""
+    (source,) = [n for n in module.graph.nodes if n.op == "placeholder"]
+    ops = [n for n in module.graph.nodes if n.op == "call_function"]
+    at = next(i for i, n in enumerate(ops) if n.target not in ISOMETRIC)
+    end = at + 2 if ops[at].target in PIECES else at + 1  # a piece is read by a getitem
+
+    def part(nodes: list[fx.Node], start: fx.Node) -> fx.GraphModule | None:
+        if not nodes:
+            return None
+        graph = fx.Graph()
+        env = {start: graph.placeholder("x")}
+        for n in nodes:
+            env[n] = graph.node_copy(n, env.__getitem__)
+        graph.output(env[nodes[-1]])
+        return fx.GraphModule(torch.nn.Module(), graph)
+
+    return part(ops[:at], source), part(ops[at:end], ops[at - 1] if at else source), part(ops[end:], ops[end - 1])
+
+
+def _blocks_in_place(param: torch.Tensor, blocks: list[tuple[tuple, fx.GraphModule, torch.Tensor]]) -> torch.Tensor:
+    """``[B, *param.shape]`` from the per-sample gradients of disjoint blocks of
+    ``param`` (``(Transform.block, Transform.module, [B, *derived])`` each, one rearranged
+    space and dim, see ``in_blocks``): each block's own rearrangements undone, the blocks
+    and zeros between them joined by one ``cat`` along their dim, the parameter's
+    rearrangements undone once (a per-sample VJP of each use's whole transform would
+    write a ``[B, *param.shape]`` tensor per block)."""
+    prefix = _block_parts(blocks[0][1])[0]
+    rearranged = param if prefix is None else prefix(param)
+    dim = blocks[0][0][1]
+    pieces, at = [], 0
+
+    def zeros(size: int) -> torch.Tensor:
+        shape = list(rearranged.shape)
+        shape[dim] = size
+        return grad.new_zeros((grad.shape[0], *shape))
+
+    for (_, _, start, stop), module, grad in sorted(blocks, key=lambda b: b[0][2:]):
+        _, take, post = _block_parts(module)
+        if post is not None:
+            (grad,) = _per_sample_vjp(post, [take(rearranged)], [], grad)
+        if start > at:
+            pieces.append(zeros(start - at))
+        shape = list(rearranged.shape)
+        shape[dim] = stop - start
+        pieces.append(grad.reshape(grad.shape[0], *shape))  # a select's block gets its dim back
+        at = stop
+    if at < rearranged.shape[dim]:
+        pieces.append(zeros(rearranged.shape[dim] - at))
+    whole = torch.cat(pieces, dim + 1)
+    return whole if prefix is None else _per_sample_vjp(prefix, [param], [], whole)[0]
+
+
 def _sq_norms(per_sample: torch.Tensor, numel: int) -> torch.Tensor:
     """``[B]`` squared norms of per-sample gradients ``[B, ...]`` of ``numel`` entries
     each: ``Σ |g|²``, complex values included (a batch of one; larger batches refuse
@@ -433,10 +489,10 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
         """Each use takes a block of ``p`` of its own (``Transform.block``: ``w[e]`` for
         expert ``e``, ``w[:d]`` and ``w[d:]``): the gradients land in disjoint places, so
         the per-sample squared norms add over the uses, each taken in its rule's space
-        (ghost norms possible), no ``[B, *p.shape]`` gradient per use."""
+        (ghost norms possible), no ``[B, *p.shape]`` gradient per use; with ``grad_sample``
+        each block's is put in its place of one (``_blocks_in_place``)."""
         uses = [USES[m.args[2]] for m in by_param[p]]
-        if keep or any(u.strategy_hint == "generic" or u.transform is None or u.transform.block is None
-                       for u in uses):
+        if any(u.strategy_hint == "generic" or u.transform is None or u.transform.block is None for u in uses):
             return False
         blocks = sorted(u.transform.block for u in uses)
         return len({b[:2] for b in blocks}) == 1 and all(a[3] <= b[2] for a, b in itertools.pairwise(blocks))
@@ -518,6 +574,8 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
         # Per-sample gradients kept until the clip factors are known (strategy 3 of
         # DESIGN.md): the clipped gradient is then Σ_n c_n P_n, no second contraction.
         kept: dict[fx.Node, torch.Tensor] = {}
+        # With grad_sample, each block use's per-sample gradient, for its clipped sum.
+        kept_blocks: dict[fx.Node, torch.Tensor] = {}
         budget = _Budget(options)
         mapped_cache: dict[fx.Node, dict] = {}
         plan_of: dict[fx.Node, ParamPlan] = {}
@@ -573,11 +631,12 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                             strategy = "instantiate + keep"
             elif in_blocks(p):
                 sq, strategies, costs = None, set(), collections.Counter()
+                blocks = []  # with grad_sample: (block, transform, [B, *derived]) of each use
                 for m, use in zip(ms, uses):
                     ops = major_operands(m)
                     if batch_size is None:
                         batch_size = ops[0].shape[0]
-                    strategy, use_costs = _choose(use, ops, False)
+                    strategy, use_costs = _choose(use, ops, keep)
                     strategies.add(strategy)
                     costs.update(use_costs)
                     info = {"rule": use.rule.name, "param": use.param, "strategy": f"{strategy} (a block)",
@@ -587,10 +646,20 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                             block = use.rule.ghost_sq_norm(*_for_norms(ops), **use.config)
                         else:
                             derived = env[m.args[1]]
-                            block = _sq_norms(_per_sample_shaped(use.rule.per_sample_grad(*ops, **use.config),
-                                                                 derived.shape), derived.numel())
+                            grad = _per_sample_shaped(use.rule.per_sample_grad(*ops, **use.config), derived.shape)
+                            block = _sq_norms(grad, derived.numel())
+                            if keep:
+                                # Kept for the clipped sum, as a kept whole parameter's: the
+                                # operands die here (under Inductor the cat writes these in place).
+                                kept_blocks[m] = grad.to(derived.dtype)
+                                blocks.append((use.transform.block, use.transform.module, kept_blocks[m]))
                     sq = block if sq is None else sq + block
                 strategy = f"{' / '.join(sorted(strategies))} per block"
+                if keep:
+                    info = {"rule": ", ".join(sorted({u.rule.name for u in uses})), "param": param_names_of(p, ms),
+                            "strategy": "per-sample gradients of the blocks in place", "module": first.module_path}
+                    with annotate({"fxdp": info}):
+                        grad_samples[p] = _blocks_in_place(param, blocks)
             else:
                 strategy, costs = "instantiate (per-sample VJP)", {}
                 info = {"rule": ", ".join(sorted({u.rule.name for u in uses})), "param": param_names_of(p, ms),
@@ -642,8 +711,11 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                 factors = (c / (norms + STABILITY_EPS)).clamp(max=1.0)
                 extras.append(factors)
 
-        for p, psg in kept.items():
-            first, *rest = by_param[p]
+        # A kept parameter's clipped sum goes to its first marker (the others get zeros), a
+        # kept block's to its own.
+        kept_sums = [(by_param[p][0], by_param[p][1:], psg) for p, psg in kept.items()]
+        kept_sums += [(m, [], psg) for m, psg in kept_blocks.items()]
+        for first, rest, psg in kept_sums:
             use = USES[first.args[2]]
             info = {"rule": use.rule.name, "param": use.param,
                     "strategy": "clipped sum of kept per-sample gradients" if clip else "summed kept gradients",

@@ -190,7 +190,7 @@ def _block_taken(needed: list[fx.Node], sources: list[fx.Node]) -> tuple | None:
     taken = _block_bounds(op, piece)
     if taken is None:
         return None
-    block = piece if op.target in _PIECES else op
+    block = piece if op.target in PIECES else op
     end = needed.index(block) + 1
     if _rearranged(needed, end, block) != len(needed):
         return None
@@ -206,13 +206,13 @@ def _rearranged(needed: list[fx.Node], at: int, value: fx.Node) -> int:
 
 
 # Ops that cut a tensor into pieces along one dim (read by ``getitem``).
-_PIECES = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
+PIECES = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
 
 
 def _block_bounds(op: fx.Node, piece: fx.Node | None) -> tuple[int, int, int] | None:
     """``(dim, start, stop)`` of the block ``op`` takes (with ``piece`` the ``getitem``
     that reads one piece of a cut into pieces), or ``None``."""
-    if op.target not in (aten.select.int, aten.slice.Tensor, *_PIECES):
+    if op.target not in (aten.select.int, aten.slice.Tensor, *PIECES):
         return None
     shape = op.args[0].meta["val"].shape
     args = list(schema_args(op.target, op.args, op.kwargs))[1:]

@@ -445,13 +445,13 @@ def test_parameter_transforms(case: Case):
 
 class _Blocks(nn.Module):
     """One parameter used by several ops, each on a block of it: ``w[e]`` of a stacked
-    weight (a negative index among them, one transposed after the select), the slices
-    of a packed one, the pieces of a ``chunk`` and of an ``unbind`` after a ``view``;
-    with ``overlap`` two slices share a row."""
+    weight (a negative index among them, one transposed after the select, one block
+    unused), the slices of a packed one, the pieces of a ``chunk`` and of an ``unbind``
+    after a ``view``; with ``overlap`` two slices share a row."""
 
     def __init__(self, overlap: bool = False):
         super().__init__()
-        self.stacked = nn.Parameter(torch.randn(3, D, D) / D ** 0.5)
+        self.stacked = nn.Parameter(torch.randn(4, D, D) / D ** 0.5)
         self.packed = nn.Parameter(torch.randn(2 * D, D) / D ** 0.5)
         self.chunked = nn.Parameter(torch.randn(2 * D, D) / D ** 0.5)
         self.flat = nn.Parameter(torch.randn(2 * D * D) / D ** 0.5)
@@ -467,24 +467,30 @@ class _Blocks(nn.Module):
         return torch.tanh(F.linear(h, first)) * F.linear(h, second)
 
 
+@pytest.mark.parametrize("grad_sample", [False, True], ids=["clip", "grad_sample"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["disjoint", "overlapping"])
-def test_uses_of_blocks_of_one_parameter(overlap):
+def test_uses_of_blocks_of_one_parameter(overlap, grad_sample):
     """Disjoint blocks' per-sample norms add up, each taken in its use's own space: no
     ``[B, *p.shape]`` gradient per use (which a loop of experts over a stacked weight made
-    for every expert before the forty-ninth session); overlapping ones keep the per-sample
-    VJP into the parameter."""
+    for every expert before the forty-ninth session); with ``grad_sample`` each block's
+    per-sample gradient is put in its place of one (before the fiftieth session: one per
+    use). Overlapping ones keep the per-sample VJP into the parameter."""
     torch.manual_seed(0)
     model = _Blocks(overlap).double()
     x = torch.randn(B, T, D, dtype=torch.float64)
     ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
     clip = float(ref.norms.median())
-    dp = fxdp.transform(model, max_grad_norm=clip, loss_reduction="sum", compiler="eager")
+    dp = fxdp.transform(model, max_grad_norm=clip, grad_sample=grad_sample, loss_reduction="sum", compiler="eager")
     dp(x).pow(2).sum().backward()
     torch.testing.assert_close(dp.per_sample_norms, ref.norms)
     assert_close_all(_params(model, "grad"), ref.grad("sum", clip), 1e-9, "clipped")
+    if grad_sample:
+        assert_close_all(_params(model, "grad_sample"), ref.per_sample, 1e-9, "grad_sample")
     plan = {line.split(":")[0].strip(): line for line in str(dp.explain()).splitlines() if " uses=" in line}
     assert all("per block" in plan[name] for name in ("stacked", "chunked", "flat")), plan
     assert ("instantiate (per-sample VJP)" if overlap else "per block") in plan["packed"], plan
+    if grad_sample:
+        assert "instantiate per block" in plan["stacked"], plan  # the gradients exist anyway
 
 
 # ---------------------------------------------------------------------------
