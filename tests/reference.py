@@ -7,8 +7,9 @@ One known exception, a PyTorch bug (torch 2.13, CPU): the backward of an eval-mo
 BatchNorm on a batch of one whose incoming gradient is strided channels-last while its
 input is not (``bn(x).flatten(2).transpose(1, 2)`` followed by a slice, a ``cat`` or a
 ``bmm``: CvT's, XCiT's patch embedding and lambda-networks' projections; LeViT's linear
-and ``BatchNorm1d`` on a flattened view) gives wrong weight and bias gradients. The loop inherits them; the batched backward (B > 1) is right. Compare
-such models with the batched gradient and the formula ``Σ g·x̂`` instead.
+and ``BatchNorm1d`` on a flattened view) gives wrong weight and bias gradients. The loop
+inherits them; the batched backward (B > 1) is right. Compare such models with the
+batched gradient and the formula ``Σ g·x̂`` instead.
 """
 from __future__ import annotations
 
