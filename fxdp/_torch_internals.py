@@ -1341,9 +1341,8 @@ def _eager_experts_hint(model: torch.nn.Module | None) -> str:
     """A sentence for a Hugging Face model whose mixture of experts runs transformers'
     eager experts (a loop over ``expert_hit = (...).nonzero()``, whose length the data
     decides), or ``""``."""
-    configs = [m.config for m in (model.modules() if model is not None else ())
-               if getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager"]
-    if not configs:
+    if not any(getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager"
+               for m in (model.modules() if model is not None else ())):
         return ""
     return (" This model's experts are transformers' eager ones (experts_implementation=\"eager\"), "
             "which loop over the experts hit: load or build it with experts_implementation=\"grouped_mm\" "

@@ -296,26 +296,25 @@ def _blocks_in_place(param: torch.Tensor, blocks: list[tuple[tuple, fx.GraphModu
     write a ``[B, *param.shape]`` tensor per block)."""
     prefix = _block_parts(blocks[0][1])[0]
     rearranged = param if prefix is None else prefix(param)
-    dim = blocks[0][0][1]
+    dim, batch = blocks[0][0][1], blocks[0][2].shape[0]
     pieces, at = [], 0
 
-    def zeros(size: int) -> torch.Tensor:
+    def along(size: int) -> list:
+        """``[B, *rearranged.shape]`` with ``size`` positions along ``dim``."""
         shape = list(rearranged.shape)
         shape[dim] = size
-        return grad.new_zeros((grad.shape[0], *shape))
+        return [batch, *shape]
 
     for (_, _, start, stop), module, grad in sorted(blocks, key=lambda b: b[0][2:]):
         _, take, post = _block_parts(module)
         if post is not None:
             (grad,) = _per_sample_vjp(post, [take(rearranged)], [], grad)
         if start > at:
-            pieces.append(zeros(start - at))
-        shape = list(rearranged.shape)
-        shape[dim] = stop - start
-        pieces.append(grad.reshape(grad.shape[0], *shape))  # a select's block gets its dim back
+            pieces.append(grad.new_zeros(along(start - at)))
+        pieces.append(grad.reshape(along(stop - start)))  # a select's block gets its dim back
         at = stop
     if at < rearranged.shape[dim]:
-        pieces.append(zeros(rearranged.shape[dim] - at))
+        pieces.append(pieces[-1].new_zeros(along(rearranged.shape[dim] - at)))
     whole = torch.cat(pieces, dim + 1)
     return whole if prefix is None else _per_sample_vjp(prefix, [param], [], whole)[0]
 
