@@ -41,7 +41,7 @@ from fxdp.markers import USES, UseInfo
 from fxdp.opaque import holding, run_opaque, symbolic_batch
 from fxdp.options import Options
 from fxdp.passes.batch_dims import reached
-from fxdp.passes.tag import ISOMETRIC, PIECES
+from fxdp.passes.tag import block_parts
 from fxdp.passes.writes import writes_in_place
 from fxdp.registry import GRAD, ghost_inner
 
@@ -265,28 +265,6 @@ def _per_sample_vjp(transform: Callable, sources: list[torch.Tensor], others: li
     return tuple(run_opaque(lambda *ts: list(vjps(*ts)), shapes, (cotangents, *sources, *tensors)))
 
 
-def _block_parts(module: fx.GraphModule) -> tuple[fx.GraphModule | None, fx.GraphModule, fx.GraphModule | None]:
-    """A block use's transform (``Transform.block``: rearrangements, one block taken,
-    rearrangements of it) as three graphs, ``post(take(prefix(p)))``; ``None`` for a
-    part without ops."""
-    (source,) = [n for n in module.graph.nodes if n.op == "placeholder"]
-    ops = [n for n in module.graph.nodes if n.op == "call_function"]
-    at = next(i for i, n in enumerate(ops) if n.target not in ISOMETRIC)
-    end = at + 2 if ops[at].target in PIECES else at + 1  # a piece is read by a getitem
-
-    def part(nodes: list[fx.Node], start: fx.Node) -> fx.GraphModule | None:
-        if not nodes:
-            return None
-        graph = fx.Graph()
-        env = {start: graph.placeholder("x")}
-        for n in nodes:
-            env[n] = graph.node_copy(n, env.__getitem__)
-        graph.output(env[nodes[-1]])
-        return fx.GraphModule(torch.nn.Module(), graph)
-
-    return part(ops[:at], source), part(ops[at:end], ops[at - 1] if at else source), part(ops[end:], ops[end - 1])
-
-
 def _blocks_in_place(param: torch.Tensor, blocks: list[tuple[tuple, fx.GraphModule, torch.Tensor]]) -> torch.Tensor:
     """``[B, *param.shape]`` from the per-sample gradients of disjoint blocks of
     ``param`` (``(Transform.block, Transform.module, [B, *derived])`` each, one rearranged
@@ -294,7 +272,7 @@ def _blocks_in_place(param: torch.Tensor, blocks: list[tuple[tuple, fx.GraphModu
     and zeros between them joined by one ``cat`` along their dim, the parameter's
     rearrangements undone once (a per-sample VJP of each use's whole transform would
     write a ``[B, *param.shape]`` tensor per block)."""
-    prefix = _block_parts(blocks[0][1])[0]
+    prefix = block_parts(blocks[0][1])[0]
     rearranged = param if prefix is None else prefix(param)
     dim, batch = blocks[0][0][1], blocks[0][2].shape[0]
     pieces, at = [], 0
@@ -306,7 +284,7 @@ def _blocks_in_place(param: torch.Tensor, blocks: list[tuple[tuple, fx.GraphModu
         return [batch, *shape]
 
     for (_, _, start, stop), module, grad in sorted(blocks, key=lambda b: b[0][2:]):
-        _, take, post = _block_parts(module)
+        _, take, post = block_parts(module)
         if post is not None:
             (grad,) = _per_sample_vjp(post, [take(rearranged)], [], grad)
         if start > at:

@@ -190,7 +190,7 @@ def _block_taken(needed: list[fx.Node], sources: list[fx.Node]) -> tuple | None:
     taken = _block_bounds(op, piece)
     if taken is None:
         return None
-    block = piece if op.target in PIECES else op
+    block = piece if op.target in _PIECES else op
     end = needed.index(block) + 1
     if _rearranged(needed, end, block) != len(needed):
         return None
@@ -205,14 +205,36 @@ def _rearranged(needed: list[fx.Node], at: int, value: fx.Node) -> int:
     return at
 
 
+def block_parts(module: fx.GraphModule) -> tuple[fx.GraphModule | None, fx.GraphModule, fx.GraphModule | None]:
+    """The transform of a block use (see ``_block_taken``) as three graphs,
+    ``post(take(prefix(p)))``: the parameter's rearrangements, the block taken, the
+    block's rearrangements; ``None`` for a part without ops."""
+    (source,) = [n for n in module.graph.nodes if n.op == "placeholder"]
+    ops = [n for n in module.graph.nodes if n.op == "call_function"]
+    at = _rearranged(ops, 0, source)
+    end = at + 2 if ops[at].target in _PIECES else at + 1  # a piece is read by a getitem
+
+    def part(nodes: list[fx.Node], start: fx.Node) -> fx.GraphModule | None:
+        if not nodes:
+            return None
+        graph = fx.Graph()
+        env = {start: graph.placeholder("x")}
+        for n in nodes:
+            env[n] = graph.node_copy(n, env.__getitem__)
+        graph.output(env[nodes[-1]])
+        return fx.GraphModule(torch.nn.Module(), graph)
+
+    return part(ops[:at], source), part(ops[at:end], ops[at - 1] if at else source), part(ops[end:], ops[end - 1])
+
+
 # Ops that cut a tensor into pieces along one dim (read by ``getitem``).
-PIECES = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
+_PIECES = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
 
 
 def _block_bounds(op: fx.Node, piece: fx.Node | None) -> tuple[int, int, int] | None:
     """``(dim, start, stop)`` of the block ``op`` takes (with ``piece`` the ``getitem``
     that reads one piece of a cut into pieces), or ``None``."""
-    if op.target not in (aten.select.int, aten.slice.Tensor, *PIECES):
+    if op.target not in (aten.select.int, aten.slice.Tensor, *_PIECES):
         return None
     shape = op.args[0].meta["val"].shape
     args = list(schema_args(op.target, op.args, op.kwargs))[1:]
