@@ -1381,10 +1381,12 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
                 p.grad_sample = p.new_zeros(norms.shape[0], *p.shape)
             p._fxdp_step = step
         if options.grad_sample and model is not None:
-            # replaced by this backward: nothing for a parameter the forward did not run
-            # (every one it ran has this step's record now)
+            # replaced by this backward: None for a trainable parameter the forward did not run
+            # (every one it ran has this step's record now), also one Dynamo left out of the
+            # graph because nothing the forward returns uses it
             for p in model.parameters():
-                if getattr(p, "_fxdp_step", None) is not step and getattr(p, "grad_sample", None) is not None:
+                if getattr(p, "_fxdp_step", None) is not step and (
+                        p.requires_grad or getattr(p, "grad_sample", None) is not None):
                     p.grad_sample = None
         return list(outs[:n])
 

@@ -316,9 +316,25 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
         return dim < new or _uniform_along(node.args[0], dim - new, memo)
     if target in _SAME_DIMS:
         return _uniform_along(node.args[0], dim, memo)
+    if target is aten.repeat.default:
+        # Copies along the dims it adds in front, tiles of the source along the others.
+        new = value.dim() - _meta(node.args[0]).dim()
+        return dim < new or _uniform_along(node.args[0], dim - new, memo)
+    if target in (aten.cat.default, aten.stack.default):
+        # Pieces side by side: alike along another dim where every piece is (HiDream's
+        # positions, a table repeated over the batch with text positions of zeros after it).
+        at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % value.dim()
+        if dim == at:
+            return False
+        pieces = [p for p in node.args[0] if _meta(p).dim() == value.dim() - (target is aten.stack.default)]
+        own = dim if target is aten.cat.default or dim < at else dim - 1
+        return all(_uniform_along(p, own, memo) for p in pieces)
     if target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _PIECES_OF_ALL:
         node = node.args[0]  # a piece of an unbind or split: alike where its whole source is
         target = node.target
+    moved = _moved_from(node, dim)
+    if moved is not None:
+        return _uniform_along(node.args[0], moved, memo)
     if target in _VIEWS_OF_ALL or target in _PIECES_OF_ALL:
         source = _meta(node.args[0])
         return all(_uniform_along(node.args[0], d, memo) for d in range(source.dim()))
@@ -331,6 +347,22 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
 # Random draws: each element its own, alike wherever it is.
 _DRAWS = {aten.randint.low, aten.randint.default, aten.normal.float_float, aten.rand_like.default,
           aten.randn_like.default}
+
+
+def _moved_from(node: fx.Node, dim: int) -> int | None:
+    """The dim of its source that ``dim`` of a view which only moves or drops dims
+    (``permute``, ``transpose``, ``select``, ``unsqueeze``) shows; None for other ops."""
+    target, rank = node.target, _meta(node).dim()
+    if target is aten.permute.default:
+        return node.args[1][dim] % rank
+    if target in (aten.transpose.int, aten.t.default):
+        a, b = (node.args[1] % rank, node.args[2] % rank) if target is aten.transpose.int else (0, 1)
+        return b if dim == a else a if dim == b else dim
+    if target is aten.select.int:
+        return dim + (dim >= node.args[1] % (rank + 1))
+    if target is aten.unsqueeze.default:
+        return dim - (dim > node.args[1] % rank)  # the new dim has size 1: answered before
+    return None
 
 
 def _looked_up_alike(node: fx.Node, dim: int, memo: dict) -> bool:
@@ -359,8 +391,10 @@ _ALONG_THE_BATCH = (
 
 
 def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sources: dict) -> bool:
-    """Whether the elementwise op ``node``, batched as ``out_batch``, takes a shared tensor
-    that spans its batch dim with values that may differ along it (see ``_uniform_along``).
+    """Whether the elementwise op ``node`` (or a ``cat``/``stack`` along another dim),
+    batched as ``out_batch``, takes a shared tensor that spans its batch dim with values
+    that may differ along it (see ``_uniform_along``): ``cat((zeros(B, T), arange(B)[:, None]),
+    1)`` gives each sample the entry at its position as surely as a product does.
     Integer results are left to the layouts of indices (``arange(B)[:, None] * T + pos``,
     each sample's own rows of a flattened batch), and values computed from parameters
     to their rules (a parameter with a row per sample)."""
@@ -369,12 +403,15 @@ def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sour
     if not (isinstance(out_batch, BatchDim) and isinstance(out_batch.dim, int) and isinstance(out, torch.Tensor)
             and (out.is_floating_point() or out.is_complex())):
         return False
-    for arg, b in zip(node.args, arg_batch):
-        value = _meta(arg) if isinstance(arg, fx.Node) else None
-        if b is None and arg not in sources and isinstance(value, torch.Tensor) and value.dim() \
-                and not _uniform_along(arg, out_batch.dim - (out.dim() - value.dim())):
-            return True
-    return False
+    if node.target in (aten.cat.default, aten.stack.default):
+        at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % out.dim()
+        dim = out_batch.dim - (node.target is aten.stack.default and out_batch.dim > at)
+        pairs = [(piece, b, dim) for piece, b in zip(node.args[0], arg_batch[0])]
+    else:
+        pairs = [(arg, b, out_batch.dim - (out.dim() - _meta(arg).dim())) for arg, b in zip(node.args, arg_batch)
+                 if isinstance(arg, fx.Node) and isinstance(_meta(arg), torch.Tensor)]
+    return any(b is None and arg not in sources and _meta(arg).dim() and not _uniform_along(arg, dim)
+               for arg, b, dim in pairs)
 
 
 _EXTRA_POINTWISE = [
@@ -3644,7 +3681,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it "
                     "keeps samples independent; register a rule for it with fxdp.register_rule"
                 )
-            if _is_pointwise(target) and _varies_along_the_batch(node, arg_batch, batch[node], sources):
+            if (_is_pointwise(target) or target in (aten.cat.default, aten.stack.default)) \
+                    and _varies_along_the_batch(node, arg_batch, batch[node], sources):
                 raise MixesSamples(_ALONG_THE_BATCH)
             _check_batch_rows(node, batch[node], batch_size)
             if isinstance(batch[node], Loss):

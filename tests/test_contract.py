@@ -1705,6 +1705,32 @@ class _TwoHeads(nn.Module):
         return self.heads[task](torch.tanh(self.body(x)))
 
 
+class _UnusedBranch(nn.Module):
+    """A block whose second stream's output nothing returns (diffusers' QwenImage's last
+    block): Dynamo leaves its parameters out of the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        self.unused(x)
+        return self.used(x)
+
+
+def test_a_parameter_left_out_of_the_graph_has_grad_sample_none():
+    model = _UnusedBranch().to(DTYPE)
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    x = randn(5, 4)
+    mean_sq_loss(dp(x)).backward()
+    assert model.unused.weight.grad_sample is None and model.unused.bias.grad_sample is None
+    assert model.unused.weight.grad is None
+    ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+    used = {n: g for n, g in ref.per_sample.items() if n.startswith("used")}
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters() if n in used}, used, TOL,
+                     "p.grad_sample")
+
+
 def test_a_parameter_a_step_does_not_use_keeps_no_grad_sample():
     """A multi-task model's head chosen per step: the head the step does not use keeps no
     grad sample of an earlier batch beside the others (it had the earlier step's ``[6, ...]``
@@ -1718,7 +1744,7 @@ def test_a_parameter_a_step_does_not_use_keeps_no_grad_sample():
     out = dp(x, "b")
     assert model.heads["a"].weight.grad_sample.shape[0] == 6  # until the backward replaces them
     mean_sq_loss(out).backward()
-    assert all(getattr(p, "grad_sample", None) is None for p in model.heads["a"].parameters())
+    assert all(p.grad_sample is None for p in model.heads["a"].parameters())
     dp(x, "a")  # a forward with gradients on, no backward: the grad samples stay the last backward's
     assert getattr(model.heads["a"].weight, "grad_sample", None) is None
     assert model.heads["b"].weight.grad_sample.shape[0] == 5
@@ -2579,6 +2605,15 @@ def test_a_statistic_of_the_batch_that_a_gradient_depends_on_is_refused(kind, op
             else "mixes samples") in problems[0].reason
 
 
+def _grid(dtype: torch.dtype) -> torch.Tensor:
+    """HiDream's image positions: a ``[4, 3]`` table of zeros whose columns are written in
+    place (a shared tensor with as many rows, or columns, as some batches have samples)."""
+    grid = torch.zeros(4, 3, dtype=dtype)
+    grid[:, 1] = grid[:, 1] + torch.arange(4, dtype=dtype)
+    grid[:, 2] = grid[:, 2] + torch.arange(4, dtype=dtype).flip(0)
+    return grid
+
+
 class AlongTheBatch(nn.Module):
     """Multiplies the batch by a shared tensor (no batch dim of its own) that spans the
     batch dim: ``uniform`` forms hold the same values all along it (a fill, an
@@ -2601,28 +2636,46 @@ class AlongTheBatch(nn.Module):
             "cumsum over the batch": lambda: h * torch.ones_like(h).cumsum(0),
             "arange(B * T)": lambda: h * torch.arange(B * T, dtype=h.dtype).view(B, T, 1),
             "a loss weighted by position": lambda: (h.pow(2).sum((1, 2)) * self.table[:B]).sum(),
+            "arange(B) beside zeros": lambda: h * torch.cat(
+                (torch.zeros(B, T - 1, dtype=h.dtype), torch.arange(B, dtype=h.dtype)[:, None]), 1)[..., None],
+            "rows alternating, tiled": lambda: h * torch.stack(
+                (torch.zeros(T, dtype=h.dtype), torch.ones(T, dtype=h.dtype))).repeat(B // 2, 1)[..., None],
+            "arange(B) concatenated to the samples": lambda: torch.cat(
+                (h, torch.arange(B, dtype=h.dtype)[:, None, None].expand(B, T, 1)), -1),
+            "arange(B) stacked with the samples": lambda: torch.stack(
+                (h, torch.arange(B, dtype=h.dtype)[:, None, None].expand(B, T, 4)), 1),
             # uniform along the batch
             "ones(B, T) mask": lambda: h + (1.0 - torch.ones(B, T, dtype=h.dtype)[:, :, None]) * -1e4,
             "positions expanded": lambda: h * torch.arange(T, dtype=h.dtype).expand(B, T)[..., None],
             "full, unsqueezed": lambda: h * torch.full((B, T), 2.0, dtype=h.dtype).unsqueeze(-1),
+            # HiDream's positions: a table repeated over the batch, zeros for the text after it
+            "a table repeated, beside zeros": lambda: h * torch.cat(
+                (_grid(h.dtype).unsqueeze(0).repeat(B, 1, 1), torch.zeros(B, T - 4, 3, dtype=h.dtype)), 1)[
+                ..., 1, None].cos(),
+            "positions stacked, repeated, transposed": lambda: h * torch.stack(
+                (torch.arange(T, dtype=h.dtype), torch.zeros(T, dtype=h.dtype))).unsqueeze(0).repeat(B, 1, 1)
+            .transpose(1, 2)[..., 0, None],
         }
         out = forms[self.how]()
         return out if out.dim() == 0 else out.pow(2).sum()
 
 
 @pytest.mark.parametrize("how", ["buffer[:B]", "arange(B)", "cumsum over the batch", "arange(B * T)",
-                                 "a loss weighted by position"])
+                                 "a loss weighted by position", "arange(B) beside zeros", "rows alternating, tiled",
+                                 "arange(B) concatenated to the samples", "arange(B) stacked with the samples"])
 def test_a_shared_tensor_that_varies_along_the_batch_is_refused(how):
     problems = fxdp.validate(AlongTheBatch(how).to(DTYPE), randn(4, 5, 4), loss_reduction="sum")
-    assert [p.op for p in problems] == ["aten.mul.Tensor"], problems
+    op = "aten.cat.default" if how.endswith("the samples") else "aten.mul.Tensor"  # a stack is a cat in ATen
+    assert [p.op for p in problems] == [op], problems
     assert "a shared tensor whose values vary along the batch dim" in problems[0].reason
 
 
-@pytest.mark.parametrize("how", ["ones(B, T) mask", "positions expanded", "full, unsqueezed"])
+@pytest.mark.parametrize("how", ["ones(B, T) mask", "positions expanded", "full, unsqueezed",
+                                 "a table repeated, beside zeros", "positions stacked, repeated, transposed"])
 def test_a_shared_tensor_uniform_along_the_batch_is_exact(how):
     model = AlongTheBatch(how).to(DTYPE)
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
-    for size in (4, 6):
+    for size in (3, 4, 6):  # 3 and 4: as many samples as the grid has columns, or rows
         x = randn(size, 5, 4, seed=size)
         ref = reference(model, [x], lambda out, i: out)
         model.zero_grad()
