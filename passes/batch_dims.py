@@ -329,12 +329,16 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
         pieces = [p for p in node.args[0] if _meta(p).dim() == value.dim() - (target is aten.stack.default)]
         own = dim if target is aten.cat.default or dim < at else dim - 1
         return all(_uniform_along(p, own, memo) for p in pieces)
-    if target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _PIECES_OF_ALL:
-        node = node.args[0]  # a piece of an unbind or split: alike where its whole source is
-        target = node.target
     moved = _moved_from(node, dim)
     if moved is not None:
         return _uniform_along(node.args[0], moved, memo)
+    if target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _PIECES_OF_ALL:
+        node = node.args[0]  # a piece of an unbind or split: alike where its whole source is
+        target = node.target
+    if target in _RESHAPES or target is aten.flatten.using_ints:
+        group = _reshaped_from(node, dim)
+        if group is not None:
+            return all(_uniform_along(node.args[0], d, memo) for d in group)
     if target in _VIEWS_OF_ALL or target in _PIECES_OF_ALL:
         source = _meta(node.args[0])
         return all(_uniform_along(node.args[0], d, memo) for d in range(source.dim()))
@@ -362,6 +366,28 @@ def _moved_from(node: fx.Node, dim: int) -> int | None:
         return dim + (dim >= node.args[1] % (rank + 1))
     if target is aten.unsqueeze.default:
         return dim - (dim > node.args[1] % rank)  # the new dim has size 1: answered before
+    return None
+
+
+def _reshaped_from(node: fx.Node, dim: int) -> list[int] | None:
+    """The dims of its source that ``dim`` of a reshape takes its values from: those of
+    the group of dims, source and output, that hold the same elements (``[B, T, 8]`` to
+    ``[B, T, 2, 4]``: dim 3 from dim 2; ``[B, T, d]`` to ``[B * T, d]``: dim 0 from dims
+    0 and 1). None where the sizes do not tell."""
+    src, dst = list(_meta(node.args[0]).shape), list(_meta(node).shape)
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        group, have, want, first = [i], src[i], dst[j], j
+        i, j = i + 1, j + 1
+        while not statically_known_true(have == want):
+            if i < len(src) and statically_known_true(have < want):
+                group, have, i = [*group, i], have * src[i], i + 1
+            elif j < len(dst) and statically_known_true(want < have):
+                want, j = want * dst[j], j + 1
+            else:
+                return None
+        if first <= dim < j:
+            return group
     return None
 
 

@@ -2614,6 +2614,14 @@ def _grid(dtype: torch.dtype) -> torch.Tensor:
     return grid
 
 
+def _rotary(ids: torch.Tensor) -> torch.Tensor:
+    """HiDream's ``rope`` of one axis of ``[B, T, 3]`` positions, as ``[B, T, 4]``: angles
+    by ``einsum``, their rotation matrices stacked last and viewed as ``2 x 2`` blocks."""
+    angles = torch.einsum("...n,d->...nd", ids[..., 1], torch.tensor([1.0, 0.1], dtype=ids.dtype))
+    blocks = torch.stack([angles.cos(), -angles.sin(), angles.sin(), angles.cos()], dim=-1)
+    return blocks.view(ids.shape[0], -1, 2, 2, 2).flatten(2)[..., 2:6]
+
+
 class AlongTheBatch(nn.Module):
     """Multiplies the batch by a shared tensor (no batch dim of its own) that spans the
     batch dim: ``uniform`` forms hold the same values all along it (a fill, an
@@ -2652,6 +2660,8 @@ class AlongTheBatch(nn.Module):
             "a table repeated, beside zeros": lambda: h * torch.cat(
                 (_grid(h.dtype).unsqueeze(0).repeat(B, 1, 1), torch.zeros(B, T - 4, 3, dtype=h.dtype)), 1)[
                 ..., 1, None].cos(),
+            "HiDream's rotary table": lambda: h * _rotary(torch.cat(
+                (_grid(h.dtype).unsqueeze(0).repeat(B, 1, 1), torch.zeros(B, T - 4, 3, dtype=h.dtype)), 1)),
             "positions stacked, repeated, transposed": lambda: h * torch.stack(
                 (torch.arange(T, dtype=h.dtype), torch.zeros(T, dtype=h.dtype))).unsqueeze(0).repeat(B, 1, 1)
             .transpose(1, 2)[..., 0, None],
@@ -2671,7 +2681,8 @@ def test_a_shared_tensor_that_varies_along_the_batch_is_refused(how):
 
 
 @pytest.mark.parametrize("how", ["ones(B, T) mask", "positions expanded", "full, unsqueezed",
-                                 "a table repeated, beside zeros", "positions stacked, repeated, transposed"])
+                                 "a table repeated, beside zeros", "HiDream's rotary table",
+                                 "positions stacked, repeated, transposed"])
 def test_a_shared_tensor_uniform_along_the_batch_is_exact(how):
     model = AlongTheBatch(how).to(DTYPE)
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
