@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import operator
 import os
@@ -360,7 +361,7 @@ def _moved_from(node: fx.Node, dim: int) -> int | None:
     if target is aten.permute.default:
         return node.args[1][dim] % rank
     if target in (aten.transpose.int, aten.t.default):
-        a, b = (node.args[1] % rank, node.args[2] % rank) if target is aten.transpose.int else (0, 1)
+        a, b = (node.args[1] % rank, node.args[2] % rank) if target is aten.transpose.int else (0, rank - 1)
         return b if dim == a else a if dim == b else dim
     if target is aten.select.int:
         return dim + (dim >= node.args[1] % (rank + 1))
@@ -2627,7 +2628,7 @@ def _check_batch_rows(node: fx.Node, layout: Any, batch_size: Any) -> None:
 
 
 def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguous: bool = False,
-                    like: Any = None) -> "BatchDim | None":
+                    at: int | None = None, like: Any = None) -> "BatchDim | None":
     """The batch dim of a tensor built from sizes with ``B`` among them: a
     ``_SIZED_BY_ARGUMENT`` tensor's dim of size ``B``, or a dim of size ``B`` that an
     ``expand`` of shared data no parameter computed broadcasts (diffusers' frame
@@ -2641,7 +2642,8 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguou
     follows checks that its layout agrees with the batched data it meets; with
     ``unambiguous``, none is taken, unless ``like``, the batch layout of the tensor a
     ``new_zeros`` is called on, has its batch at one of them
-    (``x.new_zeros(B, 1, d)`` with ``d == B``: the batch is where ``x`` has it).
+    (``x.new_zeros(B, 1, d)`` with ``d == B``: the batch is where ``x`` has it); ``at``,
+    one of them, is taken where given (see ``_choose_sized_dims``).
     """
     if node.target in FILLED_LIKE:  # constants shaped like a batched tensor: batched as it
         return like if batched and isinstance(like, BatchDim) and like.dim is not None else None
@@ -2658,7 +2660,16 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguou
     if unambiguous and len(dims) > 1:
         at = like.dim if isinstance(like, BatchDim) and like.plain and node.target in _NEW_LIKE else None
         return BatchDim(at) if at in dims else None
+    if at is not None and at in dims:
+        return BatchDim(at)
     return BatchDim(dims[0]) if dims else None
+
+
+def _dims_sized_by_batch(node: fx.Node, batch_size: Any) -> list[int]:
+    """The dims of size ``B`` of a tensor ``_sized_by_batch`` reads as batched."""
+    shape = _meta(node).shape
+    return [d for d, size in enumerate(shape) if _same_size(size, batch_size)] if node.target in _SIZED_BY_ARGUMENT \
+        else []
 
 
 # What may follow the loss: ops linear in it, and copies. The loss stays a sum (or
@@ -3461,7 +3472,8 @@ def batch_dim_pass(
             ``chunk_loops_as_whole_pass``): its batched inputs hold ``batch_size`` rows,
             read as samples even when there is one.
         sized_batched: Only this reading of the tensors built from ``B`` (``"all"``:
-            batched along their dim of size ``B``), not the first that leaves no
+            batched along their first dim of size ``B``; ``"unambiguous"``: only those
+            with one), not the first that leaves no
             problems.
         stored_outputs: The positions among ``gm``'s outputs of the values the forward
             stores and does not return (``fxdp._torch_internals.stored_outputs``).
@@ -3472,25 +3484,53 @@ def batch_dim_pass(
     analysis = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=sized_batched or "none",
                           function_body=function_body, chunk=chunk, stored_outputs=stored_outputs)
     if sized_batched is None and (analysis.problems or analysis.sized_normaliser) and analysis.sized_by_batch:
+        readings = {}
         for reading in ("all", "unambiguous"):
-            retried = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=reading,
-                                 function_body=function_body, chunk=chunk, stored_outputs=stored_outputs)
+            readings[reading] = retried = _propagate(gm, placeholder_batch, param_names, batch_size,
+                                                     sized_batched=reading, function_body=function_body,
+                                                     chunk=chunk, stored_outputs=stored_outputs)
             if not retried.problems or set(retried.problems) < set(analysis.problems):
                 # Refused either way, for some of the same reasons: name only those, not
                 # the ones this reading of the same tensors explains away.
                 analysis = retried
             if not retried.problems:
                 break
+        if analysis.problems:
+            chosen = _choose_sized_dims(gm, placeholder_batch, param_names, batch_size, readings["all"],
+                                        function_body=function_body, chunk=chunk, stored_outputs=stored_outputs)
+            analysis = analysis if chosen.problems else chosen
     for node in gm.graph.nodes:
         node.meta["fxdp_batch"] = rule_layout(analysis.batch.get(node))
     return analysis
 
 
+def _choose_sized_dims(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any,
+                       analysis: BatchAnalysis, **kwargs: Any) -> BatchAnalysis:
+    """The first reading without problems of the tensors built from sizes with several
+    dims of size ``B``, each batched along one of them (xLSTM's sLSTM at ``B == 4``: its
+    states ``zeros(4, B, H)`` and ``zeros(4, S + 1, B, H)`` and gates ``zeros(S + 1, 4, B,
+    H)`` have the batch second or third, and one read wrongly refuses what the others
+    write into it, so they are chosen together), or ``analysis`` where none is. A static
+    compile's coincidence of sizes, so tried only where every other reading is refused,
+    and for a few such tensors only."""
+    ambiguous = [(node, dims) for node in analysis.sized_by_batch
+                 if len(dims := _dims_sized_by_batch(node, batch_size)) > 1]
+    if not ambiguous or math.prod(len(dims) for _, dims in ambiguous) > 16:
+        return analysis
+    for choice in itertools.islice(itertools.product(*(dims for _, dims in ambiguous)), 1, None):
+        trial = _propagate(gm, placeholder_batch, param_names, batch_size,
+                           sized_batched={node: at for (node, _), at in zip(ambiguous, choice)}, **kwargs)
+        if not trial.problems:
+            return trial
+    return analysis
+
+
 def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any, *,
-               sized_batched: str, function_body: bool, chunk: bool = False,
+               sized_batched: str | dict, function_body: bool, chunk: bool = False,
                stored_outputs: frozenset[int] = frozenset()) -> BatchAnalysis:
     """``batch_dim_pass`` with the tensors built from ``B`` shared (``"none"``), batched
-    (``"all"``), or batched where a single dim has size ``B`` (``"unambiguous"``)."""
+    (``"all"``), or batched where a single dim has size ``B`` (``"unambiguous"``), or
+    batched along the dims a dict gives (the others as ``"all"`` reads them)."""
     _OWN_ROWS.append([])  # this propagation's (a Function's body is analysed inside another)
     _ROWS_IN_PLACE.append([])
     try:
@@ -3632,8 +3672,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             node, batch_size, batched, like=batch.get(node.args[0]) if target in FILLED_LIKE else None)
         if sized is not None:
             sized_by_batch.append(node)
-            if sized_batched == "unambiguous":
-                sized = _sized_by_batch(node, batch_size, batched, unambiguous=True,
+            if sized_batched == "unambiguous" or isinstance(sized_batched, dict):
+                sized = _sized_by_batch(node, batch_size, batched, unambiguous=sized_batched == "unambiguous",
+                                        at=sized_batched.get(node) if isinstance(sized_batched, dict) else None,
                                         like=batch.get(node.args[0]) if node.args else None)
             if sized is not None and sized_batched != "none":
                 batch[node] = sized

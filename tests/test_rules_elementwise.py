@@ -930,6 +930,40 @@ def test_a_shared_mask_and_a_per_sample_token_both_sized_like_the_batch(batch_si
     _against_the_loop(model, torch.randn(batch_size + 2, T, width, dtype=torch.float64), dp=dp)
 
 
+class StatesStackedBeforeTheBatch(nn.Module):
+    """xLSTM's sLSTM: its states ``zeros(4, B, H)`` (four stacked before the batch), every
+    step's written into ``zeros(4, T + 1, B, H)``, ``states[0] @ R`` meeting the samples.
+    At ``B == 4 == H`` their dims of the batch's size are several, and the first read as
+    the batch refuses the model ("the parameter has a size other than 1 along the batch
+    dim"); each read alone along its own batch dim refuses the write of one into the
+    other, so the two are read together."""
+
+    states = 4
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.R = nn.Parameter(torch.randn(D, D))
+
+    def forward(self, x):  # [B, T, D]
+        states = torch.zeros(self.states, x.shape[0], D, dtype=x.dtype)
+        every = torch.zeros(self.states, x.shape[1] + 1, x.shape[0], D, dtype=x.dtype)
+        every[:, 0] = states
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.lin(x[:, t]) + states[0] @ self.R)
+            states = torch.stack([h, states[1] + h, states[2], states[3]])
+            every[:, t + 1] = states
+        return every[0, 1:].transpose(0, 1) + every[1, -1, :, None]
+
+
+@pytest.mark.parametrize("batch_size", [StatesStackedBeforeTheBatch.states, B], ids=["B-equals-states", "B"])
+def test_states_with_the_batch_second_sized_like_the_batch_twice(batch_size):
+    torch.manual_seed(0)
+    model = StatesStackedBeforeTheBatch().double()
+    dp = _against_the_loop(model, torch.randn(batch_size, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(batch_size + 2, T, D, dtype=torch.float64), dp=dp)
+
+
 class RefusedBesideACellState(nn.Module):
     """An ``LSTMCell`` loop from a zero state ``x.new_zeros(B, H)`` with ``H == B`` (the
     shared reading mixes its rows into the weights' uses), then a BatchNorm in training
