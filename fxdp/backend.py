@@ -61,7 +61,9 @@ class Backend:
         return None if self.clip_norm is None else self.clip_norm.value
 
     @max_grad_norm.setter
-    def max_grad_norm(self, c: float) -> None:
+    def max_grad_norm(self, c: float | None) -> None:
+        if c is None and self.clip_norm is None:
+            return  # no clipping, as before
         if self.clip_norm is None or c is None:
             raise ValueError("max_grad_norm can change between steps, but clipping cannot be switched on or "
                              "off (the compiled graphs differ): transform or compile the model anew")

@@ -115,7 +115,7 @@ class DPModule(nn.Module):
         return self._backend.max_grad_norm
 
     @max_grad_norm.setter
-    def max_grad_norm(self, c: float) -> None:
+    def max_grad_norm(self, c: float | None) -> None:
         self._backend.max_grad_norm = c
 
     # -- inspection -------------------------------------------------------------------

@@ -2396,6 +2396,8 @@ def test_clipping_cannot_be_switched_on_after_transform():
     assert dp.max_grad_norm is None
     with pytest.raises(ValueError, match="cannot be switched on or off"):
         dp.max_grad_norm = 1.0
+    dp.max_grad_norm = None  # (a loop that sets it every step, unclipped: nothing switches)
+    assert dp.max_grad_norm is None
 
 
 def test_transform_needs_a_module():
