@@ -223,6 +223,11 @@ def _norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
+def _joined_along(node: fx.Node) -> int:
+    """The dim of its output a ``cat`` or ``stack`` joins its pieces along."""
+    return _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), _meta(node).dim())
+
+
 # ---------------------------------------------------------------------------
 # Propagation rules for parameter-free ops. Each takes (node, batch of each arg)
 # and returns the output's batch.
@@ -324,7 +329,7 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
     if target in (aten.cat.default, aten.stack.default):
         # Pieces side by side: alike along another dim where every piece is (HiDream's
         # positions, a table repeated over the batch with text positions of zeros after it).
-        at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % value.dim()
+        at = _joined_along(node)
         if dim == at:
             return False
         pieces = [p for p in node.args[0] if _meta(p).dim() == value.dim() - (target is aten.stack.default)]
@@ -431,7 +436,7 @@ def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sour
             and (out.is_floating_point() or out.is_complex())):
         return False
     if node.target in (aten.cat.default, aten.stack.default):
-        at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % out.dim()
+        at = _joined_along(node)
         dim = out_batch.dim - (node.target is aten.stack.default and out_batch.dim > at)
         pairs = [(piece, b, dim) for piece, b in zip(node.args[0], arg_batch[0])]
     else:
@@ -1327,9 +1332,7 @@ def _unbind(node, arg_batch):
 def _cat(node, arg_batch):
     tensors = node.args[0]
     batches = arg_batch[0]
-    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    out_ndim = _meta(node).dim()
-    d = _norm_dim(d, out_ndim)
+    d = _joined_along(node)
     result = None
     for t, b in zip(tensors, batches):
         if not isinstance(b, BatchDim):
@@ -2656,7 +2659,7 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguou
         dims = [d for d, size in enumerate(shape)
                 if _same_size(size, batch_size) and (d < new or not _same_size(source[d - new], batch_size))]
     else:
-        dims = [d for d, size in enumerate(shape) if _same_size(size, batch_size)]
+        dims = _dims_sized_by_batch(node, batch_size)
     if unambiguous and len(dims) > 1:
         at = like.dim if isinstance(like, BatchDim) and like.plain and node.target in _NEW_LIKE else None
         return BatchDim(at) if at in dims else None
@@ -3397,7 +3400,7 @@ def _pieces_joined(node: fx.Node, batches: list, batch_size: Any) -> BatchDim | 
     along the dim they are concatenated along: that dim holds the batch, ``n`` rows per
     sample (``cat([x[i:i + 1] for i in range(B)])`` is ``x``, ``cat([x[i] for i in
     range(B)])`` and ``cat(x.unbind(0))`` are ``x.flatten(0, 1)``)."""
-    d = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), _meta(node).dim())
+    d = _joined_along(node)
     sizes = [_meta(t).shape[d] if _meta(t).dim() > d else 0 for t in node.args[0]]
     # A loop over ``range(x.shape[0])`` made Dynamo specialise ``B`` to its count.
     if sizes and statically_known_true(len(batches) == batch_size) and all(
