@@ -8,7 +8,8 @@ after it, as ``x.view(-1, d)`` merges ``[B, T, d]`` into ``[B·T, d]``:
 ``SHARED`` a tensor without batch dim that every sample sees whole (it is expanded).
 ``Piece`` is one sample's values taken out of the batch; ``Masked`` the elements a
 boolean mask selected from the whole batch, one list; ``Rows``, ``Groups`` and
-``Inverse`` follow a batch's rows sorted across samples (a mixture of experts' dispatch).
+``Inverse`` follow a batch's rows sorted across samples (a mixture of experts' dispatch);
+``Packed`` lays batches of different rows per sample end to end along one dim.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["retrack", "BatchDim", "Piece", "Masked", "Rows", "Groups", "Inverse", "unpermute", "WHOLE", "SHARED", "RAW",
+__all__ = ["retrack", "BatchDim", "Piece", "Masked", "Packed", "Rows", "Groups", "Inverse", "unpermute", "WHOLE", "SHARED", "RAW",
            "batch_major", "batch_major_all", "batch_size_of", "broadcast_batch", "from_batch_major", "scale_batch"]
 
 
@@ -34,8 +35,8 @@ class BatchDim:
     inner: Any = 1
     outer: Any = 1
 
-    def same_as(self, other: "BatchDim") -> bool:
-        return (self.dim == other.dim and _equal(self.inner, other.inner)
+    def same_as(self, other: Any) -> bool:
+        return (isinstance(other, BatchDim) and self.dim == other.dim and _equal(self.inner, other.inner)
                 and _equal(self.outer, other.outer))
 
     def at(self, dim: int) -> "BatchDim":
@@ -87,6 +88,33 @@ class Masked:
 
     mask: Any
     layout: "BatchDim"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Packed:
+    """Batches of different rows per sample laid end to end along ``dim``: torchdiffeq
+    packs a tuple state ``(z [B, D], logp [B, 1])`` into one vector,
+    ``torch.cat([z.reshape(-1), logp.reshape(-1)])``, and a solver steps that vector.
+    ``blocks`` are the pieces' layouts in order, each ``outer·B·inner`` rows along
+    ``dim``. Ops that keep the dim whole and its elements apart (elementwise ops on
+    values packed alike, moving the dim, writing into another dim) keep each sample's
+    elements its own, and a slice of whole blocks is a batch again
+    (``flat[:B * D].view(B, D)``); anything else reads across the blocks.
+
+    Attributes:
+        dim: The dim the blocks are laid along.
+        blocks: Their ``BatchDim`` layouts (at ``dim``), in order.
+    """
+
+    dim: int
+    blocks: tuple
+
+    def at(self, dim: int) -> "Packed":
+        return Packed(dim, tuple(b.at(dim) for b in self.blocks))
+
+    def same_as(self, other: Any) -> bool:
+        return isinstance(other, Packed) and self.dim == other.dim and len(self.blocks) == len(other.blocks) \
+            and all(a.same_as(b) for a, b in zip(self.blocks, other.blocks))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

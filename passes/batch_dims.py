@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 
 from fxdp._torch_internals import plain_expression
-from fxdp.batching import WHOLE, BatchDim, Groups, Inverse, Masked, Piece, Rows, broadcast_batch
+from fxdp.batching import WHOLE, BatchDim, Groups, Inverse, Masked, Packed, Piece, Rows, broadcast_batch
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
 from fxdp.passes.masked_rows import BATCH_TO_ROWS, ROWS_TO_BATCH
@@ -432,7 +432,8 @@ def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sour
     to their rules (a parameter with a row per sample)."""
     out = _meta(node)
     out = out[0] if isinstance(out, (list, tuple)) else out
-    if not (isinstance(out_batch, BatchDim) and isinstance(out_batch.dim, int) and isinstance(out, torch.Tensor)
+    if not (isinstance(out_batch, (BatchDim, Packed)) and isinstance(out_batch.dim, int)
+            and isinstance(out, torch.Tensor)
             and (out.is_floating_point() or out.is_complex())):
         return False
     if node.target in (aten.cat.default, aten.stack.default):
@@ -1335,7 +1336,7 @@ def _cat(node, arg_batch):
     d = _joined_along(node)
     result = None
     for t, b in zip(tensors, batches):
-        if not isinstance(b, BatchDim):
+        if not isinstance(b, (BatchDim, Packed)):
             continue
         if b.dim is None:
             cand = WHOLE
@@ -1349,18 +1350,26 @@ def _cat(node, arg_batch):
     return result
 
 
-def _cat_of_batches(batches: list, d: int) -> BatchDim:
-    """``cat([x1, x2], batch dim)`` of batched tensors laid out alike (two views of each
-    sample, a siamese pair): sample ``b``'s rows are in every block, as after
-    ``x.repeat(2, 1)`` — the ``outer`` blocks add up."""
-    first = next(b for b in batches if isinstance(b, BatchDim))
-    outer = 0
-    for b in batches:
-        if not (isinstance(b, BatchDim) and b.dim == d and bool(b.inner == first.inner)):
-            raise MixesSamples("it concatenates along the batch dim (tensors not batched alike: a "
-                               "shared one's rows would join the samples')")
-        outer = outer + b.outer
-    return BatchDim(d, first.inner, outer)
+def _cat_of_batches(batches: list, d: int) -> BatchDim | Packed:
+    """``cat([x1, x2], batch dim)`` of batched tensors: laid out alike (two views of each
+    sample, a siamese pair), sample ``b``'s rows are in every block, as after
+    ``x.repeat(2, 1)`` — the ``outer`` blocks add up; with different rows per sample
+    (``z.reshape(-1)`` of ``[B, D]`` beside ``logp.reshape(-1)`` of ``[B]``), the blocks
+    are ``Packed``."""
+    if any(not _any_batched(b) for b in batches):
+        raise MixesSamples("it concatenates a shared tensor along the batch dim: its rows would join the "
+                           "samples' as if they were one sample's")
+    if not all(isinstance(b, (BatchDim, Packed)) and b.dim == d for b in batches):
+        raise MixesSamples("it concatenates along the batch dim tensors batched along other dims")
+    return _packed(d, [block for b in batches for block in (b.blocks if isinstance(b, Packed) else [b])])
+
+
+def _packed(d: int, blocks: list) -> BatchDim | Packed:
+    """Batches laid end to end along ``d``: one batch where every block has as many rows
+    per sample (the ``outer`` blocks add up), ``Packed`` otherwise."""
+    if all(bool(b.inner == blocks[0].inner) for b in blocks):
+        return BatchDim(d, blocks[0].inner, sum(b.outer for b in blocks))
+    return Packed(d, tuple(b.at(d) for b in blocks))
 
 
 def _reduction(node: fx.Node, arg_batch: list, kind: str) -> Any:
@@ -2646,7 +2655,8 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguou
     ``unambiguous``, none is taken, unless ``like``, the batch layout of the tensor a
     ``new_zeros`` is called on, has its batch at one of them
     (``x.new_zeros(B, 1, d)`` with ``d == B``: the batch is where ``x`` has it); ``at``,
-    one of them, is taken where given (see ``_choose_sized_dims``).
+    one of them, is taken where given, or none with ``_READ_SHARED`` (see
+    ``_choose_sized_dims``).
     """
     if node.target in FILLED_LIKE:  # constants shaped like a batched tensor: batched as it
         return like if batched and isinstance(like, BatchDim) and like.dim is not None else None
@@ -2663,9 +2673,14 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguou
     if unambiguous and len(dims) > 1:
         at = like.dim if isinstance(like, BatchDim) and like.plain and node.target in _NEW_LIKE else None
         return BatchDim(at) if at in dims else None
+    if at == _READ_SHARED:
+        return None
     if at is not None and at in dims:
         return BatchDim(at)
     return BatchDim(dims[0]) if dims else None
+
+
+_READ_SHARED = "shared"  # ``_sized_by_batch``'s ``at`` that reads the tensor as shared
 
 
 def _dims_sized_by_batch(node: fx.Node, batch_size: Any) -> list[int]:
@@ -3004,7 +3019,11 @@ def _arg_batch(value: Any, batch: dict) -> Any:
 def _any_batched(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_any_batched(v) for v in value)
-    return isinstance(value, (BatchDim, Loss, _Unknown, Piece, Masked, Rows, Groups, Inverse))
+    return isinstance(value, (BatchDim, Loss, _Unknown, Piece, Masked, Packed, Rows, Groups, Inverse))
+
+
+def _any_packed(value: Any) -> bool:
+    return any(isinstance(b, Packed) for b in _flat(value))
 
 
 def _any_piece(value: Any) -> bool:
@@ -3031,6 +3050,112 @@ def _any_rows(value: Any) -> bool:
 
 # Ops whose first argument is sliced by the sizes (or a position) the others give.
 _SIZED_BY_SAMPLE = {aten.slice.Tensor, aten.select.int, aten.narrow.default}
+
+
+_PACKED = ("it reads across batches of different sizes per sample laid end to end (torch.cat([z.reshape(-1), "
+           "logp.reshape(-1)]), a solver's tuple state): only elementwise ops on values packed alike, ops along "
+           "other dims, and slices of whole pieces (flat[:B * D].view(B, D)) keep each sample's values its own")
+_PACKED_OUTPUT = (_PACKED + "; returned by the forward, the pieces leave the loss outside, where fxdp cannot "
+                  "tell each element's sample: return the pieces sliced back (flat[:B * D].view(B, D))")
+
+
+def _packed_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parameter: bool) -> Any:
+    """The layout of an op on ``Packed`` values (see there): a ``cat`` along their dim
+    packs more, a slice of whole blocks is a batch again, and any other op must treat
+    the dim as it treats a batch dim, keeping it whole."""
+    flat = [b for b in list(_flat(arg_batch)) + list(_flat(kwarg_batch)) if _any_batched(b)]
+    first = next(b for b in flat if isinstance(b, Packed))
+    target = node.target
+    if target is aten.cat.default and _joined_along(node) == first.dim:
+        return _cat(node, arg_batch)
+    if uses_parameter:
+        raise _NoPropagation(_PACKED + "; fxdp makes a parameter's uses per-sample on batches: use it on the "
+                             "pieces sliced back")
+    if not all(isinstance(b, Packed) and len(b.blocks) == len(first.blocks)
+               and all(x.at(0).same_as(y.at(0)) for x, y in zip(b.blocks, first.blocks)) for b in flat):
+        raise MixesSamples(_PACKED)
+    if target in (aten.slice.Tensor, *_PIECES_OF_ALL) and arg_batch[0] is first \
+            and _norm_dim(named_arg(node, "dim", 0), _meta(node.args[0]).dim()) == first.dim:
+        return _packed_pieces(node, first)
+    # Anything else, with every packed value read as a plain batch along its dim, must
+    # keep that dim whole and apart.
+    as_plain = [_packed_as_plain(b) for b in arg_batch]
+    rule = lookup(target) if pure_op(target) else None
+    try:
+        if rule is not None:
+            out = rule.batch_rule(as_plain, [_meta(a) for a in node.args], _meta(node), rule.config(node.args))
+        elif _is_pointwise(target) or target in _COPIES:
+            out = _pointwise(node, as_plain)
+        elif target in PROPAGATION:
+            out = PROPAGATION[target](node, as_plain)
+        else:
+            raise MixesSamples(_PACKED)
+    except (MixesSamples, ValueError):  # along the packed dim: a flip, a view of it by B
+        raise MixesSamples(_PACKED) from None
+    arg, packed = next((a, b) for a, b in zip(_flat(node.args), _flat(arg_batch)) if isinstance(b, Packed))
+    return _as_packed(out, _meta(node), first, _meta(arg).shape[packed.dim])
+
+
+def _packed_as_plain(b: Any) -> Any:
+    if isinstance(b, (list, tuple)):
+        return type(b)(_packed_as_plain(x) for x in b)
+    return BatchDim(b.dim) if isinstance(b, Packed) else b
+
+
+def _as_packed(out: Any, value: Any, packed: Packed, size: Any) -> Any:
+    """An op's layout on packed values read as plain batches, as packed again: the dim
+    must have kept its ``size``. A sum or mean of every element is the loss: each
+    sample has as many elements, so it is the sum (or the mean) of the samples' own."""
+    if isinstance(out, (list, tuple)):
+        return type(out)(_as_packed(b, v, packed, size) for b, v in zip(out, value))
+    if out is None or isinstance(out, Loss):
+        return out
+    if isinstance(out, BatchDim) and isinstance(out.dim, int) and out.plain \
+            and statically_known_true(value.shape[out.dim] == size):
+        return packed.at(out.dim)
+    raise MixesSamples(_PACKED)
+
+
+def _packed_pieces(node: fx.Node, packed: Packed) -> Any:
+    """Slices or split pieces of a packed dim: each must be whole blocks, or whole
+    ``outer`` blocks of one (see ``_whole_blocks``)."""
+    d = packed.dim
+    rows = _meta(node.args[0]).shape[d]
+    per_sample = sum(b.inner * b.outer for b in packed.blocks)
+    batch = rows // per_sample
+    starts, start = [], 0
+    for b in packed.blocks:
+        starts.append(start)
+        start = start + b.outer * batch * b.inner
+    starts.append(start)
+    if node.target is aten.slice.Tensor:
+        begin = named_arg(node, "start", None) or 0
+        begin = begin.meta.get("val") if isinstance(begin, fx.Node) else begin
+        begin = begin + rows if statically_known_true(begin < 0) else begin
+        if named_arg(node, "step", 1) != 1:
+            raise MixesSamples(_PACKED)
+        pieces = [(begin, _meta(node).shape[d])]
+    else:
+        pieces, begin = [], 0
+        for out in _meta(node):
+            pieces.append((begin, out.shape[d]))
+            begin = begin + out.shape[d]
+    layouts = []
+    for begin, length in pieces:
+        end = begin + length
+        first = next((i for i, s in enumerate(starts) if statically_known_true(s == begin)), None)
+        last = next((i for i, s in enumerate(starts) if statically_known_true(s == end)), None)
+        if first is not None and last is not None and first < last:
+            layouts.append(_packed(d, list(packed.blocks[first:last])))
+            continue
+        within = next((i for i in range(len(packed.blocks)) if statically_known_true(starts[i] <= begin)
+                       and statically_known_true(end <= starts[i + 1])), None)
+        whole = None if within is None else _whole_blocks(
+            packed.blocks[within], starts[within + 1] - starts[within], [(begin - starts[within], length)])
+        if whole is None:
+            raise MixesSamples(_PACKED)
+        layouts.append(whole[0])
+    return layouts[0] if node.target is aten.slice.Tensor else layouts
 
 
 def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter: bool) -> Any:
@@ -3509,22 +3634,26 @@ def batch_dim_pass(
 
 def _choose_sized_dims(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any,
                        analysis: BatchAnalysis, **kwargs: Any) -> BatchAnalysis:
-    """The first reading without problems of the tensors built from sizes with several
-    dims of size ``B``, each batched along one of them (xLSTM's sLSTM at ``B == 4``: its
-    states ``zeros(4, B, H)`` and ``zeros(4, S + 1, B, H)`` and gates ``zeros(S + 1, 4, B,
-    H)`` have the batch second or third, and one read wrongly refuses what the others
-    write into it, so they are chosen together), or ``analysis`` where none is. A static
-    compile's coincidence of sizes, so tried only where every other reading is refused,
-    and for a few such tensors only."""
-    ambiguous = [(node, dims) for node in analysis.sized_by_batch
-                 if len(dims := _dims_sized_by_batch(node, batch_size)) > 1]
-    if not ambiguous or math.prod(len(dims) for _, dims in ambiguous) > 16:
-        return analysis
-    for choice in itertools.islice(itertools.product(*(dims for _, dims in ambiguous)), 1, None):
-        trial = _propagate(gm, placeholder_batch, param_names, batch_size,
-                           sized_batched={node: at for (node, _), at in zip(ambiguous, choice)}, **kwargs)
-        if not trial.problems:
-            return trial
+    """The first reading without problems of the tensors built from sizes with ``B``
+    among them, or ``analysis`` where none is. First those with several dims of size
+    ``B``, each batched along one of them (xLSTM's sLSTM at ``B == 4``: its states
+    ``zeros(4, B, H)`` and ``zeros(4, S + 1, B, H)`` and gates ``zeros(S + 1, 4, B, H)``
+    have the batch second or third, and one read wrongly refuses what the others write
+    into it, so they are chosen together); then each one either batched or shared (an
+    ODE solver's ``empty(len(t), N)`` for the solution at ``len(t) == B`` is shared,
+    filled with the packed state, while the state's ``zeros(B, 1)`` is batched). A
+    static compile's coincidence of sizes, so tried only where every other reading is
+    refused, and for a few such tensors only."""
+    sized = [(node, dims) for node in analysis.sized_by_batch if (dims := _dims_sized_by_batch(node, batch_size))]
+    for options in ([(node, dims) for node, dims in sized if len(dims) > 1],
+                    [(node, [*dims, _READ_SHARED]) for node, dims in sized]):
+        if not options or math.prod(len(dims) for _, dims in options) > 16:
+            continue
+        for choice in itertools.islice(itertools.product(*(dims for _, dims in options)), 1, None):
+            trial = _propagate(gm, placeholder_batch, param_names, batch_size,
+                               sized_batched={node: at for (node, _), at in zip(options, choice)}, **kwargs)
+            if not trial.problems:
+                return trial
     return analysis
 
 
@@ -3613,6 +3742,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 if _any_piece(batch.get(out)) and not carries_no_gradient(out, without_grad) and not (
                         isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())):
                     pieces.append(out)
+                if _any_packed(batch.get(out)):
+                    problems.append(Problem(op_name(out.target), module_path_of(out), "", _PACKED_OUTPUT,
+                                            source_of(out)))
                 if _any_masked(batch.get(out)):
                     # a loss over the list is no sum of the samples' own losses
                     op = out.args[0] if out.target is BATCH_TO_ROWS else out  # (the op run in place)
@@ -3731,7 +3863,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 out = _meta(node)
                 batch[node] = [WHOLE] * len(out) if isinstance(out, (list, tuple)) else WHOLE
                 continue
-            if _any_sorted(arg_batch) or _any_sorted(kwarg_batch):
+            if _any_packed(arg_batch) or _any_packed(kwarg_batch):
+                batch[node] = _packed_batch(node, arg_batch, kwarg_batch, bool(paramish))
+            elif _any_sorted(arg_batch) or _any_sorted(kwarg_batch):
                 batch[node] = _sorted_rows_batch(node, arg_batch, kwarg_batch, rule, batch)
             elif _any_piece(arg_batch) or _any_piece(kwarg_batch):
                 batch[node] = _piece_batch(node, arg_batch + kwarg_batch, batch_size, bool(paramish))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxdp.batching import BatchDim, Piece
+from fxdp.batching import BatchDim, Packed, Piece
 
 __all__ = ["carries_no_gradient", "computed_without_grad", "follow_write", "is_detach", "is_view", "parameter_write",
            "written_chain", "writes_in_place"]
@@ -184,10 +184,10 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
                 "tensor made inside the model that the analysis holds as shared by all samples: "
                 "start from a tensor of the batch's shape (torch.zeros_like(x)), or concatenate "
                 "the samples' results (torch.cat, torch.stack)")
-    if not (isinstance(written, BatchDim) and written.dim is not None):
+    if not (isinstance(written, (BatchDim, Packed)) and written.dim is not None):
         return None  # nothing per-sample is written
     held = batch.get(base)
-    if isinstance(held, BatchDim) and held.dim is not None:
+    if isinstance(held, (BatchDim, Packed)) and held.dim is not None:
         return None  # already per-sample: the op's own batch rule checked the layouts
     if held is not None:
         return None  # the loss or a refused value: judged where it is computed

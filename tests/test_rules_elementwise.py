@@ -3835,7 +3835,7 @@ def test_siamese_views_concatenated_along_the_batch(split: str):
 def test_a_concatenation_or_slice_that_mixes_the_batch_is_refused():
     x = torch.randn(B, D)
     model = around(lambda m, h: torch.cat([h * m.s, torch.zeros(1, D)])[1:], s=(D,))()
-    assert "it concatenates along the batch dim (tensors not batched alike" in _reasons(model, x)
+    assert "it concatenates a shared tensor along the batch dim" in _reasons(model, x)
     model = around(lambda m, h: torch.cat([h, h * m.s])[1:1 + h.shape[0]], s=(D,))()
     assert "it slices the batch dim" in _reasons(model, x)
 
