@@ -3694,6 +3694,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     consumed: list[tuple[fx.Node, int | None, fx.Node]] = []
     stored: dict[fx.Node, list[str]] = {}  # values of parameters alone the forward stores
     losses: dict[fx.Node, str] = {}  # the reductions that made a loss, and their kind
+    misused: set[fx.Node] = set()  # those refused where a use made them no loss
     divided: dict[fx.Node, list] = {}  # the loss's divisions by B since, and their kind (see _batch_power)
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim, float | None]] = []
     sized_normaliser = False
@@ -3853,7 +3854,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 continue
             problems.append(Problem(op_name(target), path, "", _loss_misuse(target, arg_batch, _meta(node)),
                                     source_of(node)))
-            batch[node] = None
+            # A statistic of the batch (a fallback scale from every sample's sum) is no
+            # loss: neither it nor what it meets is judged again.
+            misused.update(_reductions_behind(node, batch, losses))
+            out = _meta(node)
+            batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
             continue
         try:
             if single:
@@ -3930,7 +3935,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     # A loss computed and dropped (dense_diff_pool's entropy term its caller ignores)
     # is none: only the losses the outputs depend on count.
     live = _live_nodes(gm)
-    losses = {n: kind for n, kind in losses.items() if n in live}
+    losses = {n: kind for n, kind in losses.items() if n in live and n not in misused}
     losses = {n: _scaled_kind(kind, divided.get(n, [])) for n, kind in losses.items()}
     if None in losses.values():
         problems.append(Problem("loss", "", "", _SCALED_BY_THE_BATCH))

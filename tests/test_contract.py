@@ -2607,6 +2607,31 @@ def test_a_statistic_of_the_batch_that_a_gradient_depends_on_is_refused(kind, op
             else "mixes samples") in problems[0].reason
 
 
+class FallbackScale(nn.Module):
+    """gluonts' ``MeanScaler`` without a default scale: a series with nothing observed is
+    scaled by the whole batch's mean, ``weighted.sum(0) / observed.sum(0)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):  # [B, 4]
+        h = self.lin(x)
+        weighted = h.abs().sum(1)
+        default = weighted.sum(0) / torch.clamp(torch.ones_like(weighted).sum(0), min=1.0)
+        return h / torch.where(weighted > 0, weighted, default * torch.ones_like(weighted))[:, None]
+
+
+def test_a_statistic_of_the_batch_is_refused_once_and_is_no_loss():
+    """The batch's sum was refused where it met the samples, and kept as the loss too:
+    "the loss inside the graph is a sum over the batch but loss_reduction='mean'", with
+    the samples' division by the refused value ("a shared tensor whose values vary along
+    the batch dim") after it."""
+    problems = fxdp.validate(FallbackScale().to(DTYPE), randn(3, 4))
+    assert [p.op for p in problems] == ["aten.where.self"], problems
+    assert "a statistic of the batch) is used by an op other than a sum" in problems[0].reason
+
+
 def _grid(dtype: torch.dtype) -> torch.Tensor:
     """HiDream's image positions: a ``[4, 3]`` table of zeros whose columns are written in
     place (a shared tensor with as many rows, or columns, as some batches have samples)."""
