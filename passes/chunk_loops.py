@@ -36,6 +36,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fxdp._torch_internals import make_fx_traced, vmap_safe_solves
 from fxdp.batching import BatchDim
 from fxdp.passes.batch_dims import batch_dim_pass, pure_op, reached
+from fxdp.passes.writes import written_chain
 from fxdp.registry import named_arg
 
 __all__ = ["chunk_loops_as_whole_pass"]
@@ -79,7 +80,8 @@ def chunk_loops_as_whole_pass(gm: fx.GraphModule, batch: dict[fx.Node, Any], par
     for cat in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.cat.default]:
         loop = _loop(cat, batch)
         if loop is not None and (_map(gm, cat, loop, batch, fake_mode) if loop.mapped
-                                 else _fuse(gm, cat, loop, batch, param_names, fake_mode)):
+                                 else _fuse(gm, cat, loop, batch, param_names, fake_mode)
+                                 or (_of_single_rows(loop) and _map(gm, cat, loop, batch, fake_mode))):
             fused += 1
     if fused:
         gm.graph.eliminate_dead_code()
@@ -100,14 +102,23 @@ class _Loop:
         varied: For each copy, ``(node, path, first copy's value, this copy's value)``
             for the integers of a size list that differ from the first copy's.
         dim: The dim of the ``cat``.
-        mapped: Whether the pieces are single rows without their dim (``x[i]``): the
-            first copy is then a function of one sample, mapped over the rows by
-            ``vmap``; else of a chunk, run on the whole tensor.
+        mapped: Whether the pieces are single rows, some without their dim (``x[i]``):
+            the first copy is then a function of one sample, mapped over the rows by
+            ``vmap``; else of a chunk, run on the whole tensor (where that fails, a
+            loop over rows ``x[i:i + 1]`` is mapped too: ``(f(x[i:i + 1]))[0]``).
+        kept: The first chunk's pieces that keep the dim they were taken along.
     """
 
-    def __init__(self, body, copies, pieces, ranges, varied, dim, mapped):
-        self.body, self.copies, self.pieces, self.ranges, self.varied, self.dim, self.mapped = (
-            body, copies, pieces, ranges, varied, dim, mapped)
+    def __init__(self, body, copies, pieces, ranges, varied, dim, mapped, kept):
+        self.body, self.copies, self.pieces, self.ranges, self.varied, self.dim, self.mapped, self.kept = (
+            body, copies, pieces, ranges, varied, dim, mapped, kept)
+
+
+def _of_single_rows(loop: _Loop) -> bool:
+    """Whether every piece of ``loop`` is one row (``x[i:i + 1]``), the rows in order:
+    then the copy is a function of one sample, as with ``x[i]``."""
+    return not any(loop.varied) and all(_equal(length, 1) for _, length in loop.ranges) \
+        and _equal(loop.body[-1].meta["val"].shape[loop.dim], 1)
 
 
 def _piece(node: Any) -> tuple[fx.Node, int, int, int, bool] | None:
@@ -202,11 +213,16 @@ def _loop(cat: fx.Node, batch: dict) -> _Loop | None:
         return None
     copies.insert(0, {a: a for a in body_set | first_pieces})
     pieces_of_copy.insert(0, {p0: p0 for p0 in first_pieces})
+    # The copies' code is what their values are computed by, unless a write in place
+    # changes one of them (``h = x[i].clone(); h[:, 0] = h[:, 0] / 7``, SAM's prompt
+    # coordinates): the write is no input of the ops after it, so it would be left out.
+    read = {b for corr in copies for b in corr.values()} | {_piece(p)[0] for p in first_pieces}
+    if any(n in read for node in first.graph.nodes for n in written_chain(node) or ()):
+        return None
     # Each copy reads its own chunk: the same rows of every chunked tensor, the chunks
     # in order and covering the whole tensor.
     ranges = None
-    if len({_piece(p0)[4] for p0 in first_pieces}) > 1:
-        return None
+    kinds = {_piece(p0)[4] for p0 in first_pieces}  # kept the dim, or dropped it
     for p0 in first_pieces:
         source, dim, _, _, kept = _piece(p0)
         spans = []
@@ -237,10 +253,14 @@ def _loop(cat: fx.Node, batch: dict) -> _Loop | None:
     body = [n for n in first.graph.nodes if n in body_set]
     rank = first.meta["val"].dim()
     dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-    mapped = not _piece(next(iter(first_pieces)))[4]
-    if mapped and (any(varied) or not _equal(first.meta["val"].shape[dim % rank], 1)):
+    # A row taken with its dim (``l[i:i + 1]``) beside one without (``x[i]``, SAM's
+    # image embedding beside its prompts) is mapped as the unsqueezed row.
+    mapped = False in kinds
+    if mapped and (any(varied) or not _equal(first.meta["val"].shape[dim % rank], 1)
+                   or (len(kinds) > 1 and not all(_equal(length, 1) for _, length in ranges))):
         return None
-    return _Loop(body, copies, {p0: _piece(p0)[:2] for p0 in first_pieces}, ranges, varied, dim % rank, mapped)
+    return _Loop(body, copies, {p0: _piece(p0)[:2] for p0 in first_pieces}, ranges, varied, dim % rank, mapped,
+                 {p0 for p0 in first_pieces if _piece(p0)[4]})
 
 
 def _same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied: list) -> bool:
@@ -466,10 +486,16 @@ def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: 
     row = fx.Interpreter(fx.GraphModule(gm, graph))
     in_dims = tuple(dim for _, dim in loop.pieces.values()) + (None,) * len(free)
 
+    # a row taken with its dim is the mapped row with it put back
+    unsqueezed = [dim if piece in loop.kept else None for piece, (_, dim) in loop.pieces.items()]
+
+    def one_row(*args):
+        args = [a if d is None else a.unsqueeze(d) for a, d in zip(args, unsqueezed)] + list(args[len(unsqueezed):])
+        return row.run(*args).squeeze(loop.dim)
+
     def mapped(*args):
         with vmap_safe_solves():
-            return torch.func.vmap(lambda *a: row.run(*a).squeeze(loop.dim), in_dims=in_dims,
-                                   out_dims=loop.dim)(*args)
+            return torch.func.vmap(one_row, in_dims=in_dims, out_dims=loop.dim)(*args)
 
     sources = [source for source, _ in loop.pieces.values()]
     examples = [node.meta["val"] for node in [*sources, *free]]

@@ -132,6 +132,18 @@ class ChunkLoops(nn.Module):
             return torch.stack([torch.linalg.solve(a, self.head(row)[..., None]) for row in h])
         if kind == "an op without a batching rule":
             return torch.stack([self.head(torch.ops.fxdp_test_chunk_loops.twice(row)) for row in h])
+        if kind == "a row with its dim beside one without":  # segment-anything's Sam.forward: image x[i], prompts [i:i + 1]
+            return torch.cat([self.head(h[i]).unsqueeze(0) * mask[i:i + 1] for i in range(h.shape[0])])
+        if kind == "rows with their dim, taken out again":
+            return torch.stack([(self.head(h[i:i + 1]) - self.head(h[i:i + 1]).mean(1, keepdim=True))[0]
+                                for i in range(h.shape[0])])
+        if kind == "a write in place in each sample":  # segment-anything's coordinates: clone, then a column scaled
+            outs = []
+            for i in range(h.shape[0]):
+                row = h[i].clone()
+                row[:, 0] = row[:, 0] / 7
+                outs.append(self.head(row))
+            return torch.stack(outs)
         if kind == "samples stacked out of order":
             return torch.stack([self.head(h[i]) for i in reversed(range(h.shape[0]))])
         raise ValueError(kind)
@@ -140,7 +152,7 @@ class ChunkLoops(nn.Module):
 def _inputs(kind: str, batch_size: int) -> tuple:
     g = torch.Generator().manual_seed(batch_size)
     x = torch.randn(batch_size, 6, 4, generator=g, dtype=DTYPE)
-    if kind in ("two tensors chunked alike", "two tensors indexed alike"):
+    if kind in ("two tensors chunked alike", "two tensors indexed alike", "a row with its dim beside one without"):
         return x, torch.rand(batch_size, 6, 1, generator=g, dtype=DTYPE)
     return (x,)
 
@@ -155,6 +167,7 @@ def _per_sample_loss(out: torch.Tensor) -> torch.Tensor:
     "a function of each sample, stacked", "attention within each sample, unbound", "samples stacked along dim 1",
     "two tensors indexed alike", "samples unsqueezed and concatenated", "two results of each sample",
     "two results of each chunk", "positions expanded to the chunk's rows", "a linear solve in each sample",
+    "a row with its dim beside one without", "rows with their dim, taken out again",
 ])
 def test_a_loop_over_chunks_of_the_batch_is_per_sample(kind):
     torch.manual_seed(0)
@@ -196,6 +209,8 @@ def test_a_loop_over_chunks_that_is_not_the_loop_over_the_whole_batch_is_refused
     ("samples stacked out of order", "uses a parameter on the values of one sample"),
     ("a sample's result read elsewhere", "uses a parameter on the values of one sample"),
     ("an op without a batching rule", "uses a parameter on the values of one sample"),  # vmap's loop turned off
+    # the write is no input of the ops after it: mapped, the copy would leave it out (wrong before)
+    ("a write in place in each sample", "uses a parameter on the values of one sample"),
 ])
 def test_a_loop_over_the_samples_that_is_not_a_map_over_the_batch_is_refused(kind, reason):
     torch.manual_seed(0)
