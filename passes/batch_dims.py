@@ -2336,6 +2336,30 @@ def _count_as_rows(node: fx.Node, counts: set) -> bool:
                for d, size in enumerate(out.shape))
 
 
+def _list_positions(node: fx.Node, counts: set, positions: set, batch: dict) -> bool:
+    """Whether ``node`` is ``arange(n)`` over the length ``n`` of a ``Masked`` list (a
+    size of it, not a number computed from one), or a view of such that keeps it an
+    ``arange`` along one dim (``ar[:, None]``): its values are positions in the list,
+    which only an index of that list's own rows may read (``_indexes_its_list``)."""
+    if node.target in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+        end = named_arg(node, "end", None)
+        return arange_dim(node) == 0 and isinstance(end, fx.Node) and end in counts and end.target in _SIZES
+    return any(a in positions for a in node.all_input_nodes) and node.target not in (
+        aten.index.Tensor, operator.getitem) and arange_dim(node) is not None \
+        and not _any_batched([batch.get(a) for a in node.all_input_nodes])
+
+
+def _indexes_its_list(node: fx.Node, positions: set, batch: dict) -> bool:
+    """Whether ``node``, reading positions of a list (``_list_positions``), is an index
+    of a ``Masked`` list by them along its rows, ``rows[ar[:, None], cols]``: its
+    rule then checks that they cover the list's length, each row reading itself."""
+    if node.target is not aten.index.Tensor or not isinstance(batch.get(node.args[0]), Masked):
+        return not any(a in positions for a in node.all_input_nodes)
+    indices = node.args[1]
+    return node.args[0] not in positions and bool(indices) and all(
+        i == 0 or not (isinstance(ix, fx.Node) and ix in positions) for i, ix in enumerate(indices))
+
+
 def _counts_selected(node: fx.Node, batch: dict, counts: set) -> bool:
     """Whether ``node`` is the length of a ``Masked`` list (``x[mask].shape[0]``, its
     ``numel()``), or a number or 0-d tensor computed from one: a count over every
@@ -3702,6 +3726,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     checks_only = _checks_only(gm)
     without_grad, gradient_free = computed_without_grad(gm.graph), {}
     counts: set[fx.Node] = set()  # how many elements a mask selected from the whole batch
+    positions: set[fx.Node] = set()  # ``arange`` over such a count, as an index of the list's rows
     mixing: list[fx.Node] = []  # where problems were found
     found = 0
 
@@ -3774,8 +3799,15 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             if not isinstance(_meta(node), torch.Tensor):
                 batch[node] = None
                 continue
-        if any(a in counts for a in node.all_input_nodes) and (
-                _is_pointwise(target) or target in _TENSORS_OF_COUNTS or target in _CREATION):
+        if _list_positions(node, counts, positions, batch):
+            # ``arange(n)`` over a list's length, as an index of its rows alone: each row
+            # reads itself (transformers' mask builder on Idefics3's real images).
+            positions.add(node)
+            batch[node] = None
+            continue
+        if any(a in counts or a in positions for a in node.all_input_nodes) and (
+                _is_pointwise(target) or target in _TENSORS_OF_COUNTS or target in _CREATION
+                or not _indexes_its_list(node, positions, batch)):
             problems.append(Problem(op_name(target), path, "", _COUNTED, source_of(node)))
             out = _meta(node)
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN

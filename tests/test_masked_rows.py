@@ -336,8 +336,19 @@ class CountAsSize(nn.Module):
             "masked_select count": lambda: h[..., : x.masked_select(x > 0).numel() % D + 1],
             "rows' columns": lambda: rows[:, : n % D + 1],
         }
+        def positions():  # transformers' mask builder: batch_arange over Idefics3's real images
+            return torch.arange(n)
+
+        forms.update({
+            "positions flipped": lambda: rows[positions().flip(0)],
+            "positions as values": lambda: rows * positions()[:, None],
+            "positions halved": lambda: rows[positions() // 2],
+            "positions into a table": lambda: rows * torch.linspace(0, 1, 4 * T)[positions()][:, None],
+        })
         if self.how in forms:
             return forms[self.how]().pow(2).sum()
+        if self.how == "positions index their own rows":
+            return rows[positions()[:, None], torch.arange(D)[None, :]].tanh().pow(2).sum() + h.pow(2).sum()
         # "rows as their own number": views, a whole slice and an expand by the count
         return rows[:n].view(n, 2, D // 2).expand(n, 2, D // 2).pow(2).sum() + h.pow(2).sum()
 
@@ -350,9 +361,21 @@ def test_the_count_of_masked_rows_as_a_size_or_an_index_is_refused(how):
         problems
 
 
-def test_the_count_of_masked_rows_as_their_own_number_is_exact():
+@pytest.mark.parametrize("how", ["rows as their own number", "positions index their own rows"])
+def test_the_count_of_masked_rows_as_their_own_number_is_exact(how):
+    """``rows[arange(n)[:, None], cols]`` with ``n`` the rows' count reads each row itself:
+    it was refused as a computation with the count."""
     torch.manual_seed(0)
-    _grad_samples_exact_at_two_sizes(CountAsSize("rows as their own number").double())
+    _grad_samples_exact_at_two_sizes(CountAsSize(how).double())
+
+
+@pytest.mark.parametrize("how", ["positions flipped", "positions as values", "positions halved",
+                                 "positions into a table"])
+def test_positions_in_the_masked_rows_read_otherwise_are_refused(how):
+    """Row ``r``'s position in the list depends on the masks of the samples before it."""
+    problems = fxdp.validate(CountAsSize(how).double(), *_inputs(3, torch.float64), loss_reduction="sum")
+    assert problems and all("how many elements a boolean mask selected from the whole batch" in p.reason
+                            for p in problems), problems
 
 
 class NormalisedRows(nn.Module):
