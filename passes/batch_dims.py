@@ -1950,7 +1950,7 @@ def arange_dim(node: Any) -> int | None:
     if target is aten.arange.start:
         return 0 if args[0] == 0 else None
     if target is aten.arange.start_step:
-        return 0 if args[0] == 0 and args[2] == 1 else None
+        return 0 if args[0] == 0 and named_arg(node, "step", 1) == 1 else None
     if target in _COPIES:
         return arange_dim(args[0])
     dim = arange_dim(args[0]) if args else None
@@ -2343,7 +2343,7 @@ def _list_positions(node: fx.Node, counts: set, positions: set, batch: dict) -> 
     which only an index of that list's own rows may read (``_indexes_its_list``)."""
     if node.target in (aten.arange.default, aten.arange.start, aten.arange.start_step):
         end = named_arg(node, "end", None)
-        return arange_dim(node) == 0 and isinstance(end, fx.Node) and end in counts and end.target in _SIZES
+        return isinstance(end, fx.Node) and end in counts and end.target in _SIZES and arange_dim(node) == 0
     return any(a in positions for a in node.all_input_nodes) and node.target not in (
         aten.index.Tensor, operator.getitem) and arange_dim(node) is not None \
         and not _any_batched([batch.get(a) for a in node.all_input_nodes])
@@ -3513,7 +3513,7 @@ def _is_arange(node: Any, length: Any) -> bool:
         end = node.args[0]
     elif node.target is aten.arange.start and node.args[0] == 0:
         end = node.args[1]
-    elif node.target is aten.arange.start_step and node.args[0] == 0 and node.args[2] == 1:
+    elif node.target is aten.arange.start_step and node.args[0] == 0 and named_arg(node, "step", 1) == 1:
         end = node.args[1]
     else:
         return False

@@ -144,6 +144,13 @@ class ChunkLoops(nn.Module):
                 row[:, 0] = row[:, 0] / 7
                 outs.append(self.head(row))
             return torch.stack(outs)
+        if kind == "a column scaled in place by a number in each sample":  # a functional write (canonicalised)
+            outs = []
+            for i in range(h.shape[0]):
+                row = h[i].clone()
+                row[:, 0].div_(7)
+                outs.append(self.head(row).sum(0))
+            return torch.stack(outs)
         if kind == "samples stacked out of order":
             return torch.stack([self.head(h[i]) for i in reversed(range(h.shape[0]))])
         raise ValueError(kind)
@@ -168,6 +175,7 @@ def _per_sample_loss(out: torch.Tensor) -> torch.Tensor:
     "two tensors indexed alike", "samples unsqueezed and concatenated", "two results of each sample",
     "two results of each chunk", "positions expanded to the chunk's rows", "a linear solve in each sample",
     "a row with its dim beside one without", "rows with their dim, taken out again",
+    "a column scaled in place by a number in each sample",
 ])
 def test_a_loop_over_chunks_of_the_batch_is_per_sample(kind):
     torch.manual_seed(0)
