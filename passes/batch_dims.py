@@ -29,8 +29,8 @@ from fxdp.batching import WHOLE, BatchDim, Groups, Inverse, Masked, Packed, Piec
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
 from fxdp.passes.masked_rows import BATCH_TO_ROWS, ROWS_TO_BATCH
-from fxdp.passes.writes import (carries_no_gradient, computed_without_grad, follow_write, is_detach,
-                               parameter_write, written_chain)
+from fxdp.passes.writes import (carries_no_gradient, computed_without_grad, follow_write, is_detach, is_view,
+                               parameter_write, writes_in_place, written_chain)
 from fxdp.registry import lookup, named_arg, out_of_place
 from fxdp.rules.grouped import is_grouped_mm
 
@@ -306,6 +306,8 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
         # An input or buffer read as shared: the size rule's reading, which in_dims settles
         # (an RNN state [layers, B, hidden] is the samples' own, row by row).
         return True
+    if _written_unlike_along(node, dim):
+        return False
     target = node.target
     if target is aten.slice.Tensor and (node.args[1] if len(node.args) > 1 else 0) % value.dim() == dim \
             and not statically_known_true(_meta(node.args[0]).shape[dim] == value.shape[dim]):
@@ -351,6 +353,42 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
     if _is_pointwise(target):
         return all(_uniform_along(a, dim - (value.dim() - _meta(a).dim()), memo) for a in node.all_input_nodes
                    if isinstance(_meta(a), torch.Tensor))
+    return False
+
+
+def _written_unlike_along(node: fx.Node, dim: int) -> bool:
+    """Whether a write in place into ``node`` (through views of it) makes its values
+    differ along ``dim``: it writes some positions along ``dim`` only (``buf[-1] = 1``
+    into ``zeros(B, 1)``, a row the size of which is symbolic, left in place), or goes
+    through a view fxdp does not follow."""
+    stack, views = [node], {node: dim}
+    while stack:
+        base = stack.pop()
+        d = views[base]
+        for user in base.users:
+            if user.op != "call_function" or not user.args or user.args[0] is not base:
+                continue
+            if writes_in_place(user.target):
+                continue  # over the whole of ``dim``: batched values make it batched (``follow_write``)
+            if not is_view(user) or user in views:
+                continue
+            if user.target in (aten.select.int, aten.slice.Tensor, aten.narrow.default):
+                at = _norm_dim(named_arg(user, "dim", 0), _meta(base).dim())
+                if at == d and not (user.target is aten.slice.Tensor
+                                    and statically_known_true(_meta(user).shape[d] == _meta(base).shape[d])):
+                    if any(writes_in_place(u.target) or is_view(u) for u in user.users):
+                        return True  # part of ``dim`` viewed, and written (or viewed on)
+                    continue
+                views[user] = d - (user.target is aten.select.int and at < d)
+            elif user.target is aten.unsqueeze.default:
+                views[user] = d + (_norm_dim(user.args[1], _meta(user).dim()) <= d)
+            elif user.target in (aten.alias.default, aten.detach.default):
+                views[user] = d
+            else:
+                if any(writes_in_place(u.target) or is_view(u) for u in user.users):
+                    return True  # another view (a reshape, a permute), written through
+                continue
+            stack.append(user)
     return False
 
 
@@ -3223,6 +3261,76 @@ def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter
     return [piece] * len(out) if isinstance(out, (list, tuple)) else piece
 
 
+_PARTLY_WRITTEN = (
+    "it reads a tensor built from the batch size (torch.zeros(B, ...)) into which only some samples' rows were "
+    "written by their own values (out[i] = f(x[i]) for some i, out[-1] = 1): the other rows hold what those "
+    "samples' code would have written had they been at those positions, so each sample's values depend on its "
+    "position in the batch; write every sample's row (a loop over range(B)), or build the tensor from the "
+    "samples (torch.stack)")
+
+
+def _sample_row_written(node: fx.Node, arg_batch: list, rows_written: dict, sized_by_batch: list, batch: dict,
+                        batch_size: Any) -> frozenset | None:
+    """The rows of a tensor built from sizes (read batched) that samples' own pieces have
+    been written into once ``node`` has written one (``_writes_its_own_row``), where
+    some are still not: ``None`` for any other op, or once every row is."""
+    base = node.args[0] if node.args else None
+    if node.target not in (aten.slice_scatter.default, aten.select_scatter.default) or not isinstance(
+            base, fx.Node) or not (base in rows_written or (base in sized_by_batch and isinstance(
+                batch.get(base), BatchDim))) or not _writes_its_own_row(node, arg_batch):
+        return None
+    written = rows_written.get(base, frozenset()) | {arg_batch[1].sample}
+    return None if isinstance(batch_size, int) and len(written) >= batch_size else written
+
+
+def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, batch_size: Any) -> str | None:
+    """Why an in-place write of one sample's values (a ``Piece``) into a batched tensor
+    cannot be followed, or ``None``; a write into that sample's row (``buf[i] = f(h[i])``
+    into ``zeros_like(h)``) counts its row as written (``_sample_row_written``)."""
+    chain = written_chain(node)
+    if not chain or not isinstance(batch.get(node), Piece):
+        return None
+    base, held = chain[-1], batch.get(chain[-1])
+    if not (isinstance(held, BatchDim) and isinstance(held.dim, int)):
+        return None
+    view = chain[0]
+    if len(chain) == 2 and view.target is aten.select.int and held.plain and isinstance(batch_size, int) \
+            and _norm_dim(view.args[1], _meta(base).dim()) == held.dim:
+        written = rows_written.get(base, frozenset()) | {batch[node].sample}
+        if len(written) >= batch_size:
+            rows_written.pop(base, None)
+        else:
+            rows_written[base] = written
+        return None
+    return ("it writes one sample's values, taken out of the batch (x[i]), in place into part of a tensor of the "
+            "batch's shape other than that sample's row: build the tensor from every sample's values "
+            "(torch.stack)")
+
+
+def _reads_rows_written_so_far(node: fx.Node, arg_batch: list, rows_written: dict) -> bool:
+    """Whether ``node``, which reads a tensor only some of whose rows samples have written
+    (``_sample_row_written``), writes another sample's row into it, or takes a row not
+    yet written (``out[i]``, its constant values, before ``out[i] = …``): the steps of a
+    loop that fills every row."""
+    base = node.args[0] if node.args else None
+    if any(a in rows_written for a in node.all_input_nodes if a is not base):
+        return False
+    if node.target in (aten.slice_scatter.default, aten.select_scatter.default):
+        return _writes_its_own_row(node, arg_batch)
+    layout = arg_batch[0] if arg_batch else None
+    if node.target not in (aten.select.int, aten.slice.Tensor) or not isinstance(layout, BatchDim) \
+            or _norm_dim(named_arg(node, "dim", 0), _meta(base).dim()) != layout.dim:
+        return False
+    size = _meta(base).shape[layout.dim]
+    if node.target is aten.select.int:
+        row = named_arg(node, "index", 0)
+    else:
+        row = named_arg(node, "start", None) or 0
+        if not statically_known_true(_meta(node).shape[layout.dim] == 1) or named_arg(node, "step", 1) != 1:
+            return False
+    return isinstance(row, int) and isinstance(size, int) and row % size not in rows_written[base]
+
+
 def _writes_its_own_row(node: fx.Node, arg_batch: list) -> bool:
     """Whether a ``slice_scatter``/``select_scatter`` writes one sample's piece into that
     sample's row of a batch, which stays the batch: ``pad_sequence`` of the samples'
@@ -3727,6 +3835,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     without_grad, gradient_free = computed_without_grad(gm.graph), {}
     counts: set[fx.Node] = set()  # how many elements a mask selected from the whole batch
     positions: set[fx.Node] = set()  # ``arange`` over such a count, as an index of the list's rows
+    # Tensors built from sizes, read batched, into some of whose rows samples' own pieces
+    # were written (``out[i] = f(x[i])``), with those rows, until every row is.
+    rows_written: dict[fx.Node, frozenset] = {}
     mixing: list[fx.Node] = []  # where problems were found
     found = 0
 
@@ -3736,7 +3847,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         # (With one sample nothing per-sample is written, but a write into a parameter
         # is refused all the same.)
         reason = None if previous is None else (
-            parameter_write(previous, sources) if single else follow_write(previous, batch, sources))
+            parameter_write(previous, sources) if single else
+            _row_written_in_place(previous, batch, rows_written, batch_size) or follow_write(previous, batch, sources))
         if reason:
             problems.append(Problem(op_name(previous.target), module_path_of(previous),
                                     _names(sources.get(previous.args[0], ()), param_names), reason,
@@ -3768,6 +3880,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 if _any_piece(batch.get(out)) and not carries_no_gradient(out, without_grad) and not (
                         isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())):
                     pieces.append(out)
+                if out in rows_written:
+                    problems.append(Problem(op_name(out.target), module_path_of(out), "", _PARTLY_WRITTEN,
+                                            source_of(out)))
                 if _any_packed(batch.get(out)):
                     problems.append(Problem(op_name(out.target), module_path_of(out), "", _PACKED_OUTPUT,
                                             source_of(out)))
@@ -3794,6 +3909,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         donors = [node.args[i] for i in _DTYPE_DONORS.get(target, ()) if i < len(node.args)]
         arg_batch = [None if any(a is d for d in donors) else _arg_batch(a, batch) for a in node.args]
         kwarg_batch = [_arg_batch(v, batch) for v in node.kwargs.values()]
+        if any(a in rows_written for a in node.all_input_nodes) \
+                and not _reads_rows_written_so_far(node, arg_batch, rows_written):
+            problems.append(Problem(op_name(target), path, "", _PARTLY_WRITTEN, source_of(node)))
         if _counts_selected(node, batch, counts):
             counts.add(node)
             if not isinstance(_meta(node), torch.Tensor):
@@ -3926,6 +4044,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     and _varies_along_the_batch(node, arg_batch, batch[node], sources):
                 raise MixesSamples(_ALONG_THE_BATCH)
             _check_batch_rows(node, batch[node], batch_size)
+            written = _sample_row_written(node, arg_batch, rows_written, sized_by_batch, batch, batch_size)
+            if written is not None:
+                rows_written[node] = written
             if isinstance(batch[node], Loss):
                 losses[node] = batch[node].reduction
         except (MixesSamples, ValueError, GuardOnDataDependentSymNode) as e:
@@ -4082,7 +4203,7 @@ def _writes_only_into(node: fx.Node, values: set[fx.Node]) -> bool:
     written = [i for i, a in enumerate(target._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     if not written:
         return True
-    return written == [0] and any(c in values for c in written_chain(node))
+    return written == [0] and written_chain(node)[-1] in values  # the memory written, not a view of it
 
 
 def _gradient_free(node: fx.Node, without_grad: set[fx.Node], memo: dict) -> bool:

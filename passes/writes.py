@@ -184,9 +184,9 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
                 "tensor made inside the model that the analysis holds as shared by all samples: "
                 "start from a tensor of the batch's shape (torch.zeros_like(x)), or concatenate "
                 "the samples' results (torch.cat, torch.stack)")
-    if not (isinstance(written, (BatchDim, Packed)) and written.dim is not None):
-        return None  # nothing per-sample is written
     held = batch.get(base)
+    if not (isinstance(written, (BatchDim, Packed)) and written.dim is not None):
+        return None  # nothing per-sample is written (a sample's own row: see batch_dims.py's rows_written)
     if isinstance(held, (BatchDim, Packed)) and held.dim is not None:
         return None  # already per-sample: the op's own batch rule checked the layouts
     if held is not None:

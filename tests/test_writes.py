@@ -1255,3 +1255,59 @@ def test_a_parameter_written_at_bounds_a_buffer_holds_is_refused_with_what_to_do
     with pytest.raises(fxdp.UnsupportedError, match="cannot map the per-sample gradients of block back") as info:
         dp(torch.randn(B, 5, dtype=torch.float64)).sum().backward()
     assert "Keep such positions as Python ints" in str(info.value)
+
+
+class SomeRowsWritten(nn.Module):
+    """A buffer built from the batch size, only some of whose rows are written: each
+    sample alone would write its own (its position is the last and the first), so in
+    the batch only the samples at those positions get them. All were accepted, with
+    per-sample gradients of the positions (the other samples' bias gradients zero):
+    with a static ``B`` each write is a piece of that row's sample, and with a symbolic
+    ``B`` the refused ``select`` of row -1 was taken for a value no gradient reaches,
+    its write into the buffer unseen (found by a helper probing the fifty-second
+    session's changes). Every row written, by each sample's own values, is exact."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):  # [B, 3]
+        h = self.lin(x)
+        buf = torch.zeros(x.shape[0], 1, dtype=x.dtype)
+        if self.how == "the last row":
+            buf[-1] = 1.0
+        elif self.how == "the first row":
+            buf[0] = 1.0
+        elif self.how == "the first sample's values":
+            buf = torch.zeros_like(h)
+            buf[0] = h[0]
+            return buf.sum(1)
+        else:  # "every row, from its own sample"
+            buf = torch.zeros_like(h)
+            for i in range(x.shape[0]):
+                buf[i] = h[i] * 2
+            return buf.sum(1)
+        return (h * buf).sum(1)
+
+
+@pytest.mark.parametrize("how", ["the last row", "the first row", "the first sample's values"])
+def test_a_buffer_sized_by_the_batch_with_some_rows_written_is_refused(how):
+    model = SomeRowsWritten(how).double()
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
+    for batch_size in (3, 4):  # static, then symbolic
+        with pytest.raises(fxdp.UnsupportedError, match="shared tensor whose values vary along the batch dim|"
+                                                         "only some samples' rows were written|"
+                                                         "it selects one row of the batch"):
+            dp(torch.randn(batch_size, 3, dtype=torch.float64)).sum().backward()
+
+
+def test_a_buffer_sized_by_the_batch_with_every_row_written_is_exact():
+    torch.manual_seed(0)
+    model = SomeRowsWritten("every row, from its own sample").double()
+    x = torch.randn(3, 3, dtype=torch.float64)
+    ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
+    dp(x).pow(2).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")
