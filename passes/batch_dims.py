@@ -3280,24 +3280,26 @@ def _sample_row_written(node: fx.Node, arg_batch: list, rows_written: dict, size
                 batch.get(base), BatchDim))) or not _writes_its_own_row(node, arg_batch):
         return None
     written = rows_written.get(base, frozenset()) | {arg_batch[1].sample}
-    return None if isinstance(batch_size, int) and len(written) >= batch_size else written
+    return None if statically_known_true(len(written) >= _as_number(batch_size)) else written
 
 
 def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, batch_size: Any) -> str | None:
     """Why an in-place write of one sample's values (a ``Piece``) into a batched tensor
-    cannot be followed, or ``None``; a write into that sample's row (``buf[i] = f(h[i])``
-    into ``zeros_like(h)``) counts its row as written (``_sample_row_written``)."""
+    cannot be followed, or ``None``; a write into that sample's row, or part of it
+    (``buf[i] = f(h[i])`` into ``zeros_like(h)``, ``out[i, :n] = piece``), counts its row
+    as written (``_sample_row_written``)."""
     chain = written_chain(node)
     if not chain or not isinstance(batch.get(node), Piece):
         return None
     base, held = chain[-1], batch.get(chain[-1])
     if not (isinstance(held, BatchDim) and isinstance(held.dim, int)):
         return None
-    view = chain[0]
-    if len(chain) == 2 and view.target is aten.select.int and held.plain and isinstance(batch_size, int) \
-            and _norm_dim(view.args[1], _meta(base).dim()) == held.dim:
+    row = chain[-2]  # the view of the base the write goes through first: the sample's row
+    size = _meta(base).shape[held.dim]
+    if row.target is aten.select.int and held.plain and isinstance(size, int) and isinstance(row.args[2], int) \
+            and _norm_dim(row.args[1], _meta(base).dim()) == held.dim and row.args[2] % size == batch[node].sample:
         written = rows_written.get(base, frozenset()) | {batch[node].sample}
-        if len(written) >= batch_size:
+        if statically_known_true(len(written) >= _as_number(batch_size)):
             rows_written.pop(base, None)
         else:
             rows_written[base] = written
