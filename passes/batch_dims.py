@@ -3292,9 +3292,9 @@ def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, batch_
     if not chain or not isinstance(batch.get(node), Piece):
         return None
     base, held = chain[-1], batch.get(chain[-1])
-    if not (isinstance(held, BatchDim) and isinstance(held.dim, int)):
+    if not (isinstance(base, fx.Node) and isinstance(held, BatchDim) and isinstance(held.dim, int)):
         return None
-    row = chain[-2]  # the view of the base the write goes through first: the sample's row
+    row = chain[-2] if len(chain) > 1 else base  # the view the write goes through first: the sample's row
     size = _meta(base).shape[held.dim]
     if row.target is aten.select.int and held.plain and isinstance(size, int) and isinstance(row.args[2], int) \
             and _norm_dim(row.args[1], _meta(base).dim()) == held.dim and row.args[2] % size == batch[node].sample:
