@@ -3283,16 +3283,18 @@ def _sample_row_written(node: fx.Node, arg_batch: list, rows_written: dict, size
     return None if statically_known_true(len(written) >= _as_number(batch_size)) else written
 
 
-def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, batch_size: Any) -> str | None:
-    """Why an in-place write of one sample's values (a ``Piece``) into a batched tensor
-    cannot be followed, or ``None``; a write into that sample's row, or part of it
-    (``buf[i] = f(h[i])`` into ``zeros_like(h)``, ``out[i, :n] = piece``), counts its row
-    as written (``_sample_row_written``)."""
+def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, sized_by_batch: list,
+                          batch_size: Any) -> str | None:
+    """Why an in-place write of one sample's values (a ``Piece``) into a tensor built from
+    sizes (read batched) cannot be followed, or ``None``; a write into that sample's row,
+    or part of it (``buf[i] = f(h[i])`` into ``zeros_like(h)``, ``out[i, :n] = piece``),
+    counts its row as written (``_sample_row_written``)."""
     chain = written_chain(node)
     if not chain or not isinstance(batch.get(node), Piece):
         return None
     base, held = chain[-1], batch.get(chain[-1])
-    if not (isinstance(base, fx.Node) and isinstance(held, BatchDim) and isinstance(held.dim, int)):
+    if not (isinstance(base, fx.Node) and (base in rows_written or base in sized_by_batch)
+            and isinstance(held, BatchDim) and isinstance(held.dim, int)):
         return None
     row = chain[-2] if len(chain) > 1 else base  # the view the write goes through first: the sample's row
     size = _meta(base).shape[held.dim]
@@ -3850,7 +3852,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         # is refused all the same.)
         reason = None if previous is None else (
             parameter_write(previous, sources) if single else
-            _row_written_in_place(previous, batch, rows_written, batch_size) or follow_write(previous, batch, sources))
+            _row_written_in_place(previous, batch, rows_written, sized_by_batch, batch_size)
+            or follow_write(previous, batch, sources))
         if reason:
             problems.append(Problem(op_name(previous.target), module_path_of(previous),
                                     _names(sources.get(previous.args[0], ()), param_names), reason,
