@@ -2310,14 +2310,7 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
     plain = BatchDim(0)
     as_plain = [_masked_as_plain(b, plain) for b in arg_batch]
     try:
-        if rule is not None:
-            out = rule.batch_rule(as_plain, [_meta(a) for a in node.args], outs, rule.config(node.args))
-        elif _is_pointwise(node.target) or node.target in _COPIES:
-            out = _pointwise(node, as_plain)
-        elif node.target in PROPAGATION:
-            out = PROPAGATION[node.target](node, as_plain)
-        else:
-            raise MixesSamples(_MASKED)
+        out = _read_as_plain(node, rule, as_plain)
     except (MixesSamples, GuardOnDataDependentSymNode, ValueError):  # along the list: a flip, a slice of its length
         raise MixesSamples(_MASKED_PARAMETER if uses_parameter else _MASKED) from None
     out = _as_masked(out, first, node)
@@ -2451,6 +2444,19 @@ def _batch_to_rows(node: fx.Node, arg_batch: list) -> Any:
 
 
 PROPAGATION[BATCH_TO_ROWS] = _batch_to_rows
+
+
+def _read_as_plain(node: fx.Node, rule: Any, as_plain: list) -> Any:
+    """The layout ``node``'s rule, elementwise propagation or propagation rule gives
+    operands read as plain batches (``as_plain``: a ``Masked`` list's rows, a packed
+    dim); ``MixesSamples`` where it has none (the caller names why)."""
+    if rule is not None:
+        return rule.batch_rule(as_plain, [_meta(a) for a in node.args], _meta(node), rule.config(node.args))
+    if _is_pointwise(node.target) or node.target in _COPIES:
+        return _pointwise(node, as_plain)
+    if node.target in PROPAGATION:
+        return PROPAGATION[node.target](node, as_plain)
+    raise MixesSamples("no propagation")
 
 
 def _masked_as_plain(b: Any, plain: BatchDim) -> Any:
@@ -3141,27 +3147,13 @@ def _packed_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
         return _packed_pieces(node, first)
     # Anything else, with every packed value read as a plain batch along its dim, must
     # keep that dim whole and apart.
-    as_plain = [_packed_as_plain(b) for b in arg_batch]
-    rule = lookup(target) if pure_op(target) else None
+    as_plain = [_as_plain(b, BatchDim(0)) for b in arg_batch]
     try:
-        if rule is not None:
-            out = rule.batch_rule(as_plain, [_meta(a) for a in node.args], _meta(node), rule.config(node.args))
-        elif _is_pointwise(target) or target in _COPIES:
-            out = _pointwise(node, as_plain)
-        elif target in PROPAGATION:
-            out = PROPAGATION[target](node, as_plain)
-        else:
-            raise MixesSamples(_PACKED)
+        out = _read_as_plain(node, lookup(target) if pure_op(target) else None, as_plain)
     except (MixesSamples, ValueError):  # along the packed dim: a flip, a view of it by B
         raise MixesSamples(_PACKED) from None
     arg, packed = next((a, b) for a, b in zip(_flat(node.args), _flat(arg_batch)) if isinstance(b, Packed))
     return _as_packed(out, _meta(node), first, _meta(arg).shape[packed.dim])
-
-
-def _packed_as_plain(b: Any) -> Any:
-    if isinstance(b, (list, tuple)):
-        return type(b)(_packed_as_plain(x) for x in b)
-    return BatchDim(b.dim) if isinstance(b, Packed) else b
 
 
 def _as_packed(out: Any, value: Any, packed: Packed, size: Any) -> Any:
@@ -3279,7 +3271,12 @@ def _sample_row_written(node: fx.Node, arg_batch: list, rows_written: dict, size
             base, fx.Node) or not (base in rows_written or (base in sized_by_batch and isinstance(
                 batch.get(base), BatchDim))) or not _writes_its_own_row(node, arg_batch):
         return None
-    written = rows_written.get(base, frozenset()) | {arg_batch[1].sample}
+    return _with_row(rows_written, base, arg_batch[1].sample, batch_size)
+
+
+def _with_row(rows_written: dict, base: fx.Node, sample: int, batch_size: Any) -> frozenset | None:
+    """The rows of ``base`` written so far, with ``sample``'s; ``None`` once every row is."""
+    written = rows_written.get(base, frozenset()) | {sample}
     return None if statically_known_true(len(written) >= _as_number(batch_size)) else written
 
 
@@ -3300,8 +3297,8 @@ def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, sized_
     size = _meta(base).shape[held.dim]
     if row.target is aten.select.int and held.plain and isinstance(size, int) and isinstance(row.args[2], int) \
             and _norm_dim(row.args[1], _meta(base).dim()) == held.dim and row.args[2] % size == batch[node].sample:
-        written = rows_written.get(base, frozenset()) | {batch[node].sample}
-        if statically_known_true(len(written) >= _as_number(batch_size)):
+        written = _with_row(rows_written, base, batch[node].sample, batch_size)
+        if written is None:
             rows_written.pop(base, None)
         else:
             rows_written[base] = written
@@ -3567,7 +3564,7 @@ def rule_layout(b: Any) -> Any:
 def _as_plain(b: Any, plain: BatchDim) -> Any:
     if isinstance(b, (list, tuple)):
         return type(b)(_as_plain(x, plain) for x in b)
-    return plain.at(b.dim) if isinstance(b, Rows) else b
+    return plain.at(b.dim) if isinstance(b, (Rows, Packed)) else b
 
 
 def _as_rows(out: Any, rows: Rows) -> Any:
