@@ -1283,6 +1283,7 @@ def stored_outputs(gm: fx.GraphModule) -> frozenset[int]:
     """
     from torch._dynamo.symbolic_convert import InstructionTranslator
     from torch._dynamo.variables import base
+    from torch._dynamo.variables.lazy import LazyVariableTracker
     from torch._dynamo.variables.tensor import TensorVariable
 
     tx = InstructionTranslator.current_tx()
@@ -1292,6 +1293,11 @@ def stored_outputs(gm: fx.GraphModule) -> frozenset[int]:
     stored: set[fx.Node] = set()
 
     def collect(variable: base.VariableTracker) -> None:
+        # A value the forward never read (a module's other buffers, beside one it
+        # reassigns) holds nothing it computed; asking its type would realise it, a new
+        # input of the graph that the compiled code, built for the inputs before, lacks.
+        if type(variable) is LazyVariableTracker and not variable.is_realized():
+            return
         if isinstance(variable, TensorVariable):
             stored.add(variable.as_proxy().node)
 

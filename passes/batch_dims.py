@@ -29,8 +29,8 @@ from fxdp.batching import WHOLE, BatchDim, Groups, Inverse, Masked, Packed, Piec
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
 from fxdp.passes.masked_rows import BATCH_TO_ROWS, ROWS_TO_BATCH
-from fxdp.passes.writes import (carries_no_gradient, computed_without_grad, follow_write, is_detach, is_view,
-                               parameter_write, writes_in_place, written_chain)
+from fxdp.passes.writes import (PIECE_INTO_SHARED, carries_no_gradient, computed_without_grad, follow_write,
+                               is_detach, is_view, parameter_write, writes_in_place, written_chain)
 from fxdp.registry import lookup, named_arg, out_of_place
 from fxdp.rules.grouped import is_grouped_mm
 
@@ -3220,9 +3220,11 @@ def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter
         joined = _pieces_joined(node, arg_batch[0], batch_size)
         if joined is not None:
             return joined
-    if node.target in (aten.slice_scatter.default, aten.select_scatter.default) \
-            and _writes_its_own_row(node, arg_batch):
-        return arg_batch[0]
+    if node.target in (aten.slice_scatter.default, aten.select_scatter.default):
+        if _writes_its_own_row(node, arg_batch):
+            return arg_batch[0]
+        if arg_batch[0] is None and isinstance(arg_batch[1], Piece):
+            raise MixesSamples(PIECE_INTO_SHARED)  # (a write in place into it: see follow_write)
     if node.target in SHAPED_LIKE and not _any_batched(arg_batch[1:]):
         # Only the piece's shape is read: SpeechT5's prenet draws one dropout mask for the
         # batch with ``torch.bernoulli(h[0], p)``.
@@ -3254,22 +3256,23 @@ def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter
 
 
 _PARTLY_WRITTEN = (
-    "it reads a tensor built from the batch size (torch.zeros(B, ...)) into which only some samples' rows were "
-    "written by their own values (out[i] = f(x[i]) for some i, out[-1] = 1): the other rows hold what those "
-    "samples' code would have written had they been at those positions, so each sample's values depend on its "
-    "position in the batch; write every sample's row (a loop over range(B)), or build the tensor from the "
-    "samples (torch.stack)")
+    "it reads a tensor of the batch's shape into which only some samples' rows were written by their own values "
+    "(out[i] = f(x[i]) for some i into torch.zeros(B, ...), h[0] = h[0] * 2): the other rows hold what those "
+    "samples' code would have replaced had they been at those positions, so each sample's values depend on its "
+    "position in the batch (alone, every sample is the first); write every sample's row (a loop over "
+    "range(B)), or build the tensor from the samples (torch.stack)")
 
 
-def _sample_row_written(node: fx.Node, arg_batch: list, rows_written: dict, sized_by_batch: list, batch: dict,
+def _sample_row_written(node: fx.Node, arg_batch: list, rows_written: dict, batch: dict,
                         batch_size: Any) -> frozenset | None:
-    """The rows of a tensor built from sizes (read batched) that samples' own pieces have
-    been written into once ``node`` has written one (``_writes_its_own_row``), where
-    some are still not: ``None`` for any other op, or once every row is."""
+    """The rows of a batched tensor (built from sizes, or the batch itself) that samples'
+    own pieces have been written into once ``node`` has written one
+    (``_writes_its_own_row``), where some are still not: ``None`` for any other op, or
+    once every row is."""
     base = node.args[0] if node.args else None
     if node.target not in (aten.slice_scatter.default, aten.select_scatter.default) or not isinstance(
-            base, fx.Node) or not (base in rows_written or (base in sized_by_batch and isinstance(
-                batch.get(base), BatchDim))) or not _writes_its_own_row(node, arg_batch):
+            base, fx.Node) or not (base in rows_written or isinstance(batch.get(base), BatchDim)) \
+            or not _writes_its_own_row(node, arg_batch):
         return None
     return _with_row(rows_written, base, arg_batch[1].sample, batch_size)
 
@@ -3280,18 +3283,16 @@ def _with_row(rows_written: dict, base: fx.Node, sample: int, batch_size: Any) -
     return None if statically_known_true(len(written) >= _as_number(batch_size)) else written
 
 
-def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, sized_by_batch: list,
-                          batch_size: Any) -> str | None:
-    """Why an in-place write of one sample's values (a ``Piece``) into a tensor built from
-    sizes (read batched) cannot be followed, or ``None``; a write into that sample's row,
+def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, batch_size: Any) -> str | None:
+    """Why an in-place write of one sample's values (a ``Piece``) into a batched tensor
+    cannot be followed, or ``None``; a write into that sample's row,
     or part of it (``buf[i] = f(h[i])`` into ``zeros_like(h)``, ``out[i, :n] = piece``),
     counts its row as written (``_sample_row_written``)."""
     chain = written_chain(node)
     if not chain or not isinstance(batch.get(node), Piece):
         return None
     base, held = chain[-1], batch.get(chain[-1])
-    if not (isinstance(base, fx.Node) and (base in rows_written or base in sized_by_batch)
-            and isinstance(held, BatchDim) and isinstance(held.dim, int)):
+    if not (isinstance(base, fx.Node) and isinstance(held, BatchDim) and isinstance(held.dim, int)):
         return None
     row = chain[-2] if len(chain) > 1 else base  # the view the write goes through first: the sample's row
     size = _meta(base).shape[held.dim]
@@ -3849,7 +3850,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         # is refused all the same.)
         reason = None if previous is None else (
             parameter_write(previous, sources) if single else
-            _row_written_in_place(previous, batch, rows_written, sized_by_batch, batch_size)
+            _row_written_in_place(previous, batch, rows_written, batch_size)
             or follow_write(previous, batch, sources))
         if reason:
             problems.append(Problem(op_name(previous.target), module_path_of(previous),
@@ -3908,8 +3909,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         target = node.target
         path = module_path_of(node)
         # An argument that only lends its dtype and device (``x.type_as(y)``) holds no data.
-        donors = [node.args[i] for i in _DTYPE_DONORS.get(target, ()) if i < len(node.args)]
-        arg_batch = [None if any(a is d for d in donors) else _arg_batch(a, batch) for a in node.args]
+        # (by position: ``t.type_as(t)``, as ESM's attention casts, reads ``t`` still)
+        donors = set(_DTYPE_DONORS.get(target, ()))
+        arg_batch = [None if i in donors else _arg_batch(a, batch) for i, a in enumerate(node.args)]
         kwarg_batch = [_arg_batch(v, batch) for v in node.kwargs.values()]
         if any(a in rows_written for a in node.all_input_nodes) \
                 and not _reads_rows_written_so_far(node, arg_batch, rows_written):
@@ -3938,13 +3940,21 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
             continue
         batched = _any_batched(arg_batch) or _any_batched(kwarg_batch)
-        paramish = [a for a in node.all_input_nodes if a in sources and not any(a is d for d in donors)]
+        read: set = set()
+        fx.node.map_arg(([a for i, a in enumerate(node.args) if i not in donors], node.kwargs), read.add)
+        paramish = [a for a in node.all_input_nodes if a in sources and a in read]
+        if paramish and (is_detach(node) or node in without_grad) and not writes_in_place(target) \
+                and not _written_into(node):
+            # no gradient flows back to the parameters: a constant (torchtune's DoRA divides
+            # a frozen magnitude by the detached norm of its adapted weight); an alias that
+            # is written into writes into the parameter (``embedding_renorm_``)
+            paramish = []
         if paramish:
             if not batched and not _is_number(node):
                 sources[node] = frozenset().union(*(sources[a] for a in paramish))
             for a in paramish:
                 # Every argument it is (``layer_norm(x, s, w, w)``): each use is per-sample.
-                for index in [i for i, x in enumerate(node.args) if x is a] or [None]:
+                for index in [i for i, x in enumerate(node.args) if x is a and i not in donors] or [None]:
                     consumed.append((node, index, a))
         if target is operator.getitem:
             src = batch.get(node.args[0])
@@ -4046,7 +4056,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     and _varies_along_the_batch(node, arg_batch, batch[node], sources):
                 raise MixesSamples(_ALONG_THE_BATCH)
             _check_batch_rows(node, batch[node], batch_size)
-            written = _sample_row_written(node, arg_batch, rows_written, sized_by_batch, batch, batch_size)
+            written = _sample_row_written(node, arg_batch, rows_written, batch, batch_size)
             if written is not None:
                 rows_written[node] = written
             if isinstance(batch[node], Loss):
@@ -4153,6 +4163,11 @@ def _checks_only(gm: fx.GraphModule) -> set[fx.Node]:
         if all(u.target in _ASSERTIONS or u in found for u in node.users):
             found.add(node)
     return found
+
+
+def _written_into(node: fx.Node) -> bool:
+    """Whether an in-place op writes into ``node`` or a view of it."""
+    return any(node in (written_chain(user) or ()) for user in reached([node], lambda n: n.users))
 
 
 def reaches_no_gradient(node: fx.Node, without_grad: set[fx.Node], memo: dict) -> bool:

@@ -1,6 +1,7 @@
 """Canonicalise a Dynamo graph to pre-dispatch ATen, where rules are keyed."""
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import sys
@@ -606,9 +607,9 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     gm = repeat_as_expand_pass(gm)
     gm = out_arguments_as_copies_pass(gm)
     gm = written_pieces_as_views_pass(gm)
-    gm = in_place_as_out_of_place_pass(gm)
+    gm = filled_slices_as_cat_pass(in_place_as_out_of_place_pass(gm))
     gm = unit_scale_pass(gm)
-    gm = masked_fill_by_index_put_as_where_pass(gm)
+    gm = masked_fill_by_index_put_as_where_pass(nonzero_positions_as_mask_pass(gm))
     gm = bernoulli_probability_detached_pass(gm)
     # Expands move down to the ops that consume them (the lookups and linears, then
     # what consumes those), where broadcasting replaces them; a pointwise op that an
@@ -627,6 +628,73 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     gm = broadcast_batched_product_pass(gm)
     gm = complex_scatters_as_real_pass(gm)
     return unviewable_views_as_reshapes_pass(tiled_batched_product_pass(gm))
+
+
+def filled_slices_as_cat_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A tensor whose every slice along one dim a chain of writes replaced, each slice
+    once, is the ``cat`` of the written values: a loop that fills a preallocated output
+    row by row (``out = torch.zeros(B, d); for i in range(B): out[i] = f(x[i])``, the
+    writes made ``slice_scatter``s by ``in_place_as_out_of_place_pass``) is then the
+    loop ``torch.stack([f(x[i]) for i in range(B)])`` that ``passes/chunk_loops.py``
+    maps over the batch::
+
+        slice_scatter = aten.slice_scatter.default(zeros, unsqueeze, 0, 0, 1)      # before
+        slice_scatter_1 = aten.slice_scatter.default(slice_scatter, unsqueeze_1, 0, 1, 2)
+        cat = aten.cat.default([unsqueeze, unsqueeze_1])                          # after
+
+    The filled tensor's own values are all overwritten, so nothing of them is read (nor
+    gets a gradient). A chain read before its last write (``out[i]`` taken before
+    ``out[i] = …``) stays as it is, and so does one with a value written in place after
+    its write (the ``cat`` reads it at the end)."""
+    scatter = torch.ops.aten.slice_scatter.default
+    for node in reversed(list(gm.graph.nodes)):
+        if is_view(node) and not node.users:
+            gm.graph.erase_node(node)  # the views the writes went through
+    changed = False
+    for node in reversed(list(gm.graph.nodes)):
+        if node.target is not scatter or node.op != "call_function" or any(
+                u.target is scatter and u.args[0] is node for u in node.users):
+            continue  # not the last write of a chain
+        chain = [node]
+        while isinstance(chain[-1].args[0], fx.Node) and chain[-1].args[0].target is scatter \
+                and len(chain[-1].args[0].users) == 1:
+            chain.append(chain[-1].args[0])
+        spans = _filled_spans(chain)
+        if spans is None or any(_written_somewhere(_memory_of(src)) for _, src in spans):
+            continue  # (a value written in place after its write: the cat would read it later)
+        with gm.graph.inserting_before(node):
+            cat = _call(gm, torch.ops.aten.cat.default, ([src for _, src in spans], spans[0][0]), node)
+        node.replace_all_uses_with(cat)
+        changed = True
+    return _finished(gm, changed)
+
+
+def _filled_spans(chain: list[fx.Node]) -> list[tuple[int, fx.Node]] | None:
+    """``(dim, value)`` of each write of ``chain`` (``slice_scatter``s, the last first),
+    in the order of the slices they write, where together they write every slice of
+    their base along ``dim`` once, with static bounds; else ``None``."""
+    base = chain[-1].args[0].meta.get("val")
+    if len(chain) < 2 or not isinstance(base, torch.Tensor):
+        return None
+    spans, dims = [], set()
+    for write in chain:
+        _, src, dim, start, end, step = (list(write.args) + [0, None, None, 1][len(write.args) - 2:])[:6]
+        dim = dim % base.dim()
+        size = base.shape[dim]
+        if step != 1 or not isinstance(size, int) or not isinstance(src, fx.Node) \
+                or src.meta["val"].dtype != base.dtype:
+            return None
+        start, end = 0 if start is None else start, size if end is None else end
+        if not (isinstance(start, int) and isinstance(end, int)):
+            return None
+        start, end = (max(0, min(v + size if v < 0 else v, size)) for v in (start, end))
+        spans.append((start, end, src))
+        dims.add(dim)
+    spans.sort(key=lambda s: s[0])
+    if len(dims) != 1 or spans[0][0] != 0 or spans[-1][1] != base.shape[next(iter(dims))] or any(
+            a[1] != b[0] or a[0] >= a[1] for a, b in itertools.pairwise(spans)) or spans[-1][0] >= spans[-1][1]:
+        return None
+    return [(next(iter(dims)), src) for _, _, src in spans]
 
 
 def complex_scatters_as_real_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -758,15 +826,11 @@ def masked_fill_by_index_put_as_where_pass(gm: fx.GraphModule) -> fx.GraphModule
         trailing = h.dim() - mask.dim()
         if trailing < 0 or tuple(mask.shape) != tuple(h.shape[:mask.dim()]):
             continue
-        if trailing:
-            # A mask of the leading dims and a value for every element it selects
-            # (BERT/MAE's ``x[mask] = self.mask_token``, ``mask [B, T]``): the mask
-            # broadcast over the trailing dims, which the value fills alike.
-            if not (v.dim() <= trailing and all(statically_known_true(a == 1) or statically_known_true(a == b)
-                                                for a, b in zip(reversed(v.shape), reversed(h.shape)))):
-                continue
-        elif v.dim() != 0:
-            values = _of_the_whole(gm, values, data, masks[0])
+        # A mask of the leading dims and a value for every element it selects (BERT/MAE's
+        # ``x[mask] = self.mask_token``, ``mask [B, T]``): the mask broadcast over the
+        # trailing dims, which the value fills alike.
+        if not (v.dim() <= trailing and _broadcasts_to(v.shape, h.shape[mask.dim():])):
+            values = _of_the_whole(gm, values, data, masks[0], h.shape[mask.dim():])
             if values is None:
                 continue
             v = values.meta["val"]
@@ -782,23 +846,106 @@ def masked_fill_by_index_put_as_where_pass(gm: fx.GraphModule) -> fx.GraphModule
     return gm
 
 
-def _of_the_whole(gm: fx.GraphModule, values: fx.Node, data: fx.Node, mask: fx.Node) -> fx.Node | None:
-    """For ``values = f(data[mask], c)`` with ``f`` elementwise and ``c`` single values
-    (``h[mask] *= 2``, ``h[mask] += self.s``): ``f(data, c)``, whose elements at ``mask``
-    are those values, or ``None``. The read ``data[mask]`` flattens the samples'
-    selections into one list; the whole tensor keeps them apart."""
+_SIZE_QUERIES = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int}
+_BY_INDICES = {torch.ops.aten.index.Tensor: 1, torch.ops.aten.index_put.default: 1,
+               torch.ops.aten.index_put_.default: 1, torch.ops.aten._unsafe_index_put.default: 1}
+
+
+def nonzero_positions_as_mask_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Indexing by every coordinate of a mask's ``nonzero``, in order (``bi, ti =
+    torch.where(mask)``, ``mask.nonzero(as_tuple=True)``; then ``x[bi, ti]``,
+    ``out[bi, ti] = v``), is indexing by the mask itself: the same elements in the same
+    (row-major) order, which the batch analysis follows as each sample's own
+    (``Masked``), where the coordinates are rows of the whole batch::
+
+        nonzero = aten.nonzero.default(gt);  unbind = aten.unbind.int(nonzero, 1)      # before
+        index = aten.index.Tensor(x, [unbind[0], unbind[1]])
+        index = aten.index.Tensor(x, [gt])                                             # after
+    """
+    changed = False
+    for node in list(gm.graph.nodes):
+        at = _BY_INDICES.get(node.target) if node.op == "call_function" else None
+        if at is None or len(node.args) <= at or not isinstance(node.args[at], (list, tuple)):
+            continue
+        mask = _mask_of_coordinates(node.args[at])
+        data = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if mask is not None and isinstance(data, torch.Tensor) and data.dim() >= mask.meta["val"].dim() and all(
+                statically_known_true(a == b) for a, b in zip(mask.meta["val"].shape, data.shape)):
+            node.args = (*node.args[:at], [mask], *node.args[at + 1:])
+            changed = True
+    return _finished(gm, changed)
+
+
+def _mask_of_coordinates(indices: Sequence[Any]) -> fx.Node | None:
+    """The boolean mask whose ``nonzero`` coordinates ``indices`` are, each of its dims
+    in order (``unbind(nonzero(mask), 1)[k]`` for ``k = 0, 1, ...``), or ``None``."""
+    if len(indices) < 2:
+        return None  # (the rows one coordinate finds are followed as such: "Experts run in a loop")
+    nonzero = None
+    for k, index in enumerate(indices):
+        if not (isinstance(index, fx.Node) and index.target is operator.getitem and index.args[1] == k):
+            return None
+        unbind = index.args[0]
+        if not (isinstance(unbind, fx.Node) and unbind.target is torch.ops.aten.unbind.int
+                and named_arg(unbind, "dim", 0) in (1, -1)):
+            return None
+        if nonzero is None:
+            nonzero = unbind.args[0]
+        elif unbind.args[0] is not nonzero:
+            return None
+    if not (isinstance(nonzero, fx.Node) and nonzero.target is torch.ops.aten.nonzero.default) or any(
+            use is not indices[0].args[0] and use.target not in _SIZE_QUERIES for use in nonzero.users):
+        return None  # (the coordinates read otherwise too: ``nz[:, 0]`` beside ``x[nz[:, 0], nz[:, 1]]``)
+    # Every use of the coordinates must index so: rows a ``nonzero`` found read by one
+    # coordinate (``h[token]`` beside ``weights[token, slot]``, a mixture of experts'
+    # dispatch) are followed as such, and must meet the others in that form.
+    coordinates = list(indices)
+    for piece in indices[0].args[0].users:
+        if piece.target is not operator.getitem or any(
+                _BY_INDICES.get(use.target) is None or list(use.args[_BY_INDICES[use.target]]) != coordinates
+                for use in piece.users):
+            return None
+    mask = nonzero.args[0]
+    value = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+    if not (isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == len(indices)):
+        return None
+    return mask
+
+
+def _of_the_whole(gm: fx.GraphModule, values: fx.Node, data: fx.Node, mask: fx.Node,
+                  trailing: Sequence[Any]) -> fx.Node | None:
+    """For ``values = f(data[mask], c)`` with ``f`` elementwise and ``c`` the same for
+    every element the mask selects (``h[mask] *= 2``, ``h[mask] += self.s``; with a mask
+    of the leading dims, ``c`` broadcast along the ``trailing`` dims: segment-anything's
+    ``point_embedding[labels == -1] += self.not_a_point_embed.weight``): ``f(data, c)``,
+    whose elements at ``mask`` are those values, or ``None``. The read ``data[mask]``
+    flattens the samples' selections into one list; the whole tensor keeps them apart."""
     target = values.target
     if values.op != "call_function" or torch.Tag.pointwise not in getattr(target, "tags", ()):
         return None
     reads = [a for a in values.args if isinstance(a, fx.Node) and a.target is torch.ops.aten.index.Tensor
              and a.args[0] is data and list(a.args[1]) == [mask]]
-    others = [a for a in values.all_input_nodes if a not in reads]
-    if len(reads) != 1 or values.kwargs or any(
-            not isinstance(a.meta.get("val"), torch.Tensor) or a.meta["val"].dim() != 0 for a in others):
+    others = [a.meta.get("val") for a in values.all_input_nodes if a not in reads]
+    if len(reads) != 1 or values.kwargs or not all(
+            isinstance(c, torch.Tensor) and _broadcasts_to(_without_a_leading_one(c.shape, len(trailing)), trailing)
+            for c in others):
         return None
     args = tuple(data if a is reads[0] else a for a in values.args)
     with gm.graph.inserting_before(values):
-        return _call(gm, target, args, values)
+        whole = _call(gm, target, args, values)
+    return whole if whole.meta["val"].shape == data.meta["val"].shape else None
+
+
+def _broadcasts_to(shape: Sequence[Any], target: Sequence[Any]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` (no more dims, each 1 or equal)."""
+    return len(shape) <= len(target) and all(
+        statically_known_true(a == 1) or statically_known_true(a == b) for a, b in zip(reversed(shape), reversed(target)))
+
+
+def _without_a_leading_one(shape: Sequence[Any], rank: int) -> Sequence[Any]:
+    """``shape`` without its dim before the last ``rank`` ones where that dim is 1: the
+    dim of a selected list's elements, which a value the same for all of them has as 1."""
+    return shape[1:] if len(shape) == rank + 1 and statically_known_true(shape[0] == 1) else shape
 
 
 # Ops that return views of their input's pieces, each taken by an ``operator.getitem``.
@@ -1976,7 +2123,8 @@ def _sole_view(view: fx.Node) -> bool:
         if not isinstance(base, fx.Node) or len(base.users) != 1:
             return False
         node = base
-    return node.op == "call_function"
+    # (an in-place op's result is its input's memory: ``v.mul_(2)[:, 0]`` writes into ``v``'s base)
+    return node.op == "call_function" and not writes_in_place(node.target)
 
 
 def _with_defaults_the_twin_lacks(node: fx.Node, twin: Any) -> tuple:
@@ -2028,7 +2176,7 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 node, written, changed = lifted, lifted.args[0], True
             changed |= _write_as_scatter(gm, node, twin, order)
             continue
-        later = [u for u in written.users if u is not node and order[u] > order[node]]
+        later = [u for u in written.users if u is not node and order.get(u, -1) > order[node]]
         if node.target is torch.ops.aten.copy_.default:
             node = _copy_as_broadcast(gm, node, written)
         else:
@@ -2081,20 +2229,6 @@ _FACTORIES = {torch.ops.aten.zeros.default, torch.ops.aten.ones.default, torch.o
               torch.ops.aten.empty.memory_format}
 
 
-def _constant(node: fx.Node) -> bool:
-    """A value computed from no input of the graph (``knots[..., 0] = -3.0`` writes a
-    lifted 0-d constant: as good as a number)."""
-    stack, seen = [node], set()
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            if node.op == "placeholder" or _written_somewhere(_memory_of(node)):
-                return False  # an input, or a tensor whose values a write changes (not data flow)
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return True
-
-
 def _written_somewhere(memory: fx.Node) -> bool:
     """Whether an in-place op writes into ``memory`` or a view or piece of it."""
     return any(_writes_into(user, value) for value, user in _alias_uses(memory))
@@ -2137,6 +2271,25 @@ def _scattered(gm: fx.GraphModule, base: fx.Node, value: fx.Node, view: fx.Node,
     return _call(gm, torch.ops.aten.slice_scatter.default, (base, row, dim, index, index + 1), like)
 
 
+def _read_after(view: fx.Node, at: int, order: dict) -> bool:
+    """Whether anything reads ``view`` (or a view or piece of it) after position ``at``:
+    such a read would see a write made at ``at`` into the memory they share."""
+    return any(order.get(user, -1) > at for _, user in _alias_uses(view))
+
+
+def _as_written(gm: fx.GraphModule, node: fx.Node, view: fx.Node) -> fx.Node:
+    """What ``view.copy_(src)`` (``node``) leaves in ``view``: ``src`` in its dtype,
+    broadcast to its shape."""
+    src, shown = node.args[1], view.meta["val"]
+    if src.meta["val"].dtype != shown.dtype:
+        src = _call(gm, torch.ops.aten.to.dtype, (src, shown.dtype), node)
+    if tuple(src.meta["val"].shape) != tuple(shown.shape):
+        sizes = [size if isinstance(size, int) else _call(gm, torch.ops.aten.sym_size.int, (view, d), node)
+                 for d, size in enumerate(shown.shape)]
+        src = _call(gm, torch.ops.aten.expand.default, (src, sizes), node)
+    return src
+
+
 def _write_one_view_up(gm: fx.GraphModule, node: fx.Node, order: dict) -> fx.Node | None:
     """``copy_`` into a slice or select of a slice or select (``W[0][:2] = w``,
     ``W[0, :2] = w``; spikingjelly's ``SlidingPSN`` fills a matrix so) of a tensor made
@@ -2164,13 +2317,10 @@ def _write_one_view_up(gm: fx.GraphModule, node: fx.Node, order: dict) -> fx.Nod
         return None  # (a write into computed values is followed by passes/writes.py as it is)
     if any(v.target is torch.ops.aten.select.int and _select_index(v) is None for v in (view, outer)):
         return None
-    src, shown = node.args[1], view.meta["val"]
-    if not isinstance(src, fx.Node):
+    if not isinstance(node.args[1], fx.Node):
         return None
     with gm.graph.inserting_before(node):
-        if src.meta["val"].dtype != shown.dtype:
-            src = _call(gm, torch.ops.aten.to.dtype, (src, shown.dtype), node)
-        value = _call(gm, torch.ops.aten.expand.default, (src, list(shown.shape)), node)
+        value = _as_written(gm, node, view)
         scattered = _scattered(gm, outer, value, view, node)
         lifted = _call(gm, torch.ops.aten.copy_.default, (outer, scattered), node)
     order[lifted] = order[node]
@@ -2180,12 +2330,12 @@ def _write_one_view_up(gm: fx.GraphModule, node: fx.Node, order: dict) -> fx.Nod
 
 
 def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict) -> bool:
-    """An in-place op with no tensor operand (``zero_``, ``fill_``, ``mul_`` by a number),
-    or constant ones only, on a slice or select of a computed tensor that no view taken
-    before it reads, as its out-of-place twin scattered into a new tensor that later
-    reads of the base (and later views of it) read (torchvision's Swin V2: ``qkv_bias =
-    bias.clone(); qkv_bias[n:2 * n].zero_()``); likewise a ``copy_`` of any value into
-    a tensor made from sizes alone (``_fresh_constant``), as its broadcast::
+    """An in-place op on a slice or select of a computed tensor, no other view of which
+    taken before the write is read after it, as its out-of-place twin scattered into a
+    new tensor that later reads of the base (and later views of it, and the graph's
+    outputs) read: torchvision's Swin V2 ``qkv_bias = bias.clone(); qkv_bias[n:2 *
+    n].zero_()``, segment-anything's ``coords = c.clone(); coords[:, :, 0] = coords[:, :,
+    0] / w`` (a ``copy_``: the value as written, ``_as_written``)::
 
         slice_1 = torch.ops.aten.slice.Tensor(clone, 0, 4, 8)           # before
         zero_ = torch.ops.aten.zero_.default(slice_1)
@@ -2194,27 +2344,38 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
     """
     view = node.args[0]
     base = view.args[0]
+    at = order[node]
     if (view.target not in _SCATTERS or not isinstance(base, fx.Node) or base.op != "call_function"
-            or is_view(base) or any(is_view(u) and u is not view and order.get(u, -1) < order[node]
-                                    for u in base.users)
-            or any(u.op == "output" for u in base.users)):
+            or is_view(base) or writes_in_place(base.target) or any(is_view(u) and u is not view and order.get(u, -1) < at
+                                    and _read_after(u, at, order) for u in base.users)
+):
         return False
-    operands = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, fx.Node)]
-    if operands and not all(_constant(a) for a in operands) and not (
-            node.target is torch.ops.aten.copy_.default and _fresh_constant(base)):
-        return False  # a write of other tensors' values: followed by passes/writes.py
     if any(writes_in_place(u.target) for alias in (base, view) for u in alias.users
            if u is not node and order.get(u, -1) > order[node]):
         return False  # written again later: reads of the view must see that write too
+    if any(_writes_into(user, value) for alias in (view, node) for value, user in _alias_uses(alias)
+           if user is not node and order.get(user, -1) > order[node]):
+        # written again later through the view, or through the write's own result (``v.mul_(2);
+        # v[:, 0] = g``), whose later views would read the out-of-place result, no view of the base
+        return False
     if view.target is torch.ops.aten.select.int and _select_index(view) is None:
         return False
-    at = order[node]
+    shown = view.meta["val"].dtype
+    if node.target is not torch.ops.aten.copy_.default and any(
+            isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+            and torch.promote_types(a.meta["val"].dtype, shown) != shown for a in node.args[1:]):
+        return False  # the out-of-place twin would promote (``ids[:, 0] += scale``)
     if node.target is torch.ops.aten.copy_.default:
-        node = _copy_as_broadcast(gm, node, view)
+        with gm.graph.inserting_before(node):  # in order, where the write was
+            value = _as_written(gm, node, view)
+            scattered = _scattered(gm, base, value, view, node)
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+        node = value
     else:
         node.target = twin
-    with gm.graph.inserting_before(node.next):  # in order, right after the write
-        scattered = _scattered(gm, base, node, view, node)
+        with gm.graph.inserting_before(node.next):  # in order, right after the write
+            scattered = _scattered(gm, base, node, view, node)
     for user in [u for u in base.users if u is not scattered and order.get(u, -1) > at]:
         user.replace_input_with(base, scattered)
     for user in [u for u in view.users if u is not node and order.get(u, -1) > at]:

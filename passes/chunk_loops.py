@@ -36,6 +36,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fxdp._torch_internals import make_fx_traced, vmap_safe_solves
 from fxdp.batching import BatchDim
 from fxdp.passes.batch_dims import batch_dim_pass, pure_op, reached
+from fxdp.passes.canonicalize import in_place_as_out_of_place_pass
 from fxdp.passes.writes import written_chain
 from fxdp.registry import named_arg
 
@@ -507,6 +508,8 @@ def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: 
         return False
     finally:
         torch._C._functorch._set_vmap_fallback_enabled(fallback)
+    # vmap's batching rules may write into their own results (a row's ``linear``: ``squeeze_``)
+    traced = in_place_as_out_of_place_pass(traced)
     expected, value = cat.meta["val"], traced.graph.output_node().args[0].meta.get("val")
     if value is None or value.shape != expected.shape or value.dtype != expected.dtype:
         return False

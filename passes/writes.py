@@ -24,10 +24,16 @@ import torch.fx as fx
 
 from fxdp.batching import BatchDim, Packed, Piece
 
-__all__ = ["carries_no_gradient", "computed_without_grad", "follow_write", "is_detach", "is_view", "parameter_write",
+__all__ = ["PIECE_INTO_SHARED", "carries_no_gradient", "computed_without_grad", "follow_write", "is_detach", "is_view", "parameter_write",
            "written_chain", "writes_in_place"]
 
 aten = torch.ops.aten
+
+
+PIECE_INTO_SHARED = (
+    "it writes one sample's values, taken out of the batch (x[i], x[i:i + 1]), into a tensor made inside the "
+    "model that the analysis holds as shared by all samples: start from a tensor of the batch's shape "
+    "(torch.zeros_like(x)), or concatenate the samples' results (torch.cat, torch.stack)")
 
 
 def writes_in_place(target: Any) -> bool:
@@ -180,10 +186,7 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
     written = batch.get(node)
     if isinstance(written, Piece) and batch.get(base) is None:
         # Rows of one sample (a loop's x[i]) in a tensor that every sample reads.
-        return ("it writes one sample's values, taken out of the batch (x[i], x[i:i + 1]), into a "
-                "tensor made inside the model that the analysis holds as shared by all samples: "
-                "start from a tensor of the batch's shape (torch.zeros_like(x)), or concatenate "
-                "the samples' results (torch.cat, torch.stack)")
+        return PIECE_INTO_SHARED
     held = batch.get(base)
     if not (isinstance(written, (BatchDim, Packed)) and written.dim is not None):
         return None  # nothing per-sample is written (a sample's own row: see batch_dims.py's rows_written)

@@ -137,12 +137,20 @@ class ChunkLoops(nn.Module):
         if kind == "rows with their dim, taken out again":
             return torch.stack([(self.head(h[i:i + 1]) - self.head(h[i:i + 1]).mean(1, keepdim=True))[0]
                                 for i in range(h.shape[0])])
-        if kind == "a write in place in each sample":  # segment-anything's coordinates: clone, then a column scaled
+        if kind == "a write in place in each sample":  # segment-anything's coordinates: clone, a column scaled (canonicalised)
             outs = []
             for i in range(h.shape[0]):
                 row = h[i].clone()
                 row[:, 0] = row[:, 0] / 7
                 outs.append(self.head(row))
+            return torch.stack(outs)
+        if kind == "a write in place in each sample, seen through an earlier view":
+            outs = []
+            for i in range(h.shape[0]):
+                row = h[i].clone()
+                flat = row.view(-1)  # shows the write below: no data flow
+                row[:, 0] = row[:, 0] / 7
+                outs.append(self.head(flat.view(row.shape)))
             return torch.stack(outs)
         if kind == "a column scaled in place by a number in each sample":  # a functional write (canonicalised)
             outs = []
@@ -151,6 +159,23 @@ class ChunkLoops(nn.Module):
                 row[:, 0].div_(7)
                 outs.append(self.head(row).sum(0))
             return torch.stack(outs)
+        if kind == "rows written into a preallocated output":  # out = zeros(B, ...); out[i] = f(x[i])
+            out = torch.zeros(h.shape[0], 6, 3, dtype=h.dtype)
+            for i in range(h.shape[0]):
+                out[i] = self.head(h[i]).tanh()
+            return out
+        if kind == "rows written into an empty output, last first":
+            out = h.new_empty(h.shape[0], 3)
+            for i in reversed(range(h.shape[0])):
+                out[i] = self.head(h[i]).sum(0)
+            return out
+        if kind == "a masked add of a parameter in each sample":  # segment-anything's point embedding, per image
+            outs = []
+            for i in range(h.shape[0]):
+                row = self.head(h[i:i + 1])
+                row[h[i:i + 1, :, 0] > 0] += self.head.bias.view(1, -1)
+                outs.append(row)
+            return torch.cat(outs)
         if kind == "samples stacked out of order":
             return torch.stack([self.head(h[i]) for i in reversed(range(h.shape[0]))])
         raise ValueError(kind)
@@ -175,7 +200,9 @@ def _per_sample_loss(out: torch.Tensor) -> torch.Tensor:
     "two tensors indexed alike", "samples unsqueezed and concatenated", "two results of each sample",
     "two results of each chunk", "positions expanded to the chunk's rows", "a linear solve in each sample",
     "a row with its dim beside one without", "rows with their dim, taken out again",
-    "a column scaled in place by a number in each sample",
+    "a column scaled in place by a number in each sample", "a write in place in each sample",
+    "rows written into a preallocated output", "rows written into an empty output, last first",
+    "a masked add of a parameter in each sample",
 ])
 def test_a_loop_over_chunks_of_the_batch_is_per_sample(kind):
     torch.manual_seed(0)
@@ -218,7 +245,7 @@ def test_a_loop_over_chunks_that_is_not_the_loop_over_the_whole_batch_is_refused
     ("a sample's result read elsewhere", "uses a parameter on the values of one sample"),
     ("an op without a batching rule", "uses a parameter on the values of one sample"),  # vmap's loop turned off
     # the write is no input of the ops after it: mapped, the copy would leave it out (wrong before)
-    ("a write in place in each sample", "uses a parameter on the values of one sample"),
+    ("a write in place in each sample, seen through an earlier view", "uses a parameter on the values of one sample"),
 ])
 def test_a_loop_over_the_samples_that_is_not_a_map_over_the_batch_is_refused(kind, reason):
     torch.manual_seed(0)

@@ -2968,6 +2968,39 @@ def test_a_loss_that_uses_a_parameter_the_forward_gives_no_gradient_raises_under
     assert model.scale.grad is None and model.other_head.bias.grad is None
 
 
+class DoRA(nn.Module):
+    """torchtune's ``DoRALinear``: a frozen base weight, a low-rank update, and a
+    magnitude divided by the detached norm of the adapted weight's rows (computed
+    from the trainable adapter, ``lora_b(lora_a(eye))``): no gradient reaches the
+    adapter through the norm, a constant for the samples."""
+
+    def __init__(self, magnitude_trained: bool):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(3, 4, generator=g, dtype=DTYPE), requires_grad=False)
+        self.lora_a = nn.Linear(4, 2, bias=False).to(DTYPE)
+        self.lora_b = nn.Linear(2, 3, bias=False).to(DTYPE)
+        nn.init.normal_(self.lora_b.weight)
+        self.magnitude = nn.Parameter(self.weight.norm(dim=1).detach() + 0.5, requires_grad=magnitude_trained)
+
+    def forward(self, x):
+        base = F.linear(x, self.weight)
+        lora = self.lora_b(self.lora_a(x))
+        adapted = self.weight + self.lora_b(self.lora_a(torch.eye(4, dtype=x.dtype))).T
+        scale = (self.magnitude / adapted.norm(dim=1).detach()).view(1, -1)
+        return (scale - 1) * base + scale * lora + base
+
+
+@pytest.mark.parametrize("magnitude_trained", [False, True], ids=["magnitude frozen", "magnitude trained"])
+def test_a_value_of_parameters_used_detached_is_a_constant(magnitude_trained):
+    model = DoRA(magnitude_trained)
+    x = randn(5, 4)
+    ref = reference(model, (x,), per_sample_sq_loss)
+    dp = fxdp.transform(model, max_grad_norm=float(ref.norms.median()), compiler="eager")
+    mean_sq_loss(dp(x)).backward()
+    assert_close_all(grads(model), ref.grad("mean", float(ref.norms.median())), TOL, "clipped")
+
+
 def test_what_the_check_of_the_handed_gradients_leaves_alone():
     """Without clipping ``p.grad`` is the ordinary gradient, a penalty's part included.
     ``torch.autograd.grad`` writes no ``.grad``; a later backward that accumulates into

@@ -92,7 +92,11 @@ class _Selected(nn.Module):
         self.reduction = reduction
 
     def forward(self, x, mask):
-        rows = self.head(torch.tanh(self.proj(x))[mask.nonzero(as_tuple=True)])
+        h = torch.tanh(self.proj(x))
+        if self.reduction == "flattened mean":  # one coordinate: the rows a nonzero found
+            rows = self.head(h.reshape(-1, h.shape[-1])[mask.reshape(-1).nonzero(as_tuple=True)])
+            return rows.pow(2).mean()
+        rows = self.head(h[mask.nonzero(as_tuple=True)])
         return rows.pow(2).sum() if self.reduction == "sum" else rows.pow(2).mean()
 
 
@@ -103,7 +107,13 @@ def test_a_loss_summed_over_the_rows_found_is_the_samples_losses():
     mask[0] = False  # a sample with no row found: a zero gradient
     mask[1] = True
     _exact(_Selected("sum").double(), (x, mask), lambda loss: loss)
-    assert "it averages the rows a nonzero found over the whole batch" in _reasons(_Selected("mean").double(), x, mask)
+    # Indexed by all its coordinates, the nonzero is the mask: a mean over its list is each
+    # sample's mean where the masks select as many, checked when the step runs.
+    dp = fxdp.transform(_Selected("mean").double(), max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="the samples' masks select different numbers of elements"):
+        dp(x, mask).backward()
+    assert "it averages the rows a nonzero found over the whole batch" in _reasons(
+        _Selected("flattened mean").double(), x, mask)
 
 
 @pytest.mark.parametrize("misuse, reason", [

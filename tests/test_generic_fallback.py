@@ -174,7 +174,8 @@ def test_larger_float32_batch(mode: str):
 class InPlace(nn.Module):
     """A parameter as an operand of an in-place op on an activation: timm's
     ``LayerScale(inplace=True)`` (``h.mul_(gamma)``), ``h += bias``, a class-token row
-    ``h[:, 0] += tok`` (a write through a view; the base ``h`` is read afterwards)."""
+    ``h[:, 0] += tok`` (a write through a view; the base ``h`` is read afterwards), the
+    same seen through a view taken before the write (``flat``, which stays a write)."""
 
     def __init__(self, kind: str, d: int = D):
         super().__init__()
@@ -189,12 +190,16 @@ class InPlace(nn.Module):
             h.mul_(self.p)
         elif self.kind == "add_":
             h += self.p
-        else:
+        elif self.kind == "view_add_":
             h[:, 0] += self.p
+        else:
+            flat = h.view(-1)
+            h[:, 0] += self.p
+            h = flat.view(h.shape)
         return self.head(x + h)
 
 
-@pytest.mark.parametrize("kind", ["mul_", "add_", "view_add_"])
+@pytest.mark.parametrize("kind", ["mul_", "add_", "view_add_", "view_add_seen_before"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("mode", ["grad_sample", "clip"])
 def test_in_place_op_on_parameter(kind: str, dtype: torch.dtype, mode: str):
@@ -203,8 +208,10 @@ def test_in_place_op_on_parameter(kind: str, dtype: torch.dtype, mode: str):
     dp_model = run(InPlace(kind), x, mode, dtype)
     plans = {p.name: p for p in dp_model.explain().plans}
     # On a whole tensor nothing aliases, canonicalisation makes the op out of place (and
-    # the elementwise rule takes it); a write through a view stays in place.
-    expected = {"mul_": "mul.other", "add_": "add.other", "view_add_": "generic.add_[1]"}[kind]
+    # the elementwise rule takes it), and on a slice of one, scattered back; a write
+    # that a view taken before it shows stays in place.
+    expected = {"mul_": "mul.other", "add_": "add.other", "view_add_": "add.other",
+                "view_add_seen_before": "generic.add_[1]"}[kind]
     assert plans["p"].rule == expected, plans["p"]
 
 

@@ -104,8 +104,42 @@ class RealImages(nn.Module):
         return out
 
 
+class MaskCoordinates(nn.Module):
+    """Rows picked by the coordinates of a mask's ``nonzero`` (``bi, ti = torch.where(mask)``,
+    as detection and point-cloud code index), projected, and written back at those
+    coordinates: indexing by the mask itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x, tokens):
+        bi, ti = torch.where(tokens % 3 == 0)
+        out = torch.zeros_like(x)
+        out[bi, ti] = self.proj(x[bi, ti])
+        return out + x
+
+
+class MaskCoordinatesReadOtherwise(nn.Module):
+    """The coordinates of a mask's ``nonzero`` read together (``x[bi, ti]``) and the sample
+    coordinate alone (``h[nz[:, 0]]``, ``index_add(0, nz[:, 0], ...)``, a mixture of
+    experts' dispatch): the rows a ``nonzero`` found, in both reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x, tokens):
+        nz = (tokens % 3 == 0).nonzero()
+        bi, ti = nz.unbind(1)
+        h = self.b(x[:, 0])
+        y = self.a(x[bi, ti]) * h[nz[:, 0]]
+        return x[:, 0] + torch.zeros(x.shape[0], D, dtype=x.dtype).index_add(0, nz[:, 0], y)
+
+
 MODELS = {"split by token": SplitByToken, "fusion embedding": FusionEmbedding, "masked LM head": MaskedLMHead,
-          "real images": RealImages}
+          "real images": RealImages, "coordinates of a mask": MaskCoordinates,
+          "coordinates of a mask, read otherwise too": MaskCoordinatesReadOtherwise}
 
 
 def _inputs(size: int, dtype: torch.dtype, nothing: bool = False):

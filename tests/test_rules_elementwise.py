@@ -788,6 +788,29 @@ def test_arguments_that_only_give_a_dtype():
     assert {p.name: p.rule for p in dp.explain().plans}["w"] == "add.other, mul.other"
 
 
+class OwnDtypeDonors(nn.Module):
+    """A tensor cast to its own dtype, ``t.type_as(t)`` (ESM's attention casts its
+    probabilities so; a weight cast so): the argument that lends the dtype is the
+    value read too. ``mask`` multiplies by the samples' own mask (ESM's contact head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.out = nn.Linear(D, D)
+        self.w = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        h = h.type_as(h) * self.w.type_as(self.w)
+        y = F.linear(h, self.out.weight.type_as(self.out.weight), self.out.bias)
+        return y * (x[..., :1] > 0).to(y)
+
+
+def test_a_tensor_cast_to_its_own_dtype_is_read():
+    torch.manual_seed(0)
+    _against_the_loop(OwnDtypeDonors().double(), torch.randn(B, T, D, dtype=torch.float64))
+
+
 class ZeroStateCell(nn.Module):
     """Opacus's ``DPLSTM`` as written: the state starts from ``torch.zeros(layers, B, H)``
     built inside the forward, read per layer by ``h0[layer]``, then a linear of it
@@ -1838,6 +1861,31 @@ def test_a_buffer_computed_on_the_first_call():
     zero placeholder into the computed buffer from the second sample on.)"""
     torch.manual_seed(0)
     _against_the_loop(_LazyRelativePositions().double(), torch.randn(B, 4, D, dtype=torch.float64))
+
+
+class _ReassignedBuffer(nn.Module):
+    """speechbrain's ``LiGRU_Layer`` in eval: ``self.drop_mask_te = self.drop_mask_te.to(w.device)``
+    reassigns one buffer each call, beside another the forward never reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.register_buffer("scale", torch.full((D,), 0.5))
+        self.register_buffer("unread", torch.ones(2))
+
+    def forward(self, x):
+        self.scale = self.scale.to(x.device)
+        return self.fc(x) * self.scale
+
+
+def test_a_buffer_reassigned_beside_one_never_read():
+    """Dynamo's record of the reassignment lists the module's buffers unread; finding
+    the tensors the forward stores must not read them (the compiled graph would be
+    called with an input more than it takes)."""
+    torch.manual_seed(0)
+    model = _ReassignedBuffer().double()
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 1, T, D, dtype=torch.float64), dp=dp)
 
 
 class _SubsampledLengths(nn.Module):

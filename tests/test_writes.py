@@ -158,6 +158,10 @@ class WrittenWeight(nn.Module):
             w[:, -1] = 3.0
         elif self.how == "bias-into-a-column":  # a parameter's values written into a view
             w[:, 0] = self.fc.bias
+        elif self.how == "through-an-earlier-view":  # read through a view taken before the write
+            flat = w.view(-1)
+            w[:, 0] = self.fc.bias
+            w = flat.view(3, 4)
         elif self.how == "row-mul":
             w[0].mul_(3.0)
         elif self.how == "masked-fill":
@@ -169,8 +173,10 @@ class WrittenWeight(nn.Module):
         return F.linear(x, w, self.fc.bias).mean(1)
 
 
-@pytest.mark.parametrize("how", ["bias-into-a-column"])
+@pytest.mark.parametrize("how", ["through-an-earlier-view"])
 def test_parameter_values_written_in_place_through_views_are_refused(how):
+    """A write that a view taken before it shows: not data flow (``flat`` would read the
+    values before the write), and fxdp maps per-sample gradients through data flow alone."""
     problems = fxdp.validate(WrittenWeight(how), torch.randn(B, 2, 4))
     assert any(p.parameter == "fc.weight" and "out of place" in p.reason for p in problems), problems
     with pytest.raises(fxdp.UnsupportedError, match="writes in place into a value computed from parameters"):
@@ -178,13 +184,15 @@ def test_parameter_values_written_in_place_through_views_are_refused(how):
 
 
 @pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
-@pytest.mark.parametrize("how", ["masked-fill", "mul-add", "row-mul", "select-scatter", "slice", "end-knots"])
+@pytest.mark.parametrize("how", ["masked-fill", "mul-add", "row-mul", "select-scatter", "slice", "end-knots",
+                                 "bias-into-a-column"])
 def test_whole_parameter_values_written_in_place_are_exact(how, grad_sample):
     """An in-place op on a whole tensor nothing aliases is its out-of-place twin
     (``in_place_as_out_of_place_pass``): a parameter transform like any other; so is one
     with no tensor operand, or constant ones, on a row of it (``w[0].mul_(3.0)``,
     ``w[:, :2] = 0.0``: the twin scattered back, as torchvision's Swin V2 zeroes a third
-    of its qkv bias and pyro's spline sets its end knots). ``select_scatter`` runs as
+    of its qkv bias and pyro's spline sets its end knots; ``w[:, 0] = bias``, another
+    tensor's values, scattered alike). ``select_scatter`` runs as
     a one-row ``slice_scatter``: under the per-sample VJP's ``vmap`` its backward gave
     the written row the gradient through the base too."""
     torch.manual_seed(0)
@@ -1283,6 +1291,10 @@ class SomeRowsWritten(nn.Module):
             buf = torch.zeros_like(h)
             buf[0] = h[0]
             return buf.sum(1)
+        elif self.how == "the first sample's row of the batch, doubled":  # a computed batch, not a buffer
+            h = h.sin()
+            h[0] = h[0] * 2
+            return h.sum(1)
         else:  # "every row, from its own sample"
             buf = torch.zeros_like(h)
             for i in range(x.shape[0]):
@@ -1291,7 +1303,8 @@ class SomeRowsWritten(nn.Module):
         return (h * buf).sum(1)
 
 
-@pytest.mark.parametrize("how", ["the last row", "the first row", "the first sample's values"])
+@pytest.mark.parametrize("how", ["the last row", "the first row", "the first sample's values",
+                                 "the first sample's row of the batch, doubled"])
 def test_a_buffer_sized_by_the_batch_with_some_rows_written_is_refused(how):
     model = SomeRowsWritten(how).double()
     dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
@@ -1311,3 +1324,41 @@ def test_a_buffer_sized_by_the_batch_with_every_row_written_is_exact():
     dp(x).pow(2).sum().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
                      tolerance(torch.float64), "grad_sample")
+
+
+class WrittenTwice(nn.Module):
+    """A slice of a computed batch written in place twice, the second write through the
+    first's result or the same view (``v = h[:, 1:]; v.mul_(2); v[:, 0] = g[:, 0]``): the
+    later view is taken of the first write's result, which aliases ``h``. Made out of
+    place, the first write left the second in a tensor nothing read (wrong gradients,
+    ``g``'s parameters none; with a number, ``v[:, 0].add_(3)``, before the fifty-third
+    session too), or the second write lost its position among the nodes (a crash)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h, g = self.a(x), self.b(x)
+        v = h[:, 1:]
+        if self.how == "copy through the written view":
+            v.mul_(2)
+            v[:, 0] = g[:, 0]
+        elif self.how == "a number added through the written view":
+            v.mul_(2)
+            v[:, 0].add_(3)
+        elif self.how == "two writes into one view":
+            v += g[:, 1:]
+            v += g[:, :3]
+        else:  # "a chained write"
+            h[:, 0].add_(g[:, 0]).mul_(2)
+        return h.sin() + g.tanh()
+
+
+@pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
+@pytest.mark.parametrize("how", ["copy through the written view", "a number added through the written view",
+                                 "two writes into one view", "a chained write"])
+def test_a_slice_written_twice_is_exact(how, grad_sample):
+    torch.manual_seed(0)
+    _check(WrittenTwice(how).double(), torch.randn(B, 4, dtype=torch.float64), grad_sample)
