@@ -296,6 +296,9 @@ def _same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied:
                     return False
                 corr[a] = pieces[a] = b
                 continue
+            if a.op == b.op == "get_attr" and _same_constant(a, b):
+                corr[a] = b  # each copy's own lift of one constant (``row[mask] = 0.0``)
+                continue
             if not (a.op == b.op == "call_function" and a.target == b.target and _allowed(a)
                     and len(a.args) == len(b.args) and a.kwargs.keys() == b.kwargs.keys()):
                 return False
@@ -317,6 +320,14 @@ def _same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied:
         elif not (a == b or (a != a and b != b)):  # NaN constants are the same code
             return False
     return True
+
+
+def _same_constant(a: fx.Node, b: fx.Node) -> bool:
+    """Whether two attributes of the graph's module are tensors of the same values."""
+    module = a.graph.owning_module
+    x, y = (getattr(module, n.target, None) for n in (a, b))
+    return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype \
+        and x.shape == y.shape and bool(torch.equal(x, y))
 
 
 def _size_value(value: Any) -> int | torch.SymInt | None:

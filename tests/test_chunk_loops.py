@@ -173,6 +173,7 @@ class ChunkLoops(nn.Module):
             outs = []
             for i in range(h.shape[0]):
                 row = self.head(h[i:i + 1])
+                row[h[i:i + 1, :, 1] > 0] = 0.0  # a constant each copy lifts on its own
                 row[h[i:i + 1, :, 0] > 0] += self.head.bias.view(1, -1)
                 outs.append(row)
             return torch.cat(outs)
