@@ -2278,8 +2278,9 @@ def _read_after(view: fx.Node, at: int, order: dict) -> bool:
 
 
 def _as_written(gm: fx.GraphModule, node: fx.Node, view: fx.Node) -> fx.Node:
-    """What ``view.copy_(src)`` (``node``) leaves in ``view``: ``src`` in its dtype,
-    broadcast to its shape."""
+    """What ``view.copy_(src)`` or ``view.fill_(src)`` (``node``; Dynamo writes ``out[i] =
+    t`` of a 0-d ``t`` so) leaves in ``view``: ``src`` in its dtype, broadcast to its shape
+    (no read of the view's values, nor of the tensor it shows)."""
     src, shown = node.args[1], view.meta["val"]
     if src.meta["val"].dtype != shown.dtype:
         src = _call(gm, torch.ops.aten.to.dtype, (src, shown.dtype), node)
@@ -2361,11 +2362,11 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
     if view.target is torch.ops.aten.select.int and _select_index(view) is None:
         return False
     shown = view.meta["val"].dtype
-    if node.target is not torch.ops.aten.copy_.default and any(
+    if node.target not in (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Tensor) and any(
             isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
             and torch.promote_types(a.meta["val"].dtype, shown) != shown for a in node.args[1:]):
         return False  # the out-of-place twin would promote (``ids[:, 0] += scale``)
-    if node.target is torch.ops.aten.copy_.default:
+    if node.target in (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Tensor):
         with gm.graph.inserting_before(node):  # in order, where the write was
             value = _as_written(gm, node, view)
             scattered = _scattered(gm, base, value, view, node)

@@ -164,6 +164,11 @@ class ChunkLoops(nn.Module):
             for i in range(h.shape[0]):
                 out[i] = self.head(h[i]).tanh()
             return out
+        if kind == "a number of each sample written into its row":  # out[i] = t of a 0-d t: fill_
+            out = torch.zeros(h.shape[0], 3, dtype=h.dtype)
+            for i in range(h.shape[0]):
+                out[i] = self.head(h[i]).pow(2).sum()
+            return out
         if kind == "rows written into an empty output, last first":
             out = h.new_empty(h.shape[0], 3)
             for i in reversed(range(h.shape[0])):
@@ -203,6 +208,7 @@ def _per_sample_loss(out: torch.Tensor) -> torch.Tensor:
     "a row with its dim beside one without", "rows with their dim, taken out again",
     "a column scaled in place by a number in each sample", "a write in place in each sample",
     "rows written into a preallocated output", "rows written into an empty output, last first",
+    "a number of each sample written into its row",
     "a masked add of a parameter in each sample",
 ])
 def test_a_loop_over_chunks_of_the_batch_is_per_sample(kind):
