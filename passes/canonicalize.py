@@ -1008,7 +1008,8 @@ def _piece_written(node: fx.Node) -> bool:
 
 def _alias_uses(node: fx.Node):
     """``(value, user)`` for every use of ``node`` and of its views and pieces, recursively,
-    other than taking a view or a piece."""
+    other than taking a view or a piece; an in-place write's result is its first
+    argument's memory, so its uses are followed too (``v.add_(g)`` then ``add_.sin()``)."""
     stack, seen = [node], set()
     while stack:
         value = stack.pop()
@@ -1020,6 +1021,8 @@ def _alias_uses(node: fx.Node):
                 stack.append(user)
             else:
                 yield value, user
+                if _writes_into(user, value):
+                    stack.append(user)
 
 
 def _writes_into(user: fx.Node, value: fx.Node) -> bool:
@@ -2282,13 +2285,14 @@ def _as_written(gm: fx.GraphModule, node: fx.Node, view: fx.Node) -> fx.Node:
     t`` of a 0-d ``t`` so) leaves in ``view``: ``src`` in its dtype, broadcast to its shape
     (no read of the view's values, nor of the tensor it shows)."""
     src, shown = node.args[1], view.meta["val"]
+    copied = _written_somewhere(_memory_of(src))  # a later write into the source must not show
     if src.meta["val"].dtype != shown.dtype:
         src = _call(gm, torch.ops.aten.to.dtype, (src, shown.dtype), node)
     if tuple(src.meta["val"].shape) != tuple(shown.shape):
         sizes = [size if isinstance(size, int) else _call(gm, torch.ops.aten.sym_size.int, (view, d), node)
                  for d, size in enumerate(shown.shape)]
         src = _call(gm, torch.ops.aten.expand.default, (src, sizes), node)
-    return src
+    return _call(gm, torch.ops.aten.clone.default, (src,), node) if copied else src
 
 
 def _write_one_view_up(gm: fx.GraphModule, node: fx.Node, order: dict) -> fx.Node | None:
@@ -2358,6 +2362,12 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
            if user is not node and order.get(user, -1) > order[node]):
         # written again later through the view, or through the write's own result (``v.mul_(2);
         # v[:, 0] = g``), whose later views would read the out-of-place result, no view of the base
+        return False
+    later = [order[user] for value, user in _alias_uses(base)
+             if _writes_into(user, value) and user is not node and order.get(user, -1) > order[node]]
+    if later and any(order.get(user, -1) > min(later) for alias in (view, node) for _, user in _alias_uses(alias)):
+        # the view read after a later write into its base (``v.add_(g); h[:, 2] = c; v.sin()``):
+        # the out-of-place result those reads would get does not show that write
         return False
     if view.target is torch.ops.aten.select.int and _select_index(view) is None:
         return False

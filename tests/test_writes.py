@@ -1332,7 +1332,10 @@ class WrittenTwice(nn.Module):
     later view is taken of the first write's result, which aliases ``h``. Made out of
     place, the first write left the second in a tensor nothing read (wrong gradients,
     ``g``'s parameters none; with a number, ``v[:, 0].add_(3)``, before the fifty-third
-    session too), or the second write lost its position among the nodes (a crash)."""
+    session too), or the second write lost its position among the nodes (a crash). A view
+    read after a later write into its base must show that write, and a copied value must
+    not show a later write into its source (both silently wrong in a first version of
+    the fifty-third session's scatters, found by a helper)."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -1351,6 +1354,11 @@ class WrittenTwice(nn.Module):
         elif self.how == "two writes into one view":
             v += g[:, 1:]
             v += g[:, :3]
+        elif self.how == "a view read after a later write into its base":
+            v = h[:, 1:3]
+            v.add_(g[:, :2])
+            h[:, 2] = g[:, 3]  # shows through v
+            return torch.cat([v.sin(), g.tanh()], 1)
         else:  # "a chained write"
             h[:, 0].add_(g[:, 0]).mul_(2)
         return h.sin() + g.tanh()
@@ -1358,7 +1366,38 @@ class WrittenTwice(nn.Module):
 
 @pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
 @pytest.mark.parametrize("how", ["copy through the written view", "a number added through the written view",
-                                 "two writes into one view", "a chained write"])
+                                 "two writes into one view", "a chained write",
+                                 "a view read after a later write into its base"])
 def test_a_slice_written_twice_is_exact(how, grad_sample):
     torch.manual_seed(0)
     _check(WrittenTwice(how).double(), torch.randn(B, 4, dtype=torch.float64), grad_sample)
+
+
+class CopiedFromWrittenSource(nn.Module):
+    """``v = h[:, 0]; v.copy_(t[:, 1]); t.mul_(2)``: ``v`` keeps the copied values, the
+    later write into ``t`` does not show through it (as a scatter, ``v``'s later reads read
+    the source's view itself: wrong gradients in a first version of the fifty-third
+    session's scatters, found by a helper)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 5), nn.Linear(5, 5)
+
+    def forward(self, x):
+        h, t = self.a(x), self.b(x)
+        v = h[:, 0]
+        v.copy_(t[:, 1])
+        t.mul_(2)
+        return h.sin() + v[:, None] + t
+
+
+def test_a_copy_keeps_its_values_when_its_source_is_written_later():
+    torch.manual_seed(0)
+    model = CopiedFromWrittenSource().double()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    weights = torch.randn(4, 5, dtype=torch.float64)
+    ref = reference(model, (x,), lambda out, i: (out * weights[i:i + 1]).sum())
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
+    (dp(x) * weights).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")
