@@ -939,7 +939,8 @@ def _of_the_whole(gm: fx.GraphModule, values: fx.Node, data: fx.Node, mask: fx.N
 def _broadcasts_to(shape: Sequence[Any], target: Sequence[Any]) -> bool:
     """Whether a tensor of ``shape`` broadcasts to ``target`` (no more dims, each 1 or equal)."""
     return len(shape) <= len(target) and all(
-        statically_known_true(a == 1) or statically_known_true(a == b) for a, b in zip(reversed(shape), reversed(target)))
+        statically_known_true(a == 1) or statically_known_true(a == b)
+        for a, b in zip(reversed(shape), reversed(target)))
 
 
 def _without_a_leading_one(shape: Sequence[Any], rank: int) -> Sequence[Any]:
@@ -2351,20 +2352,20 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
     base = view.args[0]
     at = order[node]
     if (view.target not in _SCATTERS or not isinstance(base, fx.Node) or base.op != "call_function"
-            or is_view(base) or writes_in_place(base.target) or any(is_view(u) and u is not view and order.get(u, -1) < at
-                                    and _read_after(u, at, order) for u in base.users)
-):
+            or is_view(base) or writes_in_place(base.target)
+            or any(is_view(u) and u is not view and order.get(u, -1) < at and _read_after(u, at, order)
+                   for u in base.users)):
         return False
     if any(writes_in_place(u.target) for alias in (base, view) for u in alias.users
-           if u is not node and order.get(u, -1) > order[node]):
+           if u is not node and order.get(u, -1) > at):
         return False  # written again later: reads of the view must see that write too
     if any(_writes_into(user, value) for alias in (view, node) for value, user in _alias_uses(alias)
-           if user is not node and order.get(user, -1) > order[node]):
+           if user is not node and order.get(user, -1) > at):
         # written again later through the view, or through the write's own result (``v.mul_(2);
         # v[:, 0] = g``), whose later views would read the out-of-place result, no view of the base
         return False
     later = [order[user] for value, user in _alias_uses(base)
-             if _writes_into(user, value) and user is not node and order.get(user, -1) > order[node]]
+             if _writes_into(user, value) and user is not node and order.get(user, -1) > at]
     if later and any(order.get(user, -1) > min(later) for alias in (view, node) for _, user in _alias_uses(alias)):
         # the view read after a later write into its base (``v.add_(g); h[:, 2] = c; v.sin()``):
         # the out-of-place result those reads would get does not show that write

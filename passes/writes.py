@@ -24,8 +24,8 @@ import torch.fx as fx
 
 from fxdp.batching import BatchDim, Packed, Piece
 
-__all__ = ["PIECE_INTO_SHARED", "carries_no_gradient", "computed_without_grad", "follow_write", "is_detach", "is_view", "parameter_write",
-           "written_chain", "writes_in_place"]
+__all__ = ["PIECE_INTO_SHARED", "carries_no_gradient", "computed_without_grad", "follow_write", "is_detach",
+           "is_view", "parameter_write", "written_chain", "writes_in_place"]
 
 aten = torch.ops.aten
 
