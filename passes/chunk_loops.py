@@ -326,8 +326,13 @@ def _same_constant(a: fx.Node, b: fx.Node) -> bool:
     """Whether two attributes of the graph's module are tensors of the same values."""
     module = a.graph.owning_module
     x, y = (getattr(module, n.target, None) for n in (a, b))
-    return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype \
-        and x.shape == y.shape and bool(torch.equal(x, y))
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+            and x.shape == y.shape and x.device == y.device):
+        return False
+    try:
+        return bool(torch.equal(x, y))
+    except Exception:  # noqa: BLE001 - values not at hand (a fake tensor): not known equal
+        return False
 
 
 def _size_value(value: Any) -> int | torch.SymInt | None:
