@@ -847,8 +847,9 @@ def masked_fill_by_index_put_as_where_pass(gm: fx.GraphModule) -> fx.GraphModule
 
 
 _SIZE_QUERIES = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int}
+# (not ``_unsafe_index_put``, which takes no boolean mask)
 _BY_INDICES = {torch.ops.aten.index.Tensor: 1, torch.ops.aten.index_put.default: 1,
-               torch.ops.aten.index_put_.default: 1, torch.ops.aten._unsafe_index_put.default: 1}
+               torch.ops.aten.index_put_.default: 1}
 
 
 def nonzero_positions_as_mask_pass(gm: fx.GraphModule) -> fx.GraphModule:
