@@ -4167,7 +4167,8 @@ def _checks_only(gm: fx.GraphModule) -> set[fx.Node]:
 
 def _written_into(node: fx.Node) -> bool:
     """Whether an in-place op writes into ``node`` or a view of it."""
-    return any(node in (written_chain(user) or ()) for user in reached([node], lambda n: n.users))
+    views = reached([node], lambda n: [u for u in n.users if is_view(u) and u.args[0] is n])
+    return any(writes_in_place(u.target) and u.args[0] is v for v in views for u in v.users)
 
 
 def reaches_no_gradient(node: fx.Node, without_grad: set[fx.Node], memo: dict) -> bool:

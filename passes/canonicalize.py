@@ -934,7 +934,10 @@ def _of_the_whole(gm: fx.GraphModule, values: fx.Node, data: fx.Node, mask: fx.N
     args = tuple(data if a is reads[0] else a for a in values.args)
     with gm.graph.inserting_before(values):
         whole = _call(gm, target, args, values)
-    return whole if whole.meta["val"].shape == data.meta["val"].shape else None
+    if whole.meta["val"].shape != data.meta["val"].shape:
+        gm.graph.erase_node(whole)
+        return None
+    return whole
 
 
 def _broadcasts_to(shape: Sequence[Any], target: Sequence[Any]) -> bool:
@@ -2357,9 +2360,8 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
             or any(is_view(u) and u is not view and order.get(u, -1) < at and _read_after(u, at, order)
                    for u in base.users)):
         return False
-    if any(writes_in_place(u.target) for alias in (base, view) for u in alias.users
-           if u is not node and order.get(u, -1) > at):
-        return False  # written again later: reads of the view must see that write too
+    if any(writes_in_place(u.target) for u in base.users if order.get(u, -1) > at):
+        return False  # the base written again later: reads of the view must see that write too
     if any(_writes_into(user, value) for alias in (view, node) for value, user in _alias_uses(alias)
            if user is not node and order.get(user, -1) > at):
         # written again later through the view, or through the write's own result (``v.mul_(2);
