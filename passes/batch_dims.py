@@ -28,6 +28,7 @@ from fxdp._torch_internals import plain_expression
 from fxdp.batching import WHOLE, BatchDim, Groups, Inverse, Masked, Packed, Piece, Rows, broadcast_batch
 from fxdp.errors import Problem
 from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, function_param_rule
+from fxdp.passes.copies import SIZE_ARITHMETIC, same_code
 from fxdp.passes.masked_rows import BATCH_TO_ROWS, ROWS_TO_BATCH
 from fxdp.passes.writes import (PIECE_INTO_SHARED, carries_no_gradient, computed_without_grad, follow_write,
                                is_detach, is_view, parameter_write, writes_in_place, written_chain)
@@ -3212,13 +3213,15 @@ def _packed_pieces(node: fx.Node, packed: Packed) -> Any:
     return layouts[0] if node.target is aten.slice.Tensor else layouts
 
 
-def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter: bool) -> Any:
-    """The layout of an op on ``Piece``s (see there): the pieces of every sample
-    concatenated in order are a batch again; any other op on pieces of one sample gives
-    that sample's."""
+def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter: bool, batch: dict) -> Any:
+    """The layout of an op on ``Piece``s (see there): the pieces of every sample, each
+    computed by the same code, concatenated in order are a batch again; any other op on
+    pieces of one sample gives that sample's."""
     if node.target is aten.cat.default:
         joined = _pieces_joined(node, arg_batch[0], batch_size)
         if joined is not None:
+            if not _alike(list(node.args[0]), batch):
+                raise MixesSamples(_POSITIONED)
             return joined
     if node.target in (aten.slice_scatter.default, aten.select_scatter.default):
         if _writes_its_own_row(node, arg_batch):
@@ -3263,27 +3266,87 @@ _PARTLY_WRITTEN = (
     "range(B)), or build the tensor from the samples (torch.stack)")
 
 
-def _sample_row_written(node: fx.Node, arg_batch: list, rows_written: dict, batch: dict,
-                        batch_size: Any) -> frozenset | None:
+_POSITIONED = (
+    "it puts the samples' pieces taken out of the batch (x[i], x[i:i + 1]) back together as a batch, but "
+    "computes them with different code at different positions (cat([h[0:1] * 2, h[1:2] * 3]), out[i] = h[i] * "
+    "(i + 1)): each sample's values depend on its position in the batch (alone, every sample is the first); "
+    "run the same code on every sample")
+
+
+def _alike(values: list, batch: dict) -> bool:
+    """Whether every sample's piece in ``values`` (sample 0's first, each a ``Piece``
+    there) is computed by the same code as the first from that sample's own rows of the
+    same batched tensors: where the code differs (``cat([h[0:1] * 2, h[1:2] * 3])``,
+    ``out[i] = h[i] * (i + 1)``), so do a sample's values at different positions. A
+    value may be a write in place into the sample's row (``out[i].copy_(…)``). The
+    pieces' sizes may differ (``h[i, :lengths[i]]``, each sample's own length from a list
+    fixed per batch: a size that depends on the position, ``h[i, :i + 1]``, passes too)."""
+    first, written = values[0], None
+    for other in values[1:]:
+        corr, pieces, varied = {}, {}, []
+        if not same_code(first, other, corr, pieces, varied, _comparable, through_writes=True, bounds=True):
+            return False
+        if not all(isinstance(batch.get(a), Piece) and isinstance(batch.get(b), Piece) for a, b in pieces.items()):
+            return False  # rows of a tensor the samples share (a table indexed by position)
+        if written is None:  # the copies' code is what computes their values, unless a write in place changes one
+            written = {n for node in first.graph.nodes for n in written_chain(node) or () if node not in values}
+        if any(a in written or b in written for a, b in corr.items() if a is not b and a not in pieces):
+            return False
+    return True
+
+
+def _comparable(node: fx.Node) -> bool:
+    target = node.target
+    return target is operator.getitem or target in SIZE_ARITHMETIC or isinstance(target, torch._ops.OpOverload)
+
+
+def _sample_row_written(node: fx.Node, arg_batch: list, rows_written: dict, rows_whole: dict, batch: dict,
+                        batch_size: Any) -> dict | None:
     """The rows of a batched tensor (built from sizes, or the batch itself) that samples'
     own pieces have been written into once ``node`` has written one
-    (``_writes_its_own_row``), where some are still not: ``None`` for any other op, or
-    once every row is."""
+    (``_writes_its_own_row``), each with the value written last: ``None`` for any other
+    op. ``rows_written`` holds the tensors some of whose rows are still not written,
+    ``rows_whole`` those whose every row is."""
     base = node.args[0] if node.args else None
     if node.target not in (aten.slice_scatter.default, aten.select_scatter.default) or not isinstance(
             base, fx.Node) or not (base in rows_written or isinstance(batch.get(base), BatchDim)) \
             or not _writes_its_own_row(node, arg_batch):
         return None
-    return _with_row(rows_written, base, arg_batch[1].sample, batch_size)
+    return _with_row(rows_written, rows_whole, base, arg_batch[1].sample, node.args[1], batch_size, batch)
 
 
-def _with_row(rows_written: dict, base: fx.Node, sample: int, batch_size: Any) -> frozenset | None:
-    """The rows of ``base`` written so far, with ``sample``'s; ``None`` once every row is."""
-    written = rows_written.get(base, frozenset()) | {sample}
-    return None if statically_known_true(len(written) >= _as_number(batch_size)) else written
+def _with_row(rows_written: dict, rows_whole: dict, base: fx.Node, sample: int, value: fx.Node, batch_size: Any,
+              batch: dict) -> dict:
+    """The rows of ``base`` written so far, with ``sample``'s (``value``); once every
+    row is, they must have been written by the same code (else ``MixesSamples``)."""
+    written = {**(rows_written.get(base) or rows_whole.get(base, {})), sample: value}
+    if _every_row(written, batch_size) and not _alike([_written_value(written[i]) for i in sorted(written)], batch):
+        raise MixesSamples(_POSITIONED)
+    return written
 
 
-def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, batch_size: Any) -> str | None:
+def _written_value(value: fx.Node) -> fx.Node:
+    """What a write into a sample's row computes, however it was written: the source of
+    a ``copy_`` (else the op run in place), of a ``select_scatter``/``slice_scatter`` into
+    the row (``out[i, :n] = piece``, out of place), without the dim of size 1 a
+    ``slice_scatter`` of one row adds."""
+    while True:
+        if value.target is aten.copy_.default or (
+                value.target in (aten.select_scatter.default, aten.slice_scatter.default)
+                and isinstance(value.args[0], fx.Node) and value.args[0].target is aten.select.int):
+            value = value.args[1]
+        elif value.target is aten.unsqueeze.default and _meta(value).shape[named_arg(value, "dim", 0)] == 1:
+            value = value.args[0]
+        else:
+            return value
+
+
+def _every_row(written: dict, batch_size: Any) -> bool:
+    return statically_known_true(len(written) >= _as_number(batch_size))
+
+
+def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, rows_whole: dict,
+                          batch_size: Any) -> str | None:
     """Why an in-place write of one sample's values (a ``Piece``) into a batched tensor
     cannot be followed, or ``None``; a write into that sample's row,
     or part of it (``buf[i] = f(h[i])`` into ``zeros_like(h)``, ``out[i, :n] = piece``),
@@ -3298,9 +3361,13 @@ def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, batch_
     size = _meta(base).shape[held.dim]
     if row.target is aten.select.int and held.plain and isinstance(size, int) and isinstance(row.args[2], int) \
             and _norm_dim(row.args[1], _meta(base).dim()) == held.dim and row.args[2] % size == batch[node].sample:
-        written = _with_row(rows_written, base, batch[node].sample, batch_size)
-        if written is None:
+        try:
+            written = _with_row(rows_written, rows_whole, base, batch[node].sample, node, batch_size, batch)
+        except MixesSamples as e:
+            return str(e)
+        if _every_row(written, batch_size):
             rows_written.pop(base, None)
+            rows_whole[base] = written
         else:
             rows_written[base] = written
         return None
@@ -3838,8 +3905,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     counts: set[fx.Node] = set()  # how many elements a mask selected from the whole batch
     positions: set[fx.Node] = set()  # ``arange`` over such a count, as an index of the list's rows
     # Tensors built from sizes, read batched, into some of whose rows samples' own pieces
-    # were written (``out[i] = f(x[i])``), with those rows, until every row is.
-    rows_written: dict[fx.Node, frozenset] = {}
+    # were written (``out[i] = f(x[i])``), with each row's value, until every row is.
+    rows_written: dict[fx.Node, dict[int, fx.Node]] = {}
+    rows_whole: dict[fx.Node, dict[int, fx.Node]] = {}  # each row's value, once every row is written
     mixing: list[fx.Node] = []  # where problems were found
     found = 0
 
@@ -3850,7 +3918,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         # is refused all the same.)
         reason = None if previous is None else (
             parameter_write(previous, sources) if single else
-            _row_written_in_place(previous, batch, rows_written, batch_size)
+            _row_written_in_place(previous, batch, rows_written, rows_whole, batch_size)
             or follow_write(previous, batch, sources))
         if reason:
             problems.append(Problem(op_name(previous.target), module_path_of(previous),
@@ -4035,7 +4103,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             elif _any_sorted(arg_batch) or _any_sorted(kwarg_batch):
                 batch[node] = _sorted_rows_batch(node, arg_batch, kwarg_batch, rule, batch)
             elif _any_piece(arg_batch) or _any_piece(kwarg_batch):
-                batch[node] = _piece_batch(node, arg_batch + kwarg_batch, batch_size, bool(paramish))
+                batch[node] = _piece_batch(node, arg_batch + kwarg_batch, batch_size, bool(paramish), batch)
             elif _any_masked(arg_batch) or _any_masked(kwarg_batch):
                 batch[node] = _masked_batch(node, arg_batch, kwarg_batch, bool(paramish))
             elif target is FUNCTION_APPLY:
@@ -4056,9 +4124,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     and _varies_along_the_batch(node, arg_batch, batch[node], sources):
                 raise MixesSamples(_ALONG_THE_BATCH)
             _check_batch_rows(node, batch[node], batch_size)
-            written = _sample_row_written(node, arg_batch, rows_written, batch, batch_size)
+            written = _sample_row_written(node, arg_batch, rows_written, rows_whole, batch, batch_size)
             if written is not None:
-                rows_written[node] = written
+                (rows_whole if _every_row(written, batch_size) else rows_written)[node] = written
             if isinstance(batch[node], Loss):
                 losses[node] = batch[node].reduction
         except (MixesSamples, ValueError, GuardOnDataDependentSymNode) as e:

@@ -31,34 +31,18 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxdp._torch_internals import make_fx_traced, vmap_safe_solves
 from fxdp.batching import BatchDim
 from fxdp.passes.batch_dims import batch_dim_pass, pure_op, reached
 from fxdp.passes.canonicalize import in_place_as_out_of_place_pass
+from fxdp.passes.copies import SIZE_ARITHMETIC, SIZE_LISTS, equal, piece_of, same_code, size_value
 from fxdp.passes.writes import written_chain
 from fxdp.registry import named_arg
 
 __all__ = ["chunk_loops_as_whole_pass"]
 
 aten = torch.ops.aten
-
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unsafe_split.Tensor,
-           aten.unsafe_chunk.default, aten.unsafe_split_with_sizes.default, aten.tensor_split.sections}
-
-# Ops that take the output's sizes as a list, and the position of that list.
-_SIZE_LISTS = {
-    aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1, aten.expand.default: 1,
-    aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_empty.default: 1, aten.new_full.default: 1,
-    aten.zeros.default: 0, aten.ones.default: 0, aten.empty.memory_format: 0, aten.full.default: 0,
-}
-
-
-# What a graph with a symbolic batch size computes sizes with.
-_SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
-                    operator.truediv, torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min}
-
 
 def chunk_loops_as_whole_pass(gm: fx.GraphModule, batch: dict[fx.Node, Any], param_names: dict[fx.Node, str],
                               fake_mode: Any) -> int:
@@ -118,72 +102,14 @@ class _Loop:
 def _of_single_rows(loop: _Loop) -> bool:
     """Whether every piece of ``loop`` is one row (``x[i:i + 1]``), the rows in order:
     then the copy is a function of one sample, as with ``x[i]``."""
-    return not any(loop.varied) and all(_equal(length, 1) for _, length in loop.ranges) \
-        and _equal(loop.body[-1].meta["val"].shape[loop.dim], 1)
-
-
-def _piece(node: Any) -> tuple[fx.Node, int, int, int, bool] | None:
-    """``(source, dim, start, length, kept)`` of a piece of ``source`` along ``dim``: an
-    output of a ``split``/``chunk`` or a ``slice`` with step 1 from a static start, which
-    keep the dim (``kept``), or one row of it, ``select`` or an ``unbind`` output, which
-    drop it (``length`` 1)."""
-    if not isinstance(node, fx.Node) or node.op != "call_function":
-        return None
-    kept = True
-    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _SPLITS:
-        split, index = node.args[0], node.args[1]
-        source = split.args[0]
-        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-        outs = split.meta.get("val")
-        if outs is None or not isinstance(index, int):
-            return None
-        dim = dim % outs[index].dim()
-        start = sum(o.shape[dim] for o in outs[:index])
-        length = outs[index].shape[dim]
-    elif node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
-            and node.args[0].target is aten.unbind.int:
-        unbind, start = node.args[0], node.args[1]
-        source, dim, kept, length = unbind.args[0], named_arg(unbind, "dim", 0), False, 1
-        if not isinstance(source, fx.Node) or not isinstance(start, int):
-            return None
-        dim = dim % source.meta["val"].dim()
-    elif node.target is aten.select.int:
-        source, dim, start = node.args
-        kept, length = False, 1
-        if not isinstance(source, fx.Node) or not isinstance(start, int):
-            return None
-        dim = dim % source.meta["val"].dim()
-        if start < 0:
-            size = source.meta["val"].shape[dim]
-            if not isinstance(size, int):
-                return None
-            start += size
-    elif node.target is aten.slice.Tensor:
-        source, dim, start, _, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
-        value = node.meta.get("val")
-        if value is None or step != 1 or not isinstance(source, fx.Node):
-            return None
-        dim = dim % value.dim()
-        start = 0 if start is None else start
-        if isinstance(start, int) and start < 0:
-            size = source.meta["val"].shape[dim]
-            start = max(start + size, 0) if isinstance(size, int) else None
-        length = value.shape[dim]
-    else:
-        return None
-    if not all(isinstance(v, (int, torch.SymInt)) for v in (start, length)) or not isinstance(source, fx.Node):
-        return None
-    return source, dim, start, length, kept
-
-
-def _equal(a: Any, b: Any) -> bool:
-    return statically_known_true(a == b)
+    return not any(loop.varied) and all(equal(length, 1) for _, length in loop.ranges) \
+        and equal(loop.body[-1].meta["val"].shape[loop.dim], 1)
 
 
 def _allowed(node: fx.Node) -> bool:
     """An op that may be fused: no write, no random draw, no call into other code."""
     target = node.target
-    if target is operator.getitem or target in _SIZE_ARITHMETIC:
+    if target is operator.getitem or target in SIZE_ARITHMETIC:
         return True
     if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
         return False
@@ -201,7 +127,7 @@ def _loop(cat: fx.Node, batch: dict) -> _Loop | None:
     copies, pieces_of_copy, varied = [], [], [[]]
     for result in results[1:]:
         corr, pieces, differing = {}, {}, []
-        if not _same_code(first, result, corr, pieces, differing):
+        if not same_code(first, result, corr, pieces, differing, _allowed):
             return None
         copies.append(corr)
         pieces_of_copy.append(pieces)
@@ -217,28 +143,28 @@ def _loop(cat: fx.Node, batch: dict) -> _Loop | None:
     # The copies' code is what their values are computed by, unless a write in place
     # changes one of them (``h = x[i].clone(); h[:, 0] = h[:, 0] / 7``, SAM's prompt
     # coordinates): the write is no input of the ops after it, so it would be left out.
-    read = {b for corr in copies for b in corr.values()} | {_piece(p)[0] for p in first_pieces}
+    read = {b for corr in copies for b in corr.values()} | {piece_of(p)[0] for p in first_pieces}
     if any(n in read for node in first.graph.nodes for n in written_chain(node) or ()):
         return None
     # Each copy reads its own chunk: the same rows of every chunked tensor, the chunks
     # in order and covering the whole tensor.
     ranges = None
-    kinds = {_piece(p0)[4] for p0 in first_pieces}  # kept the dim, or dropped it
+    kinds = {piece_of(p0)[4] for p0 in first_pieces}  # kept the dim, or dropped it
     for p0 in first_pieces:
-        source, dim, _, _, kept = _piece(p0)
+        source, dim, _, _, kept = piece_of(p0)
         spans = []
         for pieces in pieces_of_copy:
-            s, d, start, length, k = _piece(pieces[p0])
+            s, d, start, length, k = piece_of(pieces[p0])
             if s is not source or d != dim or k != kept:
                 return None
             spans.append((start, length))
         layout = batch.get(source)
         if not (isinstance(layout, BatchDim) and layout.dim == dim):
             return None
-        if not all(_equal(start, sum(n for _, n in spans[:k])) for k, (start, _) in enumerate(spans)) \
-                or not _equal(sum(n for _, n in spans), source.meta["val"].shape[dim]):
+        if not all(equal(start, sum(n for _, n in spans[:k])) for k, (start, _) in enumerate(spans)) \
+                or not equal(sum(n for _, n in spans), source.meta["val"].shape[dim]):
             return None
-        if ranges is not None and not all(_equal(a, b) for span, other in zip(spans, ranges)
+        if ranges is not None and not all(equal(a, b) for span, other in zip(spans, ranges)
                                           for a, b in zip(span, other)):
             return None
         ranges = spans
@@ -257,89 +183,11 @@ def _loop(cat: fx.Node, batch: dict) -> _Loop | None:
     # A row taken with its dim (``l[i:i + 1]``) beside one without (``x[i]``, SAM's
     # image embedding beside its prompts) is mapped as the unsqueezed row.
     mapped = False in kinds
-    if mapped and (any(varied) or not _equal(first.meta["val"].shape[dim % rank], 1)
-                   or (len(kinds) > 1 and not all(_equal(length, 1) for _, length in ranges))):
+    if mapped and (any(varied) or not equal(first.meta["val"].shape[dim % rank], 1)
+                   or (len(kinds) > 1 and not all(equal(length, 1) for _, length in ranges))):
         return None
-    return _Loop(body, copies, {p0: _piece(p0)[:2] for p0 in first_pieces}, ranges, varied, dim % rank, mapped,
-                 {p0 for p0 in first_pieces if _piece(p0)[4]})
-
-
-def _same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied: list) -> bool:
-    """Whether ``other`` computes what ``first`` does, from pieces at the same places;
-    records the matched nodes in ``corr`` (``first``'s -> ``other``'s), the pieces in
-    ``pieces``, and the integers of size lists that differ in ``varied``."""
-    pending = [(first, other, None, ())]  # (value, value, node whose size list it is in, path there)
-    while pending:
-        a, b, sizes_of, path = pending.pop()
-        if sizes_of is not None and len(path) == 2 and a is not b and (
-                isinstance(a, fx.Node) or isinstance(b, fx.Node)) \
-                and _size_value(a) is not None and _size_value(b) is not None:
-            # a size the graph computes for each chunk (``(B + 1) // 2`` and
-            # ``B - (B + 1) // 2`` with a symbolic batch size): checked by its value
-            varied.append((sizes_of, path, _size_value(a), _size_value(b)))
-            continue
-        if isinstance(a, fx.Node) or isinstance(b, fx.Node):
-            if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
-                return False
-            if a in corr:
-                if corr[a] is not b:
-                    return False
-                continue
-            if a is b:
-                corr[a] = b
-                continue
-            piece_a, piece_b = _piece(a), _piece(b)
-            if piece_a is not None and piece_b is not None and not (
-                _equal(piece_a[2], piece_b[2]) and _equal(piece_a[3], piece_b[3])):
-                # other rows of one tensor: a chunk (a loop over them is checked later)
-                if piece_a[:2] != piece_b[:2] or piece_a[4] != piece_b[4]:
-                    return False
-                corr[a] = pieces[a] = b
-                continue
-            if a.op == b.op == "get_attr" and _same_constant(a, b):
-                corr[a] = b  # each copy's own lift of one constant (``row[mask] = 0.0``)
-                continue
-            if not (a.op == b.op == "call_function" and a.target == b.target and _allowed(a)
-                    and len(a.args) == len(b.args) and a.kwargs.keys() == b.kwargs.keys()):
-                return False
-            corr[a] = b
-            sizes_at = _SIZE_LISTS.get(a.target)
-            pending.extend((x, y, a if i == sizes_at else None, (i,)) for i, (x, y) in enumerate(zip(a.args, b.args)))
-            pending.extend((a.kwargs[k], b.kwargs[k], None, ()) for k in a.kwargs)
-        elif isinstance(a, (list, tuple)):
-            if type(a) is not type(b) or len(a) != len(b):
-                return False
-            pending.extend((x, y, sizes_of, path + (j,)) for j, (x, y) in enumerate(zip(a, b)))
-        elif type(a) is not type(b):
-            return False
-        elif isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            if a is not b:
-                return False
-        elif type(a) is int and a != b and sizes_of is not None and len(path) == 2:
-            varied.append((sizes_of, path, a, b))
-        elif not (a == b or (a != a and b != b)):  # NaN constants are the same code
-            return False
-    return True
-
-
-def _same_constant(a: fx.Node, b: fx.Node) -> bool:
-    """Whether two attributes of the graph's module are tensors of the same values."""
-    module = a.graph.owning_module
-    x, y = (getattr(module, n.target, None) for n in (a, b))
-    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
-            and x.shape == y.shape and x.device == y.device):
-        return False
-    try:
-        return bool(torch.equal(x, y))
-    except Exception:  # noqa: BLE001 - values not at hand (a fake tensor): not known equal
-        return False
-
-
-def _size_value(value: Any) -> int | torch.SymInt | None:
-    """The integer ``value`` is or computes, ``None`` for anything else."""
-    if isinstance(value, fx.Node):
-        value = value.meta.get("val")
-    return value if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) else None
+    return _Loop(body, copies, {p0: piece_of(p0)[:2] for p0 in first_pieces}, ranges, varied, dim % rank, mapped,
+                 {p0 for p0 in first_pieces if piece_of(p0)[4]})
 
 
 def _fuse(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, param_names: dict, fake_mode: Any) -> bool:
@@ -372,7 +220,7 @@ def _fuse_as(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, layouts: dict, fake_
     per_row = {}
     body = set(loop.body)
     for node in loop.body:
-        at = _SIZE_LISTS.get(node.target)
+        at = SIZE_LISTS.get(node.target)
         layout = layouts.get(node)
         if at is None or not isinstance(layout, BatchDim) or layout.dim is None:
             continue
@@ -382,14 +230,14 @@ def _fuse_as(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, layouts: dict, fake_
         rows, entry = layout.inner * layout.outer, sizes[layout.dim]
         if (isinstance(entry, fx.Node) and entry in body) or entry == -1:
             continue
-        value = _size_value(entry)
-        if value is None or not _equal(value, first_length * rows):
+        value = size_value(entry)
+        if value is None or not equal(value, first_length * rows):
             return False
         per_row[(node, (at, layout.dim))] = rows
     for k, differing in enumerate(loop.varied):
         for node, path, _, value in differing:
             rows = per_row.get((node, path))
-            if rows is None or not _equal(value, loop.ranges[k][1] * rows):
+            if rows is None or not equal(value, loop.ranges[k][1] * rows):
                 return False
     total = sum(length for _, length in loop.ranges)
     env = {p0: source for p0, (source, _) in loop.pieces.items()}
@@ -404,7 +252,7 @@ def _fuse_as(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, layouts: dict, fake_
             for node in loop.body:
                 new = gm.graph.node_copy(node, lambda n: env.get(n, n))
                 added.append(new)
-                at = _SIZE_LISTS.get(node.target)
+                at = SIZE_LISTS.get(node.target)
                 if at is not None:
                     sizes = list(new.args[at]) if isinstance(new.args[at], (list, tuple)) else None
                     for (owner, (_, j)), rows in per_row.items():

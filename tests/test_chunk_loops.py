@@ -309,3 +309,83 @@ def test_the_loop_becomes_one_call_on_the_whole_batch(monkeypatch):
         "torch.ops.aten.linear.default(linear, arg3_1, arg4_1)",
         "torch.ops.aten.relu.default(linear_3)",
     ], seen["code"]
+
+
+class PositionedPieces(nn.Module):
+    """A Linear, parameter-free code on each sample's piece of its output, the pieces
+    put back together as a batch, and a second Linear: a batch again only where every
+    sample's piece is computed by the same code (alone, every sample is the first)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h, kind, rows = self.fc(x), self.kind, range(x.shape[0])
+        if kind == "scaled by the position":
+            h = torch.stack([h[i] * (i + 1) for i in rows])
+        elif kind == "the first sample's own code":
+            h = torch.cat([h[:1].tanh()] + [h[i:i + 1].exp() for i in rows if i])
+        elif kind == "another tensor's rows at some positions":
+            g = h.sin()
+            h = torch.cat([h[i:i + 1] if i % 2 else g[i:i + 1] for i in rows])
+        elif kind == "rows of a shared table at each position":
+            table = torch.arange(4.0 * x.shape[0], dtype=x.dtype).view(x.shape[0], 4)
+            h = torch.stack([h[i] * table[i] for i in rows])
+        elif kind in ("written by the position", "written by the same code"):
+            out = torch.zeros_like(h)
+            for i in rows:
+                out[i] = h[i] * (i + 2 if kind == "written by the position" else 2)
+            h = out
+        elif kind in ("rewritten in place by the position", "rewritten in place by the same code"):
+            h = h.clone()
+            for i in rows:
+                h[i] *= i + 2 if kind == "rewritten in place by the position" else 2
+        elif kind == "the last row rewritten":
+            h = h.clone()
+            for i in rows:
+                h[i] = h[i].sin()
+            h[-1] = h[-1].cos()
+        elif kind == "the same code, a shared row":
+            table = torch.arange(4.0, dtype=x.dtype)
+            h = torch.stack([h[i] * table for i in rows])
+        elif kind == "part of each row written":
+            out = torch.zeros_like(h)
+            for i in rows:
+                out[i, :2] = h[i, :2].tanh()
+            h = out
+        return self.head(h)
+
+
+@pytest.mark.parametrize("kind", ["written by the same code", "rewritten in place by the same code",
+                                  "the same code, a shared row", "part of each row written"])
+def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
+    torch.manual_seed(0)
+    model = PositionedPieces(kind).to(DTYPE)
+    plain = copy.deepcopy(model)
+    dp_model = fxdp.transform(model, grad_sample=True, max_grad_norm=0.5, loss_reduction="sum", compiler="eager")
+    tol = tolerance(DTYPE)
+    for batch_size in (4, 3):
+        x = torch.randn(batch_size, 4, dtype=DTYPE)
+        ref = reference(copy.deepcopy(plain), (x,), lambda out, i: out.sum())
+        model.zero_grad(set_to_none=True)
+        dp_model(x).sum().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, tol,
+                         f"grad_sample at B = {batch_size}")
+        assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("sum", 0.5), tol,
+                         f"clipped grad at B = {batch_size}")
+
+
+@pytest.mark.parametrize("kind", ["scaled by the position", "the first sample's own code",
+                                  "another tensor's rows at some positions", "rows of a shared table at each position",
+                                  "written by the position", "rewritten in place by the position",
+                                  "the last row rewritten"])
+def test_samples_pieces_computed_by_code_that_depends_on_the_position_are_refused(kind):
+    """Each sample's values depend on where it stands in the batch: the microbatch loop
+    gives every sample the first position's (or cannot run), and under add/remove
+    adjacency one sample more or less moves the others (they were accepted before)."""
+    problems = fxdp.validate(PositionedPieces(kind).to(DTYPE), torch.randn(4, 4, dtype=DTYPE))
+    assert problems and any("computes them with different code at different positions" in p.reason
+                            and "run the same code on every sample" in p.reason for p in problems), problems
