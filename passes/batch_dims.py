@@ -3103,16 +3103,6 @@ def _any_masked(value: Any) -> bool:
     return any(isinstance(b, Masked) for b in _flat(value))
 
 
-def _views_an_input(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """Whether ``node``'s value shares memory with an input of ``gm`` (``w.t()`` of a
-    parameter): AOTAutograd regenerates such an output outside the graph, so a
-    gradient it gets reaches the input directly, not through the graph's backward."""
-    value = _meta(node)
-    return isinstance(value, torch.Tensor) and any(
-        isinstance(_meta(p), torch.Tensor) and torch._C._is_alias_of(value, _meta(p))
-        for p in gm.graph.nodes if p.op == "placeholder")
-
-
 def _any_rows(value: Any) -> bool:
     return any(isinstance(b, Rows) for b in _flat(value))
 
@@ -3936,8 +3926,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             outputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
             pieces: list[fx.Node] = []  # outputs holding one sample's values (with a gradient)
             for out in node.all_input_nodes:
-                if out in sources and all(i in stored_outputs for i, o in enumerate(outputs) if o is out) \
-                        and not _views_an_input(out, gm):
+                if out in sources and all(i in stored_outputs for i, o in enumerate(outputs) if o is out):
                     # stored, not returned: its gradient is checked to be zero at run time
                     stored[out] = sorted({param_names[p] for p in sources[out]})
                 elif out in sources:
@@ -4008,8 +3997,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
             continue
         batched = _any_batched(arg_batch) or _any_batched(kwarg_batch)
-        read: set = set()
-        fx.node.map_arg(([a for i, a in enumerate(node.args) if i not in donors], node.kwargs), read.add)
+        read: set = set()  # (``p.new_zeros(B, d)`` reads only its parameter's dtype: no use of it)
+        shaped = {0} if target in _NEW_LIKE or target in SHAPED_LIKE else set()
+        fx.node.map_arg(([a for i, a in enumerate(node.args) if i not in donors | shaped], node.kwargs), read.add)
         paramish = [a for a in node.all_input_nodes if a in sources and a in read]
         if paramish and (is_detach(node) or node in without_grad) and not writes_in_place(target) \
                 and not _written_into(node):
@@ -4403,8 +4393,7 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, wi
             if carries_no_gradient(value, without_grad):
                 continue  # no gradient flows back (spectral norm's power-iteration vectors)
             problems.append(Problem("output", "", _names(sources[value], param_names),
-                                    "a parameter (or a value computed from parameters alone) is returned, "
-                                    "or stored as a view of a parameter (self.wt = self.weight.t()); fxdp "
+                                    "a parameter (or a value computed from parameters alone) is returned; fxdp "
                                     "cannot see how each sample's loss uses it, so its gradient cannot be made "
                                     "per-sample: give it a batch dim inside the forward (a flow's "
                                     "log-determinant of its weights: logdet.expand(x.shape[0]), added to each "

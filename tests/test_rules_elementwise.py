@@ -1032,6 +1032,34 @@ def test_a_draw_shaped_like_one_sample_is_shared(draw):
     _against_the_loop(DrawnFromOneSamplesShape(draw).double(), torch.randn(B, T, D, dtype=torch.float64))
 
 
+class StateFromAParametersDtype(nn.Module):
+    """An initial state sized by the batch, made from a parameter's dtype and device
+    (fastai's AWD-LSTM: ``one_param(self).new_zeros(n_dir, B, H)``)."""
+
+    def __init__(self, make: str):
+        super().__init__()
+        self.make = make
+        self.rnn = nn.GRU(D, D, batch_first=True)
+
+    def forward(self, x):  # [B, T, D]
+        weight = self.rnn.weight_hh_l0
+        h0 = {"new_zeros": lambda: weight.new_zeros(1, x.shape[0], D),
+              "new_full": lambda: weight.new_full((1, x.shape[0], D), 0.5),
+              "zeros_like": lambda: torch.zeros_like(weight)[:1].expand(x.shape[0], D)[None]}[self.make]()
+        return self.rnn(x, h0)[0]
+
+
+@pytest.mark.parametrize("make", ["new_zeros", "new_full", "zeros_like"])
+def test_a_state_made_from_a_parameters_dtype_is_no_use_of_it(make):
+    """``new_zeros`` of a parameter reads its dtype, not its values: no use of the
+    parameter to make per-sample (it crashed fxdp, "'NoneType' object has no attribute
+    'params'", where the size held the batch)."""
+    torch.manual_seed(0)
+    model = StateFromAParametersDtype(make).double()
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), dp=dp)
+
+
 def test_a_refusal_names_only_what_no_reading_explains():
     """The cell's weights were listed too ("a size other than 1 along the batch dim"):
     the reading with the zero state shared named them, though reading it per-sample
@@ -1468,20 +1496,41 @@ def test_a_value_of_parameters_stored_by_the_forward_and_used_there_is_exact():
     dp(x).pow(2).sum().backward()
     assert_close_all(_params(model, "grad_sample"), expected.per_sample, tolerance(torch.float64), "grad_sample")
     message = _reasons(ReturnsAWeightsNorm(), torch.randn(B, D))
-    assert "is returned, or stored as a view of a parameter" in message
-    # a stored view of a parameter: AOTAutograd rebuilds it outside the graph, where the
-    # loss's gradient would reach the parameter past fxdp's backward
-    assert "is returned, or stored as a view of a parameter" in _reasons(StoresAView(), torch.randn(B, D))
+    assert "a value computed from parameters alone) is returned; fxdp cannot see" in message
 
 
 class StoresAView(nn.Module):
-    def __init__(self):
+    def __init__(self, how: str):
         super().__init__()
         self.fc = nn.Linear(D, D)
+        self.how = how
 
     def forward(self, x):
-        self.weight_t = self.fc.weight.t()  # kept for a tied head
+        weight = self.fc.weight
+        # kept for a tied head; fastai's WeightDropout stores F.dropout(raw, p) (no copy at p = 0)
+        self.kept = weight.t() if self.how == "t" else F.dropout(weight, 0.0, self.training) \
+            if self.how == "dropout" else weight.view(-1)
         return torch.tanh(self.fc(x))
+
+
+@pytest.mark.parametrize("how", ["t", "dropout", "view"])
+def test_a_view_of_a_parameter_the_forward_stores_is_the_parameter_stored(how):
+    """A view of a parameter the forward stores (``self.wt = self.weight.t()``, a
+    dropout with ``p = 0``) is rebuilt by AOTAutograd outside the graph: as with
+    ``self.w = self.weight``, a loss that does not use it is exact, and a loss that uses
+    it sends a gradient to the parameter past fxdp's backward, which the check after the
+    backward finds (it was refused before, view or not)."""
+    torch.manual_seed(0)
+    model = StoresAView(how).double()
+    x = torch.randn(B, D, dtype=torch.float64)
+    expected = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, max_grad_norm=0.5, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
+    assert_close_all(_params(model, "grad_sample"), expected.per_sample, tolerance(torch.float64), "grad_sample")
+    assert_close_all(_params(model, "grad"), expected.grad("sum", 0.5), tolerance(torch.float64), "grad")
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(fxdp.UnsupportedError, match="is not the clipped gradient fxdp's backward computed"):
+        (dp(x).pow(2).sum() + model.kept.sum()).backward()
 
 
 class ReturnsAWeightsNorm(nn.Module):
