@@ -17,7 +17,7 @@ from fxdp.errors import UnsupportedError
 from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
 from fxdp.passes.batch_dims import FILLED_LIKE
-from fxdp.passes.writes import carries_no_gradient, computed_without_grad, is_view, writes_in_place
+from fxdp.passes.writes import carries_no_gradient, computed_without_grad, is_view, writes_in_place, written_chain
 from fxdp.registry import named_arg, out_of_place
 
 __all__ = [
@@ -608,6 +608,7 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     gm = out_arguments_as_copies_pass(gm)
     gm = written_pieces_as_views_pass(gm)
     gm = filled_slices_as_cat_pass(in_place_as_out_of_place_pass(gm))
+    gm = filled_pieces_as_one_fill_pass(gm)
     gm = unit_scale_pass(gm)
     gm = masked_fill_by_index_put_as_where_pass(nonzero_positions_as_mask_pass(gm))
     gm = bernoulli_probability_detached_pass(gm)
@@ -1187,6 +1188,72 @@ def whole_slice_pass(gm: fx.GraphModule) -> fx.GraphModule:
             node.replace_all_uses_with(source)
             changed = True
     return _finished(gm, changed)
+
+
+def filled_pieces_as_one_fill_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A ``cat`` of tensors made from sizes, each filled with one constant, as that
+    tensor made from the sizes of the whole.
+
+    fastai's AWD-LSTM grows its zero state to the batch (``cat([h, h.new_zeros(1, B - 1,
+    H)], 1)`` after ``h = zeros(1, 1, H)``): pieces side by side are read as values
+    placed by position, while one tensor of zeros sized by the batch is no sample's::
+
+        cat = aten.cat.default([zeros, new_zeros], 1)                  # before
+        full = aten.full.default([1, add, 5], 0.0, dtype=…, …)          # after (add = 1 + (B - 1))
+    """
+    written = {n for node in gm.graph.nodes for n in written_chain(node) or ()}
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.cat.default or len(node.args[0]) < 2:
+            continue
+        pieces = [_filled(t) if t not in written else None for t in node.args[0]]
+        value = node.meta.get("val")
+        if value is None or None in pieces or len({fill for _, fill in pieces}) > 1 or any(
+                len(sizes) != value.dim() or t.meta["val"].dtype != value.dtype
+                for t, (sizes, _) in zip(node.args[0], pieces)):
+            continue
+        dim = (node.args[1] if len(node.args) > 1 else named_arg(node, "dim", 0)) % value.dim()
+        sizes = list(pieces[0][0])
+        with gm.graph.inserting_before(node):
+            for other, _ in pieces[1:]:
+                total = gm.graph.call_function(operator.add, (sizes[dim], other[dim]))
+                total.meta["val"] = _size_of(sizes[dim]) + _size_of(other[dim])
+                sizes[dim] = total
+            full = gm.graph.call_function(torch.ops.aten.full.default, (sizes, pieces[0][1]), {
+                "dtype": value.dtype, "layout": torch.strided, "device": value.device, "pin_memory": False})
+        full.meta = {**node.meta, "val": value}
+        node.replace_all_uses_with(full)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+def _filled(node: Any) -> tuple[list, float] | None:
+    """``(sizes, fill)`` of a tensor made from a list of sizes and one constant."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    target, args = node.target, node.args
+    aten = torch.ops.aten
+    if target in (aten.zeros.default, aten.ones.default):
+        sizes, fill = args[0], float(target is aten.ones.default)
+    elif target in (aten.new_zeros.default, aten.new_ones.default):
+        sizes, fill = args[1], float(target is aten.new_ones.default)
+    elif target is aten.full.default:
+        sizes, fill = args[0], args[1]
+    elif target is aten.new_full.default:
+        sizes, fill = args[1], args[2]
+    else:
+        return None
+    if not isinstance(sizes, (list, tuple)) or not isinstance(fill, (int, float)) or isinstance(fill, bool):
+        return None
+    return list(sizes), float(fill)
+
+
+def _size_of(size: Any) -> Any:
+    return size.meta["val"] if isinstance(size, fx.Node) else size
 
 
 def legacy_empty_cat_pass(gm: fx.GraphModule) -> fx.GraphModule:

@@ -1034,7 +1034,8 @@ def test_a_draw_shaped_like_one_sample_is_shared(draw):
 
 class StateFromAParametersDtype(nn.Module):
     """An initial state sized by the batch, made from a parameter's dtype and device
-    (fastai's AWD-LSTM: ``one_param(self).new_zeros(n_dir, B, H)``)."""
+    (fastai's AWD-LSTM: ``one_param(self).new_zeros(n_dir, B, H)``), or grown to the
+    batch from a state of one row (its ``_change_one_hidden`` after ``reset()``)."""
 
     def __init__(self, make: str):
         super().__init__()
@@ -1045,19 +1046,32 @@ class StateFromAParametersDtype(nn.Module):
         weight = self.rnn.weight_hh_l0
         h0 = {"new_zeros": lambda: weight.new_zeros(1, x.shape[0], D),
               "new_full": lambda: weight.new_full((1, x.shape[0], D), 0.5),
-              "zeros_like": lambda: torch.zeros_like(weight)[:1].expand(x.shape[0], D)[None]}[self.make]()
+              "zeros_like": lambda: torch.zeros_like(weight)[:1].expand(x.shape[0], D)[None],
+              "grown": lambda: torch.cat([torch.zeros(1, 1, D, dtype=x.dtype),
+                                          weight.new_zeros(1, x.shape[0] - 1, D)], 1),
+              "grown with ones": lambda: torch.cat([torch.zeros(1, 1, D, dtype=x.dtype),
+                                                    weight.new_ones(1, x.shape[0] - 1, D)], 1)}[self.make]()
         return self.rnn(x, h0)[0]
 
 
-@pytest.mark.parametrize("make", ["new_zeros", "new_full", "zeros_like"])
+@pytest.mark.parametrize("make", ["new_zeros", "new_full", "zeros_like", "grown"])
 def test_a_state_made_from_a_parameters_dtype_is_no_use_of_it(make):
     """``new_zeros`` of a parameter reads its dtype, not its values: no use of the
     parameter to make per-sample (it crashed fxdp, "'NoneType' object has no attribute
-    'params'", where the size held the batch)."""
+    'params'", where the size held the batch). Zeros grown to the batch by ``cat`` are
+    zeros sized by the batch (``filled_pieces_as_one_fill_pass``; refused before)."""
     torch.manual_seed(0)
     model = StateFromAParametersDtype(make).double()
     dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
     _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), dp=dp)
+
+
+def test_a_state_grown_with_other_values_after_the_first_row_is_refused():
+    """Sample 0 starts from zeros, the others from ones: values placed by position."""
+    problems = fxdp.validate(StateFromAParametersDtype("grown with ones").double(),
+                             torch.randn(B, T, D, dtype=torch.float64))
+    assert problems and any("a shared tensor whose values vary along the batch dim" in p.reason
+                            for p in problems), problems
 
 
 def test_a_refusal_names_only_what_no_reading_explains():
