@@ -16,7 +16,7 @@ from fxdp._torch_internals import erase_unused, inline_checkpoints, make_fx_trac
 from fxdp.errors import UnsupportedError
 from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
-from fxdp.passes.batch_dims import FILLED_LIKE
+from fxdp.passes.batch_dims import FILLED_LIKE, pure_op, reached
 from fxdp.passes.writes import carries_no_gradient, computed_without_grad, is_view, writes_in_place, written_chain
 from fxdp.registry import named_arg, out_of_place
 
@@ -608,7 +608,7 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     gm = out_arguments_as_copies_pass(gm)
     gm = written_pieces_as_views_pass(gm)
     gm = filled_slices_as_cat_pass(in_place_as_out_of_place_pass(gm))
-    gm = filled_pieces_as_one_fill_pass(gm)
+    gm = filled_pieces_as_one_fill_pass(unique_rows_gathered_back_pass(gm))
     gm = unit_scale_pass(gm)
     gm = masked_fill_by_index_put_as_where_pass(nonzero_positions_as_mask_pass(gm))
     gm = bernoulli_probability_detached_pass(gm)
@@ -1229,6 +1229,133 @@ def filled_pieces_as_one_fill_pass(gm: fx.GraphModule) -> fx.GraphModule:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return gm
+
+
+def unique_rows_gathered_back_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rows computed once for each distinct index, gathered back by the inverse, as the
+    rows computed for the indices themselves: ``f(u)[inv]`` is ``f(idx)`` where ``u, inv
+    = idx.unique(return_inverse=True)`` (``u[inv]`` is ``idx``) and ``f`` computes each
+    row from its own index alone.
+
+    pykeen's representations look each distinct entity up once: the distinct values
+    mix the samples' indices, a lookup of each sample's own does not::
+
+        _unique2 = aten._unique2.default(idx, True, True)            (unused: dropped)
+        u, inv = getitem(_unique2, 0), getitem(_unique2, 1)
+        emb = aten.embedding.default(w, u)                  emb_1 = aten.embedding.default(w, idx)
+        row = aten.tanh.default(emb)                   ->   row_1 = aten.tanh.default(emb_1)
+        out = aten.index.Tensor(row, [inv])                 (out's uses read row_1)
+
+    ``f`` is a lookup of ``u`` (``embedding``, ``table[u]``, ``index_select`` along 0)
+    followed by elementwise ops with operands of fewer dims, ``linear``s, and (for 1-D
+    indices) reductions and softmaxes along dims other than 0; the op that applies
+    ``inv`` is ``index`` by ``[inv]`` alone.
+    """
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is torch.ops.aten.index.Tensor
+                and len(node.args[1]) == 1 and isinstance(node.args[1][0], fx.Node)):
+            continue
+        unique = _unique_of(node.args[1][0])
+        chain = None if unique is None else _rows_of_unique(node.args[0], unique)
+        if chain is None:
+            continue
+        env = {}
+        with gm.graph.inserting_before(node):
+            for step in chain:
+                if step.target is operator.getitem:  # the distinct values: the indices themselves
+                    env[step] = unique.args[0]
+                    continue
+                args, kwargs = fx.node.map_arg((step.args, step.kwargs), lambda a: env.get(a, a))
+                env[step] = _call(gm, step.target, args, step, kwargs)
+        node.replace_all_uses_with(env[chain[-1]])
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+def _unique_of(inverse: fx.Node) -> fx.Node | None:
+    """The ``unique`` whose inverse indices ``inverse`` is (``u[inv]`` is its input)."""
+    aten = torch.ops.aten
+    unique = inverse.args[0] if inverse.target is operator.getitem and inverse.args[1] == 1 else None
+    if not isinstance(unique, fx.Node) or unique.op != "call_function":
+        return None
+    if unique.target is aten._unique2.default and named_arg(unique, "return_inverse", False):
+        return unique
+    if unique.target is aten.unique_consecutive.default and named_arg(unique, "return_inverse", False) \
+            and named_arg(unique, "dim", None) is None:
+        return unique
+    return None
+
+
+# Ops along dims other than 0 (the distinct values' dim), by the position of their dims.
+_ALONG_OTHER_DIMS = {torch.ops.aten.sum.dim_IntList: 1, torch.ops.aten.mean.dim: 1, torch.ops.aten.amax.default: 1,
+                     torch.ops.aten.amin.default: 1, torch.ops.aten._softmax.default: 1,
+                     torch.ops.aten._log_softmax.default: 1, torch.ops.aten.linalg_vector_norm.default: 2}
+
+
+def _rows_of_unique(rows: fx.Node, unique: fx.Node) -> list | None:
+    """The nodes, in graph order, by which ``rows`` computes each of its rows from its
+    own distinct value of ``unique`` alone (see ``unique_rows_gathered_back_pass``), or
+    ``None`` where it does not."""
+    aten = torch.ops.aten
+    after = reached([unique], lambda n: n.users)
+    one_dim = unique.args[0].meta["val"].dim() == 1
+    chain, pending = set(), [rows]
+
+    def distinct(a: Any) -> bool:
+        return isinstance(a, fx.Node) and a.target is operator.getitem and a.args[0] is unique and a.args[1] == 0
+
+    while pending:
+        node = pending.pop()
+        if node in chain:
+            continue
+        if not isinstance(node, fx.Node) or node.op != "call_function" or not isinstance(
+                node.meta.get("val"), torch.Tensor):
+            return None
+        chain.add(node)
+        target, args = node.target, node.args
+        others = [a for a in node.all_input_nodes if a in after]
+        if target is aten.index_select.default and one_dim and args[1] == 0:
+            if not distinct(args[2]) or args[0] in after:
+                return None
+            chain.add(args[2])
+        elif target in (aten.embedding.default, aten.index.Tensor):
+            # a lookup by the distinct values, or by rows computed from them (pykeen's
+            # NodePiece: each entity's tokens, tokens[u], then their embeddings)
+            index = args[1] if target is aten.embedding.default else (args[1][0] if len(args[1]) == 1 else None)
+            if not isinstance(index, fx.Node) or args[0] in after:
+                return None
+            if distinct(index):
+                chain.add(index)
+            else:
+                pending.append(index)
+        elif target is aten.linear.default:
+            if others != [args[0]]:
+                return None
+            pending.append(args[0])
+        elif torch.Tag.pointwise in getattr(target, "tags", ()) and pure_op(target):
+            # the other operands broadcast over the rows (fewer dims, or one row)
+            rank = node.meta["val"].dim()
+            if len(others) != 1 or any(
+                    a is not others[0] and a.meta["val"].dim() >= rank
+                    and not statically_known_true(a.meta["val"].shape[0] == 1) for a in node.all_input_nodes):
+                return None
+            pending.append(others[0])
+        elif target in _ALONG_OTHER_DIMS and one_dim and len(others) == 1 and args[0] is others[0]:
+            dims = named_arg(node, "dim", None) if target is not aten.linalg_vector_norm.default else (
+                args[_ALONG_OTHER_DIMS[target]] if len(args) > 2 else None)
+            dims = [dims] if isinstance(dims, int) else dims
+            rank = args[0].meta["val"].dim()
+            if not dims or any(d % rank == 0 for d in dims):
+                return None
+            pending.append(args[0])
+        else:
+            return None
+    return [n for n in rows.graph.nodes if n in chain]
 
 
 def _filled(node: Any) -> tuple[list, float] | None:

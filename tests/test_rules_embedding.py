@@ -744,3 +744,64 @@ def test_gpt2_position_rows_over_many_sequence_lengths(to_device: bool):
     plans = {plan.name: plan for plan in fxdp.explain(model, _ids((B, 5), 30, seed=0), max_grad_norm=1.0).plans}
     assert plans["wpe.weight"].rule == "embedding.weight"
     _check_over_sizes(model, [(B, length) for length in range(3, 15)])
+
+
+class DistinctRowsGatheredBack(nn.Module):
+    """pykeen's representations: each distinct index looked up once (``u, inv =
+    idx.unique(return_inverse=True)``), the rows gathered back with ``rows[inv]``."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(10, 4)
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, CLASSES)
+        self.register_buffer("tokens", torch.randint(0, 10, (10, 3), generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, ids):
+        if self.kind == "consecutive":
+            u, inv = torch.unique_consecutive(ids, return_inverse=True)
+        else:
+            u, inv = ids.unique(return_inverse=True)
+        if self.kind == "tokens of each entity":  # NodePiece: tokens[u], their embeddings, pooled
+            rows = self.proj(self.emb(self.tokens[u]).mean(1)).relu()
+        elif self.kind == "rows of the table":
+            rows = self.emb.weight[u] * 2
+        elif self.kind == "centred over the distinct values":  # a mean over them mixes the samples
+            rows = self.emb(u) - self.emb(u).mean(0)
+        else:
+            rows = self.proj(self.emb(u).tanh())
+        return self.head(rows[inv])
+
+
+@pytest.mark.parametrize("kind, ids", [
+    ("lookup", [3, 7, 3, 1]),
+    ("lookup", [[3, 7], [3, 1], [1, 1]]),
+    ("consecutive", [3, 3, 7, 1]),
+    ("tokens of each entity", [3, 7, 3, 1]),
+    ("rows of the table", [3, 7, 3, 1]),
+])
+def test_rows_of_distinct_indices_gathered_back_are_each_samples_lookup(kind, ids):
+    """``f(u)[inv]`` is ``f(ids)`` (``unique_rows_gathered_back_pass``); it was refused
+    ("no batch-dim propagation for aten._unique2")."""
+    torch.manual_seed(0)
+    model = DistinctRowsGatheredBack(kind).double()
+    ids = torch.tensor(ids)
+    used = ["emb.weight", "head.weight", "head.bias"]
+    if kind in ("lookup", "tokens of each entity"):
+        used += ["proj.weight", "proj.bias"]
+    ref = reference(model, (ids,), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.3, loss_reduction="sum", compiler="eager")
+    dp(ids).pow(2).sum().backward()
+    tol = tolerance(torch.float64)
+    params = dict(model.named_parameters())
+    assert_close_all({n: params[n].grad_sample for n in used}, {n: ref.per_sample[n] for n in used}, tol,
+                     "grad_sample")
+    clipped = ref.grad("sum", 0.3)
+    assert_close_all({n: params[n].grad for n in used}, {n: clipped[n] for n in used}, tol, "clipped grad")
+
+
+def test_rows_of_distinct_indices_mixed_before_the_gather_are_refused():
+    problems = fxdp.validate(DistinctRowsGatheredBack("centred over the distinct values").double(),
+                             torch.tensor([3, 7, 3, 1]))
+    assert problems and any("aten._unique2" in p.op for p in problems), problems
