@@ -354,6 +354,12 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
     if _is_pointwise(target):
         return all(_uniform_along(a, dim - (value.dim() - _meta(a).dim()), memo) for a in node.all_input_nodes
                    if isinstance(_meta(a), torch.Tensor))
+    if target is aten.index_put.default:
+        # One value put at positions of other dims, all along ``dim`` (sinkhorn-transformer's
+        # causal mask, ``mask[:, i, j] = True`` into ``zeros(B * h, n, m)``).
+        indices, values = node.args[1], _meta(node.args[2])
+        return (dim >= len(indices) or indices[dim] is None) and statically_known_true(values.numel() == 1) \
+            and _uniform_along(node.args[0], dim, memo)
     return False
 
 

@@ -4366,3 +4366,35 @@ def test_a_loss_the_outputs_do_not_depend_on_is_no_loss():
     """It was taken for the in-graph loss, a mean, and refused under ``loss_reduction='sum'``."""
     torch.manual_seed(0)
     _against_the_loop(DroppedMean().double(), torch.randn(B, 3, dtype=torch.float64))
+
+
+class MaskWrittenAtOtherDims(nn.Module):
+    """sinkhorn-transformer's causal sort net: a mask made from the scores' sizes (the
+    batch merged with the heads), one value put at positions of the other dims."""
+
+    def __init__(self, rows: str):
+        super().__init__()
+        self.rows = rows
+        self.lin = nn.Linear(D, 2 * D)
+
+    def forward(self, x):  # [B, T, D]
+        b, t, _ = x.shape
+        q = self.lin(x).reshape(b, t, 2, D).transpose(1, 2).reshape(b * 2, t, D)
+        scores = q @ q.transpose(1, 2)
+        mask = torch.zeros(scores.shape).bool()
+        i, j = torch.triu_indices(t, t, 1)
+        if self.rows == "every row":
+            mask[:, i, j] = True
+        else:
+            mask[0, i, j] = True  # the first sample's first head only: placed by position
+        return scores.masked_fill(mask, -1e9).softmax(-1)
+
+
+def test_one_value_put_at_positions_of_other_dims_is_alike_for_every_sample():
+    """It was refused ("a shared tensor whose values vary along the batch dim")."""
+    torch.manual_seed(0)
+    model = MaskWrittenAtOtherDims("every row").double()
+    dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 1, T, D, dtype=torch.float64), dp=dp)
+    assert "a shared tensor whose values vary along the batch dim" in _reasons(
+        MaskWrittenAtOtherDims("the first row").double(), torch.randn(B, T, D, dtype=torch.float64))
