@@ -3280,7 +3280,8 @@ def _alike(values: list, batch: dict) -> bool:
     first, written = values[0], None
     for other in values[1:]:
         corr, pieces, varied = {}, {}, []
-        if not same_code(first, other, corr, pieces, varied, _comparable, through_writes=True, bounds=True):
+        if not same_code(first, other, corr, pieces, varied, _comparable, through_writes=True, bounds=True) \
+                or any(sizes_of is not None for sizes_of, *_ in varied):  # (sizes of new tensors, of views)
             return False
         if not all(isinstance(batch.get(a), Piece) and isinstance(batch.get(b), Piece) for a, b in pieces.items()):
             return False  # rows of a tensor the samples share (a table indexed by position)
@@ -3293,48 +3294,97 @@ def _alike(values: list, batch: dict) -> bool:
 
 def _comparable(node: fx.Node) -> bool:
     target = node.target
-    return target is operator.getitem or target in SIZE_ARITHMETIC or isinstance(target, torch._ops.OpOverload)
+    return target is operator.getitem or target in SIZE_ARITHMETIC or target is FUNCTION_APPLY \
+        or isinstance(target, torch._ops.OpOverload)
 
 
 def _sample_row_written(node: fx.Node, arg_batch: list, rows_written: dict, rows_whole: dict, batch: dict,
                         batch_size: Any) -> dict | None:
-    """The rows of a batched tensor (built from sizes, or the batch itself) that samples'
-    own pieces have been written into once ``node`` has written one
-    (``_writes_its_own_row``), each with the value written last: ``None`` for any other
-    op. ``rows_written`` holds the tensors some of whose rows are still not written,
-    ``rows_whole`` those whose every row is."""
+    """The writes into each row of a batched tensor (built from sizes, or the batch
+    itself) that samples' own pieces have been written into once ``node`` has written one
+    (``_writes_its_own_row``): ``None`` for any other op. ``rows_written`` holds the
+    tensors some of whose rows are still not written, ``rows_whole`` those whose every
+    row is."""
     base = node.args[0] if node.args else None
     if node.target not in (aten.slice_scatter.default, aten.select_scatter.default) or not isinstance(
             base, fx.Node) or not (base in rows_written or isinstance(batch.get(base), BatchDim)) \
             or not _writes_its_own_row(node, arg_batch):
         return None
-    return _with_row(rows_written, rows_whole, base, arg_batch[1].sample, node.args[1], batch_size, batch)
+    return _with_row(rows_written, rows_whole, base, arg_batch[1].sample, _written(node.args[1]))
 
 
-def _with_row(rows_written: dict, rows_whole: dict, base: fx.Node, sample: int, value: fx.Node, batch_size: Any,
-              batch: dict) -> dict:
-    """The rows of ``base`` written so far, with ``sample``'s (``value``); once every
-    row is, they must have been written by the same code (else ``MixesSamples``)."""
-    written = {**(rows_written.get(base) or rows_whole.get(base, {})), sample: value}
-    if _every_row(written, batch_size) and not _alike([_written_value(written[i]) for i in sorted(written)], batch):
-        raise MixesSamples(_POSITIONED)
-    return written
+def _with_row(rows_written: dict, rows_whole: dict, base: fx.Node, sample: int, entry: tuple) -> dict:
+    """The writes into each row of ``base`` so far, in order, with ``entry`` (see
+    ``_written``) added to ``sample``'s."""
+    old = rows_written.get(base) or rows_whole.get(base, {})
+    return {**old, sample: old.get(sample, ()) + (entry,)}
 
 
-def _written_value(value: fx.Node) -> fx.Node:
-    """What a write into a sample's row computes, however it was written: the source of
-    a ``copy_`` (else the op run in place), of a ``select_scatter``/``slice_scatter`` into
-    the row (``out[i, :n] = piece``, out of place), without the dim of size 1 a
-    ``slice_scatter`` of one row adds."""
+def _written(value: fx.Node, views: Sequence[fx.Node] = ()) -> tuple:
+    """``(value, place)``: what a write into a sample's row computes, however it was
+    written (the source of a ``copy_``, else the op run in place; of a
+    ``select_scatter``/``slice_scatter`` into the row, ``out[i, :n] = piece`` out of place;
+    without the dim of size 1 a ``slice_scatter`` of one row adds), and where in the row
+    it goes: the starts and indices of the ``views`` it is written through in place
+    (from the row in), then of the scatters."""
+    place = [_place(view.target, view.args[1:]) for view in views]
+    if value.target is aten.copy_.default:
+        value = value.args[1]
     while True:
-        if value.target is aten.copy_.default or (
-                value.target in (aten.select_scatter.default, aten.slice_scatter.default)
-                and isinstance(value.args[0], fx.Node) and value.args[0].target is aten.select.int):
+        if value.target in (aten.select_scatter.default, aten.slice_scatter.default) and isinstance(
+                value.args[0], fx.Node) and value.args[0].target in (aten.select.int, aten.slice.Tensor):
+            place.append(_place(value.target, value.args[2:]))
             value = value.args[1]
         elif value.target is aten.unsqueeze.default and _meta(value).shape[named_arg(value, "dim", 0)] == 1:
             value = value.args[0]
         else:
-            return value
+            return value, tuple(p for p in place if p is not None)
+
+
+def _place(target: Any, args: Sequence) -> tuple | None:
+    """Where a view (or a scatter through it) of ``args`` (after the tensors) starts:
+    ``None`` for a slice from the start (as a slice of the whole dim, or none)."""
+    if target in (aten.select.int, aten.select_scatter.default):
+        return "select", *args[:2]
+    if target in (aten.slice.Tensor, aten.slice_scatter.default):
+        dim, start, _, step = (list(args) + [0, None, None, 1][len(args):])[:4]
+        return None if start in (None, 0) and step == 1 else ("slice", dim, start, step)
+    return "view", target, *(a for a in args if not isinstance(a, fx.Node))
+
+
+def _rows_alike(written: dict, batch: dict) -> bool:
+    """Whether every row was written the same number of times, each time into the same
+    place in the row and by the same code as row 0's that time (``_alike``)."""
+    rows = [written[i] for i in sorted(written)]
+    if len({len(r) for r in rows}) > 1:
+        return False  # (the last row written once more: ``h[-1] = h[-1].cos()``)
+    for k in range(len(rows[0])):
+        entries = [r[k] for r in rows]
+        if len({place for _, place in entries}) > 1 or not _alike([value for value, _ in entries], batch):
+            return False
+    return True
+
+
+def _rows_alike_at(base: fx.Node, rows_whole: dict, memo: dict, batch: dict) -> bool:
+    """``_rows_alike`` of ``base``'s writes, each set of writes judged once."""
+    written = rows_whole[base]
+    if base not in memo or memo[base][0] is not written:
+        memo[base] = written, _rows_alike(written, batch)
+    return memo[base][1]
+
+
+def _reads_a_row(node: fx.Node, base: fx.Node, arg_batch: list, batch: dict) -> bool:
+    """Whether ``node`` takes one row of ``base`` (``out[i]``, ``out[i:i + 1]``) or
+    writes one sample's row into it: the steps of a loop over its rows, where a read of
+    the whole of it reads every row's writes at once."""
+    if node.target in (aten.slice_scatter.default, aten.select_scatter.default):
+        return node.args[0] is base and _writes_its_own_row(node, arg_batch)
+    layout = batch.get(base)
+    if node.target not in (aten.select.int, aten.slice.Tensor) or node.args[0] is not base \
+            or not isinstance(layout, BatchDim) or _norm_dim(named_arg(node, "dim", 0), _meta(base).dim()) != layout.dim:
+        return False
+    return node.target is aten.select.int or (named_arg(node, "step", 1) == 1
+                                            and statically_known_true(_meta(node).shape[layout.dim] == 1))
 
 
 def _every_row(written: dict, batch_size: Any) -> bool:
@@ -3357,10 +3407,7 @@ def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, rows_w
     size = _meta(base).shape[held.dim]
     if row.target is aten.select.int and held.plain and isinstance(size, int) and isinstance(row.args[2], int) \
             and _norm_dim(row.args[1], _meta(base).dim()) == held.dim and row.args[2] % size == batch[node].sample:
-        try:
-            written = _with_row(rows_written, rows_whole, base, batch[node].sample, node, batch_size, batch)
-        except MixesSamples as e:
-            return str(e)
+        written = _with_row(rows_written, rows_whole, base, batch[node].sample, _written(node, chain[-3::-1]))
         if _every_row(written, batch_size):
             rows_written.pop(base, None)
             rows_whole[base] = written
@@ -3901,9 +3948,10 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     counts: set[fx.Node] = set()  # how many elements a mask selected from the whole batch
     positions: set[fx.Node] = set()  # ``arange`` over such a count, as an index of the list's rows
     # Tensors built from sizes, read batched, into some of whose rows samples' own pieces
-    # were written (``out[i] = f(x[i])``), with each row's value, until every row is.
-    rows_written: dict[fx.Node, dict[int, fx.Node]] = {}
-    rows_whole: dict[fx.Node, dict[int, fx.Node]] = {}  # each row's value, once every row is written
+    # were written (``out[i] = f(x[i])``), with each row's writes (``_written``), until every row is.
+    rows_written: dict[fx.Node, dict[int, tuple]] = {}
+    rows_whole: dict[fx.Node, dict[int, tuple]] = {}  # each row's writes, once every row is written
+    rows_alike: dict[fx.Node, tuple] = {}  # those read whole: (their writes, whether every row's are alike)
     mixing: list[fx.Node] = []  # where problems were found
     found = 0
 
@@ -3949,6 +3997,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 if out in rows_written:
                     problems.append(Problem(op_name(out.target), module_path_of(out), "", _PARTLY_WRITTEN,
                                             source_of(out)))
+                if out in rows_whole and not _rows_alike_at(out, rows_whole, rows_alike, batch):
+                    problems.append(Problem(op_name(out.target), module_path_of(out), "", _POSITIONED,
+                                            source_of(out)))
                 if _any_packed(batch.get(out)):
                     problems.append(Problem(op_name(out.target), module_path_of(out), "", _PACKED_OUTPUT,
                                             source_of(out)))
@@ -3979,6 +4030,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         if any(a in rows_written for a in node.all_input_nodes) \
                 and not _reads_rows_written_so_far(node, arg_batch, rows_written):
             problems.append(Problem(op_name(target), path, "", _PARTLY_WRITTEN, source_of(node)))
+        if any(a in rows_whole and not _reads_a_row(node, a, arg_batch, batch)
+               and not _rows_alike_at(a, rows_whole, rows_alike, batch) for a in node.all_input_nodes):
+            problems.append(Problem(op_name(target), path, "", _POSITIONED, source_of(node)))
         if _counts_selected(node, batch, counts):
             counts.add(node)
             if not isinstance(_meta(node), torch.Tensor):

@@ -19,8 +19,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxdp.registry import named_arg
 
-__all__ = ["BOUNDS", "SIZE_ARITHMETIC", "SIZE_LISTS", "equal", "piece_of", "same_code", "same_constant", "size_value",
-           "unwritten_source"]
+__all__ = ["BOUNDS", "SIZE_ARITHMETIC", "SIZE_LISTS", "equal", "piece_of", "row_written", "same_code", "same_constant",
+           "size_value", "unwritten_source"]
 
 aten = torch.ops.aten
 
@@ -36,10 +36,11 @@ SIZE_LISTS = {
 }
 
 
-# Integer arguments that bound a piece by its size (``h[i, :lengths[i]]``, each sample's
-# own length, read from a list fixed per batch), by position.
-BOUNDS = {aten.slice.Tensor: (2, 3), aten.narrow.default: (2, 3), aten.slice_scatter.default: (3, 4),
-          aten.constant_pad_nd.default: (1,), aten.split.Tensor: (1,), aten.split_with_sizes.default: (1,)}
+# Integer arguments that bound a piece's size from its end (``h[i, :lengths[i]]``, each
+# sample's own length read from a list fixed per batch, and padded back), by position;
+# ``constant_pad_nd``'s are the pads after each dim (its list's odd entries).
+BOUNDS = {aten.slice.Tensor: 3, aten.narrow.default: 3, aten.slice_scatter.default: 4,
+          aten.constant_pad_nd.default: 1}
 
 
 # What a graph with a symbolic batch size computes sizes with.
@@ -137,9 +138,10 @@ def same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied: 
     ``pieces``, and the integers of size lists that differ in ``varied``. Only ops
     ``allowed`` admits are compared; ``through_writes`` reads a piece of a tensor into
     whose other rows a ``select_scatter``/``slice_scatter`` wrote as a piece of the tensor
-    written into (``h[1]`` after ``h[0] = …``: ``unwritten_source``); with ``bounds``, the
-    integers of ``BOUNDS`` may differ too (recorded in ``varied``), and a ``slice`` on one
-    side may be missing on the other."""
+    written into (``h[1]`` after ``h[0] = …``: ``unwritten_source``), and a row written
+    as the value written (``row_written``); with ``bounds``, the integers of ``BOUNDS``
+    may differ too (recorded in ``varied``), and a ``slice`` from the start on one side
+    may be missing on the other."""
     # (value, value, node whose size list it is in, path there, whether it is one of BOUNDS)
     pending = [(first, other, None, (), False)]
     while pending:
@@ -161,22 +163,29 @@ def same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied: 
             if a is b:
                 corr[a] = b
                 continue
-            if bounds and (a.target is aten.slice.Tensor) != (b.target is aten.slice.Tensor):
-                # a bound that takes the whole dim is no op (``h[i, :lengths[i]]``, left out where
-                # the length is the whole sequence)
-                pending.append((a.args[0], b, None, (), False) if a.target is aten.slice.Tensor
-                               else (a, b.args[0], None, (), False))
-                continue
+            if through_writes:
+                # a row read after a write of it: the value written (``out[i]`` after ``out[i] = v``)
+                read_a, read_b = row_written(a), row_written(b)
+                if read_a is not None and read_b is not None:
+                    pending.append((read_a, read_b, None, (), False))
+                    continue
             piece_a, piece_b = piece_of(a), piece_of(b)
             if through_writes and piece_a is not None and piece_b is not None:
                 piece_a, piece_b = unwritten_source(piece_a), unwritten_source(piece_b)
             if piece_a is not None and piece_b is not None and not (
-                equal(piece_a[2], piece_b[2]) and equal(piece_a[3], piece_b[3])):
+                    equal(piece_a[2], piece_b[2]) and equal(piece_a[3], piece_b[3])) \
+                    and piece_a[:2] == piece_b[:2] and piece_a[4] == piece_b[4]:
                 # other rows of one tensor: a chunk (a loop over them is checked later)
-                if piece_a[:2] != piece_b[:2] or piece_a[4] != piece_b[4]:
-                    return False
                 corr[a] = pieces[a] = b
                 continue
+            if bounds and _prefix(a) != _prefix(b):
+                # a bound that takes the whole dim is no op (``h[i, :lengths[i]]``, left out where
+                # the length is the whole sequence)
+                pending.append((a.args[0], b, None, (), False) if _prefix(a) else (a, b.args[0], None, (), False))
+                continue
+            if piece_a is not None and piece_b is not None and not (
+                    equal(piece_a[2], piece_b[2]) and equal(piece_a[3], piece_b[3])):
+                return False  # rows of different tensors
             if a.op == b.op == "get_attr" and same_constant(a, b):
                 corr[a] = b  # each copy's own lift of one constant (``row[mask] = 0.0``)
                 continue
@@ -184,14 +193,14 @@ def same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied: 
                     and len(a.args) == len(b.args) and a.kwargs.keys() == b.kwargs.keys()):
                 return False
             corr[a] = b
-            sizes_at, bounded = SIZE_LISTS.get(a.target), BOUNDS.get(a.target, ()) if bounds else ()
-            pending.extend((x, y, a if i == sizes_at else None, (i,), i in bounded or (bounds and i == sizes_at))
+            sizes_at, bounded = SIZE_LISTS.get(a.target), BOUNDS.get(a.target) if bounds else None
+            pending.extend((x, y, a if i == sizes_at else None, (i,), i == bounded)
                            for i, (x, y) in enumerate(zip(a.args, b.args)))
             pending.extend((a.kwargs[k], b.kwargs[k], None, (), False) for k in a.kwargs)
         elif isinstance(a, (list, tuple)):
             if type(a) is not type(b) or len(a) != len(b):
                 return False
-            pending.extend((x, y, sizes_of, path + (j,), bound) for j, (x, y) in enumerate(zip(a, b)))
+            pending.extend((x, y, sizes_of, path + (j,), bound and j % 2 == 1) for j, (x, y) in enumerate(zip(a, b)))
         elif type(a) is not type(b):
             return False
         elif isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -204,10 +213,46 @@ def same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied: 
     return True
 
 
+def _prefix(node: fx.Node) -> bool:
+    """Whether ``node`` is a ``slice`` from the start with step 1 (``h[i, :n]``)."""
+    if node.target is not aten.slice.Tensor:
+        return False
+    start, step = named_arg(node, "start", None), named_arg(node, "step", 1)
+    return (start is None or (isinstance(start, int) and start == 0)) and step == 1
+
+
+def row_written(node: fx.Node) -> fx.Node | None:
+    """The value a ``select_scatter``/``slice_scatter`` wrote into exactly the row
+    ``node`` takes (``out[i]`` after ``out[i] = v``: ``v``), past writes into other rows;
+    ``None`` where ``node`` takes no such row."""
+    piece = piece_of(node)
+    if piece is None or not equal(piece[3], 1):
+        return None
+    source, dim, start, _, kept = unwritten_source(piece)
+    if not (isinstance(source, fx.Node) and source.op == "call_function"
+            and source.target in (aten.select_scatter.default, aten.slice_scatter.default)
+            and named_arg(source, "dim", 0) % source.meta["val"].dim() == dim):
+        return None
+    if source.target is aten.select_scatter.default and equal(named_arg(source, "index", 0), start) and not kept:
+        return source.args[1]
+    if source.target is aten.slice_scatter.default and equal(named_arg(source, "start", None) or 0, start) \
+            and equal(named_arg(source, "end", None), start + 1) and named_arg(source, "step", 1) == 1:
+        value = source.args[1]
+        if kept:
+            return value
+        if isinstance(value, fx.Node) and value.target is aten.unsqueeze.default \
+                and named_arg(value, "dim", 0) % value.meta["val"].dim() == dim:
+            return value.args[0]
+    return None
+
+
 def same_constant(a: fx.Node, b: fx.Node) -> bool:
-    """Whether two attributes of the graph's module are tensors of the same values."""
+    """Whether two attributes of the graph's module are tensors of the same values (or
+    graphs of the same code and constants)."""
     module = a.graph.owning_module
     x, y = (getattr(module, n.target, None) for n in (a, b))
+    if isinstance(x, fx.GraphModule) and isinstance(y, fx.GraphModule):
+        return _same_graph(x.graph, y.graph)
     if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
             and x.shape == y.shape and x.device == y.device):
         return False
@@ -215,6 +260,24 @@ def same_constant(a: fx.Node, b: fx.Node) -> bool:
         return bool(torch.equal(x, y))
     except Exception:  # noqa: BLE001 - values not at hand (a fake tensor): not known equal
         return False
+
+
+def _same_graph(x: fx.Graph, y: fx.Graph) -> bool:
+    """Whether two graphs run the same ops on the same arguments, node by node (each
+    copy's own trace of one function: an autograd.Function's forward and backward)."""
+    xs, ys = list(x.nodes), list(y.nodes)
+    if len(xs) != len(ys):
+        return False
+    at_x, at_y = {n: i for i, n in enumerate(xs)}, {n: i for i, n in enumerate(ys)}
+    for a, b in zip(xs, ys):
+        if a.op != b.op or (a.op != "placeholder" and a.op != "get_attr" and a.target != b.target):
+            return False
+        if a.op == "get_attr" and not same_constant(a, b):
+            return False
+        if fx.node.map_arg((a.args, a.kwargs), lambda n: at_x[n]) != fx.node.map_arg((b.args, b.kwargs),
+                                                                                      lambda n: at_y[n]):
+            return False
+    return True
 
 
 def size_value(value: Any) -> int | torch.SymInt | None:

@@ -356,11 +356,46 @@ class PositionedPieces(nn.Module):
             for i in rows:
                 out[i, :2] = h[i, :2].tanh()
             h = out
+        elif kind == "two loops over the rows":
+            out = torch.zeros_like(h)
+            for i in rows:
+                out[i] = h[i].sin()
+            for i in rows:
+                out[i] = out[i].tanh()
+            h = out
+        elif kind == "an autograd.Function on every sample":
+            h = torch.stack([_Square.apply(h[i]) for i in rows])
+        elif kind == "a count of ones by the position":
+            h = torch.stack([h[i] * torch.ones(i + 1, dtype=x.dtype).sum() for i in rows])
+        elif kind == "narrowed at the position":
+            h = torch.stack([h[i].narrow(0, i % 2, 2).repeat(2) for i in rows])
+        elif kind == "written at a column by the position":
+            out = torch.zeros_like(h)
+            for i in rows:
+                out[i, i % 2] = h[i].sum()
+            h = out
+        elif kind == "a strided slice at the first position":
+            h = torch.stack([(h[i][::2] if i == 0 else h[i][:2]).repeat(2) for i in rows])
+        elif kind == "viewed by the position":
+            h = torch.stack([h[i].view((2, 2) if i else (1, 4)).t().reshape(4) for i in rows])
         return self.head(h)
 
 
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
 @pytest.mark.parametrize("kind", ["written by the same code", "rewritten in place by the same code",
-                                  "the same code, a shared row", "part of each row written"])
+                                  "the same code, a shared row", "part of each row written", "two loops over the rows",
+                                  "an autograd.Function on every sample"])
 def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
     torch.manual_seed(0)
     model = PositionedPieces(kind).to(DTYPE)
@@ -381,7 +416,9 @@ def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
 @pytest.mark.parametrize("kind", ["scaled by the position", "the first sample's own code",
                                   "another tensor's rows at some positions", "rows of a shared table at each position",
                                   "written by the position", "rewritten in place by the position",
-                                  "the last row rewritten"])
+                                  "the last row rewritten", "a count of ones by the position",
+                                  "narrowed at the position", "written at a column by the position",
+                                  "a strided slice at the first position", "viewed by the position"])
 def test_samples_pieces_computed_by_code_that_depends_on_the_position_are_refused(kind):
     """Each sample's values depend on where it stands in the batch: the microbatch loop
     gives every sample the first position's (or cannot run), and under add/remove
