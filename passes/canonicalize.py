@@ -1266,7 +1266,7 @@ def unique_rows_gathered_back_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 if step.target is operator.getitem:  # the distinct values: the indices themselves
                     env[step] = unique.args[0]
                     continue
-                args, kwargs = fx.node.map_arg((step.args, step.kwargs), lambda a: env.get(a, a))
+                args, kwargs = fx.node.map_arg((step.args, step.kwargs), lambda a, env=env: env.get(a, a))
                 env[step] = _call(gm, step.target, args, step, kwargs)
         node.replace_all_uses_with(env[chain[-1]])
         gm.graph.erase_node(node)
