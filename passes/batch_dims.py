@@ -3421,9 +3421,10 @@ def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, rows_w
 
 def _reads_rows_written_so_far(node: fx.Node, arg_batch: list, rows_written: dict) -> bool:
     """Whether ``node``, which reads a tensor only some of whose rows samples have written
-    (``_sample_row_written``), writes another sample's row into it, or takes a row not
-    yet written (``out[i]``, its constant values, before ``out[i] = …``): the steps of a
-    loop that fills every row."""
+    (``_sample_row_written``), writes another sample's row into it, or takes one row
+    (``out[i]``: its constant values before ``out[i] = …``, the values written after,
+    ``out[i] += g(x[i])`` after ``out[i] = f(x[i])``): the steps of a loop that fills
+    every row."""
     base = node.args[0] if node.args else None
     if any(a in rows_written for a in node.all_input_nodes if a is not base):
         return False
@@ -3440,7 +3441,7 @@ def _reads_rows_written_so_far(node: fx.Node, arg_batch: list, rows_written: dic
         row = named_arg(node, "start", None) or 0
         if not statically_known_true(_meta(node).shape[layout.dim] == 1) or named_arg(node, "step", 1) != 1:
             return False
-    return isinstance(row, int) and isinstance(size, int) and row % size not in rows_written[base]
+    return isinstance(row, int) and isinstance(size, int)
 
 
 def _writes_its_own_row(node: fx.Node, arg_batch: list) -> bool:

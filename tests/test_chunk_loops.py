@@ -363,6 +363,14 @@ class PositionedPieces(nn.Module):
             for i in rows:
                 out[i] = out[i].tanh()
             h = out
+        elif kind in ("two writes into each row", "a third write into the first row"):
+            out = torch.zeros_like(h)
+            for i in rows:
+                out[i] = h[i].tanh()
+                out[i] += h[i].sin()  # reads the row just written (refused before)
+                if i == 0 and kind == "a third write into the first row":
+                    out[i] += 1
+            h = out
         elif kind == "an autograd.Function on every sample":
             h = torch.stack([_Square.apply(h[i]) for i in rows])
         elif kind == "a count of ones by the position":
@@ -395,7 +403,7 @@ class _Square(torch.autograd.Function):
 
 @pytest.mark.parametrize("kind", ["written by the same code", "rewritten in place by the same code",
                                   "the same code, a shared row", "part of each row written", "two loops over the rows",
-                                  "an autograd.Function on every sample"])
+                                  "an autograd.Function on every sample", "two writes into each row"])
 def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
     torch.manual_seed(0)
     model = PositionedPieces(kind).to(DTYPE)
@@ -418,7 +426,8 @@ def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
                                   "written by the position", "rewritten in place by the position",
                                   "the last row rewritten", "a count of ones by the position",
                                   "narrowed at the position", "written at a column by the position",
-                                  "a strided slice at the first position", "viewed by the position"])
+                                  "a strided slice at the first position", "viewed by the position",
+                                  "a third write into the first row"])
 def test_samples_pieces_computed_by_code_that_depends_on_the_position_are_refused(kind):
     """Each sample's values depend on where it stands in the batch: the microbatch loop
     gives every sample the first position's (or cannot run), and under add/remove
