@@ -3274,9 +3274,10 @@ def _alike(values: list, batch: dict) -> bool:
     there) is computed by the same code as the first from that sample's own rows of the
     same batched tensors: where the code differs (``cat([h[0:1] * 2, h[1:2] * 3])``,
     ``out[i] = h[i] * (i + 1)``), so do a sample's values at different positions. A
-    value may be a write in place into the sample's row (``out[i].copy_(…)``). The
-    pieces' sizes may differ (``h[i, :lengths[i]]``, each sample's own length from a list
-    fixed per batch: a size that depends on the position, ``h[i, :i + 1]``, passes too)."""
+    value may be a write in place into the sample's row (``out[i].copy_(…)``). Where a
+    piece ends may differ (``h[i, :lengths[i]]``, each sample's own length from a list
+    fixed per batch: a length that depends on the position, ``h[i, :i + 1]``, passes too),
+    not where it starts, nor the sizes of a view or a new tensor."""
     first, written = values[0], None
     for other in values[1:]:
         corr, pieces, varied = {}, {}, []
@@ -3349,7 +3350,7 @@ def _place(target: Any, args: Sequence) -> tuple | None:
     if target in (aten.slice.Tensor, aten.slice_scatter.default):
         dim, start, _, step = (list(args) + [0, None, None, 1][len(args):])[:4]
         return None if start in (None, 0) and step == 1 else ("slice", dim, start, step)
-    return "view", target, *(a for a in args if not isinstance(a, fx.Node))
+    return "view", target, *(tuple(a) if isinstance(a, list) else a for a in args if not isinstance(a, fx.Node))
 
 
 def _rows_alike(written: dict, batch: dict) -> bool:
