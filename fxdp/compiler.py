@@ -1226,21 +1226,32 @@ class StepRecord:
                 "zero it.")
 
 
+def _before(param: torch.Tensor) -> torch.Tensor | None:
+    """A copy of ``param.grad`` where the backward will add to it (a dense ``.grad``)."""
+    grad = param.grad
+    if grad is None or grad.layout != torch.strided or is_fake(grad):
+        return None
+    return grad.detach().clone()
+
+
 class _HandedGradient:
-    """A clipped gradient fxdp's backward handed a parameter whose ``.grad`` was None.
+    """A clipped gradient fxdp's backward handed a parameter.
 
     Autograd sums every contribution to a parameter before it accumulates (one
     ``AccumulateGrad`` per backward), and a ``.grad`` that is None then becomes the sum
     itself (without a copy where its layout allows). So when the backward ends, that
     ``.grad`` is the handed tensor unchanged (same memory, same version), an equal copy,
     or a sum with something fxdp never saw. Holding the storage keeps autograd from
-    summing into it in place and its memory from being reused meanwhile.
+    summing into it in place and its memory from being reused meanwhile. A ``.grad``
+    that was not None (gradients accumulated over steps, ``zero_grad(set_to_none=False)``)
+    gets the sum added to it: it must then be what it was (``before``, a copy) plus the
+    handed tensor.
     """
 
-    __slots__ = ("dtype", "geometry", "name", "param", "storage", "version")
+    __slots__ = ("before", "dtype", "geometry", "name", "param", "storage", "version")
 
-    def __init__(self, param: torch.Tensor, name: str, grad: torch.Tensor):
-        self.param, self.name = param, name
+    def __init__(self, param: torch.Tensor, name: str, grad: torch.Tensor, before: torch.Tensor | None):
+        self.param, self.name, self.before = param, name, before
         self.storage = grad.untyped_storage()
         self.geometry = (grad.storage_offset(), grad.shape, grad.stride())
         self.version = grad._version
@@ -1256,6 +1267,11 @@ class _HandedGradient:
         grad = self.param.grad
         if grad is None:
             return True
+        if self.before is not None:
+            if not bool(grad.any()) or grad._is_view():
+                return True
+            handed = torch.empty(0, dtype=self.dtype, device=grad.device).set_(self.storage, *self.geometry)
+            return _same_values(grad, self.before + handed)
         same = (grad.untyped_storage().data_ptr() == self.storage.data_ptr()
                 and (grad.storage_offset(), grad.shape, grad.stride()) == self.geometry)
         if same and grad._version == self.version:
@@ -1353,7 +1369,11 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
             # replaced by this backward: free the old one before the new one is built
             p.grad_sample = None
         # (the boxed call frees ``args``)
-        handing = [(args[i], plan_names[i], o) for i, o in (delivered or {}).items() if args[i].grad is None]
+        handing = []  # (the parameter, its name, its output, a copy of its .grad before) to check
+        for i, o in (delivered or {}).items() if task != -1 else ():
+            before = _before(args[i])
+            if args[i].grad is None or before is not None:
+                handing.append((args[i], plan_names[i], o, before))
         with no_autocast(autocast_devices):
             outs = compiled(args)
         extras = list(outs[n:])
@@ -1371,7 +1391,7 @@ def _backward_runner(compiled: Callable, plan: BackwardPlan, options: Options,
         outside = unseen.take() if unseen is not None else []
         if task != -1:
             step.check_when_backward_ends([
-                _HandedGradient(p, name, outs[o]) for p, name, o in handing
+                _HandedGradient(p, name, outs[o], before) for p, name, o, before in handing
                 if isinstance(outs[o], torch.Tensor) and outs[o].layout == torch.strided and not is_fake(outs[o])],
                 outside)
         for p, gs in zip(grad_sample_params, extras):

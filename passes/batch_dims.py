@@ -357,8 +357,10 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
     if target is aten.index_put.default:
         # One value put at positions of other dims, all along ``dim`` (sinkhorn-transformer's
         # causal mask, ``mask[:, i, j] = True`` into ``zeros(B * h, n, m)``).
+        # (A boolean mask spans as many dims as it has: position and dim part ways.)
         indices, values = node.args[1], _meta(node.args[2])
         return (dim >= len(indices) or indices[dim] is None) and statically_known_true(values.numel() == 1) \
+            and not any(isinstance(i, fx.Node) and _meta(i).dtype in (torch.bool, torch.uint8) for i in indices) \
             and _uniform_along(node.args[0], dim, memo)
     return False
 

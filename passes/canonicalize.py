@@ -1340,7 +1340,7 @@ def _rows_of_unique(rows: fx.Node, unique: fx.Node) -> list | None:
         elif torch.Tag.pointwise in getattr(target, "tags", ()) and pure_op(target):
             # the other operands broadcast over the rows (fewer dims, or one row)
             rank = node.meta["val"].dim()
-            if len(others) != 1 or any(
+            if len(others) != 1 or others[0].meta["val"].dim() != rank or any(
                     a is not others[0] and a.meta["val"].dim() >= rank
                     and not statically_known_true(a.meta["val"].shape[0] == 1) for a in node.all_input_nodes):
                 return None
@@ -1358,16 +1358,16 @@ def _rows_of_unique(rows: fx.Node, unique: fx.Node) -> list | None:
     return [n for n in rows.graph.nodes if n in chain]
 
 
-def _filled(node: Any) -> tuple[list, float] | None:
+def _filled(node: Any) -> tuple[list, int | float] | None:
     """``(sizes, fill)`` of a tensor made from a list of sizes and one constant."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
     target, args = node.target, node.args
     aten = torch.ops.aten
     if target in (aten.zeros.default, aten.ones.default):
-        sizes, fill = args[0], float(target is aten.ones.default)
+        sizes, fill = args[0], int(target is aten.ones.default)
     elif target in (aten.new_zeros.default, aten.new_ones.default):
-        sizes, fill = args[1], float(target is aten.new_ones.default)
+        sizes, fill = args[1], int(target is aten.new_ones.default)
     elif target is aten.full.default:
         sizes, fill = args[0], args[1]
     elif target is aten.new_full.default:
@@ -1376,7 +1376,7 @@ def _filled(node: Any) -> tuple[list, float] | None:
         return None
     if not isinstance(sizes, (list, tuple)) or not isinstance(fill, (int, float)) or isinstance(fill, bool):
         return None
-    return list(sizes), float(fill)
+    return list(sizes), fill  # (as given: an int64 fill past 2**53 is no float)
 
 
 def _size_of(size: Any) -> Any:

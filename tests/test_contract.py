@@ -2901,6 +2901,29 @@ def test_a_loss_that_uses_a_parameter_outside_the_forward_raises_under_clipping(
         assert_close_all(grads(model), expected, TOL, "clipped")
 
 
+@pytest.mark.parametrize("kept", ["accumulated", "zeroed in place"])
+def test_a_loss_that_uses_a_parameter_outside_the_forward_raises_where_grads_are_kept(kept):
+    """Where ``p.grad`` is not None at the backward (gradients accumulated over steps,
+    ``zero_grad(set_to_none=False)``), autograd adds to it: it must then be what it was
+    plus fxdp's clipped sum, and a loss that also uses the parameter raises as it does
+    from None (it passed unseen before the fifty-fourth session); the same steps without
+    the extra term accumulate exactly."""
+    torch.manual_seed(0)
+    model = mlp()
+    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
+    x, y = randn(6, 4), randn(6, 4, seed=2)
+    expected = {n: a + b for (n, a), b in zip(reference(model, (x,), per_sample_sq_loss).grad("mean", 1.0).items(),
+                                              reference(model, (y,), per_sample_sq_loss).grad("mean", 1.0).values())}
+    mean_sq_loss(dp(x)).backward()
+    if kept == "zeroed in place":
+        model.zero_grad(set_to_none=False)
+        expected = reference(model, (y,), per_sample_sq_loss).grad("mean", 1.0)
+    mean_sq_loss(dp(y)).backward()
+    assert_close_all(grads(model), expected, TOL, "kept and added to")
+    with refused("p.grad of '2.weight' is not the clipped gradient fxdp's backward computed"):
+        (mean_sq_loss(dp(x)) + 1e-3 * model[2].weight.pow(2).sum()).backward()
+
+
 class ConcatenatedWeights(nn.Module):
     """One weight made of two parameters (``torch.cat``): a parameter transform."""
 

@@ -1066,6 +1066,27 @@ def test_a_state_made_from_a_parameters_dtype_is_no_use_of_it(make):
     _against_the_loop(model, torch.randn(B + 2, T, D, dtype=torch.float64), dp=dp)
 
 
+def test_integer_fills_joined_keep_their_value():
+    """The one fill ``filled_pieces_as_one_fill_pass`` makes keeps an int64 value past
+    2**53 (it went through a float)."""
+    big = 2**53 + 1
+
+    class Offsets(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, 3)
+
+        def forward(self, x):
+            fill = torch.cat([torch.full((1, 3), big), x.new_full((x.shape[0] - 1, 3), big, dtype=torch.long)])
+            return self.lin(x) * (fill - big + 2).to(x.dtype)
+
+    torch.manual_seed(0)
+    model = Offsets().double()
+    x = torch.randn(B, D, dtype=torch.float64)
+    dp = _against_the_loop(model, x)
+    torch.testing.assert_close(dp(x), model(x))
+
+
 def test_a_state_grown_with_other_values_after_the_first_row_is_refused():
     """Sample 0 starts from zeros, the others from ones: values placed by position."""
     problems = fxdp.validate(StateFromAParametersDtype("grown with ones").double(),
@@ -4385,6 +4406,11 @@ class MaskWrittenAtOtherDims(nn.Module):
         i, j = torch.triu_indices(t, t, 1)
         if self.rows == "every row":
             mask[:, i, j] = True
+        elif self.rows == "a triangle of the batch":  # a boolean mask spans dims 0 and 1
+            bias = torch.zeros(t, b * 2, t, dtype=scores.dtype)  # the batch at dim 1, where the mask reaches
+            bias.index_put_((torch.ones(t, b * 2).tril().bool(),), torch.tensor(3.0, dtype=scores.dtype),
+                            accumulate=True)
+            return (scores + bias.transpose(0, 1)).softmax(-1)
         else:
             mask[0, i, j] = True  # the first sample's first head only: placed by position
         return scores.masked_fill(mask, -1e9).softmax(-1)
@@ -4396,5 +4422,6 @@ def test_one_value_put_at_positions_of_other_dims_is_alike_for_every_sample():
     model = MaskWrittenAtOtherDims("every row").double()
     dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
     _against_the_loop(model, torch.randn(B + 1, T, D, dtype=torch.float64), dp=dp)
-    assert "a shared tensor whose values vary along the batch dim" in _reasons(
-        MaskWrittenAtOtherDims("the first row").double(), torch.randn(B, T, D, dtype=torch.float64))
+    for rows in ("the first row", "a triangle of the batch"):
+        assert "a shared tensor whose values vary along the batch dim" in _reasons(
+            MaskWrittenAtOtherDims(rows).double(), torch.randn(B, T, D, dtype=torch.float64))

@@ -769,6 +769,8 @@ class DistinctRowsGatheredBack(nn.Module):
             rows = self.emb.weight[u] * 2
         elif self.kind == "centred over the distinct values":  # a mean over them mixes the samples
             rows = self.emb(u) - self.emb(u).mean(0)
+        elif self.kind == "rows moved off dim 0":  # [U, 4] + [1, 1, 4]: [1, U, 4], inv indexes the 1
+            rows = self.emb(u) + torch.zeros(1, 1, 4, dtype=self.emb.weight.dtype)
         else:
             rows = self.proj(self.emb(u).tanh())
         return self.head(rows[inv])
@@ -801,7 +803,8 @@ def test_rows_of_distinct_indices_gathered_back_are_each_samples_lookup(kind, id
     assert_close_all({n: params[n].grad for n in used}, {n: clipped[n] for n in used}, tol, "clipped grad")
 
 
-def test_rows_of_distinct_indices_mixed_before_the_gather_are_refused():
-    problems = fxdp.validate(DistinctRowsGatheredBack("centred over the distinct values").double(),
-                             torch.tensor([3, 7, 3, 1]))
+@pytest.mark.parametrize("kind, ids", [("centred over the distinct values", [3, 7, 3, 1]),
+                                       ("rows moved off dim 0", [3, 3, 3, 3])])
+def test_rows_of_distinct_indices_mixed_before_the_gather_are_refused(kind, ids):
+    problems = fxdp.validate(DistinctRowsGatheredBack(kind).double(), torch.tensor(ids))
     assert problems and any("aten._unique2" in p.op for p in problems), problems
