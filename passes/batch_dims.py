@@ -470,7 +470,8 @@ _ALONG_THE_BATCH = (
 
 
 def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sources: dict) -> bool:
-    """Whether the elementwise op ``node`` (or a ``cat``/``stack`` along another dim),
+    """Whether the elementwise op ``node`` (or a ``cat``/``stack`` along another dim, a
+    ``select_scatter``/``slice_scatter`` of a value along the batch dim),
     batched as ``out_batch``, takes a shared tensor that spans its batch dim with values
     that may differ along it (see ``_uniform_along``): ``cat((zeros(B, T), arange(B)[:, None]),
     1)`` gives each sample the entry at its position as surely as a product does.
@@ -487,6 +488,13 @@ def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sour
         at = _joined_along(node)
         dim = out_batch.dim - (node.target is aten.stack.default and out_batch.dim > at)
         pairs = [(piece, b, dim) for piece, b in zip(node.args[0], arg_batch[0])]
+    elif node.target in (aten.select_scatter.default, aten.slice_scatter.default):
+        # a shared value written along the batch dim (``m[:, 1] = torch.arange(B)``)
+        at = _norm_dim(named_arg(node, "dim", 0), out.dim())
+        if node.target is aten.select_scatter.default and at == out_batch.dim:
+            return False  # one row of the batch (its own rules)
+        dim = out_batch.dim - (node.target is aten.select_scatter.default and at < out_batch.dim)
+        pairs = [(node.args[1], arg_batch[1], dim)]
     else:
         pairs = [(arg, b, out_batch.dim - (out.dim() - _meta(arg).dim())) for arg, b in zip(node.args, arg_batch)
                  if isinstance(arg, fx.Node) and isinstance(_meta(arg), torch.Tensor)]
@@ -4174,7 +4182,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it "
                     "keeps samples independent; register a rule for it with fxdp.register_rule"
                 )
-            if (_is_pointwise(target) or target in (aten.cat.default, aten.stack.default)) \
+            if (_is_pointwise(target) or target in (aten.cat.default, aten.stack.default, aten.select_scatter.default,
+                                                    aten.slice_scatter.default)) \
                     and _varies_along_the_batch(node, arg_batch, batch[node], sources):
                 raise MixesSamples(_ALONG_THE_BATCH)
             _check_batch_rows(node, batch[node], batch_size)

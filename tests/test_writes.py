@@ -1291,6 +1291,10 @@ class SomeRowsWritten(nn.Module):
             buf = torch.zeros_like(h)
             buf[0] = h[0]
             return buf.sum(1)
+        elif self.how == "a column set to the positions":  # each sample's value its position (accepted before)
+            buf = torch.zeros_like(h)
+            buf[:, 1] = torch.arange(x.shape[0], dtype=x.dtype)
+            return (h * buf).sum(1)
         elif self.how == "the first sample's row of the batch, doubled":  # a computed batch, not a buffer
             h = h.sin()
             h[0] = h[0] * 2
@@ -1304,7 +1308,7 @@ class SomeRowsWritten(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["the last row", "the first row", "the first sample's values",
-                                 "the first sample's row of the batch, doubled"])
+                                 "the first sample's row of the batch, doubled", "a column set to the positions"])
 def test_a_buffer_sized_by_the_batch_with_some_rows_written_is_refused(how):
     model = SomeRowsWritten(how).double()
     dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
