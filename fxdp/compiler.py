@@ -1226,12 +1226,13 @@ class StepRecord:
                 "zero it.")
 
 
-def _before(param: torch.Tensor) -> torch.Tensor | None:
-    """A copy of ``param.grad`` where the backward will add to it (a dense ``.grad``)."""
+def _before(param: torch.Tensor) -> tuple | None:
+    """``(the tensor, its version, a copy)`` of ``param.grad`` where the backward will
+    add to it (a dense ``.grad``)."""
     grad = param.grad
     if grad is None or grad.layout != torch.strided or is_fake(grad):
         return None
-    return grad.detach().clone()
+    return grad, grad._version, grad.detach().clone()
 
 
 class _HandedGradient:
@@ -1244,13 +1245,14 @@ class _HandedGradient:
     or a sum with something fxdp never saw. Holding the storage keeps autograd from
     summing into it in place and its memory from being reused meanwhile. A ``.grad``
     that was not None (gradients accumulated over steps, ``zero_grad(set_to_none=False)``)
-    gets the sum added to it: it must then be what it was (``before``, a copy) plus the
-    handed tensor.
+    gets the sum added to it: it must then be what it was (``before``: that tensor, its
+    version and a copy) plus the handed tensor, or untouched (a backward that wrote no
+    ``.grad``: ``torch.autograd.grad``, ``backward(inputs=...)`` without it).
     """
 
     __slots__ = ("before", "dtype", "geometry", "name", "param", "storage", "version")
 
-    def __init__(self, param: torch.Tensor, name: str, grad: torch.Tensor, before: torch.Tensor | None):
+    def __init__(self, param: torch.Tensor, name: str, grad: torch.Tensor, before: tuple | None):
         self.param, self.name, self.before = param, name, before
         self.storage = grad.untyped_storage()
         self.geometry = (grad.storage_offset(), grad.shape, grad.stride())
@@ -1268,10 +1270,11 @@ class _HandedGradient:
         if grad is None:
             return True
         if self.before is not None:
-            if not bool(grad.any()) or grad._is_view():
+            kept, version, copy = self.before
+            if (grad is kept and grad._version == version) or not bool(grad.any()) or grad._is_view():
                 return True
             handed = torch.empty(0, dtype=self.dtype, device=grad.device).set_(self.storage, *self.geometry)
-            return _same_values(grad, self.before + handed)
+            return _same_values(grad, copy + handed)
         same = (grad.untyped_storage().data_ptr() == self.storage.data_ptr()
                 and (grad.storage_offset(), grad.shape, grad.stride()) == self.geometry)
         if same and grad._version == self.version:

@@ -2920,6 +2920,11 @@ def test_a_loss_that_uses_a_parameter_outside_the_forward_raises_where_grads_are
         expected = reference(model, (y,), per_sample_sq_loss).grad("mean", 1.0)
     mean_sq_loss(dp(y)).backward()
     assert_close_all(grads(model), expected, TOL, "kept and added to")
+    # a backward that writes no p.grad (an adversarial example's input gradient) leaves them as they were
+    x_in = randn(6, 4, seed=3).requires_grad_()
+    mean_sq_loss(dp(x_in)).backward(inputs=[x_in])
+    assert x_in.grad is not None and x_in.grad.abs().sum() > 0
+    assert_close_all(grads(model), expected, TOL, "left as they were")
     with refused("p.grad of '2.weight' is not the clipped gradient fxdp's backward computed"):
         (mean_sq_loss(dp(x)) + 1e-3 * model[2].weight.pow(2).sum()).backward()
 
