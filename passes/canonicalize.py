@@ -1291,10 +1291,10 @@ def _unique_of(inverse: fx.Node) -> fx.Node | None:
     return None
 
 
-# Ops along dims other than 0 (the distinct values' dim), by the position of their dims.
-_ALONG_OTHER_DIMS = {torch.ops.aten.sum.dim_IntList: 1, torch.ops.aten.mean.dim: 1, torch.ops.aten.amax.default: 1,
-                     torch.ops.aten.amin.default: 1, torch.ops.aten._softmax.default: 1,
-                     torch.ops.aten._log_softmax.default: 1, torch.ops.aten.linalg_vector_norm.default: 2}
+# Ops along the dims their ``dim`` names, which must not be 0 (the distinct values' dim).
+_ALONG_OTHER_DIMS = {torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim, torch.ops.aten.amax.default,
+                     torch.ops.aten.amin.default, torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default,
+                     torch.ops.aten.linalg_vector_norm.default}
 
 
 def _rows_of_unique(rows: fx.Node, unique: fx.Node) -> list | None:
@@ -1346,8 +1346,7 @@ def _rows_of_unique(rows: fx.Node, unique: fx.Node) -> list | None:
                 return None
             pending.append(others[0])
         elif target in _ALONG_OTHER_DIMS and one_dim and len(others) == 1 and args[0] is others[0]:
-            dims = named_arg(node, "dim", None) if target is not aten.linalg_vector_norm.default else (
-                args[_ALONG_OTHER_DIMS[target]] if len(args) > 2 else None)
+            dims = named_arg(node, "dim", None)
             dims = [dims] if isinstance(dims, int) else dims
             rank = args[0].meta["val"].dim()
             if not dims or any(d % rank == 0 for d in dims):

@@ -106,7 +106,6 @@ def equal(a: Any, b: Any) -> bool:
     return statically_known_true(a == b)
 
 
-
 def unwritten_source(piece: tuple) -> tuple:
     """``piece`` (as ``piece_of`` gives it) with its source taken back through the
     ``select_scatter``/``slice_scatter`` ops that wrote other rows of it along the same
