@@ -469,9 +469,15 @@ _ALONG_THE_BATCH = (
     "dim (size 1 there) or compute them from each sample")
 
 
+# Ops that write values along ``dim`` at an index, ``(self, dim, index, values)``.
+_SCATTERED_ALONG = {aten.scatter.src, aten.scatter.value, aten.scatter.reduce, aten.scatter.value_reduce,
+                    aten.scatter_add.default, aten.scatter_reduce.two, aten.index_copy.default}
+
+
 def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sources: dict) -> bool:
     """Whether the elementwise op ``node`` (or a ``cat``/``stack`` along another dim, a
-    ``select_scatter``/``slice_scatter`` of a value along the batch dim),
+    ``select_scatter``/``slice_scatter`` of a value along the batch dim, a ``scatter`` or
+    ``index_copy`` along another dim),
     batched as ``out_batch``, takes a shared tensor that spans its batch dim with values
     that may differ along it (see ``_uniform_along``): ``cat((zeros(B, T), arange(B)[:, None]),
     1)`` gives each sample the entry at its position as surely as a product does.
@@ -495,6 +501,13 @@ def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sour
             return False  # one row of the batch (its own rules)
         dim = out_batch.dim - (node.target is aten.select_scatter.default and at < out_batch.dim)
         pairs = [(node.args[1], arg_batch[1], dim)]
+    elif node.target in _SCATTERED_ALONG:
+        # values (and where they go) written along another dim than the batch's, each
+        # sample's slot its own: ``zeros_like(h).scatter(1, index, src)``, ``index_copy``
+        if _norm_dim(node.args[1], out.dim()) == out_batch.dim:
+            return False  # rows placed along the batch dim (their own rules)
+        pairs = [(a, b, out_batch.dim) for a, b in zip(node.args[2:4], arg_batch[2:4])
+                 if isinstance(a, fx.Node) and _meta(a).dim() == out.dim()]
     else:
         pairs = [(arg, b, out_batch.dim - (out.dim() - _meta(arg).dim())) for arg, b in zip(node.args, arg_batch)
                  if isinstance(arg, fx.Node) and isinstance(_meta(arg), torch.Tensor)]
@@ -4182,8 +4195,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it "
                     "keeps samples independent; register a rule for it with fxdp.register_rule"
                 )
-            if (_is_pointwise(target) or target in (aten.cat.default, aten.stack.default, aten.select_scatter.default,
-                                                    aten.slice_scatter.default)) \
+            if (_is_pointwise(target) or target in _SCATTERED_ALONG or target in (
+                    aten.cat.default, aten.stack.default, aten.select_scatter.default, aten.slice_scatter.default)) \
                     and _varies_along_the_batch(node, arg_batch, batch[node], sources):
                 raise MixesSamples(_ALONG_THE_BATCH)
             _check_batch_rows(node, batch[node], batch_size)

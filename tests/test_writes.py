@@ -1295,6 +1295,15 @@ class SomeRowsWritten(nn.Module):
             buf = torch.zeros_like(h)
             buf[:, 1] = torch.arange(x.shape[0], dtype=x.dtype)
             return (h * buf).sum(1)
+        elif self.how in ("the positions scattered", "the positions copied at an index"):  # (accepted before)
+            positions = torch.arange(x.shape[0], dtype=x.dtype)[:, None]
+            buf = torch.zeros_like(h).scatter(1, torch.zeros(x.shape[0], 1, dtype=torch.long), positions) \
+                if self.how == "the positions scattered" else torch.zeros_like(h).index_copy(1, torch.tensor([2]),
+                                                                                            positions)
+            return (h * buf).sum(1)
+        elif self.how == "one-hot of each sample's own index":  # scatter of a constant at batched indices
+            buf = torch.zeros_like(h).scatter(1, x.argmax(1, keepdim=True), 1.0)
+            return (h * buf).sum(1)
         elif self.how == "the first sample's row of the batch, doubled":  # a computed batch, not a buffer
             h = h.sin()
             h[0] = h[0] * 2
@@ -1308,7 +1317,8 @@ class SomeRowsWritten(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["the last row", "the first row", "the first sample's values",
-                                 "the first sample's row of the batch, doubled", "a column set to the positions"])
+                                 "the first sample's row of the batch, doubled", "a column set to the positions",
+                                 "the positions scattered", "the positions copied at an index"])
 def test_a_buffer_sized_by_the_batch_with_some_rows_written_is_refused(how):
     model = SomeRowsWritten(how).double()
     dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
@@ -1319,9 +1329,10 @@ def test_a_buffer_sized_by_the_batch_with_some_rows_written_is_refused(how):
             dp(torch.randn(batch_size, 3, dtype=torch.float64)).sum().backward()
 
 
-def test_a_buffer_sized_by_the_batch_with_every_row_written_is_exact():
+@pytest.mark.parametrize("how", ["every row, from its own sample", "one-hot of each sample's own index"])
+def test_a_buffer_sized_by_the_batch_with_every_row_written_is_exact(how):
     torch.manual_seed(0)
-    model = SomeRowsWritten("every row, from its own sample").double()
+    model = SomeRowsWritten(how).double()
     x = torch.randn(3, 3, dtype=torch.float64)
     ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
     dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
