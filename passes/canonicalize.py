@@ -1225,10 +1225,7 @@ def filled_pieces_as_one_fill_pass(gm: fx.GraphModule) -> fx.GraphModule:
         node.replace_all_uses_with(full)
         gm.graph.erase_node(node)
         changed = True
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return gm
+    return _finished(gm, changed)
 
 
 def unique_rows_gathered_back_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -1271,10 +1268,7 @@ def unique_rows_gathered_back_pass(gm: fx.GraphModule) -> fx.GraphModule:
         node.replace_all_uses_with(env[chain[-1]])
         gm.graph.erase_node(node)
         changed = True
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return gm
+    return _finished(gm, changed)
 
 
 def _unique_of(inverse: fx.Node) -> fx.Node | None:
