@@ -474,11 +474,47 @@ _SCATTERED_ALONG = {aten.scatter.src, aten.scatter.value, aten.scatter.reduce, a
                     aten.scatter_add.default, aten.scatter_reduce.two, aten.index_copy.default}
 
 
+# Ops that read or write ``x[indices]``: ``(x, indices, ...)``.
+_AT_INDICES = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default}
+
+
+def _in_line_with_the_batch(node: fx.Node, arg_batch: list) -> list[tuple[Any, Any, int]]:
+    """For ``x[indices]`` (``index``) or ``x[indices] = v`` (``index_put``) with ``x``
+    batched: ``(operand, its batch, dim)`` for each operand with a dim in line with the
+    batch dim. Where ``arange(B)`` indexes the batch dim, the other index tensors, along
+    their dim that broadcasts with it (``buf[arange(B), pos] = 1``: sample ``b`` writes
+    at ``pos[b]``); and ``v``, right-aligned with ``x[indices]`` (``buf[arange(B), 0] =
+    arange(B)``, ``buf[:, idx] = table``: sample ``b`` gets row ``b`` of the value)."""
+    b, indices = arg_batch[0], node.args[1]
+    if not (isinstance(b, BatchDim) and isinstance(b.dim, int)) or any(
+            isinstance(ix, fx.Node) and _meta(ix).dtype in (torch.bool, torch.uint8) for ix in indices):
+        return []  # a mask: its own rules
+    dims, broadcast = _advanced_index_layout(indices)
+    pairs = []
+    if b.dim in dims:
+        by_batch = indices[dims[b.dim]]
+        along = arange_dim(by_batch)
+        if along is None:
+            return []  # each sample's own rows picked (``_gathered_from_own_rows``), or refused
+        at = along + broadcast - _meta(by_batch).dim()
+        region = (min(dims) if _adjacent(dims) else 0) + at
+        pairs += [(ix, ib, at - broadcast + _meta(ix).dim()) for ix, ib in zip(indices, arg_batch[1])
+                  if isinstance(ix, fx.Node) and ix is not by_batch]
+    else:
+        region = _kept_dim(dims, broadcast, b.dim)
+    if node.target is not aten.index.Tensor:
+        values = node.args[2]
+        rank = _meta(node.args[0]).dim() - len(dims) + broadcast
+        if isinstance(values, fx.Node):
+            pairs.append((values, arg_batch[2], region - rank + _meta(values).dim()))
+    return [(a, ab, d) for a, ab, d in pairs if d >= 0]
+
+
 def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sources: dict) -> bool:
     """Whether the elementwise op ``node`` (or a ``cat``/``stack`` along another dim, a
     ``select_scatter``/``slice_scatter`` of a value along the batch dim, a ``scatter`` or
-    ``index_copy`` along another dim),
-    batched as ``out_batch``, takes a shared tensor that spans its batch dim with values
+    ``index_copy`` along another dim, an ``index``/``index_put`` with operands in line
+    with the batch dim), batched as ``out_batch``, takes a shared tensor that spans its batch dim with values
     that may differ along it (see ``_uniform_along``): ``cat((zeros(B, T), arange(B)[:, None]),
     1)`` gives each sample the entry at its position as surely as a product does.
     Integer results are left to the layouts of indices (``arange(B)[:, None] * T + pos``,
@@ -508,6 +544,13 @@ def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sour
             return False  # rows placed along the batch dim (their own rules)
         pairs = [(a, b, out_batch.dim) for a, b in zip(node.args[2:4], arg_batch[2:4])
                  if isinstance(a, fx.Node) and _meta(a).dim() == out.dim()]
+    elif node.target in _AT_INDICES:
+        # No rule of a parameter judges these: a value computed from one varies along
+        # the dims of the parameter it keeps (``buf[arange(B)] = table[:B]``).
+        memo = {(p, d): False for p, of in sources.items() if of == {p}
+                for d in range(_meta(p).dim()) if not statically_known_true(_meta(p).shape[d] == 1)}
+        return any(b is None and _meta(arg).dim() and not _uniform_along(arg, dim, memo)
+                   for arg, b, dim in _in_line_with_the_batch(node, arg_batch))
     else:
         pairs = [(arg, b, out_batch.dim - (out.dim() - _meta(arg).dim())) for arg, b in zip(node.args, arg_batch)
                  if isinstance(arg, fx.Node) and isinstance(_meta(arg), torch.Tensor)]
@@ -4195,7 +4238,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it "
                     "keeps samples independent; register a rule for it with fxdp.register_rule"
                 )
-            if (_is_pointwise(target) or target in _SCATTERED_ALONG or target in (
+            if (_is_pointwise(target) or target in _SCATTERED_ALONG or target in _AT_INDICES or target in (
                     aten.cat.default, aten.stack.default, aten.select_scatter.default, aten.slice_scatter.default)) \
                     and _varies_along_the_batch(node, arg_batch, batch[node], sources):
                 raise MixesSamples(_ALONG_THE_BATCH)

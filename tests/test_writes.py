@@ -1301,6 +1301,15 @@ class SomeRowsWritten(nn.Module):
                 if self.how == "the positions scattered" else torch.zeros_like(h).index_copy(1, torch.tensor([2]),
                                                                                             positions)
             return (h * buf).sum(1)
+        elif self.how in ("the positions put at arange(B)", "the positions added at arange(B)"):  # (accepted before)
+            positions, rows = torch.arange(x.shape[0], dtype=x.dtype), torch.arange(x.shape[0])
+            buf = torch.zeros_like(h)
+            buf.index_put_((rows, torch.ones_like(rows)), positions,
+                           accumulate=self.how == "the positions added at arange(B)")
+            return (h * buf).sum(1)
+        elif self.how == "each sample's column by its position":  # h[b, b % 3] (accepted before)
+            rows = torch.arange(x.shape[0])
+            return h[rows, rows % 3]
         elif self.how == "one-hot of each sample's own index":  # scatter of a constant at batched indices
             buf = torch.zeros_like(h).scatter(1, x.argmax(1, keepdim=True), 1.0)
             return (h * buf).sum(1)
@@ -1318,7 +1327,9 @@ class SomeRowsWritten(nn.Module):
 
 @pytest.mark.parametrize("how", ["the last row", "the first row", "the first sample's values",
                                  "the first sample's row of the batch, doubled", "a column set to the positions",
-                                 "the positions scattered", "the positions copied at an index"])
+                                 "the positions scattered", "the positions copied at an index",
+                                 "the positions put at arange(B)", "the positions added at arange(B)",
+                                 "each sample's column by its position"])
 def test_a_buffer_sized_by_the_batch_with_some_rows_written_is_refused(how):
     model = SomeRowsWritten(how).double()
     dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
@@ -1339,6 +1350,52 @@ def test_a_buffer_sized_by_the_batch_with_every_row_written_is_exact(how):
     dp(x).pow(2).sum().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
                      tolerance(torch.float64), "grad_sample")
+
+
+class PutAtEachPosition(nn.Module):
+    """``buf[arange(B), …] = v`` with a shared ``v`` that has a dim in line with the batch:
+    sample ``b`` gets ``v``'s row ``b``. A window of a parameter (``table[:B]``) is its
+    row per position, and was accepted into the generic per-sample VJP, which crashed
+    ("IndexPutBackward0 returned an invalid gradient"); one row of it, or one value
+    expanded to the batch, is every sample's alike and exact."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(3, 3)
+        self.table = nn.Parameter(torch.randn(6, 3))
+
+    def forward(self, x):  # [B, 3]
+        h, rows = self.lin(x), torch.arange(x.shape[0])
+        buf = torch.zeros(x.shape[0], 2, 3, dtype=x.dtype)
+        if self.how == "a row per position":
+            buf[rows, 1] = self.table[:x.shape[0]] * 2
+        elif self.how == "one row":
+            buf[rows, 1] = self.table[2]
+        else:  # "one row expanded to the batch"
+            buf[rows] = self.table[:2].expand(x.shape[0], 2, 3)
+        return (h * buf.sum(1)).sum(1)
+
+
+def test_a_parameters_row_per_position_put_at_arange_is_refused():
+    dp = fxdp.transform(PutAtEachPosition("a row per position").double(), grad_sample=True, compiler="eager",
+                        loss_reduction="sum")
+    with pytest.raises(fxdp.UnsupportedError, match="table"):
+        dp(torch.randn(3, 3, dtype=torch.float64)).sum().backward()
+
+
+@pytest.mark.parametrize("how", ["one row", "one row expanded to the batch"])
+def test_a_parameters_row_put_at_arange_is_exact(how):
+    torch.manual_seed(0)
+    model = PutAtEachPosition(how).double()
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
+    for batch_size in (3, 4):  # static, then symbolic
+        x = torch.randn(batch_size, 3, dtype=torch.float64)
+        ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+        model.zero_grad(set_to_none=True)
+        dp(x).pow(2).sum().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), "grad_sample")
 
 
 class WrittenTwice(nn.Module):
