@@ -1326,7 +1326,9 @@ RUN_TIME_CHECKS = ("fxdp: samples keep different numbers of targets", "fxdp: the
                    "fxdp: an index into rows of several samples", "fxdp: rows a boolean mask selected over the batch",
                    "fxdp: masked_scatter fills every sample's masked positions",
                    "fxdp: x[mask] = rows fills every sample's masked positions",
-                   "fxdp: the loss is a mean over the elements a boolean mask selected")
+                   "fxdp: the loss is a mean over the elements a boolean mask selected",
+                   "fxdp: a shared index into rows of several samples",
+                   "fxdp: a grouped matmul's offsets count the sorted keys")
 
 
 def _modules_with_backward_hooks(model: torch.nn.Module | None) -> list[str]:

@@ -25,7 +25,7 @@ from fxdp.errors import Problem, UnsupportedError
 from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
 from fxdp.passes.batch_dims import (
-    SHAPED_LIKE, UNKNOWN, SameCounts, batch_dim_pass, module_path_of, op_name, reached, source_of,
+    SHAPED_LIKE, UNKNOWN, CountedKeys, SameCounts, batch_dim_pass, module_path_of, op_name, reached, source_of,
 )
 from fxdp.passes.canonicalize import canonicalize_pass
 from fxdp.passes.masked_rows import rows_in_place_pass
@@ -1063,6 +1063,10 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
                 gm.graph.call_function(fxdp_same_mask_counts, (gather.mask, gather.dim, gather.source, gather.like,
                                                                gather.rows, gather.mean))
             continue
+        if isinstance(gather, CountedKeys):
+            with gm.graph.inserting_before(gather.node):
+                gm.graph.call_function(fxdp_keys_counted_alone, (gather.keys, gather.bins, gather.high))
+            continue
         if reference is None:
             raise UnsupportedError(
                 "fxdp cannot make this model per-sample:", [Problem(
@@ -1074,7 +1078,7 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
                     source_of(gather.node))])
         with gm.graph.inserting_before(gather.node):
             gm.graph.call_function(fxdp_indices_in_own_rows, (
-                gather.index, gather.index_dim, gather.data, gather.data_dim, *reference))
+                gather.index, gather.index_dim, gather.data, gather.data_dim, *reference, gather.alike))
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -1113,12 +1117,24 @@ def fxdp_same_mask_counts(mask: torch.Tensor, dim: int, source: torch.Tensor | N
         "one sample in another's. Select each sample's rows by position instead (h[torch.arange(B), pos])."))
 
 
+def fxdp_keys_counted_alone(keys: torch.Tensor, bins: int, high: float) -> None:
+    """Assert that a ``histc(keys, bins, min=0, max=high)`` whose cumulative counts a
+    grouped matmul reads as its groups' ends counts each key in its own bin or in none,
+    after the counted ones (see ``CountedKeys``)."""
+    torch._assert_async(((keys >= 0) & ((keys < bins) | (keys > high))).all(), (
+        "fxdp: a grouped matmul's offsets count the sorted keys with histc, and some key is negative (sorted "
+        "before the counted rows: every group would move by how many the whole batch has) or is at least bins "
+        "and at most max (counted in the last bin, not its own): a row's group would depend on the other "
+        "samples' keys. Give dropped rows the key bins (one past the last group) and count with max=bins - 1."))
+
+
 def fxdp_indices_in_own_rows(index: torch.Tensor, index_dim: int, data: torch.Tensor, data_dim: int,
-                             reference: torch.Tensor, reference_dim: int) -> None:
+                             reference: torch.Tensor, reference_dim: int, alike: bool = False) -> None:
     """Assert that the indices into ``data``'s dim ``data_dim``, which holds the samples'
     rows one sample after the other, fall among their own sample's rows; ``index``'s
     rows along ``index_dim`` belong to the samples in turn, the samples counted by
-    ``reference.shape[reference_dim]``."""
+    ``reference.shape[reference_dim]``. With ``alike`` (a shared index), every sample's
+    fall at the same places among its rows."""
     samples = reference.shape[reference_dim]
     if samples == 0:
         return
@@ -1132,6 +1148,14 @@ def fxdp_indices_in_own_rows(index: torch.Tensor, index_dim: int, data: torch.Te
         "[arange(B)[:, None] * T + pos], or a scatter into zeros(B * S, ...) at arange(B)[:, None] * S + "
         "segment) falls outside its own sample's rows: the samples would read or write each other's rows. "
         "Keep each sample's indices within its own rows (0 <= pos < T)."))
+    if alike:
+        local = (wrapped - owner * (size // samples)).movedim(index_dim, 0).reshape(samples, -1)
+        torch._assert_async((local == local[:1]).all(), (
+            "fxdp: a shared index into rows of several samples merged into one dim (a scatter into zeros(B * S, "
+            "...) at positions built from arange(B)) puts each sample's values at other places among its own "
+            "rows (arange(B) * (S + 1): sample b at its row b): each sample's result would depend on its "
+            "position in the batch. Offset the same positions by each sample's first row: arange(B)[:, None] * S "
+            "+ positions."))
 
 
 class _Handover:

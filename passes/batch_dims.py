@@ -175,7 +175,7 @@ class BatchAnalysis:
     sized_by_batch: list[fx.Node] = dataclasses.field(default_factory=list)
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim, float | None]] = dataclasses.field(default_factory=list)
     sized_normaliser: bool = False
-    own_rows: list["OwnRows | SameCounts"] = dataclasses.field(default_factory=list)
+    own_rows: list["OwnRows | SameCounts | CountedKeys"] = dataclasses.field(default_factory=list)
     rows_in_place: list[tuple[fx.Node, dict]] = dataclasses.field(default_factory=list)
     mixing: list[fx.Node] = dataclasses.field(default_factory=list)
     stored: dict[fx.Node, list[str]] = dataclasses.field(default_factory=dict)
@@ -755,6 +755,10 @@ class OwnRows:
         index: The index tensor, batched along its dim ``index_dim``.
         data: The tensor gathered from or written into (``self``), whose dim
             ``data_dim`` merges the samples' rows.
+        alike: The index is shared (the same positions every call, TAPAS's segments
+            offset by ``arange(B)``): each sample's indices must also fall at the same
+            places among its own rows (``arange(B) * (S + 1)`` writes sample ``b`` at
+            its row ``b``).
     """
 
     node: fx.Node
@@ -762,6 +766,7 @@ class OwnRows:
     index_dim: int
     data: fx.Node
     data_dim: int
+    alike: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -796,8 +801,31 @@ class SameCounts:
     mean: bool = False  # ``node`` is a mean over every element of the selected rows
 
 
+@dataclasses.dataclass(frozen=True)
+class CountedKeys:
+    """A ``histc`` of the keys a sort of the whole batch ordered, whose cumulative counts
+    a grouped matmul reads as the groups' ends (see ``Groups``): row ``r`` is in group
+    ``keys[r]`` only where every key is counted in its own bin or in none, after all the
+    counted ones. A negative key is sorted first and counted in none (every group after
+    it moves by how many the whole batch has), and with ``max >= bins`` a key ``bins …
+    max`` is counted in the last bin: ``own_rows_pass`` checks at run time that no key is
+    either (one past the experts, a dropped choice, is sorted last and counted in none
+    where ``max < bins``).
+
+    Attributes:
+        node: The ``histc``.
+        keys: Its keys.
+        bins, high: Its ``bins`` and ``max``.
+    """
+
+    node: fx.Node
+    keys: fx.Node
+    bins: int
+    high: float
+
+
 # The gathers and writes of each propagation running now, innermost last (``_propagate``).
-_OWN_ROWS: list[list[OwnRows | SameCounts]] = []
+_OWN_ROWS: list[list[OwnRows | SameCounts | CountedKeys]] = []
 # Its parameter uses on rows a mask selected, to run on the rows put back in place
 # (``rows_in_place_pass``): ``(op, {selected operand: its mask})``.
 _ROWS_IN_PLACE: list[list[tuple[fx.Node, dict]]] = []
@@ -1599,6 +1627,7 @@ def _counts(node, arg_batch):
     sort = _sort_of(node.args[0])
     if sort is not None and _counts_each_key(node):
         # The rule reads each row's key from the sorted tensor, in batch order.
+        _record_counted_keys(node)
         return Groups(sort, sort.args[0])
     raise MixesSamples("it counts values over the whole batch")
 
@@ -2128,7 +2157,8 @@ def _scattered_into_own_rows(node: fx.Node, arg_batch: list, index_at: int, inde
     if index_dim is None:
         index_dim = dim
     source = arg_batch[index_at + 1] if len(arg_batch) > index_at + 1 else None
-    if (ib is None and isinstance(index, fx.Node) and isinstance(source, BatchDim) and source.dim == dim
+    alike = ib is None
+    if (alike and isinstance(index, fx.Node) and isinstance(source, BatchDim) and source.dim == dim
             and bool(_meta(index).shape[index_dim] == _meta(node.args[index_at + 1]).shape[dim])):
         # The same positions every call (built from sizes: TAPAS's range of segments offset
         # by arange(B)), one per source row: the source says whose row each one writes.
@@ -2150,7 +2180,7 @@ def _scattered_into_own_rows(node: fx.Node, arg_batch: list, index_at: int, inde
         return None  # a table of the model's (a buffer): every sample writes into the one table
     if bool(rows == 1):
         return None  # one row per sample: only arange(B) keeps samples apart
-    _OWN_ROWS[-1].append(OwnRows(node, index, index_dim, node.args[0], dim))
+    _OWN_ROWS[-1].append(OwnRows(node, index, index_dim, node.args[0], dim, alike))
     return BatchDim(dim, rows)
 
 
@@ -3592,6 +3622,7 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
     if target in (aten.histc.default, aten.bincount.default) and isinstance(arg_batch[0], Rows) \
             and arg_batch[0].keys and _counts_each_key(node):
         b = arg_batch[0]
+        _record_counted_keys(node)
         return Groups(b.order, args[0])
     if target is aten.index.Tensor and len(args[1]) == 1 and args[1][0] is not None:
         data, ids = arg_batch[0], arg_batch[1][0]
@@ -3793,6 +3824,14 @@ def _counts_each_key(node: fx.Node) -> bool:
     return all(min(int((v - low) * bins / (high - low)), bins - 1) == v for v in range(int(bins)))
 
 
+def _record_counted_keys(node: fx.Node) -> None:
+    """Record a ``histc`` that counts each key in its own bin for its run-time check
+    (see ``CountedKeys``); a ``bincount`` counts every key it is given (negative ones
+    fail)."""
+    if node.target is aten.histc.default:
+        _OWN_ROWS[-1].append(CountedKeys(node, node.args[0], named_arg(node, "bins", 100), named_arg(node, "max", 0)))
+
+
 def _is_arange(node: Any, length: Any) -> bool:
     """``node`` is ``arange(length)`` (start 0, step 1)."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
@@ -3985,7 +4024,8 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
         in_place = _ROWS_IN_PLACE.pop()
     # Only the checks of values the analysis kept (not of a refused op's).
     analysis.own_rows = [g for g in own_rows if isinstance(analysis.batch.get(g.node), BatchDim) or (
-        isinstance(g, SameCounts) and g.mean and isinstance(analysis.batch.get(g.node), Loss))]
+        isinstance(g, SameCounts) and g.mean and isinstance(analysis.batch.get(g.node), Loss)) or (
+        isinstance(g, CountedKeys) and isinstance(analysis.batch.get(g.node), Groups))]
     analysis.rows_in_place = [(n, masks) for n, masks in in_place if _any_masked(analysis.batch.get(n))]
     if function_body:  # the rewrite runs on the model's graph only
         analysis.problems += [Problem(op_name(n.target), module_path_of(n), "", _MASKED_PARAMETER, source_of(n))

@@ -3007,9 +3007,12 @@ class _SegmentPool(_FlatRows):
             # Segments built from sizes alone (TAPAS's range of columns per cell): the same
             # positions every call, offset by arange(B); the source says whose row is whose.
             segment = (torch.arange(length) % self.SEGMENTS).repeat(batch, 1)
+        elif self.how == "segments_by_position":
+            # Built from sizes alone too, but sample b's are at its row b (accepted before)
+            segment = torch.arange(batch)[:, None].expand(batch, length) % self.SEGMENTS
         index = (torch.arange(batch)[:, None] * self.SEGMENTS + segment).reshape(-1)
         rows = torch.zeros(batch * self.SEGMENTS, d, dtype=x.dtype)
-        if self.how in ("index_add", "fixed_segments"):
+        if self.how in ("index_add", "fixed_segments", "segments_by_position"):
             pooled = rows.index_add(0, index, h)
         elif self.how == "scatter_add":
             pooled = rows.scatter_add(0, index[:, None].expand(-1, d), h)
@@ -3034,6 +3037,16 @@ def test_segments_pooled_into_each_samples_own_rows_of_a_flattened_batch(how):
     crossing[1, 0] = segments  # sample 1 would write into sample 2's first row
     with pytest.raises(fxdp.UnsupportedError, match="falls outside its own sample's rows"):
         dp(torch.randn(B, T, D, dtype=torch.float64), crossing).sum().backward()
+
+
+def test_segments_by_each_samples_position_are_refused_at_run_time():
+    """Shared segments that put each sample's rows at other places among its own rows
+    (sample ``b``'s at its row ``b``): each in range, so the run-time check of own rows
+    passed, with the gradients of each position's segment."""
+    model = _SegmentPool("segments_by_position").double()
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
+    with pytest.raises(fxdp.UnsupportedError, match="puts each sample's values at other places among its own rows"):
+        dp(torch.randn(B, T, D, dtype=torch.float64), torch.zeros(B, T, dtype=torch.long)).sum().backward()
 
 
 class _FlatWrite(_FlatRows):

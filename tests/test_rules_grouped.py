@@ -292,6 +292,50 @@ def test_the_keys_gathered_in_their_sort_s_order_are_the_sorted_keys(count):
     assert_close_all({n: p.grad for n, p in model.named_parameters()}, expected.grad("sum", 1.0), tol, "clipped")
 
 
+class _DroppedChoices(nn.Module):
+    """Weak choices dropped by a key outside ``0 … E - 1`` before the sort, the rows
+    counted with ``histc``: with key ``E`` and ``max = E - 1`` they are sorted last and
+    counted in no group (exact); with key ``-1`` they are sorted first and counted in
+    none, so every group moves by how many the whole batch has, and with key ``E`` and
+    ``max = E`` (torchtitan's count) they are counted in the last group. Both were
+    accepted with wrong gradients (the rule puts a row in group ``keys[r]``, or none):
+    now a run-time error."""
+
+    def __init__(self, dropped: int, high: int):
+        super().__init__()
+        self.router = nn.Linear(D, 3, bias=False)
+        self.w = nn.Parameter(torch.randn(3, D, D))
+        self.dropped, self.high = dropped, high
+
+    def forward(self, x):
+        h = x.reshape(-1, D)
+        weights, chosen = self.router(h).softmax(-1).topk(2)
+        keys = torch.where(weights.reshape(-1) < 0.3, self.dropped, chosen.reshape(-1))
+        order = keys.argsort(stable=True)
+        offsets = torch.histc(keys.double(), bins=3, min=0, max=self.high).cumsum(0).to(torch.int32)
+        out = loop_grouped_mm(h[order // 2], self.w, offsets) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(h).index_add(0, order // 2, out).view(x.shape)
+
+
+@pytest.mark.parametrize("dropped,high", [(3, 2), (-1, 2), (3, 3)], ids=["past-the-last", "negative", "counted-last"])
+def test_rows_of_dropped_choices_are_in_no_group_or_a_run_time_error(dropped, high):
+    torch.manual_seed(0)
+    model = _DroppedChoices(dropped, high).double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    with torch.no_grad():
+        weights = model.router(x.reshape(-1, D)).softmax(-1).topk(2).values
+    assert (weights < 0.3).any()  # some choices are dropped
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    if dropped == 3 and high == 2:
+        expected = reference(model, (x,), lambda out, i: out.pow(2).sum())
+        dp(x).pow(2).sum().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, expected.per_sample,
+                         tolerance(torch.float64), "grad_sample")
+    else:
+        with pytest.raises(fxdp.UnsupportedError, match="some key is negative .* or is at least bins and at most max"):
+            dp(x).pow(2).sum().backward()
+
+
 def test_other_values_gathered_in_a_sort_s_order_are_no_keys():
     """``keys[order]`` counts as the sorted keys only where ``order`` sorts ``keys``
     themselves: a count of other values taken in that order is the batch's."""
