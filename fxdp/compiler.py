@@ -1078,7 +1078,7 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
                     source_of(gather.node))])
         with gm.graph.inserting_before(gather.node):
             gm.graph.call_function(fxdp_indices_in_own_rows, (
-                gather.index, gather.index_dim, gather.data, gather.data_dim, *reference, gather.alike))
+                gather.index, gather.index_dim, gather.data, gather.data_dim, *reference, gather.alike, gather.step))
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -1129,12 +1129,14 @@ def fxdp_keys_counted_alone(keys: torch.Tensor, bins: int, high: float) -> None:
 
 
 def fxdp_indices_in_own_rows(index: torch.Tensor, index_dim: int, data: torch.Tensor, data_dim: int,
-                             reference: torch.Tensor, reference_dim: int, alike: bool = False) -> None:
+                             reference: torch.Tensor, reference_dim: int, alike: bool = False,
+                             step: Any = None) -> None:
     """Assert that the indices into ``data``'s dim ``data_dim``, which holds the samples'
     rows one sample after the other, fall among their own sample's rows; ``index``'s
     rows along ``index_dim`` belong to the samples in turn, the samples counted by
     ``reference.shape[reference_dim]``. With ``alike`` (a shared index), every sample's
-    fall at the same places among its rows."""
+    fall at the same places among its rows; with ``step``, the index is ``arange(B) *
+    step + pos``, and ``step`` must be the rows per sample."""
     samples = reference.shape[reference_dim]
     if samples == 0:
         return
@@ -1148,6 +1150,14 @@ def fxdp_indices_in_own_rows(index: torch.Tensor, index_dim: int, data: torch.Te
         "[arange(B)[:, None] * T + pos], or a scatter into zeros(B * S, ...) at arange(B)[:, None] * S + "
         "segment) falls outside its own sample's rows: the samples would read or write each other's rows. "
         "Keep each sample's indices within its own rows (0 <= pos < T)."))
+    if step is not None:
+        if not isinstance(step, torch.Tensor):
+            step = torch.full((), step, dtype=torch.int64, device=index.device)
+        torch._assert_async(step.reshape(()) == size // samples, (
+            "fxdp: an index into rows of several samples merged into one dim is arange(B) * S + pos with S other "
+            "than the rows each sample has: each sample's positions would move by its place in the batch among "
+            "its own rows. Offset each sample's positions by its first row: arange(B)[:, None] * T + pos on a "
+            "tensor of T rows per sample."))
     if alike:
         local = (wrapped - owner * (size // samples)).movedim(index_dim, 0).reshape(samples, -1)
         torch._assert_async((local == local[:1]).all(), (

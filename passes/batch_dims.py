@@ -202,14 +202,18 @@ def module_path_of(node: fx.Node) -> str:
 # Frames of these packages are not the model's code.
 _NOT_THE_MODEL = tuple(os.path.dirname(os.path.abspath(f)) + os.sep
                        for f in (torch.__file__, sys.modules["fxdp"].__file__, __file__))
+# Nor those of tensor-notation helpers the model calls (``einops.reduce``): the model's
+# line is the one that called them.
+_HELPERS = tuple(f"{os.sep}{name}{os.sep}" for name in ("einops", "opt_einsum"))
 
 
 def source_of(node: fx.Node) -> str:
     """The line of the model's code that ``node`` was traced from, as ``"file:line: code"``
-    (the innermost frame of its stack trace outside torch and fxdp), or ""."""
+    (the innermost frame of its stack trace outside torch, fxdp and ``_HELPERS``), or ""."""
     frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)',
                         node.meta.get("stack_trace") or "")
-    frames = [f for f in frames if not os.path.abspath(f[0]).startswith(_NOT_THE_MODEL)]
+    frames = [f for f in frames if not os.path.abspath(f[0]).startswith(_NOT_THE_MODEL)
+              and not any(helper in os.path.abspath(f[0]) for helper in _HELPERS)]
     if not frames:
         return ""
     file, line, code = frames[-1]
@@ -493,7 +497,7 @@ def _in_line_with_the_batch(node: fx.Node, arg_batch: list) -> list[tuple[Any, A
     pairs = []
     if b.dim in dims:
         by_batch = indices[dims[b.dim]]
-        along = arange_dim(by_batch)
+        along = (batch_index_dim(by_batch) or (None,))[0]
         if along is None:
             return []  # each sample's own rows picked (``_gathered_from_own_rows``), or refused
         at = along + broadcast - _meta(by_batch).dim()
@@ -517,14 +521,15 @@ def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sour
     with the batch dim), batched as ``out_batch``, takes a shared tensor that spans its batch dim with values
     that may differ along it (see ``_uniform_along``): ``cat((zeros(B, T), arange(B)[:, None]),
     1)`` gives each sample the entry at its position as surely as a product does.
-    Integer results are left to the layouts of indices (``arange(B)[:, None] * T + pos``,
-    each sample's own rows of a flattened batch), and values computed from parameters
-    to their rules (a parameter with a row per sample)."""
+    Integer and boolean results too (``pos + arange(B)`` used as a value, an id or a
+    position), except the first rows of the samples' blocks added to their own positions
+    (``arange(B)[:, None] * T + pos``, each sample's own rows of a flattened batch,
+    which ``own_rows_pass`` checks); values computed from parameters are left to their
+    rules (a parameter with a row per sample)."""
     out = _meta(node)
     out = out[0] if isinstance(out, (list, tuple)) else out
     if not (isinstance(out_batch, (BatchDim, Packed)) and isinstance(out_batch.dim, int)
-            and isinstance(out, torch.Tensor)
-            and (out.is_floating_point() or out.is_complex())):
+            and isinstance(out, torch.Tensor)):
         return False
     if node.target in (aten.cat.default, aten.stack.default):
         at = _joined_along(node)
@@ -553,9 +558,100 @@ def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sour
                    for arg, b, dim in _in_line_with_the_batch(node, arg_batch))
     else:
         pairs = [(arg, b, out_batch.dim - (out.dim() - _meta(arg).dim())) for arg, b in zip(node.args, arg_batch)
-                 if isinstance(arg, fx.Node) and isinstance(_meta(arg), torch.Tensor)]
+                 if isinstance(arg, fx.Node) and isinstance(_meta(arg), torch.Tensor)
+                 and not (_integer(out) and node.target is aten.add.Tensor and _row_starts(arg) is not None)]
     return any(b is None and arg not in sources and _meta(arg).dim() and not _uniform_along(arg, dim)
                for arg, b, dim in pairs)
+
+
+# Views and copies through which a value of ``arange`` stays one (as ``arange_dim`` follows).
+_AS_ARANGE = {aten.unsqueeze.default, aten.slice.Tensor, aten.permute.default, aten.expand.default,
+              aten.broadcast_to.default, aten.expand_as.default, aten.view.default, aten.reshape.default,
+              aten._unsafe_view.default}
+
+
+def _integer(value: torch.Tensor) -> bool:
+    return not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+
+
+def _row_starts(node: Any) -> Any:
+    """The rows per block ``S`` where the shared ``node`` holds the first rows of the
+    samples' blocks of a merged batch, ``arange(B) * S`` (or ``arange(0, B * S, S)``), as
+    views of ``arange`` show it (what ``arange(B)[:, None] * T + pos`` adds to each
+    sample's own positions); ``None`` otherwise. ``S`` is a number, or the node of a size
+    or of a one-element tensor."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    target, args = node.target, node.args
+    if target is aten.arange.start_step:
+        step = named_arg(node, "step", 1)
+        return step if args[0] == 0 and step is not None and not (isinstance(step, int) and step == 1) else None
+    if target in (aten.mul.Tensor, aten.mul.Scalar):
+        for a, step in (args, args[::-1]):
+            if batch_index_dim(a) is not None and not (isinstance(step, int) and step == 1) and (
+                    not isinstance(step, fx.Node) or not isinstance(_meta(step), torch.Tensor)
+                    or statically_known_true(_meta(step).numel() == 1)):
+                return step
+        return None
+    return _row_starts(args[0]) if target in _COPIES or target in _AS_ARANGE else None
+
+
+def _track_flat_index(node: fx.Node, flat_indices: dict, batch: dict) -> None:
+    """Follow the indices into a flattened batch, ``arange(B)[:, None] * S + pos``
+    (``flat_indices``: each one's ``S``), which ``_varies_along_the_batch`` lets combine
+    the batch with the samples' positions. Such an index is each sample's own only as the
+    index of a gather or write among each sample's own rows (recorded as ``OwnRows``,
+    whose run-time check then also asserts that ``S`` is the rows per sample), rearranged,
+    cut into pieces or joined with others, or moved by the samples' own values or by
+    values alike for every sample (``+ arange(w)`` along another dim, a number); as a
+    value, an id or another position it holds the sample's place in the batch (``b * S``).
+    """
+    target, out_batch = node.target, batch.get(node)
+    used = [a for a in node.all_input_nodes if a in flat_indices]
+    if target in SHAPED_LIKE or target in _NEW_LIKE or target in _CREATION:
+        return  # its sizes only
+    if not used:
+        if target is aten.add.Tensor and _integer(_meta(node)) and isinstance(out_batch, BatchDim) \
+                and isinstance(out_batch.dim, int):
+            rank = _meta(node).dim()
+            for a in node.args:
+                step = _row_starts(a)
+                if step is not None and not _uniform_along(a, out_batch.dim - rank + _meta(a).dim()):
+                    flat_indices[node] = step  # the row starts along the batch: ``b * S + pos``
+                    return
+        return
+    step = flat_indices[used[0]]
+    if target in _IDS_KEPT or target in _PIECES_OF_ALL or (
+            target in (aten.cat.default, aten.stack.default) and all(a in flat_indices for a in node.args[0])):
+        flat_indices[node] = step
+        return
+    if target in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar) and len(used) == 1 \
+            and (node.args[0] is used[0] or target in (aten.add.Tensor, aten.add.Scalar)) \
+            and node.args[0] is not node.args[1]:
+        other = node.args[1] if node.args[0] is used[0] else node.args[0]
+        if not isinstance(other, fx.Node) or not isinstance(_meta(other), torch.Tensor) or (
+                isinstance(batch.get(other), BatchDim) and batch[other].dim is not None) or (
+                batch.get(other) is None and isinstance(out_batch, BatchDim) and isinstance(out_batch.dim, int)
+                and _uniform_along(other, out_batch.dim - _meta(node).dim() + _meta(other).dim())):
+            flat_indices[node] = step  # moved by each sample's own values, or by values alike for all
+            return
+    own = _OWN_ROWS[-1]
+    for i, record in enumerate(own):
+        if isinstance(record, OwnRows) and record.node is node and used == [record.index] \
+                and _occurrences(node, record.index) == 1:
+            own[i] = dataclasses.replace(record, step=step)
+            return
+    raise MixesSamples(
+        "it computes with an index into the samples' rows of a flattened batch (arange(B)[:, None] * T + pos) "
+        "other than to index those rows: the index holds each sample's place in the batch (b * T); compute with "
+        "the sample's own positions (pos) instead")
+
+
+def _occurrences(node: fx.Node, value: fx.Node) -> int:
+    """How many times ``value`` is among ``node``'s arguments."""
+    seen: list = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: seen.append(a) if a is value else None)
+    return len(seen)
 
 
 _EXTRA_POINTWISE = [
@@ -759,6 +855,9 @@ class OwnRows:
             offset by ``arange(B)``): each sample's indices must also fall at the same
             places among its own rows (``arange(B) * (S + 1)`` writes sample ``b`` at
             its row ``b``).
+        step: The ``S`` of an index ``arange(B)[:, None] * S + pos`` (see
+            ``_track_flat_index``), which must be the rows per sample (with ``S = T +
+            1`` sample ``b``'s positions move by ``b`` among its rows), or ``None``.
     """
 
     node: fx.Node
@@ -767,6 +866,7 @@ class OwnRows:
     data: fx.Node
     data_dim: int
     alike: bool = False
+    step: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2108,12 +2208,45 @@ def arange_dim(node: Any) -> int | None:
     if target in (aten.expand.default, aten.broadcast_to.default, aten.expand_as.default):
         at = dim + out.dim() - src.dim()
         return at if bool(out.shape[at] == src.shape[dim]) else None
+    if target is aten.repeat.default:  # copies along the other dims (and new ones in front)
+        at = dim + out.dim() - src.dim()
+        return at if args[1][at] == 1 else None
     if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         # Only a reshape of the bare vector (every other dim of size 1) keeps it one.
         if not bool(src.numel() == src.shape[dim]):
             return None
         varying = [j for j, size in enumerate(out.shape) if not bool(size == 1)]
         return varying[0] if len(varying) == 1 else None
+    return None
+
+
+def batch_index_dim(node: Any) -> tuple[int, Any] | None:
+    """``(dim, k)`` where ``node`` is ``arange(n)`` along ``dim`` with each value ``k``
+    times in a row, constant along every other dim: ``arange(n)`` itself (``k = 1``,
+    see ``arange_dim``), or flattened from ``[n, k]`` rows of one value
+    (``arange(B).unsqueeze(-1).repeat(1, k).view(-1)``, ``.expand(B, k).reshape(-1)``:
+    RT-DETR's batch index beside each sample's ``k`` flattened top-k positions), or
+    ``arange(n).repeat_interleave(k)``; ``None`` otherwise."""
+    dim = arange_dim(node)
+    if dim is not None:
+        return dim, 1
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target in _COPIES:
+        return batch_index_dim(node.args[0])
+    if (node.target in (aten.floor_divide.default, aten.floor_divide.Scalar) or (
+            node.target is aten.div.Tensor_mode and named_arg(node, "rounding_mode", None) == "floor")) \
+            and arange_dim(node.args[0]) == 0 and _meta(node.args[0]).dim() == 1 and isinstance(node.args[1], int) \
+            and node.args[1] > 0:
+        return 0, node.args[1]  # ``arange(B * k) // k`` (Big Bird's rows of each sample's blocks)
+    if node.target is aten.repeat_interleave.self_int and arange_dim(node.args[0]) == 0 \
+            and _meta(node.args[0]).dim() == 1 and named_arg(node, "dim", None) in (None, 0):
+        return 0, node.args[1]
+    if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                       aten.flatten.using_ints) and isinstance(node.args[0], fx.Node):
+        src, out = _meta(node.args[0]), _meta(node)
+        if src.dim() == 2 and out.dim() == 1 and arange_dim(node.args[0]) == 0:
+            return 0, src.shape[1]
     return None
 
 
@@ -2643,10 +2776,12 @@ def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> B
     data = _meta(node.args[0])
     indices = node.args[1]
     by_batch = indices[b.dim]
-    dim = arange_dim(by_batch)
+    dim, repeats = batch_index_dim(by_batch) or (None, 1)
     # ``arange`` over the whole dim: the identity on its rows, a merged batch dim
-    # (``[B·C, …]``, BertForMultipleChoice) included.
-    if dim is None or not bool(_meta(by_batch).shape[dim] == data.shape[b.dim]):
+    # (``[B·C, …]``, BertForMultipleChoice) included; or each row ``k`` times in a row
+    # (``arange(B).unsqueeze(-1).repeat(1, k).view(-1)``): ``k`` rows per sample.
+    if dim is None or not bool(_meta(by_batch).shape[dim] == data.shape[b.dim] * repeats) \
+            or not (repeats == 1 or b.plain):
         if _meta(by_batch).dtype == torch.bool:
             # ``x[mask]``: the samples' selections end up in one list.
             raise MixesSamples(
@@ -2658,12 +2793,13 @@ def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> B
     # The index tensors broadcast together, right-aligned, into ``broadcast`` dims.
     dims, broadcast = _advanced_index_layout(indices)
     at = dim + broadcast - _meta(by_batch).dim()
+    region = b if repeats == 1 else BatchDim(b.dim, repeats)
     for ix, ib in zip(indices, index_batches):
         if ix is None or ix is by_batch or not isinstance(ib, BatchDim) or ib.dim is None:
             continue
-        if not ib.at(b.dim).same_as(b) or ib.dim + broadcast - _meta(ix).dim() != at:
+        if not ib.at(b.dim).same_as(region) or ib.dim + broadcast - _meta(ix).dim() != at:
             raise MixesSamples("batched indices do not line up with torch.arange(B) on the batch dim")
-    return b.at((min(dims) if _adjacent(dims) else 0) + at)
+    return region.at((min(dims) if _adjacent(dims) else 0) + at)
 
 
 @_register(aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default)
@@ -3672,6 +3808,16 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
             return dataclasses.replace(b, ids=b.ids // k, keys=False)  # row ids of a coarser batch
     rows = [b for b in flat if isinstance(b, Rows)]
     first = rows[0]
+    if target not in _IDS_KEPT and target not in SHAPED_LIKE and target not in _CREATION:  # (those read sizes)
+        ids = [_row_ids(a, batch) for a in node.all_input_nodes]
+        if any(i is not None for i in ids):
+            if target in (aten.remainder.Scalar, aten.remainder.Tensor) and isinstance(args[1], int) \
+                    and args[1] > 0 and ids[0] is not None and statically_known_true(ids[0] % args[1] == 0):
+                return dataclasses.replace(arg_batch[0], ids=None, keys=False)  # each row's place in its own
+            raise MixesSamples(
+                "it computes with the position of each row in the whole batch (a sort's indices, the batch "
+                "column of a nonzero): a sample alone has its rows at other positions; use such positions only "
+                "to index batched tensors and to put the rows back")
     if any(not first.same_order(b) for b in rows) or any(not isinstance(b, Rows) for b in flat):
         raise MixesSamples(_SORTED_ELSEWHERE)
     if _is_pointwise(target):
@@ -3690,6 +3836,24 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
             f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it keeps samples "
             "independent; register a rule for it with fxdp.register_rule")
     return _as_rows(out, first)
+
+
+# Ops that rearrange, cast or copy the row ids of a ``Rows`` (a sort's indices, a
+# nonzero's batch column) without computing anything from them.
+_IDS_KEPT = _SAME_VALUES | {aten.expand.default, aten.expand_as.default, aten.broadcast_to.default,
+                            aten.repeat.default, aten.slice.Tensor, aten.select.int}
+
+
+def _row_ids(node: fx.Node, batch: dict) -> Any:
+    """The ``ids`` of the ``Rows`` whose row ids ``node`` holds, through ``_IDS_KEPT``
+    ops (``order[:, None].expand(-1, d)``), or ``None``."""
+    while isinstance(batch.get(node), Rows):
+        if batch[node].ids is not None:
+            return batch[node].ids
+        if not (node.op == "call_function" and node.target in _IDS_KEPT and isinstance(node.args[0], fx.Node)):
+            return None
+        node = node.args[0]
+    return None
 
 
 # Writes of a source's entries at the positions an index tensor of its shape names.
@@ -4042,6 +4206,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     problems: list[Problem] = []
     # Trainable parameters each parameter-only value is computed from (no batched input).
     sources: dict[fx.Node, frozenset] = {p: frozenset([p]) for p in param_names}
+    flat_indices: dict[fx.Node, Any] = {}  # indices into a flattened batch, and their S (``_track_flat_index``)
     # (consumer, argument index or None, consumed parameter-only value)
     consumed: list[tuple[fx.Node, int | None, fx.Node]] = []
     stored: dict[fx.Node, list[str]] = {}  # values of parameters alone the forward stores
@@ -4185,6 +4350,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         if target is operator.getitem:
             src = batch.get(node.args[0])
             batch[node] = src[node.args[1]] if isinstance(src, (list, tuple)) else src
+            if node.args[0] in flat_indices:  # a piece of an index into a flattened batch
+                flat_indices[node] = flat_indices[node.args[0]]
             continue
         rule = lookup(target)
         if _any_unknown(arg_batch):
@@ -4282,6 +4449,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     aten.cat.default, aten.stack.default, aten.select_scatter.default, aten.slice_scatter.default)) \
                     and _varies_along_the_batch(node, arg_batch, batch[node], sources):
                 raise MixesSamples(_ALONG_THE_BATCH)
+            _track_flat_index(node, flat_indices, batch)
             _check_batch_rows(node, batch[node], batch_size)
             written = _sample_row_written(node, arg_batch, rows_written, rows_whole, batch, batch_size)
             if written is not None:

@@ -64,6 +64,8 @@ class _Routed(nn.Module):
             rows = rows * (slot + 1).unsqueeze(-1).to(rows.dtype)  # each slot's copy its own weight
         if self.misuse == "positions":  # each row scaled by its place among the rows found
             rows = rows * torch.arange(rows.shape[0], dtype=rows.dtype).unsqueeze(-1)
+        if self.misuse == "tokens as values":  # each row scaled by its token's place in the batch
+            rows = rows * (1 + token).unsqueeze(-1).to(rows.dtype)
         if self.misuse == "count":  # divided by how many the whole batch routed
             rows = rows / token.numel()
         if self.misuse == "returned":  # a loss outside pairs row j with sample j's target
@@ -119,6 +121,7 @@ def test_a_loss_summed_over_the_rows_found_is_the_samples_losses():
 @pytest.mark.parametrize("misuse, reason", [
     ("positions", "how many elements a boolean mask selected from the whole batch, or a nonzero found in it"),
     ("count", "how many elements a boolean mask selected from the whole batch, or a nonzero found in it"),
+    ("tokens as values", "it computes with the position of each row in the whole batch"),
     ("returned", "returns rows in an order the whole batch's data decides (a sort, an argsort or a nonzero"),
     ("reduced", "mixes samples: it reduces over the batch dim"),
 ])
@@ -217,7 +220,8 @@ def test_rows_scattered_back_into_their_tokens_are_exact(how):
 
 def test_rows_scattered_into_other_rows_are_refused():
     x = torch.randn(3, 4, D, dtype=torch.float64)
-    assert "it combines rows that a sort of the whole batch ordered" in _reasons(_Scattered("shifted").double(), x)
+    assert "it computes with the position of each row in the whole batch" in _reasons(
+        _Scattered("shifted").double(), x)
 
 
 class _EveryToken(nn.Module):
@@ -242,8 +246,8 @@ class _EveryToken(nn.Module):
 
 
 @pytest.mark.parametrize("how, reason", [
-    ("argsort", "it groups or reduces rows that a sort of the whole batch ordered (or a nonzero found)"),
-    ("inverse", "it indexes the batch dim with a tensor other than torch.arange(B)"),
+    ("argsort", "it computes with the position of each row in the whole batch"),
+    ("inverse", "it computes with the position of each row in the whole batch"),
 ])
 def test_the_ids_argsort_or_inverse_is_no_way_back(how, reason):
     assert reason in _reasons(_EveryToken(how).double(), torch.randn(3, 4, D, dtype=torch.float64))

@@ -360,3 +360,25 @@ def test_explain_and_validate_with_data_dependent_shapes_of_shared_data():
     assert "# fxdp: rule=linear.weight, param=fc.weight" in text
     for p in model.parameters():
         assert p.grad is None
+
+
+def test_a_refusal_names_the_models_line_not_a_tensor_notation_helpers(tmp_path, monkeypatch):
+    """An op a helper package runs for the model (``einops.reduce``) is reported at the
+    model's line that called it (was the helper's own line, in ``einops/_backends.py``)."""
+    package = tmp_path / "einops"
+    package.mkdir()
+    (package / "__init__.py").write_text("def reduce(x, pattern, how):\n    return x.mean(0)  # over the batch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "einops", raising=False)
+    import einops
+
+    class BatchMean(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x) - einops.reduce(self.lin(x), "b d -> d", "mean")  # the model's line
+
+    problems = fxdp.validate(BatchMean(), torch.randn(4, 3))
+    assert problems and "the model's line" in str(problems[0]) and "__init__.py" not in str(problems[0])

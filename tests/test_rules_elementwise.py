@@ -3096,6 +3096,119 @@ def test_rows_of_the_flattened_batch_under_inductor(pool):
         dp(x, crossing).sum().backward()
 
 
+class _PositionInIds(_FlatRows):
+    """Each sample's integer positions combined with ``arange(B)``, its position in the
+    batch (``pos + arange(B)``), then used as a value, an embedding id, a gather's index
+    or the offset among a sample's own rows of the flattened batch: each sample's result
+    would depend on where it is in the batch (accepted before the fifty-fifth session,
+    wrong gradients: integer results were left to the layouts of indices). The first rows
+    of the samples' blocks added to their own positions stay exact."""
+
+    def __init__(self, how: str):
+        super().__init__(how)
+        self.emb = nn.Embedding(8, D) if how == "an embedding id" else None
+
+    def forward(self, x, pos):  # pos [B, k], each in 0 … T - 1
+        batch, length, d = x.shape
+        h = torch.tanh(self.fc(x))
+        rows = torch.arange(batch)[:, None]
+        if self.how == "own rows":
+            index = rows * length + pos
+        elif self.how == "own rows from a stepped arange":
+            index = torch.arange(0, batch * length, length)[:, None] + pos
+        elif self.how == "own rows, a span from each start":  # moved by values alike for every sample
+            index = (rows * length + pos[:, :1]) + torch.arange(2)[None, :]
+        elif self.how == "own rows, start and end pieces":  # unbind, then stack
+            start, end = (rows * length + pos).unbind(-1)
+            index = torch.stack([end, start], -1)
+        elif self.how == "own rows of blocks, as Big Bird's":  # (arange(B * k) // k) * S, flat
+            index = pos.reshape(-1) + (torch.arange(batch * 2) // 2) * length
+        elif self.how == "own rows, offsets along another dim":  # Reformer's per-hash offsets
+            index = rows * length + (pos % 2 + (torch.arange(2) * 2)[None, :])
+        elif self.how == "a flattened index written at itself":
+            index = rows * length + pos
+            return self.head(torch.zeros(batch * length, d, dtype=h.dtype).index_add(
+                0, index.view(-1), index.view(-1, 1).expand(-1, d).to(h.dtype)).view(batch, length, d)).flatten(1)
+        elif self.how == "a value":
+            return self.head(h * (pos + rows)[:, :1, None].to(h.dtype)).flatten(1)
+        elif self.how == "an embedding id":
+            return self.head(h + self.emb(pos + rows)[:, :1]).flatten(1)
+        elif self.how == "a gather's index":
+            return self.head(h.gather(1, ((pos + rows) % length)[..., None].expand(-1, -1, d))).flatten(1)
+        elif self.how == "a flattened index as a value":
+            return self.head(h * (rows * length + pos)[:, :1, None].to(h.dtype)).flatten(1)
+        elif self.how == "blocks of another size":  # sample b's rows moved by b among its own
+            index = rows * (length + 1) + pos % 2
+        else:  # "an offset among its own rows"
+            index = rows * length + (pos + rows) % length
+        return self.head(h.reshape(batch * length, d)[index]).flatten(1)
+
+
+@pytest.mark.parametrize("how", ["own rows", "own rows from a stepped arange", "own rows, a span from each start",
+                                 "own rows, start and end pieces", "own rows of blocks, as Big Bird's",
+                                 "own rows, offsets along another dim", "a value", "an embedding id",
+                                 "a gather's index", "an offset among its own rows", "a flattened index as a value",
+                                 "blocks of another size", "a flattened index written at itself"])
+def test_integer_positions_combined_with_the_samples_positions(how):
+    torch.manual_seed(0)
+    model = _PositionInIds(how).double()
+    x, pos = torch.randn(B, T, D, dtype=torch.float64), torch.tensor([[3, 0], [2, 2], [0, 1]])
+    if how.startswith("own rows"):
+        _against_the_loop(model, x, pos)
+        return
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
+    reason = {"a flattened index as a value": "it computes with an index into the samples' rows of a flattened batch",
+              "a flattened index written at itself": "it computes with an index into the samples' rows of a flattened",
+              "blocks of another size": "is arange.B. . S . pos with S other than the rows each sample has"}
+    with pytest.raises(fxdp.UnsupportedError, match=reason.get(how, "shared tensor whose values vary along the batch")):
+        dp(x, pos).sum().backward()
+
+
+class _TopKByRepeatedBatchIndex(nn.Module):
+    """Each sample's top-k positions gathered with a flat batch index, each sample's
+    index ``k`` times in a row (RT-DETR's ``features[batch_ind, topk_ind]`` with
+    ``batch_ind = arange(B).unsqueeze(-1).repeat(1, k).view(-1)``, ultralytics'
+    ``RTDETRDecoder``; refused before the fifty-fifth session: "it indexes the batch dim
+    with a tensor other than torch.arange(B)"), or written there. Tiled (``arange(B)
+    .repeat(k)``: samples in turn) it pairs sample ``b``'s positions with others' rows."""
+
+    K = 2
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc, self.head = nn.Linear(D, D), nn.Linear(D, 3)
+        self.how = how
+
+    def forward(self, x):  # [B, T, D]
+        h, batch = torch.tanh(self.fc(x)), x.shape[0]
+        top = h.max(-1).values.topk(self.K, dim=1).indices.view(-1)
+        if self.how == "repeated":
+            rows = torch.arange(end=batch).unsqueeze(-1).repeat(1, self.K).view(-1)
+        elif self.how == "expanded":
+            rows = torch.arange(batch)[:, None].expand(batch, self.K).reshape(-1)
+        elif self.how == "tiled":
+            rows = torch.arange(batch).repeat(self.K)
+        else:  # "written"
+            rows = torch.arange(batch).repeat_interleave(self.K)
+            out = torch.zeros_like(h)
+            out[rows, top] = h[rows, top] * 2
+            return self.head(out).flatten(1)
+        return self.head(h[rows, top].view(batch, self.K, -1)).flatten(1)
+
+
+@pytest.mark.parametrize("how", ["repeated", "expanded", "written", "tiled"])
+def test_a_batch_index_repeated_for_each_samples_top_k(how):
+    torch.manual_seed(0)
+    model = _TopKByRepeatedBatchIndex(how).double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    if how == "tiled":
+        with pytest.raises(fxdp.UnsupportedError, match="it indexes the batch dim with a tensor other than"):
+            fxdp.transform(model, grad_sample=True, compiler="eager")(x).sum().backward()
+        return
+    dp = _against_the_loop(model, x)
+    _against_the_loop(model, torch.randn(B + 1, T, D, dtype=torch.float64), dp=dp)
+
+
 def test_rows_of_the_flattened_batch_picked_by_shared_indices_are_refused():
     """The same rows of the flattened batch for every call (``flat[[0, 5]]``) belong to
     whichever samples hold them: refused, as before."""

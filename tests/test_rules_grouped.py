@@ -93,6 +93,10 @@ class _Dispatch(nn.Module):
         offsets = torch.histc(keys.float(), bins=2, min=0, max=1).cumsum(0, dtype=torch.int32)
         if self.misuse == "positions":  # each row scaled by its place in the sorted batch
             rows = rows * torch.arange(rows.shape[0], dtype=rows.dtype).unsqueeze(-1)
+        if self.misuse == "ids as values":  # each row scaled by its token's place in the batch (b·T + t)
+            rows = rows * torch.cos(order.to(rows.dtype)).unsqueeze(-1)
+        if self.misuse == "ids into a table":  # a shared table's row per place in the batch
+            rows = rows + self.w[0, 0][order % D].unsqueeze(-1)
         if self.misuse == "offsets":  # fixed groups: a row's expert depends on the other samples'
             offsets = torch.tensor([h.shape[0] // 2, h.shape[0]], dtype=torch.int32)
         out = loop_grouped_mm(rows, self.w, offsets)
@@ -113,6 +117,8 @@ class _Dispatch(nn.Module):
     ("counts", "how many rows of the whole batch each key has"),
     ("inverse", "the position of each row among the rows of the whole batch sorted"),
     ("returned", "returns rows in an order the whole batch's data decides"),
+    ("ids as values", "it computes with the position of each row in the whole batch"),
+    ("ids into a table", "it computes with the position of each row in the whole batch"),
 ])
 def test_what_depends_on_the_order_of_the_whole_batch_is_refused(misuse, reason):
     x = torch.randn(B, T, D, dtype=torch.float64)
@@ -290,6 +296,37 @@ def test_the_keys_gathered_in_their_sort_s_order_are_the_sorted_keys(count):
     tol = tolerance(torch.float64)
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, expected.per_sample, tol, "grad_sample")
     assert_close_all({n: p.grad for n, p in model.named_parameters()}, expected.grad("sum", 1.0), tol, "clipped")
+
+
+class _SlotOfEachChoice(nn.Module):
+    """The sorted choices' ids taken modulo the choices per token (``order % k``): each
+    choice's slot among its token's, the same for a sample alone (exact; ``order`` itself
+    as a value is refused, see ``_Dispatch``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, 3, bias=False)
+        self.w = nn.Parameter(torch.randn(3, D, D))
+
+    def forward(self, x):
+        h = x.reshape(-1, D)
+        weights, chosen = self.router(h).softmax(-1).topk(2)
+        keys, order = chosen.reshape(-1).sort(stable=True)
+        offsets = torch.histc(keys.double(), bins=3, min=0, max=2).cumsum(0).to(torch.int32)
+        slot = (order % 2).to(h.dtype)
+        out = loop_grouped_mm(h[order // 2], self.w, offsets) * (weights.reshape(-1)[order] * (1 + slot))[:, None]
+        return torch.zeros_like(h).index_add(0, order // 2, out).view(x.shape)
+
+
+def test_the_slot_of_each_sorted_choice_is_the_samples_own():
+    torch.manual_seed(0)
+    model = _SlotOfEachChoice().double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    expected = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x).pow(2).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, expected.per_sample,
+                     tolerance(torch.float64), "grad_sample")
 
 
 class _DroppedChoices(nn.Module):
