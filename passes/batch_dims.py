@@ -482,18 +482,31 @@ _SCATTERED_ALONG = {aten.scatter.src, aten.scatter.value, aten.scatter.reduce, a
 _AT_INDICES = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default}
 
 
-def _in_line_with_the_batch(node: fx.Node, arg_batch: list) -> list[tuple[Any, Any, int]]:
+def _in_line_with_the_batch(node: fx.Node, arg_batch: list, memo: dict) -> list[tuple[Any, Any, int]]:
     """For ``x[indices]`` (``index``) or ``x[indices] = v`` (``index_put``) with ``x``
     batched: ``(operand, its batch, dim)`` for each operand with a dim in line with the
     batch dim. Where ``arange(B)`` indexes the batch dim, the other index tensors, along
     their dim that broadcasts with it (``buf[arange(B), pos] = 1``: sample ``b`` writes
     at ``pos[b]``); and ``v``, right-aligned with ``x[indices]`` (``buf[arange(B), 0] =
-    arange(B)``, ``buf[:, idx] = table``: sample ``b`` gets row ``b`` of the value)."""
+    arange(B)``, ``buf[:, idx] = table``: sample ``b`` gets row ``b`` of the value). With
+    ``x`` shared and batched index tensors (a lookup, ``table[arange(B)[:, None], pos]``),
+    the shared index tensors, along their dim that broadcasts with the batch's, where
+    ``x`` is not alike along the dim they index (``memo``: see ``_uniform_along``)."""
     b, indices = arg_batch[0], node.args[1]
-    if not (isinstance(b, BatchDim) and isinstance(b.dim, int)) or any(
-            isinstance(ix, fx.Node) and _meta(ix).dtype in (torch.bool, torch.uint8) for ix in indices):
+    if any(isinstance(ix, fx.Node) and _meta(ix).dtype in (torch.bool, torch.uint8) for ix in indices):
         return []  # a mask: its own rules
     dims, broadcast = _advanced_index_layout(indices)
+    if b is None and node.target is aten.index.Tensor:
+        batched = [(ix, ib) for ix, ib in zip(indices, arg_batch[1]) if isinstance(ib, BatchDim)
+                   and isinstance(ib.dim, int)]
+        if not batched:
+            return []
+        at = batched[0][1].dim + broadcast - _meta(batched[0][0]).dim()  # the batch's among the broadcast dims
+        return [(ix, ib, at - broadcast + _meta(ix).dim()) for d, i in dims.items()
+                for ix, ib in [(indices[i], arg_batch[1][i])] if ib is None and isinstance(ix, fx.Node)
+                and at - broadcast + _meta(ix).dim() >= 0 and not _uniform_along(node.args[0], d, memo)]
+    if not (isinstance(b, BatchDim) and isinstance(b.dim, int)):
+        return []
     pairs = []
     if b.dim in dims:
         by_batch = indices[dims[b.dim]]
@@ -555,7 +568,7 @@ def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sour
         memo = {(p, d): False for p, of in sources.items() if of == {p}
                 for d in range(_meta(p).dim()) if not statically_known_true(_meta(p).shape[d] == 1)}
         return any(b is None and _meta(arg).dim() and not _uniform_along(arg, dim, memo)
-                   for arg, b, dim in _in_line_with_the_batch(node, arg_batch))
+                   for arg, b, dim in _in_line_with_the_batch(node, arg_batch, memo))
     else:
         pairs = [(arg, b, out_batch.dim - (out.dim() - _meta(arg).dim())) for arg, b in zip(node.args, arg_batch)
                  if isinstance(arg, fx.Node) and isinstance(_meta(arg), torch.Tensor)
@@ -622,7 +635,8 @@ def _track_flat_index(node: fx.Node, flat_indices: dict, batch: dict) -> None:
         return
     step = flat_indices[used[0]]
     if target in _IDS_KEPT or target in _PIECES_OF_ALL or (
-            target in (aten.cat.default, aten.stack.default) and all(a in flat_indices for a in node.args[0])):
+            target in (aten.cat.default, aten.stack.default) and all(a in flat_indices for a in node.args[0])
+            and all(_same_step(flat_indices[a], step) for a in node.args[0])):
         flat_indices[node] = step
         return
     if target in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar) and len(used) == 1 \
@@ -645,6 +659,11 @@ def _track_flat_index(node: fx.Node, flat_indices: dict, batch: dict) -> None:
         "it computes with an index into the samples' rows of a flattened batch (arange(B)[:, None] * T + pos) "
         "other than to index those rows: the index holds each sample's place in the batch (b * T); compute with "
         "the sample's own positions (pos) instead")
+
+
+def _same_step(a: Any, b: Any) -> bool:
+    """Whether two flat indices' ``S`` are the same (a number, or one node)."""
+    return a is b or (not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and statically_known_true(a == b))
 
 
 def _occurrences(node: fx.Node, value: fx.Node) -> int:
@@ -2852,6 +2871,10 @@ def _index_put(node, arg_batch):
         region = b
     elif b.dim < len(indices) and indices[b.dim] is not None and index_dims.get(b.dim) == b.dim:
         region = _index_batch_by_arange(node, b, index_batches)
+        if not region.same_as(b.at(region.dim)) and isinstance(values, fx.Node) and not isinstance(vb, BatchDim):
+            raise MixesSamples("it writes a tensor of values shared by all samples at a batch index repeated for "
+                               "each sample's k positions; index each sample's rows with arange(B)[:, None] "
+                               "beside its positions [B, k] instead")
     elif b.dim not in index_dims and not batched_indices:
         region = b.at(_kept_dim(index_dims, broadcast, b.dim))
     else:

@@ -3135,6 +3135,11 @@ class _PositionInIds(_FlatRows):
             return self.head(h + self.emb(pos + rows)[:, :1]).flatten(1)
         elif self.how == "a gather's index":
             return self.head(h.gather(1, ((pos + rows) % length)[..., None].expand(-1, -1, d))).flatten(1)
+        elif self.how == "pieces of other block sizes joined":  # b·T + pos beside b·(T + 1) + pos
+            index = torch.cat([rows * length + pos[:, :1], rows * (length + 1) + pos[:, 1:] % 2], 1)
+        elif self.how == "a shared table's row per position":  # tab[b, ·] = b moves sample b's positions
+            table = torch.arange(batch)[:, None].expand(batch, length)
+            index = rows * length + (pos + table[rows, pos]) % length
         elif self.how == "a flattened index as a value":
             return self.head(h * (rows * length + pos)[:, :1, None].to(h.dtype)).flatten(1)
         elif self.how == "blocks of another size":  # sample b's rows moved by b among its own
@@ -3148,7 +3153,8 @@ class _PositionInIds(_FlatRows):
                                  "own rows, start and end pieces", "own rows of blocks, as Big Bird's",
                                  "own rows, offsets along another dim", "a value", "an embedding id",
                                  "a gather's index", "an offset among its own rows", "a flattened index as a value",
-                                 "blocks of another size", "a flattened index written at itself"])
+                                 "blocks of another size", "a flattened index written at itself",
+                                 "pieces of other block sizes joined", "a shared table's row per position"])
 def test_integer_positions_combined_with_the_samples_positions(how):
     torch.manual_seed(0)
     model = _PositionInIds(how).double()
@@ -3159,6 +3165,7 @@ def test_integer_positions_combined_with_the_samples_positions(how):
     dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
     reason = {"a flattened index as a value": "it computes with an index into the samples' rows of a flattened batch",
               "a flattened index written at itself": "it computes with an index into the samples' rows of a flattened",
+              "pieces of other block sizes joined": "it computes with an index into the samples' rows of a flattened",
               "blocks of another size": "is arange.B. . S . pos with S other than the rows each sample has"}
     with pytest.raises(fxdp.UnsupportedError, match=reason.get(how, "shared tensor whose values vary along the batch")):
         dp(x, pos).sum().backward()
@@ -3188,21 +3195,24 @@ class _TopKByRepeatedBatchIndex(nn.Module):
             rows = torch.arange(batch)[:, None].expand(batch, self.K).reshape(-1)
         elif self.how == "tiled":
             rows = torch.arange(batch).repeat(self.K)
-        else:  # "written"
+        else:  # "written", "a shared value written"
             rows = torch.arange(batch).repeat_interleave(self.K)
             out = torch.zeros_like(h)
-            out[rows, top] = h[rows, top] * 2
+            out[rows, top] = h[rows, top] * 2 if self.how == "written" else self.fc.bias[0]
             return self.head(out).flatten(1)
         return self.head(h[rows, top].view(batch, self.K, -1)).flatten(1)
 
 
-@pytest.mark.parametrize("how", ["repeated", "expanded", "written", "tiled"])
+@pytest.mark.parametrize("how", ["repeated", "expanded", "written", "tiled", "a shared value written"])
 def test_a_batch_index_repeated_for_each_samples_top_k(how):
+    """(A parameter's value written there crashed the per-sample VJP: refused.)"""
     torch.manual_seed(0)
     model = _TopKByRepeatedBatchIndex(how).double()
     x = torch.randn(B, T, D, dtype=torch.float64)
-    if how == "tiled":
-        with pytest.raises(fxdp.UnsupportedError, match="it indexes the batch dim with a tensor other than"):
+    reason = {"tiled": "it indexes the batch dim with a tensor other than",
+              "a shared value written": "it writes a tensor of values shared by all samples at a batch index repeated"}
+    if how in reason:
+        with pytest.raises(fxdp.UnsupportedError, match=reason[how]):
             fxdp.transform(model, grad_sample=True, compiler="eager")(x).sum().backward()
         return
     dp = _against_the_loop(model, x)
