@@ -502,9 +502,20 @@ def _in_line_with_the_batch(node: fx.Node, arg_batch: list, memo: dict) -> list[
         if not batched:
             return []
         at = batched[0][1].dim + broadcast - _meta(batched[0][0]).dim()  # the batch's among the broadcast dims
-        return [(ix, ib, at - broadcast + _meta(ix).dim()) for d, i in dims.items()
-                for ix, ib in [(indices[i], arg_batch[1][i])] if ib is None and isinstance(ix, fx.Node)
-                and at - broadcast + _meta(ix).dim() >= 0 and not _uniform_along(node.args[0], d, memo)]
+        shared = [(d, ix, ib) for d, i in dims.items() for ix, ib in [(indices[i], arg_batch[1][i])]
+                  if ib is None and isinstance(ix, fx.Node) and at - broadcast + _meta(ix).dim() >= 0]
+        if not shared:
+            return []
+        # A buffer or input read as shared is no sample's rows along a dim the batch's size
+        # is not (the size rule's reading, see ``_uniform_along``): a table there.
+        rows = _meta(batched[0][0]).shape[batched[0][1].dim]
+        tables = dict(memo)
+        tables.update({(p, d): False for p in node.graph.nodes if p.op == "placeholder"
+                       and isinstance(_meta(p), torch.Tensor) for d in range(_meta(p).dim())
+                       if not statically_known_true(_meta(p).shape[d] == 1)
+                       and not statically_known_true(_meta(p).shape[d] == rows)})
+        return [(ix, ib, at - broadcast + _meta(ix).dim()) for d, ix, ib in shared
+                if not _uniform_along(node.args[0], d, tables)]
     if not (isinstance(b, BatchDim) and isinstance(b.dim, int)):
         return []
     pairs = []

@@ -808,3 +808,45 @@ def test_rows_of_distinct_indices_gathered_back_are_each_samples_lookup(kind, id
 def test_rows_of_distinct_indices_mixed_before_the_gather_are_refused(kind, ids):
     problems = fxdp.validate(DistinctRowsGatheredBack(kind).double(), torch.tensor(ids))
     assert problems and any("aten._unique2" in p.op for p in problems), problems
+
+
+class _CodebooksLookedUp(nn.Module):
+    """Residual-VQ style codebooks ``[Q, K, d]`` looked up at each sample's codes ``[B,
+    Q]`` with the codebook index a shared tensor alike for every sample
+    (``arange(Q).expand(B, Q)`` or ``.repeat(B, 1)``, Hugging Face's way of building
+    position ids): exact (crashed in the per-sample VJP before the fifty-fifth session:
+    "Mismatch in shape"); a table read at ``arange(B)`` beside the codes hands sample
+    ``b`` row ``b``, refused for a parameter and a buffer alike (the buffer's was accepted
+    with wrong gradients)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.codebooks = nn.Parameter(torch.randn(3, 6, 4))
+        self.register_buffer("table", torch.randn(5, 6))
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, codes):  # [B, 3] integer codes
+        batch = codes.shape[0]
+        if self.how == "expanded":
+            return self.lin(self.codebooks[torch.arange(3)[None].expand(batch, 3), codes].sum(1))
+        if self.how == "repeated":
+            return self.lin(self.codebooks[torch.arange(3).unsqueeze(0).repeat(batch, 1), codes].sum(1))
+        scale = self.table[torch.arange(batch)[:, None], codes]  # "a buffer's row per position"
+        return self.lin(self.codebooks[0, codes] * scale[..., None]).sum(1)
+
+
+@pytest.mark.parametrize("how", ["expanded", "repeated", "a buffer's row per position"])
+def test_codebooks_looked_up_with_a_shared_index_beside_the_codes(how):
+    torch.manual_seed(0)
+    model = _CodebooksLookedUp(how).double()
+    codes = torch.randint(0, 6, (3, 3))
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager", loss_reduction="sum")
+    if how == "a buffer's row per position":
+        with pytest.raises(fxdp.UnsupportedError, match="shared tensor whose values vary along the batch dim"):
+            dp(codes).pow(2).sum().backward()
+        return
+    ref = reference(model, (codes,), lambda out, i: out.pow(2).sum())
+    dp(codes).pow(2).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")

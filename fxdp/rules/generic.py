@@ -59,18 +59,27 @@ def _batch_ranges(op: Any, args: tuple, layouts: dict[int, BatchDim]) -> dict[tu
     return {} if dim is None else {(1, d): dim}
 
 
-def _rows_of_shared_indices(args: tuple, listed: list[tuple[int, int]], layouts: list[BatchDim],
+def _rows_of_shared_indices(op: Any, args: tuple, listed: list[tuple[int, int]], layouts: list[BatchDim],
                             ranges: dict[tuple[int, int], int]) -> list[BatchDim]:
     """``layouts`` of the tensors in list arguments, where a shared index tensor broadcast
-    against ``arange(B)`` has a dim of size ``B`` at its place (``out[arange(B)[:, None],
-    idx.expand(B, k)] = v``) batched along that dim: sample ``b`` writes at its row ``b``
-    of it. Taken whole, every sample's own op wrote at all ``B`` rows: ``B`` times its
-    gradient of ``v``."""
+    against ``arange(B)`` (or, without one, against a batched index tensor) has a dim of
+    size ``B`` at its place (``out[arange(B)[:, None], idx.expand(B, k)] = v``) batched
+    along that dim: sample ``b`` writes at its row ``b`` of it. Taken whole, every
+    sample's own op wrote at all ``B`` rows: ``B`` times its gradient of ``v`` (or, read,
+    gave an output of ``B`` rows). The analysis refuses such an index where it is not
+    alike along that dim."""
     from fxdp.passes.batch_dims import _advanced_index_layout
 
-    if not ranges:
-        return layouts
-    (i, d), dim = next(iter(ranges.items()))
+    if ranges:
+        (i, d), dim = next(iter(ranges.items()))
+    else:
+        # No arange(B): the batch's place is a batched index tensor's (``cb[arange(Q).expand(B,
+        # Q), codes]``, a shared index alike for every sample beside each sample's codes).
+        batched = [(k, j, layout) for (k, j), layout in zip(listed, layouts)
+                   if isinstance(layout.dim, int) and layout.plain and isinstance(args[k], (list, tuple))]
+        if op not in _INDEXING or not batched:
+            return layouts
+        i, d, dim = batched[0][0], batched[0][1], batched[0][2].dim
     indices = args[i]
     by_batch = indices[d].meta["val"]
     broadcast = _advanced_index_layout(indices)[1]
@@ -222,7 +231,8 @@ def generic_rule(op: Any, args: tuple, param_indices: set[int], layouts: dict[in
     listed = [(i, j) for i, a in enumerate(args) if isinstance(a, (list, tuple))
               for j, x in enumerate(a) if isinstance(x, fx.Node)]
     ranges = _batch_ranges(op, args, layouts)
-    listed_layouts = _rows_of_shared_indices(args, listed, [_listed_layout(args[i][j]) for i, j in listed], ranges)
+    listed_layouts = _rows_of_shared_indices(op, args, listed, [_listed_layout(args[i][j]) for i, j in listed],
+                                             ranges)
     template = [None if i in tensor_indices else (list(a) if isinstance(a, (list, tuple)) else a)
                 for i, a in enumerate(args)]
 
