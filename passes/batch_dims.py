@@ -595,13 +595,14 @@ _AS_ARANGE = {aten.unsqueeze.default, aten.slice.Tensor, aten.permute.default, a
 
 
 def _integer(value: torch.Tensor) -> bool:
+    """Whether ``value`` holds integers (not floats, complex numbers or booleans)."""
     return not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
 
 
 def _row_starts(node: Any) -> Any:
     """The rows per block ``S`` where the shared ``node`` holds the first rows of the
-    samples' blocks of a merged batch, ``arange(B) * S`` (or ``arange(0, B * S, S)``), as
-    views of ``arange`` show it (what ``arange(B)[:, None] * T + pos`` adds to each
+    samples' blocks of a merged batch, ``arange(B) * S`` (or ``arange(0, B * S, S)``,
+    ``(arange(B * g) // g) * S``), as views of ``arange`` show it (what ``arange(B)[:, None] * T + pos`` adds to each
     sample's own positions); ``None`` otherwise. ``S`` is a number, or the node of a size
     or of a one-element tensor."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
@@ -2255,8 +2256,8 @@ def batch_index_dim(node: Any) -> tuple[int, Any] | None:
     times in a row, constant along every other dim: ``arange(n)`` itself (``k = 1``,
     see ``arange_dim``), or flattened from ``[n, k]`` rows of one value
     (``arange(B).unsqueeze(-1).repeat(1, k).view(-1)``, ``.expand(B, k).reshape(-1)``:
-    RT-DETR's batch index beside each sample's ``k`` flattened top-k positions), or
-    ``arange(n).repeat_interleave(k)``; ``None`` otherwise."""
+    RT-DETR's batch index beside each sample's ``k`` flattened top-k positions),
+    ``arange(n).repeat_interleave(k)`` or ``arange(n * k) // k``; ``None`` otherwise."""
     dim = arange_dim(node)
     if dim is not None:
         return dim, 1
