@@ -318,15 +318,20 @@ class _SlotOfEachChoice(nn.Module):
         return torch.zeros_like(h).index_add(0, order // 2, out).view(x.shape)
 
 
-def test_the_slot_of_each_sorted_choice_is_the_samples_own():
-    torch.manual_seed(0)
-    model = _SlotOfEachChoice().double()
-    x = torch.randn(B, T, D, dtype=torch.float64)
+def _grad_samples_match_the_loop(model: nn.Module, dp: nn.Module, x: torch.Tensor) -> None:
+    """``dp``'s (``model`` transformed with ``grad_sample``) per-sample gradients of
+    ``Σ out²`` against the microbatch loop."""
     expected = reference(model, (x,), lambda out, i: out.pow(2).sum())
-    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
     dp(x).pow(2).sum().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, expected.per_sample,
                      tolerance(torch.float64), "grad_sample")
+
+
+def test_the_slot_of_each_sorted_choice_is_the_samples_own():
+    torch.manual_seed(0)
+    model = _SlotOfEachChoice().double()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    _grad_samples_match_the_loop(model, dp, torch.randn(B, T, D, dtype=torch.float64))
 
 
 class _DroppedChoices(nn.Module):
@@ -364,10 +369,7 @@ def test_rows_of_dropped_choices_are_in_no_group_or_a_run_time_error(dropped, hi
     assert (weights < 0.3).any()  # some choices are dropped
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
     if dropped == 3 and high == 2:
-        expected = reference(model, (x,), lambda out, i: out.pow(2).sum())
-        dp(x).pow(2).sum().backward()
-        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, expected.per_sample,
-                         tolerance(torch.float64), "grad_sample")
+        _grad_samples_match_the_loop(model, dp, x)
     else:
         with pytest.raises(fxdp.UnsupportedError, match="some key is negative .* or is at least bins and at most max"):
             dp(x).pow(2).sum().backward()
