@@ -532,7 +532,9 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
                     f"back through the computation that makes the value {use.module_path or 'the model'} uses "
                     "from them: it runs it for each sample with torch.func.vmap, which needs the positions it "
                     "slices or writes at as numbers, and here they are read from a tensor's values (a slice at "
-                    "bounds held in a buffer, f[self.lo:self.hi] = w). Keep such positions as Python ints "
+                    "bounds read from a tensor's elements, f[self.bounds[0]:self.bounds[1]] = w, or computed from "
+                    "the data). Keep such positions as Python ints, or as 0-d tensors of the model's, which fxdp "
+                    "reads as numbers "
                     f"(the data-dependent value: {str(e).splitlines()[0]})") from None
             except RuntimeError as e:
                 if "Batching rule not implemented" not in str(e):
