@@ -50,8 +50,6 @@ __all__ = [
     "name_function_calls",
     "vmap_safe_solves",
     "incompatible_keys",
-    "held_number",
-    "read_as_number",
 ]
 
 
@@ -672,32 +670,6 @@ def incompatible_keys(missing: list[str], unexpected: list[str]) -> Any:
     """What ``load_state_dict`` hands its post hooks (and returns): ``nn.Module``'s
     ``_IncompatibleKeys`` of these lists."""
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-
-def held_number(node: fx.Node, real: Any) -> tuple[int | bool, str] | None:
-    """The value of the graph input ``node`` (``real`` in this call) if it is an integer
-    or boolean 0-d tensor or NumPy scalar (which Dynamo hands over as one), with the
-    name of what holds it; ``None`` otherwise. A number held in a buffer of a fake copy
-    of the model (``fxdp.explain``'s) is read from the fake tensor's constant."""
-    from torch._dynamo.source import NumpyTensorSource
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    grapharg = node.meta.get("grapharg")
-    if (grapharg is None or not isinstance(real, torch.Tensor) or real.dim() != 0
-            or real.dtype.is_floating_point or real.dtype.is_complex or real.requires_grad):
-        return None
-    if isinstance(real, FakeTensor):
-        real = real.constant
-    if real is None or real.device.type == "meta":
-        return None
-    source = grapharg.source
-    return real.item(), (source.base if isinstance(source, NumpyTensorSource) else source).name
-
-
-def read_as_number(fake: torch.Tensor, value: int | bool) -> None:
-    """Make ``.item()`` of the fake tensor ``fake`` read ``value`` in every trace that
-    follows (until AOTAutograd's own retrace, which starts a new epoch)."""
-    fake.item_memo = value
 
 
 def fake_mode_of(values: Sequence[Any]):
@@ -1356,8 +1328,7 @@ RUN_TIME_CHECKS = ("fxdp: samples keep different numbers of targets", "fxdp: the
                    "fxdp: x[mask] = rows fills every sample's masked positions",
                    "fxdp: the loss is a mean over the elements a boolean mask selected",
                    "fxdp: a shared index into rows of several samples",
-                   "fxdp: a grouped matmul's offsets count the sorted keys",
-                   "fxdp: a number the model holds")
+                   "fxdp: a grouped matmul's offsets count the sorted keys")
 
 
 def _modules_with_backward_hooks(model: torch.nn.Module | None) -> list[str]:

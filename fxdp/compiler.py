@@ -472,7 +472,12 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     placeholders, fake_args, param_names, placeholder_batch, batch_size, notes = classify_inputs(
         gm, example_inputs, options, names, arg_names)
     fake_mode = internals.fake_mode_of([a for a in fake_args if isinstance(a, torch.Tensor)])
-    if batch_size is None and param_names:
+    canon = canonicalize_pass(gm, fake_args, fake_mode=fake_mode)
+    canon_placeholders = [n for n in canon.graph.nodes if n.op == "placeholder"]
+    index = {n: i for i, n in enumerate(placeholders)}
+    c_param_names = {canon_placeholders[index[n]]: name for n, name in param_names.items()}
+    c_batch = {canon_placeholders[index[n]]: b for n, b in placeholder_batch.items()}
+    if batch_size is None and c_param_names:
         shared = [source_name(n) for n, t in zip(placeholders, fake_args)
                   if isinstance(t, torch.Tensor) and n not in param_names and "_buffers" not in source_name(n)]
         raise ValueError(
@@ -482,39 +487,6 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                "closure or an attribute, which fxdp takes as shared by all samples" if shared else
                "; a forward that reads only the sizes of its arguments (x.shape[0]) gives no sample an "
                "output of its own"))
-    canon, c_param_names, analysis = _canonical_and_analysed(
-        gm, placeholders, fake_args, fake_mode, param_names, placeholder_batch, batch_size)
-    # A number the model holds (a slice bound in a 0-d tensor or a NumPy scalar, which
-    # Dynamo hands over as tensors, guarding nothing on their values) that places or
-    # sizes a value of parameters alone is read as the number it is: mapping per-sample
-    # gradients back through that value runs it under vmap, which needs numbers there.
-    # ``state_numbers_pass`` checks at run time that it has not changed.
-    held = _numbers_held(placeholders, example_inputs, param_names, placeholder_batch)
-    canon_placeholders = [n for n in canon.graph.nodes if n.op == "placeholder"]
-    numbers = {i: found for i, found in held.items()
-               if _places_parameter_values(canon_placeholders[i], analysis.param_only)}
-    if numbers:
-        for i, (value, _) in numbers.items():
-            internals.read_as_number(fake_args[i], value)
-        canon, c_param_names, analysis = _canonical_and_analysed(
-            gm, placeholders, fake_args, fake_mode, param_names, placeholder_batch, batch_size)
-        canon_placeholders = [n for n in canon.graph.nodes if n.op == "placeholder"]
-        analysis.numbers = {canon_placeholders[i]: found for i, found in numbers.items()}
-    analysis.notes = list(dict.fromkeys(notes))
-    if analysis.loss not in (None, "batchmean", options.loss_reduction):
-        reason = (f"the loss inside the graph is a {analysis.loss} over the batch but "
-                  f"loss_reduction={options.loss_reduction!r}; pass loss_reduction={analysis.loss!r}")
-        analysis.problems.append(Problem("loss", "", "", reason))
-    return canon, fake_mode, c_param_names, analysis
-
-
-def _canonical_and_analysed(gm: fx.GraphModule, placeholders: list[fx.Node], fake_args: list, fake_mode,
-                            param_names: dict[fx.Node, str], placeholder_batch: dict, batch_size: Any):
-    canon = canonicalize_pass(gm, fake_args, fake_mode=fake_mode)
-    canon_placeholders = [n for n in canon.graph.nodes if n.op == "placeholder"]
-    index = {n: i for i, n in enumerate(placeholders)}
-    c_param_names = {canon_placeholders[index[n]]: name for n, name in param_names.items()}
-    c_batch = {canon_placeholders[index[n]]: b for n, b in placeholder_batch.items()}
     # Dynamo returns what the forward stores from the graph, after what it returns.
     stored = internals.stored_outputs(gm) if len(_outputs(canon)) == len(_outputs(gm)) else frozenset()
     analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored)
@@ -525,48 +497,12 @@ def _canonical_and_analysed(gm: fx.GraphModule, placeholders: list[fx.Node], fak
     # fuses the loops it can read, until none is left.
     while analysis.problems and chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode):
         analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored)
-    return canon, c_param_names, analysis
-
-
-def _numbers_held(placeholders: list[fx.Node], example_inputs: Sequence[Any], param_names: dict,
-                  placeholder_batch: dict) -> dict[int, tuple[int | bool, str]]:
-    """The model's own integer or boolean scalars among the graph's inputs (no argument
-    of the forward's, no trained parameter): ``{position: (value, what holds it)}``, as
-    named by ``_held_name``."""
-    held = {}
-    for i, (node, real) in enumerate(zip(placeholders, example_inputs)):
-        if node in param_names or node in placeholder_batch:
-            continue
-        found = internals.held_number(node, real)
-        if found is not None:
-            held[i] = (found[0], _held_name(found[1]))
-    return held
-
-
-def _held_name(source: str) -> str:
-    """``net.lo`` for ``L['self']._modules['net']._buffers['lo']``, ``bounds[1][0]`` for
-    ``L['self'].bounds[1][0]``."""
-    source = re.sub(r"getattr\((.*?), '(\w+)'\)", r"\1.\2", source)
-    source = re.sub(r"\.?_(?:modules|buffers|parameters)\['([^']*)'\]", r".\1", source)
-    return re.sub(r"^[LG]\['[^']*'\]\.?", "", source)
-
-
-def _places_parameter_values(placeholder: fx.Node, param_only: dict) -> bool:
-    """Whether a number read from ``placeholder`` (``.item()``, and arithmetic on it) is
-    an argument of a value computed from parameters alone (``param_only``)."""
-    frontier = [u for u in placeholder.users if u.target is torch.ops.aten._local_scalar_dense.default]
-    seen: set[fx.Node] = set()
-    while frontier:
-        node = frontier.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for user in node.users:
-            if user in param_only:
-                return True
-            if not isinstance(user.meta.get("val"), torch.Tensor):
-                frontier.append(user)
-    return False
+    analysis.notes = list(dict.fromkeys(notes))
+    if analysis.loss not in (None, "batchmean", options.loss_reduction):
+        reason = (f"the loss inside the graph is a {analysis.loss} over the batch but "
+                  f"loss_reduction={options.loss_reduction!r}; pass loss_reduction={analysis.loss!r}")
+        analysis.problems.append(Problem("loss", "", "", reason))
+    return canon, fake_mode, c_param_names, analysis
 
 
 def refuse_graph_break(gm: fx.GraphModule, options: Options, example_inputs: Sequence[Any]) -> None:
@@ -897,7 +833,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
         )
     loss_normaliser_pass(canon, analysis)
     own_rows_pass(canon, analysis)
-    state_numbers_pass(canon, analysis)
     tagged, counts = tag_pass(canon, analysis, param_names, excluded)
     # Each trainable parameter's gradient output is at its forward input's index.
     guarded = {i: param_names[n] for i, n in enumerate(n for n in tagged.graph.nodes if n.op == "placeholder")
@@ -1147,34 +1082,6 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
-
-
-def state_numbers_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
-    """Check at run time that each number of the model's that the graphs were traced with
-    as a fixed value (``analysis.numbers``, see ``analyse_graph``) still holds it: Dynamo
-    hands it over as a tensor input and compiles again for no new value of it::
-
-        fxdp_same_number = fxdp_same_number(arg2_1, 2, 'bounds[1][0]')
-    """
-    if not analysis.numbers:
-        return gm
-    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
-    with gm.graph.inserting_before(first):
-        for node, (value, name) in analysis.numbers.items():
-            gm.graph.call_function(fxdp_same_number, (node, value, name))
-    gm.graph.lint()
-    gm.recompile()
-    return gm
-
-
-def fxdp_same_number(held: torch.Tensor, value: int | bool, name: str) -> None:
-    """Assert that the model's number the graphs read as ``value`` still holds it (see
-    ``state_numbers_pass``)."""
-    torch._assert_async(held == value, (
-        f"fxdp: a number the model holds ({name}) was {value} when the graphs were compiled and has changed "
-        "since: the compiled graphs read it as that number (where a value of parameters alone is sliced or "
-        "written), and Dynamo does not compile them again for a new value of a tensor or NumPy scalar. Hold "
-        "it as a Python int (int(n)), which Dynamo guards, or call torch._dynamo.reset() after changing it."))
 
 
 def fxdp_same_mask_counts(mask: torch.Tensor, dim: int, source: torch.Tensor | None = None,

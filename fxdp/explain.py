@@ -76,10 +76,6 @@ def _fake_copy(model: nn.Module, mode: Any) -> nn.Module:
                        nn.Parameter(mode.from_tensor(p.detach(), static_shapes=True), requires_grad=p.requires_grad))
     for b in model.buffers():
         memo[id(b)] = _uninitialised_like(b) if is_lazy(b) else mode.from_tensor(b, static_shapes=True)
-        if not is_lazy(b) and b.dim() == 0 and not b.dtype.is_floating_point:
-            # A number the model holds (a slice bound) keeps its value: the graphs may read
-            # it as that number (``fxdp.compiler.analyse_graph``).
-            memo[id(b)].constant = b.clone()
     for m in model.modules():
         # A tensor an earlier call computed from parameters and stored (prune's
         # ``module.weight``, the old ``weight_norm`` hook's): deepcopy takes no autograd

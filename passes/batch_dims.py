@@ -137,9 +137,6 @@ class BatchAnalysis:
         empty: ``B == 0``.
         notes: Hints for an error message about how the inputs were read (set by the
             compiler, which reads them).
-        numbers: The placeholders holding numbers of the model's that the compiler read
-            as fixed (see ``fxdp.compiler.analyse_graph``), with their value and what
-            holds them: ``{placeholder: (value, name)}``.
         sized_by_batch: Tensors built from sizes with ``B`` among them (see
             ``batch_dim_pass``).
         normalisers: ``(division, mask, its layout, floor)`` for each loss divided by the sum
@@ -175,7 +172,6 @@ class BatchAnalysis:
     single: bool = False
     empty: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
-    numbers: dict[fx.Node, tuple[int | bool, str]] = dataclasses.field(default_factory=dict)
     sized_by_batch: list[fx.Node] = dataclasses.field(default_factory=list)
     normalisers: list[tuple[fx.Node, fx.Node, BatchDim, float | None]] = dataclasses.field(default_factory=list)
     sized_normaliser: bool = False

@@ -236,23 +236,40 @@ def _per_sample_vjp(transform: Callable, sources: list[torch.Tensor], others: li
     sizes as ints: a symbolic sequence length would be specialised, and every new length
     would recompile. Some forward batching rules read the batch size so (``embedding`` of
     a batched table): with a symbolic batch size the work is an opaque op
-    (``fxdp/opaque.py``) that runs on the real tensors.
+    (``fxdp/opaque.py``) that runs on the real tensors. So it is where the transform
+    slices or writes at positions read from a tensor's values (escnn's basis blocks
+    written into a filter at bounds the module holds as 0-d tensors), which ``vmap``
+    needs as numbers: at run time they are.
     """
     batch_size = cotangents.shape[0]
     if not symbolic_batch(batch_size):
         # Expanded views of the sources: one per sample, nothing copied.
         copies = [s.detach().expand(batch_size, *s.shape).requires_grad_(True) for s in sources]
-        with torch.enable_grad(), vmap_safe_solves():
-            out = torch.func.vmap(lambda *c: transform(*c, *others))(*copies)
-            grads = torch.autograd.grad(out, copies, cotangents, allow_unused=True)
-        return tuple(torch.zeros_like(c) if g is None else g for c, g in zip(copies, grads))
+        try:
+            with torch.enable_grad(), vmap_safe_solves():
+                out = torch.func.vmap(lambda *c: transform(*c, *others))(*copies)
+                grads = torch.autograd.grad(out, copies, cotangents, allow_unused=True)
+            return tuple(torch.zeros_like(c) if g is None else g for c, g in zip(copies, grads))
+        except GuardOnDataDependentSymNode:
+            pass  # what the traced ops left behind is dead code
+    return _per_sample_vjp_at_run_time(transform, sources, others, cotangents)
 
-    tensors = [t for t in others if isinstance(t, torch.Tensor)]
+
+def _per_sample_vjp_at_run_time(transform: Callable, sources: list[torch.Tensor], others: list,
+                                cotangents: torch.Tensor) -> tuple:
+    """``_per_sample_vjp`` as one opaque op. The numbers among ``others`` (sizes, and
+    positions read from tensors' values) go in as 0-d tensors, read at run time."""
+    number_types = {torch.SymInt: torch.int64, torch.SymFloat: torch.float64, torch.SymBool: torch.bool}
+    passed = [torch.scalar_tensor(o, dtype=number_types[type(o)]) if type(o) in number_types else o
+              for o in others]
+    tensors = [t for t in passed if isinstance(t, torch.Tensor)]
+    read = [type(o) in number_types for o in others]
 
     def vjps(cotangents, *inputs):
         # Run below autograd, where only torch.func's own autograd records.
         sources_now, tensors_now = inputs[:len(sources)], iter(inputs[len(sources):])
-        others_now = [next(tensors_now) if isinstance(t, torch.Tensor) else t for t in others]
+        others_now = [(next(tensors_now).item() if number else next(tensors_now)) if isinstance(t, torch.Tensor)
+                      else t for t, number in zip(passed, read)]
         copies = [s.detach().expand(cotangents.shape[0], *s.shape) for s in sources_now]
         with vmap_safe_solves():
             _, vjp_fn = torch.func.vjp(
@@ -526,16 +543,6 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
 
             try:
                 mapped = _per_sample_vjp(use.transform.module, sources, others, psg)
-            except GuardOnDataDependentSymNode as e:
-                raise UnsupportedError(
-                    f"fxdp cannot map the per-sample gradients of {', '.join(use.source_names or [use.param])} "
-                    f"back through the computation that makes the value {use.module_path or 'the model'} uses "
-                    "from them: it runs it for each sample with torch.func.vmap, which needs the positions it "
-                    "slices or writes at as numbers, and here they are read from a tensor's values (a slice at "
-                    "bounds read from a tensor's elements, f[self.bounds[0]:self.bounds[1]] = w, or computed from "
-                    "the data). Keep such positions as Python ints, or as 0-d tensors of the model's, which fxdp "
-                    "reads as numbers "
-                    f"(the data-dependent value: {str(e).splitlines()[0]})") from None
             except RuntimeError as e:
                 if "Batching rule not implemented" not in str(e):
                     raise

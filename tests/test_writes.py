@@ -1256,31 +1256,33 @@ def test_an_activation_sliced_at_bounds_a_buffer_holds(grad_sample):
     _check(SlicedAtBufferBounds("activation").double(), torch.randn(B, 5, dtype=torch.float64), grad_sample)
 
 
-def test_a_parameter_written_at_bounds_a_buffer_holds_is_refused_with_what_to_do():
+@pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
+def test_a_parameter_written_at_bounds_a_buffer_holds(grad_sample):
     """Mapping its per-sample gradients back runs the write under vmap, which needs the
-    bounds as numbers: a clear refusal, where it crashed inside the backward's rewrite."""
-    model = SlicedAtBufferBounds("parameter").double()
-    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
-    with pytest.raises(fxdp.UnsupportedError, match="cannot map the per-sample gradients of block back") as info:
-        dp(torch.randn(B, 5, dtype=torch.float64)).sum().backward()
-    assert "Keep such positions as Python ints" in str(info.value)
+    bounds as numbers: it runs at run time, where they are (it was refused: "Keep such
+    positions as Python ints")."""
+    torch.manual_seed(0)
+    _check(SlicedAtBufferBounds("parameter").double(), torch.randn(B, 5, dtype=torch.float64), grad_sample)
 
 
 class FilterFromBlocksAtHeldBounds(nn.Module):
     """escnn's basis expansion with several (in, out) field pairs: each parameter block
     is written into the filter at bounds the module holds as 0-d tensors
-    (``indices.max() + 1``; or NumPy integers, or buffers). Dynamo hands each to the graph
-    as a tensor input, so the bounds were data-dependent and mapping the blocks'
-    per-sample gradients back refused the model, which the same model with Python ints
-    is not; fxdp now reads them as the numbers they are and checks them at run time."""
+    (``indices.max() + 1``; or NumPy integers, which Dynamo hands over as 0-d tensors, or
+    buffers). The bounds are data to the graph, and the per-sample VJP of the write
+    (run under vmap, which needs them as numbers) refused the model, which the same
+    model with Python ints is not."""
 
     def __init__(self, held: str = "tensor"):
         super().__init__()
         self.blocks = nn.ParameterList([nn.Parameter(torch.randn(2, 5)), nn.Parameter(torch.randn(1, 5))])
-        indices = [torch.arange(0, 2), torch.arange(2, 3)]
-        if held == "numpy":
+        self.held = held
+        self.place([torch.arange(0, 2), torch.arange(2, 3)])
+
+    def place(self, indices: list[torch.Tensor]) -> None:
+        if self.held == "numpy":
             self.bounds = [(i.numpy().min(), i.numpy().max() + 1) for i in indices]
-        elif held == "buffer":
+        elif self.held == "buffer":
             for k, i in enumerate(indices):
                 self.register_buffer(f"lo{k}", i.min())
                 self.register_buffer(f"hi{k}", i.max() + 1)
@@ -1290,7 +1292,7 @@ class FilterFromBlocksAtHeldBounds(nn.Module):
 
     def forward(self, x):
         bounds = self.bounds or [(self.lo0, self.hi0), (self.lo1, self.hi1)]
-        weight = torch.zeros(3, 5, dtype=x.dtype)
+        weight = torch.zeros(4, 5, dtype=x.dtype)
         for block, (lo, hi) in zip(self.blocks, bounds):
             weight[lo:hi] = block
         return x @ weight.t()
@@ -1303,27 +1305,47 @@ def test_parameter_blocks_written_at_bounds_the_module_holds(held, grad_sample):
     _check(FilterFromBlocksAtHeldBounds(held).double(), torch.randn(B, 5, dtype=torch.float64), grad_sample)
 
 
-@pytest.mark.parametrize("held", ["tensor", "buffer"])
-def test_bounds_the_module_holds_are_numbers_in_explain(held):
-    """``explain`` runs a fake copy of the model: a buffer's number keeps its value."""
-    text = str(fxdp.explain(FilterFromBlocksAtHeldBounds(held).double(), torch.randn(B, 5, dtype=torch.float64),
-                            grad_sample=True))
-    assert f"fxdp: a number the model holds ({'hi1' if held == 'buffer' else 'bounds[1][1]'}) was 3" in text
-    assert "_local_scalar_dense" not in text
-
-
-@pytest.mark.parametrize("held", ["tensor", "numpy"])
-def test_a_bound_the_module_holds_changed_after_compiling_raises(held):
-    """Dynamo does not compile again for a new value of a tensor or NumPy scalar: the
-    graphs would write the block at the old bounds, so the step raises and says what to
-    do."""
+@pytest.mark.parametrize("held", ["tensor", "numpy", "buffer"])
+def test_bounds_the_module_holds_may_change_between_steps(held):
+    """Dynamo compiles again for no new value of a tensor or NumPy scalar: the graphs
+    take the bounds as data, and the per-sample VJP reads them at every step."""
+    torch.manual_seed(0)
     model = FilterFromBlocksAtHeldBounds(held).double()
-    dp = fxdp.transform(model, max_grad_norm=1.0, compiler="eager")
-    x = torch.randn(B, 5, dtype=torch.float64)
-    dp(x).sum().backward()
-    model.bounds[1] = (np.int64(1), np.int64(2)) if held == "numpy" else (torch.tensor(1), torch.tensor(2))
-    with pytest.raises(RuntimeError, match=r"a number the model holds \(bounds\[1\]\[\d\]\) was \d .* Hold it as a Python int"):
-        dp(x).sum().backward()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for indices in ([torch.arange(0, 2), torch.arange(2, 3)], [torch.arange(1, 3), torch.arange(3, 4)],
+                    [torch.arange(2, 4), torch.arange(0, 1)]):
+        model.place(indices)
+        x = torch.randn(B, 5, dtype=torch.float64)
+        ref = reference(model, (x,), lambda out, i: (out ** 2).sum())
+        model.zero_grad()
+        (dp(x) ** 2).sum().backward()
+        assert_close_all({k: p.grad_sample for k, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), f"bounds at {indices[0][0]}")
+
+
+class WrittenAtBoundsComputedFromAHeldOne(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Parameter(torch.randn(2, 5))
+        self.start = torch.tensor(1)
+
+    def forward(self, x):
+        weight = torch.zeros(4, 5, dtype=x.dtype)
+        weight[self.start:self.start + 2] = self.block
+        return x @ weight.t()
+
+
+@pytest.mark.parametrize("grad_sample", [True, False], ids=["grad_sample", "clip"])
+def test_a_parameter_written_at_bounds_computed_from_a_held_one(grad_sample):
+    torch.manual_seed(0)
+    _check(WrittenAtBoundsComputedFromAHeldOne().double(), torch.randn(B, 5, dtype=torch.float64), grad_sample)
+
+
+def test_bounds_the_module_holds_in_explain():
+    """``explain`` shows the run-time VJP as one opaque op of the backward."""
+    text = str(fxdp.explain(FilterFromBlocksAtHeldBounds("buffer").double(), torch.randn(B, 5, dtype=torch.float64),
+                            grad_sample=True))
+    assert "torch.ops.fxdp.per_sample.default" in text.split("--- backward")[1]
 
 
 class ScaledByANumpyArgument(nn.Module):
@@ -1335,9 +1357,7 @@ class ScaledByANumpyArgument(nn.Module):
         return self.lin(x)[:, :int(n)].sum(1, keepdim=True) * int(n)
 
 
-def test_a_numpy_scalar_passed_as_an_argument_stays_the_data_s():
-    """Only the model's own NumPy scalars are read as fixed numbers: one passed to the
-    forward may change from call to call, as the same graphs take it."""
+def test_a_numpy_scalar_passed_as_an_argument():
     torch.manual_seed(0)
     model = ScaledByANumpyArgument().double()
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
