@@ -1348,8 +1348,11 @@ def _modules_with_backward_hooks(model: torch.nn.Module | None) -> list[str]:
 def _eager_experts_hint(model: torch.nn.Module | None) -> str:
     """A sentence for a Hugging Face model whose mixture of experts runs transformers'
     eager experts (a loop over ``expert_hit = (...).nonzero()``, whose length the data
-    decides), or ``""``."""
+    decides), or ``""``. The experts are the modules ``use_experts_implementation``
+    decorated (with its ``has_gate`` and ``is_concatenated``): transformers 5 also says
+    ``"eager"`` in the config of models without experts."""
     if not any(getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager"
+               and hasattr(m, "has_gate") and hasattr(m, "is_concatenated")
                for m in (model.modules() if model is not None else ())):
         return ""
     return (" This model's experts are transformers' eager ones (experts_implementation=\"eager\"), "

@@ -10,6 +10,7 @@ depends on every sample's routing.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -323,3 +324,26 @@ def test_a_loop_over_the_experts_hit_says_to_loop_over_every_expert():
                        "`for e in range\\(num_experts\\)`") as info:
         dp(torch.randn(3, 4, D, dtype=torch.float64))
     assert "experts_implementation" not in str(info.value)  # not a transformers model
+
+
+class _ConfiguredWithEagerExperts(nn.Module):
+    """A transformers model without experts whose config still says
+    ``_experts_implementation="eager"`` (transformers 5 sets it where grouped_mm cannot
+    dispatch), stopped in Dynamo by a data-dependent loop of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(_experts_implementation="eager")
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        for k in torch.unique((x > 0).sum(-1)):
+            x = x + self.lin(x) * k
+        return x
+
+
+def test_the_eager_experts_hint_needs_experts():
+    dp = fxdp.transform(_ConfiguredWithEagerExperts().double(), max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="a loop over the values of a tensor") as info:
+        dp(torch.randn(3, 4, D, dtype=torch.float64))
+    assert "experts_implementation" not in str(info.value)
