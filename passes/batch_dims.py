@@ -338,7 +338,13 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
         # positions, a table repeated over the batch with text positions of zeros after it).
         at = _joined_along(node)
         if dim == at:
-            return False
+            # Alike only where the pieces are: fills of one number (TimesFM's padding mask,
+            # ``stack([zeros(L) for ts in x])``), or one tensor over and over.
+            pieces = list(node.args[0])
+            if _fill_number(pieces[0]) is not None and all(
+                    _fill_number(p) == _fill_number(pieces[0]) and _meta(p).dtype == value.dtype for p in pieces):
+                return True
+            return len(set(pieces)) == 1 and (target is aten.stack.default or _uniform_along(pieces[0], dim, memo))
         pieces = [p for p in node.args[0] if _meta(p).dim() == value.dim() - (target is aten.stack.default)]
         own = dim if target is aten.cat.default or dim < at else dim - 1
         return all(_uniform_along(p, own, memo) for p in pieces)
@@ -408,6 +414,31 @@ def _written_unlike_along(node: fx.Node, dim: int) -> bool:
 # Random draws: each element its own, alike wherever it is.
 _DRAWS = {aten.randint.low, aten.randint.default, aten.normal.float_float, aten.rand_like.default,
           aten.randn_like.default}
+
+
+_FILL_ARGUMENT = {aten.full.default: 1, aten.new_full.default: 2, aten.full_like.default: 1}
+_FILLED_WITH = {aten.zeros.default: 0, aten.new_zeros.default: 0, aten.zeros_like.default: 0,
+                aten.ones.default: 1, aten.new_ones.default: 1, aten.ones_like.default: 1}
+
+
+_KEEPING_VALUES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+                   aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                   aten.permute.default, aten.transpose.int, aten.clone.default, aten.alias.default}
+
+
+def _fill_number(node: Any) -> Any:
+    """The number a constant fill holds everywhere (``zeros(L)``: 0, ``full(s, 2.5)``:
+    2.5, and views of such), or ``None``."""
+    while isinstance(node, fx.Node) and node.target in _KEEPING_VALUES:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target in _FILLED_WITH:
+        return _FILLED_WITH[node.target]
+    if node.target in _FILL_ARGUMENT and len(node.args) > _FILL_ARGUMENT[node.target]:
+        number = node.args[_FILL_ARGUMENT[node.target]]
+        return number if isinstance(number, (int, float, bool)) else None
+    return None
 
 
 def _moved_from(node: fx.Node, dim: int) -> int | None:

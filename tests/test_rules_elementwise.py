@@ -3917,6 +3917,33 @@ def test_solves_and_cross_products_across_the_batch_are_refused():
     assert "it takes cross products along the batch dim" in _reasons(model, x)
 
 
+def _one_row_per_sample(h: torch.Tensor, numbers) -> torch.Tensor:
+    """A shared ``[B, d]`` built in a Python loop over the batch, one constant row each."""
+    return torch.stack([torch.full((h.shape[1],), float(numbers(i)), dtype=h.dtype) for i in range(h.shape[0])])
+
+
+def test_a_stack_of_one_constant_per_sample_is_alike_along_the_batch():
+    """TimesFM's padding mask, ``torch.stack([torch.zeros(L) for ts in inputs])``: every
+    row is the same constant. The where beside it was refused ("a shared tensor whose
+    values vary along the batch dim")."""
+    torch.manual_seed(0)
+    x = torch.randn(B, D, dtype=torch.float64)
+    model = around(lambda m, h: torch.where(
+        torch.stack([torch.zeros(h.shape[1], dtype=h.dtype) for _ in h]) > 0.5, 0.0, h * m.s), s=(D,))()
+    _against_the_loop(model.double(), x)
+    _against_the_loop(around(lambda m, h: h * m.s * _one_row_per_sample(h, lambda i: 2.5), s=(D,))().double(), x)
+    # One row of a range joined once per sample: alike along the batch too.
+    _against_the_loop(around(lambda m, h: h * m.s * torch.cat(
+        [torch.linspace(0, 1, h.shape[1], dtype=h.dtype)[None]] * h.shape[0]), s=(D,))().double(), x)
+
+
+@pytest.mark.parametrize("numbers", [lambda i: i, lambda i: i % 2], ids=["position", "alternating"])
+def test_a_stack_of_different_constants_per_sample_is_refused(numbers):
+    model = around(lambda m, h: h * m.s * _one_row_per_sample(h, numbers), s=(D,))().double()
+    assert "a shared tensor whose values vary along the batch dim" in _reasons(model, torch.randn(B, D,
+                                                                                                   dtype=torch.float64))
+
+
 def test_gumbel_softmax_draws_per_element():
     """``F.gumbel_softmax`` draws ``exponential_`` noise elementwise: each sample its own."""
     model = around(lambda m, h: F.gumbel_softmax(h * m.s, tau=0.5), s=(D,))()
