@@ -2875,7 +2875,7 @@ def _index_put(node, arg_batch):
     b, indices, index_batches = arg_batch[0], node.args[1], arg_batch[1]
     values, vb = node.args[2], arg_batch[2]
     batched_indices = [ib for ib in index_batches if isinstance(ib, BatchDim)]
-    own = _written_into_own_rows(node, b, indices, index_batches, vb)
+    own = _written_into_own_rows(node, b, indices, index_batches, vb) or _written_one_per_row(node, b, index_batches, vb)
     if own is not None:
         return own
     if not isinstance(b, BatchDim) or b.dim is None:
@@ -2929,6 +2929,40 @@ def _index_put(node, arg_batch):
             raise MixesSamples("its batched values do not line up with the batch dim of the rows "
                                "they are written into")
     return b
+
+
+def _written_one_per_row(node: fx.Node, b: Any, index_batches: Sequence[Any], vb: Any) -> BatchDim | None:
+    """The batch of ``x[arange(N), j] = v`` (``index_put``) into a shared ``x`` alike along
+    its dim of ``N`` rows (a fresh ``zeros``), with ``j`` batched along its one dim of ``N``
+    entries (BERT4Rec's multi-hot rows, ``zeros(B * K, L)[arange(B * K), idx.view(-1)] =
+    1``): row ``r`` is written at ``j[r]`` alone, so it is the sample's whose ``j[r]`` it
+    is, batched as ``j``. ``v`` is batched as ``j`` or alike along those rows. ``None``
+    where this is not such a write."""
+    indices = node.args[1]
+    tensors = [i for i, ix in enumerate(indices) if ix is not None]
+    data = _meta(node.args[0])
+    rows = [i for i in tensors if arange_dim(indices[i]) == 0 and _meta(indices[i]).dim() == 1
+            and statically_known_true(_meta(indices[i]).shape[0] == data.shape[i])]
+    if b is not None or len(rows) != 1 or len(tensors) < 2:
+        return None
+    d = rows[0]
+    layout = index_batches[tensors[0] if tensors[0] != d else tensors[1]]
+    if not (isinstance(layout, BatchDim) and layout.dim == 0):
+        return None
+    for i in tensors:
+        if i != d and not (_meta(indices[i]).dim() == 1 and isinstance(index_batches[i], BatchDim)
+                           and index_batches[i].same_as(layout)):
+            return None
+    if _meta(indices[d]).dtype in (torch.bool, torch.uint8) or not _uniform_along(node.args[0], d):
+        return None
+    values = node.args[2]
+    at = _meta(values).dim() - (1 + data.dim() - len(tensors)) if isinstance(values, fx.Node) else -1
+    if isinstance(vb, BatchDim):
+        if vb.dim != at or not vb.same_as(layout.at(at)):
+            return None
+    elif at >= 0 and not _uniform_along(values, at):
+        return None
+    return layout.at(d)
 
 
 def _written_into_own_rows(node: fx.Node, b: Any, indices: Sequence[Any], index_batches: Sequence[Any],

@@ -1370,6 +1370,55 @@ def test_a_numpy_scalar_passed_as_an_argument():
                          tolerance(torch.float64), f"n={n}")
 
 
+class MultiHotRows(nn.Module):
+    """RecBole's BERT4Rec ``multi_hot_embed``: one row per (sample, k) of a fresh
+    ``zeros(B * K, L)``, written at ``arange(B * K)`` and each row's own position, then
+    viewed ``[B, K, L]``. Row ``r`` is written at ``idx[r]`` alone: it is that sample's.
+    It was refused ("it writes batched values, or at batched positions, into a tensor
+    shared by all samples")."""
+
+    def __init__(self, how: str = "ones"):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 3)
+        self.how = how
+
+    def forward(self, seq, idx):
+        h = self.embedding(seq)  # [B, L, 3]
+        flat = idx.reshape(-1)
+        rows = torch.arange(flat.shape[0])
+        if self.how == "accumulated values":
+            multi_hot = torch.zeros(flat.shape[0], seq.shape[1], dtype=h.dtype)
+            multi_hot.index_put_((rows, flat), h.sum(-1).gather(1, idx).reshape(-1), accumulate=True)
+        elif self.how == "a shared table's rows":  # rows that differ: each sample would get its position's
+            multi_hot = torch.arange(flat.shape[0] * seq.shape[1], dtype=h.dtype).view(flat.shape[0], -1) / 10
+            multi_hot[rows, flat] = 1.0
+        elif self.how == "shared values that differ by row":
+            multi_hot = torch.zeros(flat.shape[0], seq.shape[1], dtype=h.dtype)
+            multi_hot[rows, flat] = rows.to(h.dtype)
+        else:
+            multi_hot = torch.zeros(flat.shape[0], seq.shape[1], dtype=h.dtype)
+            multi_hot[rows, flat] = 1.0
+        return torch.bmm(multi_hot.view(idx.shape[0], idx.shape[1], -1), h).sum(1)
+
+
+@pytest.mark.parametrize("how", ["ones", "accumulated values"])
+def test_one_row_written_per_row_of_a_fresh_tensor(how):
+    torch.manual_seed(0)
+    model = MultiHotRows(how).double()
+    seq, idx = torch.randint(0, 10, (B, 6)), torch.randint(0, 6, (B, 2))
+    ref = reference(model, (seq, idx), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(seq, idx).pow(2).sum().backward()
+    assert_close_all({"embedding.weight": model.embedding.weight.grad_sample}, ref.per_sample,
+                     tolerance(torch.float64), how)
+
+
+@pytest.mark.parametrize("how", ["a shared table's rows", "shared values that differ by row"])
+def test_one_row_written_per_row_of_rows_that_differ_is_refused(how):
+    problems = fxdp.validate(MultiHotRows(how).double(), torch.randint(0, 10, (B, 6)), torch.randint(0, 6, (B, 2)))
+    assert problems and "index_put" in str(problems[0])
+
+
 class SomeRowsWritten(nn.Module):
     """A buffer built from the batch size, only some of whose rows are written: each
     sample alone would write its own (its position is the last and the first), so in
