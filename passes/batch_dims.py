@@ -4751,6 +4751,12 @@ def _names(nodes, param_names) -> str:
     return ", ".join(sorted(param_names[p] for p in nodes))
 
 
+_PENALTY = ("a value of parameters alone (a penalty, loss + λ·‖w‖²) meets the loss over the batch: it belongs "
+            "to no sample, and the privacy of DP-SGD comes from clipping each sample's gradient. Put it in the "
+            "optimizer (weight_decay, which needs no privacy), or add it to each sample's loss before the "
+            "reduction over the batch (expanded to the batch), so that each sample's clipped gradient holds it")
+
+
 def _classify_parameter_uses(consumed, sources, batch, param_names, problems, without_grad,
                              expanded_params=None):
     """Decide, for every place a parameter (or a parameter-only value) meets batched data,
@@ -4848,6 +4854,8 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, wi
         ruled = rule is not None and index is not None and index in rule.params
         reason = rule.check([rule_layout(_arg_batch(a, batch)) for a in node.args], [_meta(a) for a in node.args],
                             index) if ruled and rule.check else None
+        if reason and any(isinstance(batch.get(a), Loss) for a in node.all_input_nodes):
+            reason = _PENALTY
         if _complex_valued(node) and not (
                 target is FUNCTION_APPLY and index is not None and function_param_rule(node, index) is None):
             # The rules are written for real values (a complex gradient takes conjugates

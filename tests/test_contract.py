@@ -2863,6 +2863,36 @@ def test_a_gradient_hook_on_a_parameter_reads_the_clipped_gradient_and_may_not_c
     handle.remove()
 
 
+class PenalisedInTheGraph(nn.Module):
+    """RecBole's Caser and NextItNet add ``reg * ‖embedding‖`` to the loss inside the forward."""
+
+    def __init__(self, per_sample: bool):
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(10, 4), nn.Linear(4, 1)
+        self.per_sample = per_sample
+
+    def forward(self, ids, y):
+        loss = (self.head(self.embedding(ids)).squeeze(-1) - y).pow(2)
+        penalty = 0.1 * self.embedding.weight.norm(2) + 0.1 * self.head.weight.pow(2).sum()
+        if self.per_sample:
+            return (loss + penalty.expand(loss.shape[0])).mean()
+        return loss.mean() + penalty
+
+
+def test_a_penalty_added_to_the_loss_in_the_graph_says_where_it_goes():
+    ids, y = torch.randint(0, 10, (4,)), torch.randn(4, dtype=torch.float64)
+    problems = fxdp.validate(PenalisedInTheGraph(per_sample=False).double(), ids, y)
+    assert {n for p in problems for n in p.parameters} == {"embedding.weight", "head.weight"}
+    assert all("optimizer (weight_decay" in p.reason and "each sample's loss" in p.reason for p in problems)
+    # Where the message sends it: in each sample's loss, clipped with it.
+    model = PenalisedInTheGraph(per_sample=True).double()
+    ref = reference(model, (ids, y), lambda out, i: out)
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    dp(ids, y).backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "penalty per sample")
+
+
 def _transposed_first_weight(model: nn.Module) -> nn.Module:
     """The first layer's weight stored transposed: autograd copies a gradient laid out
     unlike it into ``.grad`` instead of taking it as it is."""
