@@ -22,6 +22,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxdp.batching import BatchDim
 from fxdp.errors import UnsupportedError
@@ -61,6 +62,13 @@ class Transform:
             self.module = _SizesFromOperands(self.module, sizes)
 
 
+def _read_back(carrier: torch.Tensor) -> Any:
+    """The number ``_as_operand`` carried."""
+    if carrier.dim() == 0:
+        return carrier.item()
+    return carrier.shape[0] if carrier.dim() == 1 else -carrier.shape[1]
+
+
 class _SizesFromOperands:
     """A transform's graph module called with each size input as a ``[size]`` tensor."""
 
@@ -69,7 +77,7 @@ class _SizesFromOperands:
         self.sizes = sizes
 
     def __call__(self, *args):
-        return self.module(*[a.shape[0] if i in self.sizes and isinstance(a, torch.Tensor) else a
+        return self.module(*[_read_back(a) if i in self.sizes and isinstance(a, torch.Tensor) else a
                              for i, a in enumerate(args)])
 
     def __getattr__(self, name: str) -> Any:
@@ -198,9 +206,19 @@ def _operand(args: list, index: int) -> Any:
 def _as_operand(value: Any, like: torch.Tensor) -> torch.Tensor:
     """A marker operand for an input of a parameter transform: a tensor as it is, a size
     (``pos[:, :T]`` with a symbolic ``T``) as an empty ``[T]`` view that carries it, since
-    the marker takes only tensors; ``Transform`` reads it back."""
+    the marker takes only tensors, a negative one (``pos[-T:]``) as an empty ``[1, T]``
+    view, and another number (a float or bool read from a tensor, ``p * float(scale)``)
+    as a 0-d tensor holding it; ``_SizesFromOperands`` reads each back."""
     if isinstance(value, torch.Tensor):
         return value
+    if isinstance(value, (float, bool, torch.SymFloat, torch.SymBool)):
+        kind = torch.float64 if isinstance(value, (float, torch.SymFloat)) else torch.bool
+        return torch.scalar_tensor(value, dtype=kind, device=like.device)
+    if isinstance(value, torch.SymInt) and not statically_known_true(value >= 0) \
+            or not isinstance(value, torch.SymInt) and value < 0:
+        if statically_known_true(value <= 0):
+            return like.new_zeros(()).expand(1, -value)
+        return torch.scalar_tensor(value, dtype=torch.int64, device=like.device)  # a sign the data decides
     return like.new_zeros(()).expand(value)
 
 

@@ -341,8 +341,9 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
             # Alike only where the pieces are: fills of one number (TimesFM's padding mask,
             # ``stack([zeros(L) for ts in x])``), or one tensor over and over.
             pieces = list(node.args[0])
-            if _fill_number(pieces[0]) is not None and all(
-                    _fill_number(p) == _fill_number(pieces[0]) and _meta(p).dtype == value.dtype for p in pieces):
+            first = _fill_number(pieces[0])
+            if first is not None and all(_fill_number(p) == first and _meta(p).dtype == value.dtype
+                                         for p in pieces):
                 return True
             return len(set(pieces)) == 1 and (target is aten.stack.default or _uniform_along(pieces[0], dim, memo))
         pieces = [p for p in node.args[0] if _meta(p).dim() == value.dim() - (target is aten.stack.default)]
@@ -428,17 +429,22 @@ _KEEPING_VALUES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, 
 
 def _fill_number(node: Any) -> Any:
     """The number a constant fill holds everywhere (``zeros(L)``: 0, ``full(s, 2.5)``:
-    2.5, and views of such), or ``None``."""
+    2.5, and views of such) as ``(value, its sign)`` (``-0.0`` is no ``0.0`` to
+    ``copysign``), or ``None``; ``None`` too where anything writes into the fill in place
+    (through a view: ``row.view(1, -1)[0, 1] = 4``)."""
     while isinstance(node, fx.Node) and node.target in _KEEPING_VALUES:
         node = node.args[0]
-    if not isinstance(node, fx.Node) or node.op != "call_function":
+    if not isinstance(node, fx.Node) or node.op != "call_function" or _written_into(node):
         return None
     if node.target in _FILLED_WITH:
-        return _FILLED_WITH[node.target]
-    if node.target in _FILL_ARGUMENT and len(node.args) > _FILL_ARGUMENT[node.target]:
+        number = _FILLED_WITH[node.target]
+    elif node.target in _FILL_ARGUMENT and len(node.args) > _FILL_ARGUMENT[node.target]:
         number = node.args[_FILL_ARGUMENT[node.target]]
-        return number if isinstance(number, (int, float, bool)) else None
-    return None
+        if not isinstance(number, (int, float, bool)) or math.isnan(number):  # (NaN: no number is alike)
+            return None
+    else:
+        return None
+    return float(number), math.copysign(1.0, float(number))
 
 
 def _moved_from(node: fx.Node, dim: int) -> int | None:
@@ -1056,6 +1062,12 @@ def _indexing_along(node, arg_batch):
         # The output has the index's shape, which may cover the first rows only.
         raise MixesSamples("its index covers only part of the batch dim: the output holds the first "
                            "samples' values only (broadcast it to every sample, or use take_along_dim)")
+    if (node.target is aten.gather.default and isinstance(b, BatchDim) and isinstance(b.dim, int)
+            and index is None and not _uniform_along(node.args[2], b.dim)):
+        # Each sample would read at its own position's row of the indices
+        # (``gather(h, 1, (arange(B) % T)[:, None])``), which alone is always the first.
+        raise MixesSamples("it gathers with a shared index whose values vary along the batch dim: each "
+                           "sample would read at the indices of its position in the batch")
     return _dim_op(_arg_dim(1))(node, arg_batch)
 
 
@@ -2943,7 +2955,11 @@ def _written_one_per_row(node: fx.Node, b: Any, index_batches: Sequence[Any], vb
     data = _meta(node.args[0])
     rows = [i for i in tensors if arange_dim(indices[i]) == 0 and _meta(indices[i]).dim() == 1
             and statically_known_true(_meta(indices[i]).shape[0] == data.shape[i])]
-    if b is not None or len(rows) != 1 or len(tensors) < 2:
+    # (Index tensors first, so that the written rows lead the values' dims; a fresh
+    # target, and values batched or constant: a parameter there is a use fxdp follows
+    # on the batched target, as ``zeros(B, C)[arange(B), y] = w`` is read otherwise.)
+    if b is not None or len(rows) != 1 or len(tensors) < 2 or tensors != list(range(len(tensors))) \
+            or not _created(node.args[0]):
         return None
     d = rows[0]
     layout = index_batches[tensors[0] if tensors[0] != d else tensors[1]]
@@ -2960,7 +2976,9 @@ def _written_one_per_row(node: fx.Node, b: Any, index_batches: Sequence[Any], vb
     if isinstance(vb, BatchDim):
         if vb.dim != at or not vb.same_as(layout.at(at)):
             return None
-    elif at >= 0 and not _uniform_along(values, at):
+    elif isinstance(values, fx.Node) and not (
+            values.target in (aten.lift_fresh_copy.default, aten.scalar_tensor.default)
+            and statically_known_true(_meta(values).numel() == 1) or _fill_number(values) is not None):
         return None
     return layout.at(d)
 
@@ -4798,7 +4816,9 @@ def _classify_parameter_uses(consumed, sources, batch, param_names, problems, wi
         param_positions = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a in sources]
         if param_positions and all(node.args[i] in broadcast_values for i in param_positions):
             continue  # an expand of a broadcast op's output
-        others = [a for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a not in sources]
+        # (A number read from a tensor, ``p * float(scale)``, is no operand to broadcast.)
+        others = [a for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a not in sources
+                  and isinstance(_meta(a), torch.Tensor)]
         if param_positions and all(i in rule.params for i in param_positions) and (
                 others or node.target is aten.expand.default) and not _complex_valued(node):
             plan = _broadcast_plan(node, batch)
@@ -4964,14 +4984,15 @@ def _batched_as_broadcast(node: fx.Node, plan: "Broadcast", sources: dict) -> tu
     as_batched, metas = [], []
     for a in node.args:
         meta = _meta(a)
-        if isinstance(a, fx.Node) and a not in sources:
-            if added > 0 and isinstance(meta, torch.Tensor):
-                meta = meta.reshape((1,) * added + tuple(meta.shape))
-                as_batched.append(BatchDim(plan.batch_dim))
-            elif _is_pointwise(node.target) and isinstance(meta, torch.Tensor) and meta.dim() < plan.ndim:
+        if isinstance(a, fx.Node) and a not in sources and isinstance(meta, torch.Tensor):
+            if _is_pointwise(node.target) and meta.dim() < plan.ndim:
                 # It broadcasts to the output's trailing dims (``rel[None] + ones(T, T)``
-                # with ``rel [H, T, T]``): batched where the output is, padded to reach it.
+                # with ``rel [H, T, T]``; a 0-d buffer in ``p * scale``): batched where the
+                # output is, padded to reach it.
                 meta = meta.reshape((1,) * (plan.ndim - meta.dim()) + tuple(meta.shape))
+                as_batched.append(BatchDim(plan.batch_dim))
+            elif added > 0:
+                meta = meta.reshape((1,) * added + tuple(meta.shape))
                 as_batched.append(BatchDim(plan.batch_dim))
             else:
                 as_batched.append(BatchDim(0))

@@ -18,9 +18,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxdp.batching import RAW, SHARED, WHOLE, BatchDim, Groups, Rows
 from fxdp.errors import UnsupportedError
@@ -128,6 +130,28 @@ def _draws_at_random(n: fx.Node) -> bool:
     return True
 
 
+def _slice_scatter_from_the_start(base: torch.Tensor, src: torch.Tensor, dim: int = 0, start: Any = None,
+                                  end: Any = None, step: int = 1) -> torch.Tensor:
+    """``slice_scatter`` with bounds counted from the end (``f[-T:] = w``) counted from the
+    start, and an end past the last position (``f[a:]``'s ``2**63 - 1``) at it: its
+    ``vmap`` batching rule reads the one wrong (PyTorch 2.13: "Expected index [B, …] to
+    be no larger than src") and overflows on the other, and a transform runs under
+    ``vmap``."""
+    size = base.shape[dim]
+
+    def from_the_start(bound: Any) -> Any:
+        # (A symbolic bound of unknown sign stays as it is: no guard on it.)
+        if bound is None:
+            return bound
+        if statically_known_true(bound >= size):
+            return size
+        if not statically_known_true(bound < 0):
+            return bound
+        return torch.sym_max(bound + size, 0) if not statically_known_true(bound + size >= 0) else bound + size
+
+    return torch.ops.aten.slice_scatter.default(base, src, dim, from_the_start(start), from_the_start(end), step)
+
+
 def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple[Transform, list[fx.Node]]:
     """The parameter-only computation of ``derived`` as a graph ``(*sources, *extras) -> derived``."""
     needed: list[fx.Node] = []
@@ -168,6 +192,11 @@ def _extract_transform(derived: fx.Node, param_only: dict, params: set) -> tuple
         if n.target is FUNCTION_APPLY:
             env[n] = graph.call_function(FunctionInTransform(function_call(n)),
                                          tuple(env[a] if isinstance(a, fx.Node) else a for a in n.args[2:]))
+            env[n].meta = dict(n.meta)
+        elif n.target is torch.ops.aten.slice_scatter.default:
+            env[n] = graph.call_function(_slice_scatter_from_the_start,
+                                         tuple(env[a] if isinstance(a, fx.Node) else a for a in n.args),
+                                         {k: env[a] if isinstance(a, fx.Node) else a for k, a in n.kwargs.items()})
             env[n].meta = dict(n.meta)
         else:
             env[n] = graph.node_copy(n, lambda a: env[a])

@@ -3937,11 +3937,39 @@ def test_a_stack_of_one_constant_per_sample_is_alike_along_the_batch():
         [torch.linspace(0, 1, h.shape[1], dtype=h.dtype)[None]] * h.shape[0]), s=(D,))().double(), x)
 
 
-@pytest.mark.parametrize("numbers", [lambda i: i, lambda i: i % 2], ids=["position", "alternating"])
-def test_a_stack_of_different_constants_per_sample_is_refused(numbers):
-    model = around(lambda m, h: h * m.s * _one_row_per_sample(h, numbers), s=(D,))().double()
+def _first_row_written_through_a_view(h: torch.Tensor) -> torch.Tensor:
+    rows = [torch.zeros(h.shape[1], dtype=h.dtype) for _ in h]
+    rows[0].view(1, -1)[0, 1] = 4.0
+    return torch.stack(rows)
+
+
+def _zero_beside_negative_zeros(h: torch.Tensor) -> torch.Tensor:
+    rows = [torch.zeros(h.shape[1], dtype=h.dtype)] + [torch.full((h.shape[1],), -0.0, dtype=h.dtype)
+                                                       for _ in range(h.shape[0] - 1)]
+    return torch.copysign(torch.ones((), dtype=h.dtype), torch.stack(rows))
+
+
+@pytest.mark.parametrize("rows", [lambda h: _one_row_per_sample(h, lambda i: i),
+                                  lambda h: _one_row_per_sample(h, lambda i: i % 2),
+                                  _first_row_written_through_a_view, _zero_beside_negative_zeros],
+                         ids=["position", "alternating", "a row written through a view", "-0.0 beside 0.0"])
+def test_a_stack_of_different_constants_per_sample_is_refused(rows):
+    """(The last two were taken for fills of one number, with wrong gradients.)"""
+    model = around(lambda m, h: h * m.s * rows(h), s=(D,))().double()
     assert "a shared tensor whose values vary along the batch dim" in _reasons(model, torch.randn(B, D,
                                                                                                    dtype=torch.float64))
+
+
+def test_a_gather_at_a_shared_index_that_varies_along_the_batch_is_refused():
+    """Each sample would read at its own position's indices (all sample alone read the
+    first row's): it was accepted, with wrong gradients."""
+    model = around(lambda m, h: torch.gather(h * m.s, 1, (torch.arange(h.shape[0]) % h.shape[1])[:, None]
+                                             .expand(h.shape[0], 2)), d_out=2, s=(D,))().double()
+    assert "it gathers with a shared index whose values vary along the batch dim" in _reasons(
+        model, torch.randn(B, D, dtype=torch.float64))
+    alike = around(lambda m, h: torch.gather(h * m.s, 1, torch.tensor([[2, 0]]).expand(h.shape[0], 2)), d_out=2,
+                   s=(D,))().double()
+    _against_the_loop(alike, torch.randn(B, D, dtype=torch.float64))
 
 
 def test_gumbel_softmax_draws_per_element():

@@ -1348,6 +1348,57 @@ def test_bounds_the_module_holds_in_explain():
     assert "torch.ops.fxdp.per_sample.default" in text.split("--- backward")[1]
 
 
+class CountedFromTheEnd(nn.Module):
+    """A parameter sliced or written at bounds counted from the end: by the sequence
+    length (``pos[-T:]``, ``f[-T:] = pos[:T]``) or by numbers the module holds
+    (``f[-hi:-lo] = p``), and a parameter scaled by a float or bool it holds. They
+    crashed: the transform's numbers were carried as ``[n]`` tensors (no negative sizes,
+    no floats), and ``slice_scatter``'s vmap rule misreads bounds from the end; a
+    scale read with ``float()`` was refused as an operand the parameter's op is
+    broadcast with."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.pos = nn.Parameter(torch.randn(8, 5))
+        self.lo, self.hi = torch.tensor(1), torch.tensor(3)
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("step", torch.tensor(2))
+
+    def forward(self, x):  # x [B, T, 5]
+        T = x.shape[1]
+        if self.how == "sliced by the length":
+            return (x * self.pos[-T:]).sum(1)
+        if self.how == "written by the length":
+            f = x.new_zeros(T + 3, 5)
+            f[-T:] = self.pos[:T]
+            return (x * f[:T]).sum(1)
+        if self.how == "written at held bounds":
+            f = torch.zeros(6, 5, dtype=x.dtype)
+            f[-self.hi:-self.lo] = self.pos[:2]
+            return (x @ f.t()).sum(1)
+        if self.how == "scaled by a held float":
+            return (x * (self.pos[:T] * float(self.scale))).sum(1)
+        if self.how == "scaled by a held 0-d tensor":  # it was refused: the 0-d buffer read as spanning the batch
+            return (x * (self.pos[:T] * self.scale)).sum(1)
+        return (x * (self.pos[:T] * (self.step >= 1).item())).sum(1)  # "a held bool"
+
+
+@pytest.mark.parametrize("how", ["sliced by the length", "written by the length", "written at held bounds",
+                                 "scaled by a held float", "scaled by a held 0-d tensor", "a held bool"])
+def test_parameter_transforms_at_numbers_counted_from_the_end_or_not_ints(how):
+    torch.manual_seed(0)
+    model = CountedFromTheEnd(how).double()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for batch, length in ((B, 5), (B + 1, 4), (B - 1, 6)):  # the second and third: dynamic shapes
+        x = torch.randn(batch, length, 5, dtype=torch.float64)
+        ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+        model.zero_grad()
+        dp(x).pow(2).sum().backward()
+        assert_close_all({"pos": model.pos.grad_sample}, ref.per_sample, tolerance(torch.float64),
+                         f"{how}, B={batch}, T={length}")
+
+
 class ScaledByANumpyArgument(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1411,6 +1462,44 @@ def test_one_row_written_per_row_of_a_fresh_tensor(how):
     dp(seq, idx).pow(2).sum().backward()
     assert_close_all({"embedding.weight": model.embedding.weight.grad_sample}, ref.per_sample,
                      tolerance(torch.float64), how)
+
+
+class OneHotOfLearnedValue(nn.Module):
+    """``zeros(B, C)[arange(B), y] = w`` with a parameter ``w``: read with the target
+    batched (it crashed the generic per-sample VJP when read as one write per row), and
+    ``t[:, arange(B), y] = v`` behind a leading slice, with values that differ by row
+    (refused; it was accepted with the values read along the wrong dim)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.lin, self.w = nn.Linear(6, 6), nn.Parameter(torch.randn(1))
+        self.how = how
+
+    def forward(self, x, y):
+        if self.how == "learned value":
+            one_hot = torch.zeros(x.shape[0], 6, dtype=x.dtype)
+            one_hot[torch.arange(x.shape[0]), y] = self.w
+            return self.lin(x) * one_hot
+        t = torch.zeros(2, x.shape[0], 6, dtype=x.dtype)
+        t[:, torch.arange(x.shape[0]), y] = torch.arange(x.shape[0], dtype=x.dtype) + 1
+        return self.lin(x) * t.sum(0)
+
+
+def test_a_one_hot_of_a_learned_value():
+    torch.manual_seed(0)
+    model = OneHotOfLearnedValue("learned value").double()
+    x, y = torch.randn(B, 6, dtype=torch.float64), torch.randint(0, 6, (B,))
+    ref = reference(model, (x, y), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x, y).pow(2).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "learned value")
+
+
+def test_one_row_written_per_row_behind_a_leading_slice_with_values_by_row_is_refused():
+    problems = fxdp.validate(OneHotOfLearnedValue("behind a slice").double(), torch.randn(B, 6, dtype=torch.float64),
+                             torch.randint(0, 6, (B,)))
+    assert problems and "index_put" in str(problems[0])
 
 
 @pytest.mark.parametrize("how", ["a shared table's rows", "shared values that differ by row"])
