@@ -345,7 +345,8 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
             if first is not None and all(_fill_number(p) == first and _meta(p).dtype == value.dtype
                                          for p in pieces):
                 return True
-            return len(set(pieces)) == 1 and (target is aten.stack.default or _uniform_along(pieces[0], dim, memo))
+            return all(_computed_alike(pieces[0], p) for p in pieces[1:]) and (
+                target is aten.stack.default or _uniform_along(pieces[0], dim, memo))
         pieces = [p for p in node.args[0] if _meta(p).dim() == value.dim() - (target is aten.stack.default)]
         own = dim if target is aten.cat.default or dim < at else dim - 1
         return all(_uniform_along(p, own, memo) for p in pieces)
@@ -373,7 +374,53 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
         return (dim >= len(indices) or indices[dim] is None) and statically_known_true(values.numel() == 1) \
             and not any(isinstance(i, fx.Node) and _meta(i).dtype in (torch.bool, torch.uint8) for i in indices) \
             and _uniform_along(node.args[0], dim, memo)
+    if target in _REDUCED_ALONG_DIMS:
+        # A reduction along other dims (TimesFM's count of its padding, ``(1 - pad).sum(1)``):
+        # alike where its source is.
+        source = _meta(node.args[0])
+        reduced = node.args[1] if len(node.args) > 1 else named_arg(node, "dim", None)
+        if isinstance(reduced, int):
+            reduced = [reduced]
+        if not reduced:
+            return True  # over every dim: one number
+        reduced = {_norm_dim(d, source.dim()) for d in reduced}
+        keep = bool(node.args[2] if len(node.args) > 2 else named_arg(node, "keepdim", False))
+        kept = list(range(source.dim())) if keep else [d for d in range(source.dim()) if d not in reduced]
+        return kept[dim] in reduced or _uniform_along(node.args[0], kept[dim], memo)
     return False
+
+
+_REDUCED_ALONG_DIMS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+                       aten.prod.dim_int, aten.any.dim, aten.all.dim, aten.logsumexp.default}
+
+
+def _computed_alike(first: fx.Node, other: fx.Node) -> bool:
+    """Whether ``other`` holds ``first``'s values: the same node, or the same ops on the
+    same numbers and the same inputs (TimesFM's front padding of each series,
+    ``cat([ones(k), zeros(n)])`` once per sample), nothing of it written in place."""
+    if first is other:
+        return True
+    corr: dict = {}
+    pieces: dict = {}
+    varied: list = []
+    if not same_code(first, other, corr, pieces, varied, _comparable) or pieces or varied:
+        return False
+    return all(_same_numbers(a.args, b.args) and _same_numbers(a.kwargs, b.kwargs)
+               and not _written_into(a) and not _written_into(b) for a, b in corr.items() if a is not b)
+
+
+def _same_numbers(a: Any, b: Any) -> bool:
+    """``a == b`` for the numbers in two argument structures, with ``-0.0`` apart from ``0.0``
+    and the types alike (``same_code`` compares them with ``==``)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_numbers(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_numbers(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    if isinstance(a, (bool, int, float)) or isinstance(b, (bool, int, float)):
+        return type(a) is type(b) and a == b
+    return True
 
 
 def _written_unlike_along(node: fx.Node, dim: int) -> bool:

@@ -3949,6 +3949,46 @@ def _zero_beside_negative_zeros(h: torch.Tensor) -> torch.Tensor:
     return torch.copysign(torch.ones((), dtype=h.dtype), torch.stack(rows))
 
 
+def _normalised_by_its_padding(m, h: torch.Tensor) -> torch.Tensor:
+    """TimesFM's ``_preprocess`` and masked mean: the padding built per series in a loop,
+    each series' mean over its positions not padded."""
+    padding = torch.stack([torch.zeros(h.shape[1], dtype=h.dtype) for _ in h])
+    kept = (1 - padding).sum(1, keepdim=True)
+    mean = (h * (1 - padding)).sum(1, keepdim=True) / kept
+    return (h - mean) * m.s
+
+
+def _front_padding(h: torch.Tensor, numbers=lambda i: 0.0, written: bool = False) -> torch.Tensor:
+    """TimesFM's padding of a short series: ones in front of zeros, built once per sample."""
+    rows = []
+    for i in range(h.shape[0]):
+        row = torch.cat([torch.ones(2, dtype=h.dtype), torch.full((h.shape[1] - 2,), numbers(i), dtype=h.dtype)])
+        if written and i == 1:
+            row[0] = 3.0
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def test_a_stack_of_one_computation_per_sample_is_alike_along_the_batch():
+    torch.manual_seed(0)
+    _against_the_loop(around(lambda m, h: h * m.s * _front_padding(h), s=(D,))().double(),
+                      torch.randn(B, D, dtype=torch.float64))
+    for rows in (lambda h: _front_padding(h, lambda i: float(i % 2)), lambda h: _front_padding(h, written=True)):
+        model = around(lambda m, h: h * m.s * rows(h), s=(D,))().double()
+        assert "a shared tensor whose values vary along the batch dim" in _reasons(
+            model, torch.randn(B, D, dtype=torch.float64))
+
+
+def test_a_mean_over_a_padding_built_in_a_loop():
+    """(Refused: a reduction of the stacked padding along another dim was not known to
+    hold the same values along the batch.)"""
+    torch.manual_seed(0)
+    _against_the_loop(around(_normalised_by_its_padding, s=(D,))().double(), torch.randn(B, D, dtype=torch.float64))
+    model = around(lambda m, h: h * m.s * _one_row_per_sample(h, lambda i: i).sum(1, keepdim=True), s=(D,))()
+    assert "a shared tensor whose values vary along the batch dim" in _reasons(model.double(), torch.randn(
+        B, D, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("rows", [lambda h: _one_row_per_sample(h, lambda i: i),
                                   lambda h: _one_row_per_sample(h, lambda i: i % 2),
                                   _first_row_written_through_a_view, _zero_beside_negative_zeros],
