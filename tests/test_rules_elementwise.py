@@ -3974,7 +3974,7 @@ def test_a_stack_of_one_computation_per_sample_is_alike_along_the_batch():
     _against_the_loop(around(lambda m, h: h * m.s * _front_padding(h), s=(D,))().double(),
                       torch.randn(B, D, dtype=torch.float64))
     for rows in (lambda h: _front_padding(h, lambda i: float(i % 2)), lambda h: _front_padding(h, written=True)):
-        model = around(lambda m, h: h * m.s * rows(h), s=(D,))().double()
+        model = around(lambda m, h, rows=rows: h * m.s * rows(h), s=(D,))().double()
         assert "a shared tensor whose values vary along the batch dim" in _reasons(
             model, torch.randn(B, D, dtype=torch.float64))
 
