@@ -345,8 +345,9 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
             if first is not None and all(_fill_number(p) == first and _meta(p).dtype == value.dtype
                                          for p in pieces):
                 return True
+            # (Pieces of more than one row along it are tiles: a buffer's ``cat([w, w])``.)
             return all(_computed_alike(pieces[0], p) for p in pieces[1:]) and (
-                target is aten.stack.default or _uniform_along(pieces[0], dim, memo))
+                target is aten.stack.default or statically_known_true(_meta(pieces[0]).shape[dim] == 1))
         pieces = [p for p in node.args[0] if _meta(p).dim() == value.dim() - (target is aten.stack.default)]
         own = dim if target is aten.cat.default or dim < at else dim - 1
         return all(_uniform_along(p, own, memo) for p in pieces)
@@ -405,8 +406,10 @@ def _computed_alike(first: fx.Node, other: fx.Node) -> bool:
     varied: list = []
     if not same_code(first, other, corr, pieces, varied, _comparable) or pieces or varied:
         return False
+    # Nothing either reads may be written in place, an input both read included (``s.view(-1).add_(1)``
+    # between the pieces).
     return all(_same_numbers(a.args, b.args) and _same_numbers(a.kwargs, b.kwargs)
-               and not _written_into(a) and not _written_into(b) for a, b in corr.items() if a is not b)
+               and not _written_into(a) and not _written_into(b) for a, b in corr.items())
 
 
 def _same_numbers(a: Any, b: Any) -> bool:

@@ -256,7 +256,9 @@ def same_constant(a: fx.Node, b: fx.Node) -> bool:
             and x.shape == y.shape and x.device == y.device):
         return False
     try:
-        return bool(torch.equal(x, y))
+        # (-0.0 is no 0.0: ``copysign`` and ``atan2`` tell them apart.)
+        return bool(torch.equal(x, y)) and (not x.is_floating_point()
+                                            or bool(torch.equal(torch.signbit(x), torch.signbit(y))))
     except Exception:  # noqa: BLE001 - values not at hand (a fake tensor): not known equal
         return False
 
