@@ -58,8 +58,30 @@ class Transform:
                         if n.op == "placeholder"]
         sizes = {i for i, n in enumerate(placeholders)
                  if "val" in n.meta and not isinstance(n.meta["val"], torch.Tensor)}
+        # A float only multiplied, divided, added or subtracted stays a 0-d tensor: read
+        # back as a number, Inductor's C++ kernels take it as a C ``float`` (float32 in a
+        # float64 model).
+        tensors = {i for i in sizes if isinstance(placeholders[i].meta["val"], (float, torch.SymFloat))
+                   and all(_takes_a_tensor(u, placeholders[i]) for u in placeholders[i].users)}
         if sizes and not isinstance(self.module, _SizesFromOperands):
-            self.module = _SizesFromOperands(self.module, sizes)
+            self.module = _SizesFromOperands(self.module, sizes, tensors)
+
+
+# Binary ops whose operands may be a 0-d tensor where a number was traced.
+_TAKE_A_TENSOR = {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor, torch.ops.aten.add.Tensor,
+                  torch.ops.aten.sub.Tensor}
+
+
+def _takes_a_tensor(user: Any, number: Any) -> bool:
+    """Whether ``user`` computes the same with ``number`` as a 0-d float64 tensor: one of
+    ``_TAKE_A_TENSOR`` with it as an operand beside a floating tensor (which a 0-d
+    tensor of its category does not promote)."""
+    if user.target not in _TAKE_A_TENSOR or number in user.kwargs.values() or len(user.args) != 2 \
+            or number not in user.args:
+        return False
+    other = user.args[1] if user.args[0] is number else user.args[0]
+    value = other.meta.get("val") if hasattr(other, "meta") else None
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def _read_back(carrier: torch.Tensor) -> Any:
@@ -70,14 +92,18 @@ def _read_back(carrier: torch.Tensor) -> Any:
 
 
 class _SizesFromOperands:
-    """A transform's graph module called with each size input as a ``[size]`` tensor."""
+    """A transform's graph module called with each size input as a ``[size]`` tensor (a
+    float in ``tensors``, one its binary ops take as it is, as a 0-d tensor)."""
 
-    def __init__(self, module: Any, sizes: set[int]):
+    def __init__(self, module: Any, sizes: set[int], tensors: set[int] = frozenset()):
         self.module = module
         self.sizes = sizes
+        self.tensors = tensors
 
     def __call__(self, *args):
-        return self.module(*[_read_back(a) if i in self.sizes and isinstance(a, torch.Tensor) else a
+        return self.module(*[a if i in self.tensors and isinstance(a, torch.Tensor) and a.dim() == 0
+                             and a.is_floating_point() else
+                             _read_back(a) if i in self.sizes and isinstance(a, torch.Tensor) else a
                              for i, a in enumerate(args)])
 
     def __getattr__(self, name: str) -> Any:

@@ -1399,6 +1399,19 @@ def test_parameter_transforms_at_numbers_counted_from_the_end_or_not_ints(how):
                          f"{how}, B={batch}, T={length}")
 
 
+def test_a_float_a_parameter_transform_reads_keeps_float64_under_inductor():
+    """Read back as a number in the backward, Inductor's C++ kernels took it as a C
+    ``float``: per-sample gradients off by 3e-8 in a float64 model (1.7 is no float32)."""
+    torch.manual_seed(0)
+    model = CountedFromTheEnd("scaled by a held float").double()
+    model.scale.fill_(1.7)
+    x = torch.randn(B, 5, 5, dtype=torch.float64)
+    ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="inductor")
+    dp(x).pow(2).sum().backward()
+    assert_close_all({"pos": model.pos.grad_sample}, ref.per_sample, tolerance(torch.float64), "inductor")
+
+
 class ScaledByANumpyArgument(nn.Module):
     def __init__(self):
         super().__init__()
