@@ -339,7 +339,7 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
         at = _joined_along(node)
         if dim == at:
             # Alike only where the pieces are: fills of one number (TimesFM's padding mask,
-            # ``stack([zeros(L) for ts in x])``), or one tensor over and over.
+            # ``stack([zeros(L) for ts in x])``), or one computation over and over.
             pieces = list(node.args[0])
             first = _fill_number(pieces[0])
             if first is not None and all(_fill_number(p) == first and _meta(p).dtype == value.dtype
@@ -2937,7 +2937,8 @@ def _index_put(node, arg_batch):
     b, indices, index_batches = arg_batch[0], node.args[1], arg_batch[1]
     values, vb = node.args[2], arg_batch[2]
     batched_indices = [ib for ib in index_batches if isinstance(ib, BatchDim)]
-    own = _written_into_own_rows(node, b, indices, index_batches, vb) or _written_one_per_row(node, b, index_batches, vb)
+    own = (_written_into_own_rows(node, b, indices, index_batches, vb)
+           or _written_one_per_row(node, b, index_batches, vb))
     if own is not None:
         return own
     if not isinstance(b, BatchDim) or b.dim is None:
