@@ -240,8 +240,7 @@ def _as_operand(value: Any, like: torch.Tensor) -> torch.Tensor:
     if isinstance(value, (float, bool, torch.SymFloat, torch.SymBool)):
         kind = torch.float64 if isinstance(value, (float, torch.SymFloat)) else torch.bool
         return torch.scalar_tensor(value, dtype=kind, device=like.device)
-    if isinstance(value, torch.SymInt) and not statically_known_true(value >= 0) \
-            or not isinstance(value, torch.SymInt) and value < 0:
+    if not statically_known_true(value >= 0):
         if statically_known_true(value <= 0):
             return like.new_zeros(()).expand(1, -value)
         return torch.scalar_tensor(value, dtype=torch.int64, device=like.device)  # a sign the data decides
