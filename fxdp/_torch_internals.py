@@ -727,8 +727,7 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     def inner_compile(g, inputs, **kwargs):
         if kwargs.get("is_backward"):
-            return backward_compiler(g, inputs, lambda g2, i2: compile_fx_inner(
-                pin_conv_operands_of_two_layouts(clone_overlapping_write_targets(g2), backward=True), i2, **kwargs))
+            return backward_compiler(g, inputs, lambda g2, i2: _inductor_or_uncompiled(g2, i2, kwargs))
         forward_observer(g)
         return compile_fx_inner(pin_conv_operands_of_two_layouts(clone_overlapping_write_targets(g), backward=False),
                                 inputs, **kwargs)
@@ -741,8 +740,114 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
     # backward receives); it also measured slower here: Inductor's CPU kernels for the
     # per-channel reductions of the per-sample rules gather over channels-last data.
     with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False), \
-            inductor_config.patch(layout_optimization=False):
+            inductor_config.patch(layout_optimization=False, joint_custom_pre_pass=_SizesFromTheForward()):
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
+
+
+def _inductor_or_uncompiled(gm: fx.GraphModule, example_inputs: Sequence[Any], kwargs: dict) -> Callable:
+    """The rewritten backward compiled by Inductor, or, where Inductor's lowering guards
+    on a size only the data decides, run as it is, with a warning.
+
+    Works around Inductor (torch 2.13): lowering a batched matmul whose operand has such
+    a size (the per-sample gradient of a linear layer over ``x[:, i:i + 1]`` with
+    ``i = int(k)``) asks whether it is 1 and raises ``GuardOnDataDependentSymNode``
+    ("is_preferred_layout_as_bmm_input"). The graph is the same either way; only its
+    speed differs.
+    """
+    import warnings
+
+    from functorch.compile import make_boxed_func
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    prepared = pin_conv_operands_of_two_layouts(clone_overlapping_write_targets(gm), backward=True)
+    try:
+        return compile_fx_inner(prepared, example_inputs, **kwargs)
+    except Exception as error:  # noqa: BLE001  (Inductor wraps the guard's error)
+        cause: BaseException | None = error
+        while cause is not None and not isinstance(cause, GuardOnDataDependentSymNode):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        warnings.warn("fxdp: Inductor cannot compile this backward (its lowering guards on a size "
+                      f"the data decides: {str(cause).splitlines()[0]}); it runs uncompiled, "
+                      "exactly, only slower. compiler='eager' gives the same without the attempt.",
+                      stacklevel=2)
+        return make_boxed_func(views_as_reshapes(gm).forward)
+
+
+def sizes_from_the_forward(graph: fx.Graph) -> None:
+    """Every size read off a tangent that only the data decides (``x[:, i:i + 1]`` with
+    ``i = int(k)``) read off the forward output the tangent belongs to instead.
+
+    Works around AOTAutograd (torch 2.13): the tangents carry the symbols of the first
+    trace, the joint graph's forward those of its own retrace, so a size the backward
+    asks a tangent for (a marker's backward reshaping its output gradient; plain
+    AOTAutograd never asks) has a symbol no forward node computes, and the partitioner
+    makes the forward save the backward's ``sym_size`` node: "Node sym_size_int_1 was
+    invalid, but is output". Tangents follow the forward outputs in order (those with
+    a gradient), so each is matched with the next forward output of its dtype, rank
+    and static sizes.
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    nodes = list(graph.nodes)
+    tangents = [n for n in nodes if n.op == "placeholder" and str(n.target).startswith("tangents")]
+    reads = [n for n in nodes if n.target is torch.ops.aten.sym_size.int and n.args[0] in tangents
+             and isinstance(n.meta.get("val"), torch.SymInt) and free_unbacked_symbols(n.meta["val"])]
+    if not reads:
+        return
+    forward: set[fx.Node] = set()
+    for n in nodes:
+        if n.op != "output" and n not in tangents and all(a in forward for a in n.all_input_nodes):
+            forward.add(n)
+    computed = {n.meta["val"].node.expr for n in forward if isinstance(n.meta.get("val"), torch.SymInt)}
+    outputs = [o for o in next(n for n in nodes if n.op == "output").args[0]
+               if isinstance(o, fx.Node) and o in forward and isinstance(o.meta.get("val"), torch.Tensor)]
+    owner: dict[fx.Node, fx.Node] = {}
+    k = 0
+    for t in tangents:
+        tv = t.meta.get("val")
+        while k < len(outputs) and not _same_kind(outputs[k].meta["val"], tv):
+            k += 1
+        if k == len(outputs):
+            return  # no order-preserving match: leave the graph to AOTAutograd as it is
+        owner[t], k = outputs[k], k + 1
+    for read in reads:
+        if read.meta["val"].node.expr in computed:
+            continue
+        out, dim = owner[read.args[0]], read.args[1]
+        size = out.meta["val"].shape[dim]
+        if not isinstance(size, torch.SymInt) or not free_unbacked_symbols(size) <= {
+                s for e in computed for s in getattr(e, "free_symbols", ())}:
+            continue
+        with graph.inserting_after(out):
+            source = graph.call_function(torch.ops.aten.sym_size.int, (out, dim))
+        source.meta["val"] = size
+        read.replace_all_uses_with(source)
+        graph.erase_node(read)
+
+
+def _same_kind(a: Any, b: Any) -> bool:
+    """Whether a tensor could be the tangent ``b`` of output ``a``: dtype, rank, and every
+    static size equal."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    if a.dtype != b.dtype or a.dim() != b.dim():
+        return False
+    return all(isinstance(x, torch.SymInt) or isinstance(y, torch.SymInt) or x == y
+               for x, y in zip(a.shape, b.shape))
+
+
+class _SizesFromTheForward:
+    """``sizes_from_the_forward`` as Inductor's joint-graph pass (a ``CustomGraphPass``:
+    its ``uuid`` keys Inductor's caches)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        sizes_from_the_forward(graph)
+
+    def uuid(self) -> str:
+        return "fxdp.sizes_from_the_forward.1"
 
 
 def clone_overlapping_write_targets(gm: fx.GraphModule) -> fx.GraphModule:
@@ -852,6 +957,14 @@ def views_as_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def _partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+    from torch._functorch.partitioners import default_partition
+
+    sizes_from_the_forward(joint.graph)
+    joint.recompile()
+    return default_partition(joint, joint_inputs, **kwargs)
+
+
 def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
                   backward_compiler: Callable, forward_observer: Callable = lambda g: None) -> Callable:
     """AOTAutograd without Inductor: both graphs run as plain FX graphs."""
@@ -874,7 +987,8 @@ def eager_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
         return torch._dynamo.disable(compiled, reason="fxdp's backward graph is not user code")
 
     with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False):
-        compiled = aot_module_simplified(gm, list(example_inputs), fw_compiler=fw, bw_compiler=bw)
+        compiled = aot_module_simplified(gm, list(example_inputs), fw_compiler=fw, bw_compiler=bw,
+                                         partition_fn=_partition)
     return torch._dynamo.disable(compiled, reason="fxdp's compiled graphs are not user code")
 
 

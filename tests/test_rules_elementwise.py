@@ -2040,6 +2040,45 @@ def test_a_max_over_the_batch_that_reaches_only_a_check(width):
         assert_close_all(_params(model, "grad"), ref.grad("sum", 0.05), tol, "clipped grad")
 
 
+class _WindowReadFromATensor(nn.Module):
+    """A window of the sequence whose start is read from a tensor (``x[:, i:i + w]``
+    with ``i = int(k)``): its length is a size only the data decides. Crashed: the
+    partitioner was made to save a size the backward read off the output's gradient
+    ("Node sym_size_int_1 was invalid, but is output"), then the gain's per-sample
+    reduction guarded on whether that length is 1."""
+
+    def __init__(self, width: int | None):
+        super().__init__()
+        self.width = width
+        self.gain = nn.Parameter(torch.randn(1, D))
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, k):
+        i = int(k.item())
+        h = x[:, i:] if self.width is None else x[:, i:i + self.width]
+        return self.fc(h * self.gain).tanh()
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("width", [1, 2, None])
+def test_a_window_whose_start_is_read_from_a_tensor(width, compiler):
+    """Exact at two starts and two batch sizes, one of them leaving a window of one row."""
+    torch.manual_seed(0)
+    model = _WindowReadFromATensor(width).double()
+    torch._dynamo.reset()
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.05, compiler=compiler, in_dims=(0, None))
+    for batch_size, start in ((B, 1), (B + 1, T - 1)):
+        x, k = torch.randn(batch_size, T, D, dtype=torch.float64), torch.tensor(start)
+        ref = reference(model, [x, k], lambda out, i: out.pow(2).sum(), in_dims=(0, None))
+        model.zero_grad()
+        for p in model.parameters():
+            p.grad_sample = None
+        dp(x, k).pow(2).sum((1, 2)).mean().backward()
+        tol = tolerance(torch.float64)
+        assert_close_all(_params(model, "grad_sample"), ref.per_sample, tol, f"grad_sample at {start}")
+        assert_close_all(_params(model, "grad"), ref.grad("mean", 0.05), tol, f"clipped grad at {start}")
+
+
 def test_an_unused_batch_norm_in_training_is_still_refused():
     """Its output reaches nothing, but it writes the batch's statistics into its running
     buffers: not a value that only reaches a check."""

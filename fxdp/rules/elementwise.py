@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from fxdp.batching import BatchDim, broadcast_batch
 from fxdp.registry import GRAD, OpRule, ParamRule, register_rule
@@ -167,11 +168,13 @@ def right_align(t: torch.Tensor, ndim: int) -> torch.Tensor:
 
 def reduce_per_sample(t: torch.Tensor, shape: Sequence[int | None]) -> torch.Tensor:
     """``[n, *s] -> [n, *shape]``: each sample summed over the dims ``shape`` broadcasts along
-    (``None``, a symbolic size, is never one of them)."""
+    (``None``, a symbolic size, is never one of them). A dim whose size the data decides
+    (``x[:, i:i + 1]`` with ``i = int(k)``) is summed as well: if it is 1, the sum is its
+    one element."""
     lead = t.dim() - 1 - len(shape)
     if lead > 0:
         t = t.sum(tuple(range(1, 1 + lead)))
-    dims = [i + 1 for i, want in enumerate(shape) if want == 1 and not bool(t.shape[i + 1] == 1)]
+    dims = [i + 1 for i, want in enumerate(shape) if want == 1 and not guard_or_false(t.shape[i + 1] == 1)]
     if dims:
         t = t.sum(dims, keepdim=True)
     return t
