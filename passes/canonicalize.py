@@ -607,7 +607,7 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     gm = repeat_as_expand_pass(gm)
     gm = out_arguments_as_copies_pass(gm)
     gm = written_pieces_as_views_pass(gm)
-    gm = filled_slices_as_cat_pass(in_place_as_out_of_place_pass(gm))
+    gm = empty_scatter_pass(filled_slices_as_cat_pass(in_place_as_out_of_place_pass(gm)))
     gm = filled_pieces_as_one_fill_pass(unique_rows_gathered_back_pass(gm))
     gm = unit_scale_pass(gm)
     gm = masked_fill_by_index_put_as_where_pass(nonzero_positions_as_mask_pass(gm))
@@ -616,7 +616,7 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     # what consumes those), where broadcasting replaces them; a pointwise op that an
     # expand moves past can bring it to a lookup, hence rounds until nothing moves
     # (peft's prefix: lookup, dtype cast, view, permute, split, select, cat).
-    gm = constant_ids_as_expand_pass(gm)
+    gm = constant_ids_as_expand_pass(selected_before_the_slice_pass(gm))
     for _ in range(6):
         before = gm.code
         gm = sink_expands_pass(gm)
@@ -629,6 +629,97 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     gm = broadcast_batched_product_pass(gm)
     gm = complex_scatters_as_real_pass(gm)
     return unviewable_views_as_reshapes_pass(tiled_batched_product_pass(gm))
+
+
+def selected_before_the_slice_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A ``select`` of a ``slice`` along another dim as the slice of the select, the
+    select taken down through pointwise arithmetic to the one piece of a ``cat`` along
+    its dim that it reads.
+
+    TimeSformer's ``embeddings[:B, 0, :]`` on its ``[B*T, 1 + N, D]`` frames, where
+    ``embeddings = cat([cls.expand(B*T, 1, D), patches], 1) + pos``, reads the class
+    token's row of the first ``B`` frames: the slice of the batch alone mixes samples,
+    but the row is ``cls[:, 0] + pos[:, 0]`` in every frame, no sample's data, and ``[:B]``
+    of it (an expand, once ``sink_expands_pass`` moves the expand down) is ``B`` copies::
+
+        cat = torch.ops.aten.cat.default([expand, linear], 1)                  # before
+        add = torch.ops.aten.add.Tensor(cat, pos)
+        slice_1 = torch.ops.aten.slice.Tensor(add, 0, 0, 3)
+        select = torch.ops.aten.select.int(slice_1, 1, 0)
+        select_1 = torch.ops.aten.select.int(expand, 1, 0)                     # after
+        select_2 = torch.ops.aten.select.int(pos, 1, 0)
+        add_1 = torch.ops.aten.add.Tensor(select_1, select_2)
+        slice_2 = torch.ops.aten.slice.Tensor(add_1, 0, 0, 3)
+
+    Nothing changes where the select meets no such ``cat``, or where a value on the way
+    is written in place.
+    """
+    aten = torch.ops.aten
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.select.int or not isinstance(node.args[2], int):
+            continue
+        sliced = node.args[0]
+        if not (isinstance(sliced, fx.Node) and sliced.op == "call_function" and sliced.target is aten.slice.Tensor
+                and named_arg(sliced, "step", 1) == 1 and not _written_through(sliced)):
+            continue
+        rank = sliced.meta["val"].dim()
+        dim, along = node.args[1] % rank, named_arg(sliced, "dim", 0) % rank
+        if dim == along:
+            continue
+        with gm.graph.inserting_before(node):
+            picked = _selected_piece(gm, sliced.args[0], dim, node.args[2], node)
+            if picked is None:
+                continue
+            bounds = [named_arg(sliced, name, default) for name, default in (("start", None), ("end", None))]
+            new = _call(gm, aten.slice.Tensor, (picked, along - (dim < along), *bounds), node)
+        _replace(gm, node, new)
+        changed = True
+    return _finished(gm, changed)
+
+
+_SELECTED_THROUGH = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
+                     torch.ops.aten.div.Tensor}
+
+
+def _selected_piece(gm: fx.GraphModule, x: Any, dim: int, index: int, like: fx.Node) -> fx.Node | None:
+    """``x.select(dim, index)`` computed from the one piece of a ``cat`` along ``dim`` it
+    reads, through the pointwise arithmetic on the way; ``None`` where there is no such
+    ``cat`` (or a value on the way is written in place)."""
+    aten = torch.ops.aten
+    if not isinstance(x, fx.Node) or x.op != "call_function" or _written_through(x):
+        return None
+    size = x.meta["val"].shape[dim]
+    if not isinstance(size, int) or not -size <= index < size:
+        return None
+    index %= size
+    if x.target is aten.cat.default and named_arg(x, "dim", 0) % x.meta["val"].dim() == dim:
+        start = 0
+        for piece in x.args[0]:
+            rows = piece.meta["val"].shape[dim] if piece.meta["val"].dim() == x.meta["val"].dim() else 0
+            if not isinstance(rows, int):
+                return None
+            if index < start + rows:
+                inner = _selected_piece(gm, piece, dim, index - start, like)
+                return inner if inner is not None else _call(gm, aten.select.int, (piece, dim, index - start), like)
+            start += rows
+        return None
+    if x.target not in _SELECTED_THROUGH:
+        return None
+    rank, operands, found = x.meta["val"].dim(), [], False
+    for arg in x.args[:2]:
+        value = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+        at = dim - (rank - value.dim()) if isinstance(value, torch.Tensor) else -1
+        if at < 0:
+            operands.append(arg)  # a number, or a tensor broadcast along ``dim``
+            continue
+        row = 0 if value.shape[at] == 1 else index
+        inner = _selected_piece(gm, arg, at, row, like)
+        found = found or inner is not None
+        operands.append(inner if inner is not None else _call(gm, aten.select.int, (arg, at, row), like))
+    if not found:
+        return None  # (the selects made on the way are left unused)
+    return _call(gm, x.target, (*operands, *x.args[2:]), like, dict(x.kwargs))
 
 
 def filled_slices_as_cat_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -1159,6 +1250,33 @@ def unit_scale_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return _finished(gm, changed)
 
 
+def empty_scatter_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop a ``slice_scatter`` of no element (it is its input's copy).
+
+    DAC's quantizer dropout at rate 0 writes the first ``int(B * 0.0)`` samples' drawn
+    counts, ``n_quantizers[:0] = dropout[:0]``, into counts alike for every sample; the
+    write of nothing left them looking written along the batch::
+
+        slice_scatter = torch.ops.aten.slice_scatter.default(add, to, 0, 0, 0)   # before
+        lt = torch.ops.aten.lt.Tensor(full, slice_scatter)
+        lt = torch.ops.aten.lt.Tensor(full, add)                                  # after
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.slice_scatter.default:
+            continue
+        base, src = node.args[0], node.args[1]
+        values = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in (base, src, node)]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            continue
+        before, written, out = values
+        if statically_known_true(written.numel() == 0) and out.dtype == before.dtype \
+                and not _written_through(node) and not _written_through(base):
+            node.replace_all_uses_with(base)
+            changed = True
+    return _finished(gm, changed)
+
+
 def whole_slice_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Drop a ``slice`` that keeps all of its dim (it is its input, aliased).
 
@@ -1546,6 +1664,20 @@ def _sunk(gm: fx.GraphModule, view: fx.Node, expand: fx.Node, dim: int, op: Any,
     return _call(gm, torch.ops.aten.expand.default, (inner, sizes), view)
 
 
+def _rows_sliced(node: fx.Node, dim: int) -> Any:
+    """How many rows a ``slice`` keeps along ``dim``, as a number or the node of a
+    symbolic size: where it is symbolic, only a slice from the start up to that node,
+    never past the end."""
+    rows = node.meta["val"].shape[dim]
+    if isinstance(rows, int):
+        return rows
+    end = named_arg(node, "end", None)
+    if named_arg(node, "start", None) in (None, 0) and named_arg(node, "step", 1) == 1 and isinstance(end, fx.Node) \
+            and isinstance(end.meta.get("val"), torch.SymInt) and statically_known_true(end.meta["val"] == rows):
+        return end
+    return None
+
+
 # Ops that cut their input into pieces along one dim: ``(input, sizes or count, dim)``.
 _SPLITS = {
     torch.ops.aten.chunk.default, torch.ops.aten.unsafe_chunk.default, torch.ops.aten.split.Tensor,
@@ -1651,6 +1783,11 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 if not _expands_dim(expand, dim):
                     sliced = sizes[:dim] + [-1] + sizes[dim + 1:]
                     new = _sunk(gm, node, expand, dim, aten.slice.Tensor, tuple(node.args[2:]), sliced)
+                else:  # copies of one row: fewer of them (``cls.expand(B*T, D)[:B]``)
+                    rows = _rows_sliced(node, dim)
+                    if rows is not None:
+                        new = _call(gm, aten.expand.default, (expand.args[0], sizes[:dim] + [rows] + sizes[dim + 1:]),
+                                    node)
             elif node.target in (aten.permute.default, aten.transpose.int):
                 if node.target is aten.transpose.int:
                     order = list(range(ndim))

@@ -1215,6 +1215,47 @@ def test_parameter_copied_to_a_batch_of_merged_rows(kind):
     _against_the_loop(model, torch.randn(1, 4, D, dtype=torch.float64), dp=dp)
 
 
+class ClassRowOfTheFirstFrames(nn.Module):
+    """TimeSformer's embeddings: frames merged into the batch ``[B·T, 1 + N, D]``, each
+    with the class token in front and positions added, then ``e[:B, 0, :]`` read as the
+    class tokens of the ``B`` videos: the first ``B`` rows of the merged batch (sample
+    0's frames, mostly), but at the class row, alike in every frame. ``"patch row"``
+    reads a patch of those frames instead and ``"scaled per frame"`` the class row
+    scaled by each frame's own data: both mix samples."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.proj, self.head = nn.Linear(D, D), nn.Linear(D, 3)
+        self.cls = nn.Parameter(torch.randn(1, 1, D))
+        self.pos = nn.Parameter(torch.randn(1, 3, D))
+
+    def forward(self, x):  # [B, T, 2, D]
+        b, t = x.shape[:2]
+        e = self.proj(x.reshape(b * t, 2, D))
+        e = torch.cat((self.cls.expand(e.shape[0], -1, -1), e), dim=1) + self.pos
+        if self.kind == "scaled per frame":
+            e = e * x.reshape(b * t, 2, D)[:, :1, :1]
+        cls = e[:b, 1 if self.kind == "patch row" else 0, :].unsqueeze(1)
+        e = e[:, 1:].reshape(b, t * 2, D)
+        return self.head(torch.tanh(torch.cat((cls, e), dim=1)))
+
+
+def test_the_class_row_of_the_first_frames():
+    """Every frame's class row holds ``cls + pos[0]``, so the first ``B`` of them are
+    ``B`` copies of it: exact at two batch sizes and frame counts. Before, the slice of
+    the merged batch was refused ("it slices the batch dim")."""
+    torch.manual_seed(0)
+    model = ClassRowOfTheFirstFrames("class row").double()
+    dp = _against_the_loop(model, torch.randn(B, 2, 2, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, 3, 2, D, dtype=torch.float64), dp=dp)
+
+
+@pytest.mark.parametrize("kind", ["patch row", "scaled per frame"])
+def test_another_row_of_the_first_frames_is_refused(kind):
+    assert "it slices the batch dim" in _reasons(ClassRowOfTheFirstFrames(kind), torch.randn(B, 2, 2, D))
+
+
 def test_parameter_copied_to_a_batch_of_merged_rows_under_inductor():
     torch.manual_seed(0)
     model = CopiesForMergedRows("views")

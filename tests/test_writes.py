@@ -1729,3 +1729,44 @@ def test_a_copy_keeps_its_values_when_its_source_is_written_later():
     (dp(x) * weights).sum().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
                      tolerance(torch.float64), "grad_sample")
+
+
+class QuantizerDropout(nn.Module):
+    """DAC's residual quantizer dropout: every sample uses ``n`` codebooks but the first
+    ``int(B * rate)``, which draw their own count, ``n[:k] = drawn[:k]``; the mask
+    ``arange(K) < n`` then zeroes the codebooks past it. At rate 0 nothing is written
+    and the mask is alike for every sample (refused before: "a shared tensor whose
+    values vary along the batch dim"); at a rate above 0 the first samples of the batch
+    are treated unlike the others, which fxdp must refuse."""
+
+    def __init__(self, rate: float):
+        super().__init__()
+        self.rate = rate
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, x):
+        b = x.shape[0]
+        n = torch.ones(b) * 2
+        k = int(b * self.rate)
+        n[:k] = torch.randint(1, 3, (b,))[:k].float()
+        mask = torch.arange(3)[None, :] < n[:, None]
+        return self.lin(x) * mask
+
+
+def test_a_dropout_of_no_sample_writes_nothing():
+    torch.manual_seed(0)
+    model = QuantizerDropout(0.0).double()
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.1, compiler="eager")
+    for batch_size in (B, B + 2):
+        x = torch.randn(batch_size, 5, dtype=torch.float64)
+        ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+        model.zero_grad()
+        dp(x).pow(2).sum(1).mean().backward()
+        tol = tolerance(torch.float64)
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, tol, "grad_sample")
+        assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean", 0.1), tol, "grad")
+
+
+def test_a_dropout_of_the_first_samples_is_refused():
+    problems = fxdp.validate(QuantizerDropout(0.5), torch.randn(B, 5))
+    assert any("vary along the batch dim" in p.reason for p in problems), problems
