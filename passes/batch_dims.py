@@ -2623,7 +2623,7 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
     flat = list(_flat(arg_batch)) + list(_flat(kwarg_batch))
     lists = [b for b in flat if isinstance(b, Masked)]
     first = lists[0]
-    if not all(_same_computation(m.mask, first.mask) for m in lists):
+    if not all(_same_computation(m.mask, first.mask) or _same_mask_reshaped(m, first) for m in lists):
         raise MixesSamples("it combines elements selected by different boolean masks over the batch, "
                            "which line up no sample's elements")
     if node.target in (aten.masked_scatter.default, aten.masked_scatter_.default):
@@ -2876,6 +2876,23 @@ def pure_op(target: Any) -> bool:
     give the same value."""
     return isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable \
         and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _same_mask_reshaped(a: "Masked", b: "Masked") -> bool:
+    """Whether two masks over the batch hold the same values in the same row-major order,
+    one a reshape of the other (``mask`` and ``mask.flatten(1)``: lightly's iBOT loss
+    selects its per-token losses with one and their weights with the other), the batch
+    leading both: the ``k``-th element either selects is then at the same place of the
+    same sample."""
+    def unreshaped(mask: Any) -> Any:
+        while isinstance(mask, fx.Node) and mask.op == "call_function" \
+                and (mask.target in _RESHAPES or mask.target is aten.flatten.using_ints) \
+                and statically_known_true(_meta(mask).shape[0] == _meta(mask.args[0]).shape[0]):
+            mask = mask.args[0]
+        return mask
+
+    return a.layout.dim == 0 and b.layout.dim == 0 and a.layout.plain and b.layout.plain \
+        and _same_computation(unreshaped(a.mask), unreshaped(b.mask))
 
 
 def _same_computation(a: Any, b: Any, depth: int = 6) -> bool:

@@ -442,3 +442,43 @@ def test_the_rows_a_mask_selected_returned_by_the_forward_are_refused_with_where
     assert [p.op for p in problems] == ["aten.index.Tensor"], problems
     assert "returned by the forward, the list leaves its loss outside" in problems[0].reason
     assert "compute the loss in the forward" in problems[0].reason
+
+
+class WeightsByTheMaskUnflattened(nn.Module):
+    """lightly's iBOT patch loss: per-token losses selected by ``mask.flatten(1)`` on the
+    flattened patches, their weights (one over each sample's count) by the ``[B, H, W]``
+    mask itself: the same elements in the same order, since one mask is a reshape of the
+    other (refused before: "different boolean masks"). ``"transposed"`` selects the
+    weights in another order: refused."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(D, 3)
+
+    def forward(self, x, mask):  # x [B, H·W, D], mask [B, H, W]
+        losses = self.lin(x).logsumexp(-1)[mask.flatten(1)]
+        weights = (1.0 / mask.sum((1, 2), keepdim=True).clamp(min=1)).expand_as(mask)
+        weights = weights.transpose(1, 2)[mask.transpose(1, 2)] if self.how == "transposed" else weights[mask]
+        return (losses * weights).sum()
+
+
+def test_one_mask_and_its_flattened_view_select_alike():
+    torch.manual_seed(0)
+    model = WeightsByTheMaskUnflattened("same").double()
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for size in (3, 4):
+        x = torch.randn(size, 6, D, dtype=torch.float64)
+        mask = torch.rand(size, 2, 3) < 0.5
+        mask[0] = False  # a sample that selects nothing
+        mask[1, 0, 0] = True
+        ref = reference(model, (x, mask), lambda out, i: out)
+        dp(x, mask).backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), f"grad_sample at B = {size}")
+
+
+def test_a_mask_read_in_another_order_is_refused():
+    mask = torch.rand(3, 2, 3) < 0.5
+    problems = fxdp.validate(WeightsByTheMaskUnflattened("transposed"), torch.randn(3, 6, D), mask)
+    assert any("different boolean masks" in p.reason for p in problems), problems
