@@ -1544,6 +1544,15 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
         return one_graph(
             "Dynamo cannot capture it there; change that code or move it out of the forward "
             "(a step done once, before the transform).")
+    if isinstance(error, torch._dynamo.exc.InternalTorchDynamoError) and "SymNodeVariable() is not a constant" in str(error):
+        return UnsupportedError(
+            "fxdp needs the model's forward as one graph, and Dynamo failed while capturing it (plain "
+            "torch.compile(model, fullgraph=True) fails the same way): a Python number the forward "
+            "takes changed since the first call (a step count), so Dynamo made it symbolic, and code "
+            "there needs its value as a constant (a call such as requires_grad_(step >= n) made in the "
+            "forward). Do that outside the forward, between steps (p.requires_grad_(...) before the "
+            "call: fxdp gives frozen parameters no gradient), or pass a value that does not change. "
+            f"Dynamo's error: {error}")
     if isinstance(error, torch._dynamo.exc.InternalTorchDynamoError):
         return UnsupportedError(
             "fxdp needs the model's forward as one graph, and Dynamo failed while capturing it (plain "

@@ -579,6 +579,31 @@ def test_dynamo_failing_inside_itself_is_a_refusal_that_quotes_it():
         fxdp.transform(ReadsIrreps().to(DTYPE), compiler="eager")(randn(5, 4))
 
 
+class FreezesInItsForward(nn.Module):
+    """lightly's ``SwaVPrototypes``: ``requires_grad_(step >= n)`` in the forward. Once
+    the step changes, Dynamo makes it symbolic and fails inside itself ("SymNodeVariable()
+    is not a constant"); the generic refusal guessed at a tuple subclass."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.proto = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x, step):
+        self.proto.requires_grad_(step >= 2)
+        return self.proto(torch.tanh(self.lin(x)))
+
+
+def test_a_number_made_symbolic_where_dynamo_needs_a_constant_is_named():
+    dp = fxdp.transform(FreezesInItsForward().to(DTYPE), compiler="eager")
+    for step in (0, 1):
+        try:
+            dp(randn(5, 4), step)
+        except fxdp.UnsupportedError as error:
+            last = str(error)
+    assert "a Python number the forward takes changed since the first call" in last, last
+    assert "outside the forward" in last
+
+
 class BranchesOnATensorsValue(nn.Module):
     """asteroid's DCUNet checks its input length against ``int(torch.from_numpy(a)[0])``."""
 
