@@ -5,6 +5,7 @@ A torch upgrade touches this module only. Verified on torch 2.13.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import operator
 import os
@@ -740,7 +741,7 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any],
     # backward receives); it also measured slower here: Inductor's CPU kernels for the
     # per-channel reductions of the per-sample rules gather over channels-last data.
     with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False), \
-            inductor_config.patch(layout_optimization=False, joint_custom_pre_pass=_SizesFromTheForward()):
+            inductor_config.patch(layout_optimization=False, joint_custom_pre_pass=_sizes_from_the_forward_pass()):
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
 
 
@@ -839,15 +840,20 @@ def _same_kind(a: Any, b: Any) -> bool:
                for x, y in zip(a.shape, b.shape))
 
 
-class _SizesFromTheForward:
-    """``sizes_from_the_forward`` as Inductor's joint-graph pass (a ``CustomGraphPass``:
-    its ``uuid`` keys Inductor's caches)."""
+@functools.cache
+def _sizes_from_the_forward_pass() -> Any:
+    """``sizes_from_the_forward`` as Inductor's joint-graph pass: a ``CustomGraphPass``,
+    whose ``uuid`` keys Inductor's FX graph cache (a plain callable makes it bypass it)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    def __call__(self, graph: fx.Graph) -> None:
-        sizes_from_the_forward(graph)
+    class SizesFromTheForward(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            sizes_from_the_forward(graph)
 
-    def uuid(self) -> str:
-        return "fxdp.sizes_from_the_forward.1"
+        def uuid(self) -> str:
+            return "fxdp.sizes_from_the_forward.1"
+
+    return SizesFromTheForward()
 
 
 def clone_overlapping_write_targets(gm: fx.GraphModule) -> fx.GraphModule:
