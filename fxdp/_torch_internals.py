@@ -4,6 +4,7 @@ A torch upgrade touches this module only. Verified on torch 2.13.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -787,8 +788,10 @@ def sizes_from_the_forward(graph: fx.Graph) -> None:
     AOTAutograd never asks) has a symbol no forward node computes, and the partitioner
     makes the forward save the backward's ``sym_size`` node: "Node sym_size_int_1 was
     invalid, but is output". Tangents follow the forward outputs in order (those with
-    a gradient), so each is matched with the next forward output of its dtype, rank
-    and static sizes.
+    a gradient): where every forward output of a tangent's kind (dtype, and which sizes
+    are static and what they are) has one, the ``k``-th tangent of that kind is the
+    ``k``-th output's; otherwise (an output of that kind without a gradient, so which is
+    whose is not certain) nothing changes.
     """
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
@@ -805,19 +808,21 @@ def sizes_from_the_forward(graph: fx.Graph) -> None:
     computed = {n.meta["val"].node.expr for n in forward if isinstance(n.meta.get("val"), torch.SymInt)}
     outputs = [o for o in next(n for n in nodes if n.op == "output").args[0]
                if isinstance(o, fx.Node) and o in forward and isinstance(o.meta.get("val"), torch.Tensor)]
-    owner: dict[fx.Node, fx.Node] = {}
-    k = 0
+    by_kind: dict[Any, list[fx.Node]] = collections.defaultdict(list)
+    for o in outputs:
+        by_kind[_kind(o.meta["val"])].append(o)
+    tangents_by_kind: dict[Any, list[fx.Node]] = collections.defaultdict(list)
     for t in tangents:
-        tv = t.meta.get("val")
-        while k < len(outputs) and not _same_kind(outputs[k].meta["val"], tv):
-            k += 1
-        if k == len(outputs):
-            return  # no order-preserving match: leave the graph to AOTAutograd as it is
-        owner[t], k = outputs[k], k + 1
+        if isinstance(t.meta.get("val"), torch.Tensor):
+            tangents_by_kind[_kind(t.meta["val"])].append(t)
+    owner = {t: o for kind, ts in tangents_by_kind.items() if len(by_kind[kind]) == len(ts)
+             for t, o in zip(ts, by_kind[kind])}
     for read in reads:
         if read.meta["val"].node.expr in computed:
             continue
-        out, dim = owner[read.args[0]], read.args[1]
+        out, dim = owner.get(read.args[0]), read.args[1]
+        if out is None:
+            continue
         size = out.meta["val"].shape[dim]
         if not isinstance(size, torch.SymInt) or not free_unbacked_symbols(size) <= {
                 s for e in computed for s in getattr(e, "free_symbols", ())}:
@@ -829,15 +834,9 @@ def sizes_from_the_forward(graph: fx.Graph) -> None:
         graph.erase_node(read)
 
 
-def _same_kind(a: Any, b: Any) -> bool:
-    """Whether a tensor could be the tangent ``b`` of output ``a``: dtype, rank, and every
-    static size equal."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return False
-    if a.dtype != b.dtype or a.dim() != b.dim():
-        return False
-    return all(isinstance(x, torch.SymInt) or isinstance(y, torch.SymInt) or x == y
-               for x, y in zip(a.shape, b.shape))
+def _kind(t: torch.Tensor) -> tuple:
+    """What a tangent shares with its output: the dtype, and each size where it is static."""
+    return t.dtype, tuple(d if isinstance(d, int) else None for d in t.shape)
 
 
 @functools.cache
