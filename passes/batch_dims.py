@@ -1589,9 +1589,10 @@ def _repeat(node, arg_batch):
         return b
     counts = list(node.args[1])
     d = b.dim + len(counts) - _meta(node.args[0]).dim()
-    if bool(counts[d] == 1):
+    count = _meta(counts[d]) if isinstance(counts[d], fx.Node) else counts[d]  # a symbolic count, its SymInt
+    if statically_known_true(count == 1):
         return b.at(d)
-    return BatchDim(d, b.inner, b.outer * counts[d])
+    return BatchDim(d, b.inner, b.outer * count)
 
 
 _PER_SAMPLE_LOOP = (" (a loop over chunks of samples concatenated again, torch.cat([f(c) for c in x.chunk(k)]) "

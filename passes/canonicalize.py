@@ -661,34 +661,51 @@ def selected_before_the_slice_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         sliced = node.args[0]
         if not (isinstance(sliced, fx.Node) and sliced.op == "call_function" and sliced.target is aten.slice.Tensor
-                and named_arg(sliced, "step", 1) == 1 and not _written_through(sliced)):
+                and named_arg(sliced, "step", 1) == 1 and named_arg(sliced, "start", None) in (None, 0)
+                and not _written_through(sliced)):
             continue
         rank = sliced.meta["val"].dim()
         dim, along = node.args[1] % rank, named_arg(sliced, "dim", 0) % rank
-        if dim == along:
-            continue
+        if dim == along or along != 0:
+            continue  # (only the first rows of the leading dim: where the batch is, ``[:B]``)
+        before, visited = set(gm.graph.nodes), []
         with gm.graph.inserting_before(node):
-            picked = _selected_piece(gm, sliced.args[0], dim, node.args[2], node)
-            if picked is None:
+            picked = _selected_piece(gm, sliced.args[0], dim, node.args[2], node, visited)
+            if picked is not None and not _written_between(gm, visited, node):
+                new = _call(gm, aten.slice.Tensor, (picked, 0, None, named_arg(sliced, "end", None)), node)
+                _replace(gm, node, new)
+                changed = True
                 continue
-            bounds = [named_arg(sliced, name, default) for name, default in (("start", None), ("end", None))]
-            new = _call(gm, aten.slice.Tensor, (picked, along - (dim < along), *bounds), node)
-        _replace(gm, node, new)
-        changed = True
+        for made in reversed([n for n in gm.graph.nodes if n not in before]):
+            if not made.users:
+                gm.graph.erase_node(made)
     return _finished(gm, changed)
+
+
+def _written_between(gm: fx.GraphModule, visited: list[fx.Node], node: fx.Node) -> bool:
+    """Whether an op between the first of ``visited`` and ``node`` writes in place: the
+    values the select is computed from at ``node`` would no longer be those read where
+    ``visited`` were (a buffer added, then written, then the class row read)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first = min(order[v] for v in visited)
+    return any(n.op == "call_function" and writes_in_place(n.target)
+               for n in gm.graph.nodes if first <= order[n] < order[node])
 
 
 _SELECTED_THROUGH = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
                      torch.ops.aten.div.Tensor}
 
 
-def _selected_piece(gm: fx.GraphModule, x: Any, dim: int, index: int, like: fx.Node) -> fx.Node | None:
+def _selected_piece(gm: fx.GraphModule, x: Any, dim: int, index: int, like: fx.Node,
+                    visited: list[fx.Node]) -> fx.Node | None:
     """``x.select(dim, index)`` computed from the one piece of a ``cat`` along ``dim`` it
-    reads, through the pointwise arithmetic on the way; ``None`` where there is no such
-    ``cat`` (or a value on the way is written in place)."""
+    reads, through the pointwise arithmetic on the way, in ``x``'s dtype; ``None`` where
+    there is no such ``cat`` (or a value on the way is written in place, or a piece has
+    another dtype than the ``cat`` it was promoted to). ``visited`` gets the nodes read."""
     aten = torch.ops.aten
     if not isinstance(x, fx.Node) or x.op != "call_function" or _written_through(x):
         return None
+    visited.append(x)
     size = x.meta["val"].shape[dim]
     if not isinstance(size, int) or not -size <= index < size:
         return None
@@ -700,7 +717,10 @@ def _selected_piece(gm: fx.GraphModule, x: Any, dim: int, index: int, like: fx.N
             if not isinstance(rows, int):
                 return None
             if index < start + rows:
-                inner = _selected_piece(gm, piece, dim, index - start, like)
+                if piece.meta["val"].dtype != x.meta["val"].dtype or _written_through(piece):
+                    return None
+                visited.append(piece)
+                inner = _selected_piece(gm, piece, dim, index - start, like, visited)
                 return inner if inner is not None else _call(gm, aten.select.int, (piece, dim, index - start), like)
             start += rows
         return None
@@ -714,12 +734,15 @@ def _selected_piece(gm: fx.GraphModule, x: Any, dim: int, index: int, like: fx.N
             operands.append(arg)  # a number, or a tensor broadcast along ``dim``
             continue
         row = 0 if value.shape[at] == 1 else index
-        inner = _selected_piece(gm, arg, at, row, like)
+        inner = _selected_piece(gm, arg, at, row, like, visited)
         found = found or inner is not None
         operands.append(inner if inner is not None else _call(gm, aten.select.int, (arg, at, row), like))
     if not found:
-        return None  # (the selects made on the way are left unused)
-    return _call(gm, x.target, (*operands, *x.args[2:]), like, dict(x.kwargs))
+        return None
+    out = _call(gm, x.target, (*operands, *x.args[2:]), like, dict(x.kwargs))
+    # A selected operand of one element less may promote otherwise (a 0-d tensor does not
+    # raise a dimensioned one's dtype).
+    return out if out.meta["val"].dtype == x.meta["val"].dtype else None
 
 
 def filled_slices_as_cat_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -1665,15 +1688,14 @@ def _sunk(gm: fx.GraphModule, view: fx.Node, expand: fx.Node, dim: int, op: Any,
 
 
 def _rows_sliced(node: fx.Node, dim: int) -> Any:
-    """How many rows a ``slice`` keeps along ``dim``, as a number or the node of a
-    symbolic size: where it is symbolic, only a slice from the start up to that node,
-    never past the end."""
+    """How many rows a ``slice`` from the start keeps along ``dim``, as a number or the
+    node of a symbolic size (its end, where it does not reach past the dim's end)."""
     rows = node.meta["val"].shape[dim]
     if isinstance(rows, int):
         return rows
     end = named_arg(node, "end", None)
-    if named_arg(node, "start", None) in (None, 0) and named_arg(node, "step", 1) == 1 and isinstance(end, fx.Node) \
-            and isinstance(end.meta.get("val"), torch.SymInt) and statically_known_true(end.meta["val"] == rows):
+    if isinstance(end, fx.Node) and isinstance(end.meta.get("val"), torch.SymInt) \
+            and statically_known_true(end.meta["val"] == rows):
         return end
     return None
 
@@ -1783,7 +1805,8 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 if not _expands_dim(expand, dim):
                     sliced = sizes[:dim] + [-1] + sizes[dim + 1:]
                     new = _sunk(gm, node, expand, dim, aten.slice.Tensor, tuple(node.args[2:]), sliced)
-                else:  # copies of one row: fewer of them (``cls.expand(B*T, D)[:B]``)
+                elif named_arg(node, "start", None) in (None, 0) and named_arg(node, "step", 1) == 1:
+                    # Copies of one row: the first of them (``cls.expand(B*T, D)[:B]``).
                     rows = _rows_sliced(node, dim)
                     if rows is not None:
                         new = _call(gm, aten.expand.default, (expand.args[0], sizes[:dim] + [rows] + sizes[dim + 1:]),

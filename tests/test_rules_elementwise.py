@@ -1221,7 +1221,11 @@ class ClassRowOfTheFirstFrames(nn.Module):
     class tokens of the ``B`` videos: the first ``B`` rows of the merged batch (sample
     0's frames, mostly), but at the class row, alike in every frame. ``"patch row"``
     reads a patch of those frames instead and ``"scaled per frame"`` the class row
-    scaled by each frame's own data: both mix samples."""
+    scaled by each frame's own data: both mix samples. ``"buffer written after"`` adds a
+    buffer that is written before the class row is read, ``"float32 class token"``
+    concatenates it to float64 patches (the ``cat`` promotes it): taking the select down
+    to the pieces gave wrong values there (a red team's finding), so those are left as
+    they are (refused)."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -1229,11 +1233,16 @@ class ClassRowOfTheFirstFrames(nn.Module):
         self.proj, self.head = nn.Linear(D, D), nn.Linear(D, 3)
         self.cls = nn.Parameter(torch.randn(1, 1, D))
         self.pos = nn.Parameter(torch.randn(1, 3, D))
+        self.register_buffer("shift", torch.zeros(1, 3, D))
 
     def forward(self, x):  # [B, T, 2, D]
         b, t = x.shape[:2]
         e = self.proj(x.reshape(b * t, 2, D))
-        e = torch.cat((self.cls.expand(e.shape[0], -1, -1), e), dim=1) + self.pos
+        cls = self.cls.float() if self.kind == "float32 class token" else self.cls
+        e = torch.cat((cls.expand(e.shape[0], -1, -1), e), dim=1) + self.pos
+        if self.kind == "buffer written after":
+            e = e + self.shift
+            self.shift[:, 0].add_(1.0)
         if self.kind == "scaled per frame":
             e = e * x.reshape(b * t, 2, D)[:, :1, :1]
         cls = e[:b, 1 if self.kind == "patch row" else 0, :].unsqueeze(1)
@@ -1251,9 +1260,10 @@ def test_the_class_row_of_the_first_frames():
     _against_the_loop(model, torch.randn(B + 2, 3, 2, D, dtype=torch.float64), dp=dp)
 
 
-@pytest.mark.parametrize("kind", ["patch row", "scaled per frame"])
+@pytest.mark.parametrize("kind", ["patch row", "scaled per frame", "buffer written after", "float32 class token"])
 def test_another_row_of_the_first_frames_is_refused(kind):
-    assert "it slices the batch dim" in _reasons(ClassRowOfTheFirstFrames(kind), torch.randn(B, 2, 2, D))
+    model, x = ClassRowOfTheFirstFrames(kind).double(), torch.randn(B, 2, 2, D, dtype=torch.float64)
+    assert "it slices the batch dim" in _reasons(model, x)
 
 
 def test_parameter_copied_to_a_batch_of_merged_rows_under_inductor():
@@ -2289,6 +2299,28 @@ class PatchOps(nn.Module):
 def test_patch_and_repeat_ops_keep_samples_apart(kind: str):
     torch.manual_seed(0)
     _against_the_loop(PatchOps(kind).double(), torch.randn(B, 4, 6, 6, dtype=torch.float64))
+
+
+class TiledByTheFrames(nn.Module):
+    """Each sample's row tiled once per frame, ``h.repeat(t, 1)`` (``[t·B, D]``, frame
+    major), with ``t`` a size of the input: symbolic once the batch changes. Crashed on
+    the second batch ("unsupported operand type(s) for *: 'int' and 'Node'")."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):  # [B, t, D]
+        b, t = x.shape[:2]
+        h = self.lin(x.mean(1))
+        return (h + h.repeat(t, 1).reshape(t, b, D).sum(0)).tanh()
+
+
+def test_a_tiling_of_the_batch_a_symbolic_number_of_times():
+    torch.manual_seed(0)
+    model = TiledByTheFrames().double()
+    dp = _against_the_loop(model, torch.randn(B, 2, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 1, 3, D, dtype=torch.float64), dp=dp)
 
 
 class SignalOps(nn.Module):
