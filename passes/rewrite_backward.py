@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_hint, vmap_safe_solves
+from fxdp._torch_internals import annotate, fake_mode_of, make_fx_traced, size_hint, views_as_reshapes, vmap_safe_solves
 from fxdp.batching import RAW, Rows, batch_major_all, retrack, scale_batch, unpermute
 from fxdp.clip_norm import max_grad_norm
 from fxdp.errors import UnsupportedError
@@ -748,7 +748,10 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
             # scheduler cannot order them; scatter_reduce's mean ``masked_fill_`` of its
             # counts: Inductor on one thread compiled it wrong). Written out of place, as
             # AOTAutograd hands Inductor every other graph.
-            new_gm = make_fx_traced(torch.func.functionalize(fx.Interpreter(new_gm).run, remove="mutations"),
+            # (A ``view`` the first trace took of a strided gradient may not be one of the
+            # functionalised value's layout: a ``reshape``, the same view where one exists.)
+            new_gm = make_fx_traced(torch.func.functionalize(fx.Interpreter(views_as_reshapes(new_gm)).run,
+                                                             remove="mutations"),
                                     fake_args, fake_mode=fake_mode)
     new_gm.graph.eliminate_dead_code()
     out = next(n for n in reversed(new_gm.graph.nodes) if n.op == "output")

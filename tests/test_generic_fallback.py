@@ -400,3 +400,32 @@ def test_inductor_transform_whose_derivative_writes_in_place(orthogonal_map: str
     _loss(dp_model(x)).sum().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
                      tolerance(torch.float64), "p.grad_sample")
+
+
+class NormedThroughItsTranspose(nn.Module):
+    """geoopt's ``Distance2StereographicHyperplanes``: ``p = w.permute(1, 0)`` used in a
+    product and normed along the transposed dim, ``x @ p / p.norm(dim=0)``. The
+    functionalised backward (the norm's derivative writes in place) re-ran a ``view``
+    the first trace took of the transposed per-sample gradient, which is not one of the
+    functionalised value's layout: "Cannot view a tensor with shape [B, 6, 4] and
+    strides (24, 1, 6) as a tensor with shape (B, 24)"."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, D))
+
+    def forward(self, x):
+        p = self.w.permute(1, 0)
+        return x @ p / p.norm(dim=0)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_parameter_normed_through_its_transpose(compiler: str):
+    torch.manual_seed(0)
+    model = NormedThroughItsTranspose().double()
+    x = torch.randn(B, D, dtype=torch.float64)
+    ref = reference(model, (x,), lambda out, i: _loss(out).sum())
+    dp_model = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler=compiler)
+    _loss(dp_model(x)).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "p.grad_sample")
