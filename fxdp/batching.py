@@ -14,9 +14,12 @@ boolean mask selected from the whole batch, one list; ``Rows``, ``Groups`` and
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
+
+from fxdp.errors import UnsupportedError
 
 __all__ = ["retrack", "BatchDim", "Piece", "Masked", "Packed", "Rows", "Groups", "Inverse", "unpermute", "WHOLE", "SHARED", "RAW",
            "batch_major", "batch_major_all", "batch_size_of", "broadcast_batch", "from_batch_major", "scale_batch"]
@@ -244,7 +247,7 @@ def retrack(batch: BatchDim, values) -> BatchDim:
             return known[expr]
         if expr.is_Symbol:
             if expr not in known:
-                raise NotImplementedError(
+                raise UnsupportedError(
                     f"fxdp cannot follow the symbolic size {expr} of a merged batch dim into the "
                     "backward; mark that size static (torch._dynamo.mark_static)")
             return known[expr]
@@ -264,7 +267,22 @@ def retrack(batch: BatchDim, values) -> BatchDim:
             return args[0] // args[1]
         if name == "Pow" and expr.args[1].is_Integer:
             return args[0] ** int(expr.args[1])
-        raise NotImplementedError(f"fxdp cannot rebuild the size {expr} in the backward")
+        # ``math.ceil(T / w)`` windows (Granite Speech's projector): a true division
+        # rounded up or down, and ``%``, ``max``, ``min`` of sizes.
+        if name == "IntTrueDiv":
+            return args[0] / args[1]
+        if name == "CeilToInt":
+            return math.ceil(args[0])
+        if name == "FloorToInt":
+            return math.floor(args[0])
+        if name in ("PythonMod", "Mod"):
+            return args[0] % args[1]
+        if name == "Max" and len(args) == 2:
+            return torch.sym_max(*args)
+        if name == "Min" and len(args) == 2:
+            return torch.sym_min(*args)
+        raise UnsupportedError(f"fxdp cannot rebuild the size {expr} of a merged batch dim in the backward; "
+                               "mark the sizes it is computed from static (torch._dynamo.mark_static)")
 
     def fix(size: Any) -> Any:
         return rebuild(size.node.expr) if isinstance(size, torch.SymInt) else size

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Callable
 
 import pytest
@@ -1264,6 +1265,32 @@ def test_the_class_row_of_the_first_frames():
 def test_another_row_of_the_first_frames_is_refused(kind):
     model, x = ClassRowOfTheFirstFrames(kind).double(), torch.randn(B, 2, 2, D, dtype=torch.float64)
     assert "it slices the batch dim" in _reasons(model, x)
+
+
+class WindowsRoundedUp(nn.Module):
+    """Granite Speech's projector: the sequence padded to ``math.ceil(T / w)`` windows
+    merged into the batch, ``[B·n, w, d]``, attended by learned queries. On a batch of
+    another length the window count is ``CeilToInt(IntTrueDiv(T, w))``, which the
+    backward could not rebuild (a crash, ``NotImplementedError``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(1, 2, D))
+        self.keys = nn.Linear(D, D)
+
+    def forward(self, x):  # [B, T, D]
+        b, t, d = x.shape
+        n = math.ceil(t / 4)
+        x = F.pad(x, (0, 0, 0, n * 4 - t)).view(b * n, 4, d)
+        attention = (self.queries @ self.keys(x).transpose(1, 2)).softmax(-1)
+        return (attention @ x).view(b, n * 2, d)
+
+
+def test_windows_rounded_up_over_two_lengths():
+    torch.manual_seed(0)
+    model = WindowsRoundedUp().double()
+    dp = _against_the_loop(model, torch.randn(B, 8, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 1, 10, D, dtype=torch.float64), dp=dp)
 
 
 def test_parameter_copied_to_a_batch_of_merged_rows_under_inductor():
