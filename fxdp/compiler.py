@@ -480,7 +480,7 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     if batch_size is None and c_param_names:
         shared = [source_name(n) for n, t in zip(placeholders, fake_args)
                   if isinstance(t, torch.Tensor) and n not in param_names and "_buffers" not in source_name(n)]
-        raise ValueError(
+        raise UnsupportedError(
             "fxdp found no tensor argument to take the batch size from: pass the batch to the compiled "
             "function (or module) as an argument"
             + (f"; {', '.join(shared[:4])}{', ...' if len(shared) > 4 else ''} comes from a global, a "
