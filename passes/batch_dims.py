@@ -1631,10 +1631,23 @@ def _slice(node, arg_batch):
         if blocks is None and b.plain and isinstance(x.shape[d], int) and isinstance(start, int) \
                 and _meta(node).shape[d] == 1:
             return Piece(start % x.shape[d])
+        if blocks is None and _one_row_of_each_sample(b, x.shape[d], start, step, _meta(node).shape[d]):
+            return BatchDim(b.dim)
         if blocks is None:
             raise MixesSamples("it slices the batch dim" + _PER_SAMPLE_LOOP)
         return blocks[0]
     return b
+
+
+def _one_row_of_each_sample(b: BatchDim, size: Any, start: Any, step: Any, rows: Any) -> bool:
+    """Whether ``x[start::step]`` along a batch dim of ``size`` rows that holds ``n``
+    rows per sample (``[B·n, …]``, sample-major) takes row ``start`` of every sample: a
+    step of ``n`` from ``0 <= start < n``, ``B`` rows. Granite Speech masks each
+    sample's last block of attention windows as ``a[n - 1::n]``."""
+    start, step = (_meta(v) if isinstance(v, fx.Node) else v for v in (start, step))
+    return _equal_one(b.outer) and isinstance(start, (int, torch.SymInt)) and statically_known_true(start >= 0) \
+        and statically_known_true(b.inner > 1) and statically_known_true(step == b.inner) \
+        and statically_known_true(start < b.inner) and statically_known_true(rows * b.inner == size)
 
 
 def _whole_blocks(b: BatchDim, size: Any, pieces: list) -> list[BatchDim] | None:
@@ -2148,6 +2161,11 @@ def _view_scatter(node, arg_batch):
     dim = _norm_dim(node.args[2] if len(node.args) > 2 else 0, ndim)
     if isinstance(src, BatchDim) and src.dim is not None and node.target is aten.select_scatter.default:
         src = src.at(src.dim + (src.dim >= dim))  # src lacks the selected dim
+    if node.target is aten.slice_scatter.default and isinstance(base, BatchDim) and base.dim == dim \
+            and (src is None or isinstance(src, BatchDim) and src.dim == dim and src.plain) \
+            and _one_row_of_each_sample(base, _meta(node.args[0]).shape[dim], named_arg(node, "start", 0),
+                                        named_arg(node, "step", 1), _meta(node.args[1]).shape[dim]):
+        return base  # row ``start`` of each sample's ``n`` rows written: ``a[n - 1::n] = v``
     result = base if isinstance(base, BatchDim) else None
     if isinstance(src, BatchDim):
         result = _agreed(result, src)

@@ -1293,6 +1293,39 @@ def test_windows_rounded_up_over_two_lengths():
     _against_the_loop(model, torch.randn(B + 1, 10, D, dtype=torch.float64), dp=dp)
 
 
+class LastWindowOfEachSample(nn.Module):
+    """Granite Speech's conformer attention over windows merged into the batch,
+    ``[B·n, w, w]``, masks each sample's last window as ``a[n - 1::n].masked_fill_(…)``:
+    row ``n - 1`` of every sample's ``n`` (refused before: "it slices the batch dim").
+    ``step`` other than ``n`` reads rows of other samples: refused."""
+
+    def __init__(self, step: int | None = None):
+        super().__init__()
+        self.step = step
+        self.q, self.k = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):  # [B, n·3, D]
+        b, t, d = x.shape
+        n = t // 3
+        a = self.q(x).reshape(b * n, 3, d) @ self.k(x).reshape(b * n, 3, d).transpose(1, 2)
+        mask = torch.ones(3, 3, dtype=torch.bool)
+        mask[:2, :2] = False
+        step = self.step or n
+        a[step - 1::step].masked_fill_(mask, -1e4)
+        return a.softmax(-1).reshape(b, -1)
+
+
+def test_the_last_window_of_each_sample():
+    torch.manual_seed(0)
+    model = LastWindowOfEachSample().double()
+    dp = _against_the_loop(model, torch.randn(B, 9, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 1, 9, D, dtype=torch.float64), dp=dp)
+
+
+def test_windows_of_other_samples_are_refused():
+    assert "it slices the batch dim" in _reasons(LastWindowOfEachSample(step=2), torch.randn(B, 9, D))
+
+
 def test_parameter_copied_to_a_batch_of_merged_rows_under_inductor():
     torch.manual_seed(0)
     model = CopiesForMergedRows("views")
