@@ -500,7 +500,10 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     analysis.notes = list(dict.fromkeys(notes))
     if analysis.loss not in (None, "batchmean", options.loss_reduction):
         reason = (f"the loss inside the graph is a {analysis.loss} over the batch but "
-                  f"loss_reduction={options.loss_reduction!r}; pass loss_reduction={analysis.loss!r}")
+                  f"loss_reduction={options.loss_reduction!r}; pass loss_reduction={analysis.loss!r}, or, "
+                  "where that output is not the loss you call backward() on (a model's own loss computed "
+                  "because labels were passed, beside logits your loss reads), do not compute it (call the "
+                  "model without labels=)")
         analysis.problems.append(Problem("loss", "", "", reason))
     return canon, fake_mode, c_param_names, analysis
 

@@ -1120,7 +1120,8 @@ def _exact_and_the_other_reduction_refused(step: nn.Module, reduction: str) -> N
     _exact_at_a_static_and_a_dynamic_batch_size(step, reduction)
     other = "sum" if reduction == "mean" else "mean"
     torch._dynamo.reset()
-    with refused(f"the loss inside the graph is a {reduction} over the batch but loss_reduction={other!r}"):
+    with refused(f"the loss inside the graph is a {reduction} over the batch but loss_reduction={other!r}; "
+                 f"pass loss_reduction={reduction!r}, or, where that output is not the loss you call backward"):
         fxdp.transform(step, loss_reduction=other, compiler="eager")(randn(4, 5, 4))
 
 
