@@ -765,7 +765,7 @@ def _inductor_or_uncompiled(gm: fx.GraphModule, example_inputs: Sequence[Any], k
     prepared = pin_conv_operands_of_two_layouts(clone_overlapping_write_targets(gm), backward=True)
     try:
         return compile_fx_inner(prepared, example_inputs, **kwargs)
-    except Exception as error:  # noqa: BLE001  (Inductor wraps the guard's error)
+    except Exception as error:  # Inductor wraps the guard's error
         cause: BaseException | None = error
         while cause is not None and not isinstance(cause, GuardOnDataDependentSymNode):
             cause = cause.__cause__ or cause.__context__

@@ -2897,7 +2897,7 @@ def pure_op(target: Any) -> bool:
         and torch.Tag.nondeterministic_seeded not in target.tags
 
 
-def _same_mask_reshaped(a: "Masked", b: "Masked") -> bool:
+def _same_mask_reshaped(a: Masked, b: Masked) -> bool:
     """Whether two masks over the batch hold the same values in the same row-major order,
     one a reshape of the other (``mask`` and ``mask.flatten(1)``: lightly's iBOT loss
     selects its per-token losses with one and their weights with the other), the batch
