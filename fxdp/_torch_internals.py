@@ -963,6 +963,8 @@ def views_as_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+    """AOTAutograd's default partitioner after ``sizes_from_the_forward`` (the eager
+    compiler's; Inductor runs the pass as its joint-graph pass)."""
     from torch._functorch.partitioners import default_partition
 
     sizes_from_the_forward(joint.graph)
