@@ -2162,10 +2162,14 @@ def _view_scatter(node, arg_batch):
     if isinstance(src, BatchDim) and src.dim is not None and node.target is aten.select_scatter.default:
         src = src.at(src.dim + (src.dim >= dim))  # src lacks the selected dim
     if node.target is aten.slice_scatter.default and isinstance(base, BatchDim) and base.dim == dim \
-            and (src is None or isinstance(src, BatchDim) and src.dim == dim and src.plain) \
+            and (src is None and _fill_number(node.args[1]) is not None
+                 or isinstance(src, BatchDim) and src.dim == dim and src.plain) \
             and _one_row_of_each_sample(base, _meta(node.args[0]).shape[dim], named_arg(node, "start", 0),
                                         named_arg(node, "step", 1), _meta(node.args[1]).shape[dim]):
-        return base  # row ``start`` of each sample's ``n`` rows written: ``a[n - 1::n] = v``
+        # Row ``start`` of each sample's ``n`` rows written (``a[n - 1::n] = v``), by the
+        # samples' own values or one number (a parameter's value there was made
+        # per-sample by no rule: a crash, found by a red team).
+        return base
     result = base if isinstance(base, BatchDim) else None
     if isinstance(src, BatchDim):
         result = _agreed(result, src)

@@ -1297,12 +1297,16 @@ class LastWindowOfEachSample(nn.Module):
     """Granite Speech's conformer attention over windows merged into the batch,
     ``[B·n, w, w]``, masks each sample's last window as ``a[n - 1::n].masked_fill_(…)``:
     row ``n - 1`` of every sample's ``n`` (refused before: "it slices the batch dim").
-    ``step`` other than ``n`` reads rows of other samples: refused."""
+    ``step`` other than ``n`` reads rows of other samples: refused. ``"parameter
+    written"`` writes a parameter's values there instead (of a copy): its per-sample VJP
+    got every sample's rows at once (a crash a red team found in the first version)."""
 
-    def __init__(self, step: int | None = None):
+    def __init__(self, step: int | None = None, how: str = "masked"):
         super().__init__()
-        self.step = step
+        self.step, self.how = step, how
         self.q, self.k = nn.Linear(D, D), nn.Linear(D, D)
+        if how == "parameter written":
+            self.p = nn.Parameter(torch.randn(3))
 
     def forward(self, x):  # [B, n·3, D]
         b, t, d = x.shape
@@ -1311,13 +1315,18 @@ class LastWindowOfEachSample(nn.Module):
         mask = torch.ones(3, 3, dtype=torch.bool)
         mask[:2, :2] = False
         step = self.step or n
-        a[step - 1::step].masked_fill_(mask, -1e4)
+        if self.how == "parameter written":
+            a = a.clone()
+            a[step - 1::step] = self.p
+        else:
+            a[step - 1::step].masked_fill_(mask, -1e4)
         return a.softmax(-1).reshape(b, -1)
 
 
-def test_the_last_window_of_each_sample():
+@pytest.mark.parametrize("how", ["masked", "parameter written"])
+def test_the_last_window_of_each_sample(how):
     torch.manual_seed(0)
-    model = LastWindowOfEachSample().double()
+    model = LastWindowOfEachSample(how=how).double()
     dp = _against_the_loop(model, torch.randn(B, 9, D, dtype=torch.float64))
     _against_the_loop(model, torch.randn(B + 1, 9, D, dtype=torch.float64), dp=dp)
 
