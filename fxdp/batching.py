@@ -275,6 +275,8 @@ def retrack(batch: BatchDim, values) -> BatchDim:
             return math.ceil(args[0])
         if name == "FloorToInt":
             return math.floor(args[0])
+        if name == "TruncToInt":
+            return torch.sym_int(args[0])
         if name in ("PythonMod", "Mod"):
             return args[0] % args[1]
         if name == "Max" and len(args) == 2:

@@ -1273,22 +1273,28 @@ class WindowsRoundedUp(nn.Module):
     another length the window count is ``CeilToInt(IntTrueDiv(T, w))``, which the
     backward could not rebuild (a crash, ``NotImplementedError``)."""
 
-    def __init__(self):
+    def __init__(self, rounded: str = "up"):
         super().__init__()
+        self.rounded = rounded
         self.queries = nn.Parameter(torch.randn(1, 2, D))
         self.keys = nn.Linear(D, D)
 
     def forward(self, x):  # [B, T, D]
         b, t, d = x.shape
-        n = math.ceil(t / 4)
-        x = F.pad(x, (0, 0, 0, n * 4 - t)).view(b * n, 4, d)
+        if self.rounded == "down":  # the windows that fit, int(T / w): TruncToInt
+            n = int(t / 4)
+            x = x[:, :n * 4].reshape(b * n, 4, d)
+        else:
+            n = math.ceil(t / 4)
+            x = F.pad(x, (0, 0, 0, n * 4 - t)).view(b * n, 4, d)
         attention = (self.queries @ self.keys(x).transpose(1, 2)).softmax(-1)
         return (attention @ x).view(b, n * 2, d)
 
 
-def test_windows_rounded_up_over_two_lengths():
+@pytest.mark.parametrize("rounded", ["up", "down"])
+def test_windows_rounded_up_over_two_lengths(rounded):
     torch.manual_seed(0)
-    model = WindowsRoundedUp().double()
+    model = WindowsRoundedUp(rounded).double()
     dp = _against_the_loop(model, torch.randn(B, 8, D, dtype=torch.float64))
     _against_the_loop(model, torch.randn(B + 1, 10, D, dtype=torch.float64), dp=dp)
 
