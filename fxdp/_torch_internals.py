@@ -1551,21 +1551,19 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
         return one_graph(
             "Dynamo cannot capture it there; change that code or move it out of the forward "
             "(a step done once, before the transform).")
-    if isinstance(error, torch._dynamo.exc.InternalTorchDynamoError) and "SymNodeVariable() is not a constant" in str(error):
-        return UnsupportedError(
-            "fxdp needs the model's forward as one graph, and Dynamo failed while capturing it (plain "
-            "torch.compile(model, fullgraph=True) fails the same way): a Python number the forward "
-            "takes changed since the first call (a step count), so Dynamo made it symbolic, and code "
-            "there needs its value as a constant (a call such as requires_grad_(step >= n) made in the "
-            "forward). Do that outside the forward, between steps (p.requires_grad_(...) before the "
-            "call: fxdp gives frozen parameters no gradient), or pass a value that does not change. "
-            f"Dynamo's error: {error}")
     if isinstance(error, torch._dynamo.exc.InternalTorchDynamoError):
+        if "SymNodeVariable() is not a constant" in str(error):
+            why = ("a Python number the forward takes changed since the first call (a step count), so "
+                   "Dynamo made it symbolic, and code there needs its value as a constant (a call such as "
+                   "requires_grad_(step >= n) made in the forward). Do that outside the forward, between "
+                   "steps (p.requires_grad_(...) before the call: fxdp gives frozen parameters no "
+                   "gradient), or pass a value that does not change.")
+        else:
+            why = ("often code Dynamo calls on the model's own objects raises (a tuple subclass whose "
+                   "__len__ raises, read by Dynamo's guards); pass plain values there.")
         return UnsupportedError(
             "fxdp needs the model's forward as one graph, and Dynamo failed while capturing it (plain "
-            "torch.compile(model, fullgraph=True) fails the same way): often code Dynamo calls on the "
-            "model's own objects raises (a tuple subclass whose __len__ raises, read by Dynamo's guards); "
-            f"pass plain values there. Dynamo's error: {error}")
+            f"torch.compile(model, fullgraph=True) fails the same way): {why} Dynamo's error: {error}")
     if isinstance(error, torch._dynamo.exc.TorchRuntimeError):
         return UnsupportedError(
             "fxdp needs the model's forward as one graph, and an op failed while Dynamo captured it "

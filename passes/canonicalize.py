@@ -1289,11 +1289,8 @@ def empty_scatter_pass(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op != "call_function" or node.target is not torch.ops.aten.slice_scatter.default:
             continue
         base, src = node.args[0], node.args[1]
-        values = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in (base, src, node)]
-        if not all(isinstance(v, torch.Tensor) for v in values):
-            continue
-        before, written, out = values
-        if statically_known_true(written.numel() == 0) and out.dtype == before.dtype \
+        written = src.meta.get("val") if isinstance(src, fx.Node) else None
+        if isinstance(written, torch.Tensor) and statically_known_true(written.numel() == 0) \
                 and not _written_through(node) and not _written_through(base):
             node.replace_all_uses_with(base)
             changed = True
