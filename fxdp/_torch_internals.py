@@ -4,7 +4,6 @@ A torch upgrade touches this module only. Verified on torch 2.13.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import inspect
@@ -787,11 +786,8 @@ def sizes_from_the_forward(graph: fx.Graph) -> None:
     asks a tangent for (a marker's backward reshaping its output gradient; plain
     AOTAutograd never asks) has a symbol no forward node computes, and the partitioner
     makes the forward save the backward's ``sym_size`` node: "Node sym_size_int_1 was
-    invalid, but is output". Tangents follow the forward outputs in order (those with
-    a gradient): where every forward output of a tangent's kind (dtype, and which sizes
-    are static and what they are) has one, the ``k``-th tangent of that kind is the
-    ``k``-th output's; otherwise (an output of that kind without a gradient, so which is
-    whose is not certain) nothing changes.
+    invalid, but is output". Which output a tangent belongs to is AOTAutograd's own
+    record: the descriptor of each placeholder and output (a tangent's names its output).
     """
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
@@ -806,17 +802,7 @@ def sizes_from_the_forward(graph: fx.Graph) -> None:
         if n.op != "output" and n not in tangents and all(a in forward for a in n.all_input_nodes):
             forward.add(n)
     computed = {n.meta["val"].node.expr for n in forward if isinstance(n.meta.get("val"), torch.SymInt)}
-    outputs = [o for o in next(n for n in nodes if n.op == "output").args[0]
-               if isinstance(o, fx.Node) and o in forward and isinstance(o.meta.get("val"), torch.Tensor)]
-    by_kind: dict[Any, list[fx.Node]] = collections.defaultdict(list)
-    for o in outputs:
-        by_kind[_kind(o.meta["val"])].append(o)
-    tangents_by_kind: dict[Any, list[fx.Node]] = collections.defaultdict(list)
-    for t in tangents:
-        if isinstance(t.meta.get("val"), torch.Tensor):
-            tangents_by_kind[_kind(t.meta["val"])].append(t)
-    owner = {t: o for kind, ts in tangents_by_kind.items() if len(by_kind[kind]) == len(ts)
-             for t, o in zip(ts, by_kind[kind])}
+    owner = _tangent_owners(graph, tangents)
     for read in reads:
         if read.meta["val"].node.expr in computed:
             continue
@@ -834,9 +820,21 @@ def sizes_from_the_forward(graph: fx.Graph) -> None:
         graph.erase_node(read)
 
 
-def _kind(t: torch.Tensor) -> tuple:
-    """What a tangent shares with its output: the dtype, and each size where it is static."""
-    return t.dtype, tuple(d if isinstance(d, int) else None for d in t.shape)
+def _tangent_owners(graph: fx.Graph, tangents: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Each tangent's forward output, from the descriptors AOTAutograd gives the joint
+    graph's placeholders (a ``TangentAOTInput`` names its output) and output (one per
+    result); none where a descriptor is missing."""
+    from torch._functorch._aot_autograd.descriptors import TangentAOTInput
+
+    output = next(n for n in graph.nodes if n.op == "output")
+    results = dict(zip(output.meta.get("desc", ()), output.args[0]))
+    owners = {}
+    for t in tangents:
+        desc = t.meta.get("desc")
+        out = results.get(desc.output) if isinstance(desc, TangentAOTInput) else None
+        if isinstance(out, fx.Node) and isinstance(out.meta.get("val"), torch.Tensor):
+            owners[t] = out
+    return owners
 
 
 @functools.cache
@@ -850,7 +848,7 @@ def _sizes_from_the_forward_pass() -> Any:
             sizes_from_the_forward(graph)
 
         def uuid(self) -> str:
-            return "fxdp.sizes_from_the_forward.1"
+            return "fxdp.sizes_from_the_forward.2"
 
     return SizesFromTheForward()
 

@@ -2205,6 +2205,52 @@ def test_a_window_whose_start_is_read_from_a_tensor(width, compiler):
         assert_close_all(_params(model, "grad"), ref.grad("mean", 0.05), tol, f"clipped grad at {start}")
 
 
+class _WindowsBesideOutputsWithoutGradient(nn.Module):
+    """Windows read from tensors returned beside detached outputs of the same dtype and
+    static sizes: only some outputs have a tangent, so which tangent is whose cannot be
+    told by position or kind. Crashed ("Node sym_size_int_2 was invalid, but is output"),
+    and a pairing by kind reshaped one window's gradient with the other's length."""
+
+    def __init__(self, layout: str):
+        super().__init__()
+        self.layout = layout
+        self.gain = nn.Parameter(torch.randn(1, D))
+        self.g2 = nn.Parameter(torch.randn(D))
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, k, j):
+        i, m = int(k.item()), int(j.item())
+        y = self.fc(x[:, i:] * self.gain * self.g2).tanh()
+        z = self.fc(x[:, :m] * self.g2).tanh()
+        if self.layout == "detached first":
+            return z.detach(), y
+        if self.layout == "detached between":
+            return y, x[:, :m].detach() * 3, z
+        return x[:, :m].detach(), y, z
+
+
+@pytest.mark.parametrize("layout", ["detached first", "detached between", "input first"])
+def test_windows_read_from_tensors_beside_outputs_without_gradient(layout):
+    torch.manual_seed(0)
+    model = _WindowsBesideOutputsWithoutGradient(layout).double()
+    torch._dynamo.reset()
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.05, compiler="eager", in_dims=(0, None, None))
+
+    def loss(outs):
+        return sum(o.pow(2).sum() for o in outs if o.requires_grad)
+
+    for batch_size, start, length in ((B, 1, 3), (B + 1, T - 1, 1)):
+        x, k, j = torch.randn(batch_size, T, D, dtype=torch.float64), torch.tensor(start), torch.tensor(length)
+        ref = reference(model, [x, k, j], lambda outs, i: loss(outs), in_dims=(0, None, None))
+        model.zero_grad()
+        for p in model.parameters():
+            p.grad_sample = None
+        (loss(dp(x, k, j)) / batch_size).backward()
+        tol = tolerance(torch.float64)
+        assert_close_all(_params(model, "grad_sample"), ref.per_sample, tol, f"grad_sample at {start}")
+        assert_close_all(_params(model, "grad"), ref.grad("mean", 0.05), tol, f"clipped grad at {start}")
+
+
 def test_an_unused_batch_norm_in_training_is_still_refused():
     """Its output reaches nothing, but it writes the batch's statistics into its running
     buffers: not a value that only reaches a check."""
