@@ -67,6 +67,23 @@ def new_fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
 
 
+@functools.cache
+def fake_bicubic_aa_backward() -> None:
+    """A fake kernel for ``aten._upsample_bicubic2d_aa_backward`` at symbolic sizes.
+
+    Works around PyTorch (torch 2.13, ``torch/_meta_registrations.py``): the Python
+    meta of the antialiased resizes' backward lists the bilinear and Lanczos ops but not
+    the bicubic one, whose C++ meta takes sizes as integers only, so tracing the
+    backward of ``F.interpolate(…, mode="bicubic", antialias=True)`` at a second image
+    size (Dinov2's position embeddings resized to the image) failed inside PyTorch
+    ("Expected IntList but got GenericList"). The same meta function serves it."""
+    from torch._meta_registrations import meta_upsample_bimode2d_aa_backward, register_meta
+
+    op = torch.ops.aten._upsample_bicubic2d_aa_backward.default
+    register_meta(op)(meta_upsample_bimode2d_aa_backward)
+    op.py_impl(torch._C.DispatchKey.Meta)(meta_upsample_bimode2d_aa_backward)
+
+
 # Logger methods a forward may call (Hugging Face adds ``warning_once`` and ``warning_advice``).
 _LOG_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "log"}
 
@@ -165,6 +182,7 @@ def capture_config():
 
     attribute_call = GetAttrVariable.call_method
     _install_capture_hooks()
+    fake_bicubic_aa_backward()
     capturing = _NAMING.capturing
     _NAMING.capturing = True
     try:

@@ -842,7 +842,7 @@ def _reshape(node: fx.Node, arg_batch: list) -> Any:
     if not isinstance(b, BatchDim) or b.dim is None:
         return b
     src = list(_meta(node.args[0]).shape)
-    dst = list(_meta(node).shape)
+    dst = _sizes_asked(node)
     batch = src[b.dim] // (b.inner * b.outer)
     if statically_known_true(batch == 0):  # (not a list's length the data sets: x[mask])
         # no samples: any layout is right; keep the dim where the sizes still say it is
@@ -876,8 +876,29 @@ def _reshape(node: fx.Node, arg_batch: list) -> Any:
         if bool(size == 1) and not bool(batch == 1):
             continue
         if bool(stride % after == 0) and bool(span % (batch * stride) == 0):
-            return BatchDim(j, stride // after, span // (batch * stride))
+            # outer = span / (B·stride), counted as the blocks before the dim instead (the
+            # same number: both sides hold every element), which needs no divisibility
+            # the symbols do not show (``3·(s // 3) // s`` is 1 only where 3 divides s).
+            return BatchDim(j, stride // after, math.prod(src[:b.dim]) * b.outer // math.prod(dst[:j]))
     raise MixesSamples("it reshapes the batch dim into several dims")
+
+
+def _sizes_asked(node: fx.Node) -> list:
+    """The output sizes of a view or reshape, each as the call gave it where it did:
+    the fake tensor infers a size it was given from the others (``s // (s // 3)`` for
+    ``reshape(B·(s // 3), 3, d)`` of ``[B, s, d]``), an expression the analysis cannot
+    match to ``3`` without the divisibility the reshape itself guards on."""
+    sizes = list(_meta(node).shape)
+    asked = node.args[1] if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) \
+        and len(node.args) > 1 else None
+    if not isinstance(asked, (list, tuple)) or len(asked) != len(sizes):
+        return sizes
+    for j, size in enumerate(asked):
+        if isinstance(size, int) and size >= 0:
+            sizes[j] = size
+        elif isinstance(size, fx.Node) and isinstance(size.meta.get("val"), (int, torch.SymInt)):
+            sizes[j] = size.meta["val"]
+    return sizes
 
 
 def _same(node: fx.Node, arg_batch: list) -> Any:
@@ -1642,11 +1663,11 @@ def _slice(node, arg_batch):
 def _one_row_of_each_sample(b: BatchDim, size: Any, start: Any, step: Any, rows: Any) -> bool:
     """Whether ``x[start::step]`` along a batch dim of ``size`` rows that holds ``n``
     rows per sample (``[B·n, …]``, sample-major) takes row ``start`` of every sample: a
-    step of ``n`` from ``0 <= start < n``, ``B`` rows. Granite Speech masks each
-    sample's last block of attention windows as ``a[n - 1::n]``."""
+    step of ``n`` from ``0 <= start < n``, ``B`` rows (with ``n = 1``, the whole batch).
+    Granite Speech masks each sample's last block of attention windows as ``a[n - 1::n]``."""
     start, step = (_meta(v) if isinstance(v, fx.Node) else v for v in (start, step))
     return _equal_one(b.outer) and isinstance(start, (int, torch.SymInt)) and statically_known_true(start >= 0) \
-        and statically_known_true(b.inner > 1) and statically_known_true(step == b.inner) \
+        and statically_known_true(step == b.inner) \
         and statically_known_true(start < b.inner) and statically_known_true(rows * b.inner == size)
 
 

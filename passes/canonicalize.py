@@ -155,6 +155,11 @@ def _batch_cell_states(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
 _DECOMPOSED = [
     torch.ops.aten.lstm.input, torch.ops.aten.gru.input, torch.ops.aten.rnn_tanh.input,
     torch.ops.aten.rnn_relu.input, torch.ops.aten.affine_grid_generator.default,
+    # The antialiased resizes by a list of sizes or scales, as the resize to sizes they
+    # compute: ATen's own composite passes the sizes on as integers, which fails on
+    # symbolic sizes (a second image size) where the op runs again under ``vmap`` (a
+    # parameter resized to the image, a per-sample VJP).
+    torch.ops.aten._upsample_bilinear2d_aa.vec, torch.ops.aten._upsample_bicubic2d_aa.vec,
 ]
 
 

@@ -1302,7 +1302,8 @@ def test_windows_rounded_up_over_two_lengths(rounded):
 class LastWindowOfEachSample(nn.Module):
     """Granite Speech's conformer attention over windows merged into the batch,
     ``[B·n, w, w]``, masks each sample's last window as ``a[n - 1::n].masked_fill_(…)``:
-    row ``n - 1`` of every sample's ``n`` (refused before: "it slices the batch dim").
+    row ``n - 1`` of every sample's ``n`` (refused before: "it slices the batch dim"; with
+    ``n`` a symbol, a second length, until the fifty-eighth session).
     ``step`` other than ``n`` reads rows of other samples: refused. ``"parameter
     written"`` writes a parameter's values there instead (of a copy): its per-sample VJP
     got every sample's rows at once (a crash a red team found in the first version)."""
@@ -1314,9 +1315,12 @@ class LastWindowOfEachSample(nn.Module):
         if how == "parameter written":
             self.p = nn.Parameter(torch.randn(3))
 
-    def forward(self, x):  # [B, n·3, D]
+    def forward(self, x):  # [B, n·3, D]; "padded": [B, t, D] padded to n = ⌈t / 3⌉ windows
         b, t, d = x.shape
         n = t // 3
+        if self.how == "padded":
+            n = math.ceil(t / 3)
+            x = F.pad(x, (0, 0, 0, n * 3 - t))
         a = self.q(x).reshape(b * n, 3, d) @ self.k(x).reshape(b * n, 3, d).transpose(1, 2)
         mask = torch.ones(3, 3, dtype=torch.bool)
         mask[:2, :2] = False
@@ -1329,12 +1333,15 @@ class LastWindowOfEachSample(nn.Module):
         return a.softmax(-1).reshape(b, -1)
 
 
-@pytest.mark.parametrize("how", ["masked", "parameter written"])
+@pytest.mark.parametrize("how", ["masked", "parameter written", "padded"])
 def test_the_last_window_of_each_sample(how):
     torch.manual_seed(0)
     model = LastWindowOfEachSample(how=how).double()
     dp = _against_the_loop(model, torch.randn(B, 9, D, dtype=torch.float64))
     _against_the_loop(model, torch.randn(B + 1, 9, D, dtype=torch.float64), dp=dp)
+    # Other lengths: a symbolic n, down to n = 1 (the whole batch); refused before.
+    for length in (12, 6, 3) if how != "padded" else (8, 7, 5):
+        _against_the_loop(model, torch.randn(B, length, D, dtype=torch.float64), dp=dp)
 
 
 def test_windows_of_other_samples_are_refused():
@@ -2420,6 +2427,32 @@ class PatchOps(nn.Module):
 def test_patch_and_repeat_ops_keep_samples_apart(kind: str):
     torch.manual_seed(0)
     _against_the_loop(PatchOps(kind).double(), torch.randn(B, 4, 6, 6, dtype=torch.float64))
+
+
+class GridResizedToTheImage(nn.Module):
+    """Dinov2's position embeddings: a learned grid resized to each image size with an
+    antialiased bicubic (or bilinear) resize, added to the image's features; the image
+    resized the same way too. At a second image size (symbolic sizes) PyTorch's fake
+    kernel of the bicubic backward failed ("Expected IntList but got GenericList")."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.grid = nn.Parameter(torch.randn(1, 4, 5, 5))
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):  # [B, 4, H, W]
+        grid = F.interpolate(self.grid, size=x.shape[-2:], mode=self.mode, antialias=True)
+        h = self.conv(x) + grid
+        return F.interpolate(h, scale_factor=0.75, mode=self.mode, antialias=True)
+
+
+@pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
+def test_a_grid_resized_to_each_image_size(mode):
+    torch.manual_seed(0)
+    model = GridResizedToTheImage(mode).double()
+    dp = _against_the_loop(model, torch.randn(B, 4, 4, 4, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 1, 4, 8, 6, dtype=torch.float64), dp=dp)
 
 
 class TiledByTheFrames(nn.Module):
