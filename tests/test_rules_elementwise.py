@@ -3933,8 +3933,8 @@ class ImageTokens(nn.Module):
         return self.head(torch.tanh(self.emb(ids).masked_scatter(mask, features)))
 
 
-def _image_token_ids(size: int, first: int = 2, n: int = 3) -> torch.Tensor:
-    ids = torch.randint(0, 7, (size, 8), generator=torch.Generator().manual_seed(size))
+def _image_token_ids(size: int, first: int = 2, n: int = 3, length: int = 8) -> torch.Tensor:
+    ids = torch.randint(0, 7, (size, length), generator=torch.Generator().manual_seed(size))
     ids[:, first:first + n] = 7
     return ids
 
@@ -3951,18 +3951,29 @@ def test_image_features_scattered_into_each_samples_image_tokens(source, expand)
     ids = _image_token_ids(B)
     dp = _against_the_loop(model, ids, torch.randn(B, 3, 5, dtype=torch.float64))
     _against_the_loop(model, _image_token_ids(B + 1, first=4), torch.randn(B + 1, 3, 5, dtype=torch.float64), dp=dp)
+    # Another length and count of image tokens: sizes only run time knows (refused
+    # before the fifty-eighth session: "fills the masked positions from one flat list").
+    _against_the_loop(model, _image_token_ids(B, first=1, n=4, length=11), torch.randn(B, 4, 5, dtype=torch.float64),
+                      dp=dp)
 
 
-def test_image_tokens_of_other_counts_per_sample_are_refused_at_run_time():
+@pytest.mark.parametrize("sizes", ["static", "symbolic"])
+def test_image_tokens_of_other_counts_per_sample_are_refused_at_run_time(sizes):
     """Every sample must hold as many image tokens as its features fill; the model's own
-    check sees only the batch's total."""
+    check sees only the batch's total. At symbolic sizes (a graph for other lengths and
+    counts) the check is all that decides."""
     torch.manual_seed(0)
     model = ImageTokens("cat", False).double()
-    ids = _image_token_ids(B)
-    ids[0, 6], ids[1, 2] = 7, 0  # sample 0 has one too many, sample 1 one too few
     dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    n, length = 3, 8
+    if sizes == "symbolic":
+        dp(_image_token_ids(B), torch.randn(B, 3, 5, dtype=torch.float64)).sum().backward()
+        dp(_image_token_ids(B + 1, first=4), torch.randn(B + 1, 3, 5, dtype=torch.float64)).sum().backward()
+        n, length = 4, 11
+    ids = _image_token_ids(B, n=n, length=length)
+    ids[0, 7], ids[1, 2] = 7, 0  # sample 0 has one too many, sample 1 one too few
     with pytest.raises(fxdp.UnsupportedError, match="masked_scatter fills every sample's masked positions"):
-        dp(ids, torch.randn(B, 3, 5, dtype=torch.float64)).sum().backward()
+        dp(ids, torch.randn(B, n, 5, dtype=torch.float64)).sum().backward()
 
 
 class ImageRowsWritten(nn.Module):
