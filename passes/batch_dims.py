@@ -1653,7 +1653,7 @@ def _slice(node, arg_batch):
         if blocks is None and b.plain and isinstance(x.shape[d], int) and isinstance(start, int) \
                 and _meta(node).shape[d] == 1:
             return Piece(start % x.shape[d])
-        if blocks is None and _one_row_of_each_sample(b, x.shape[d], start, step, _meta(node).shape[d]):
+        if blocks is None and _one_row_of_each_sample(b, start, step):
             return BatchDim(b.dim)
         if blocks is None:
             raise MixesSamples("it slices the batch dim" + _PER_SAMPLE_LOOP)
@@ -1661,15 +1661,16 @@ def _slice(node, arg_batch):
     return b
 
 
-def _one_row_of_each_sample(b: BatchDim, size: Any, start: Any, step: Any, rows: Any) -> bool:
-    """Whether ``x[start::step]`` along a batch dim of ``size`` rows that holds ``n``
-    rows per sample (``[B·n, …]``, sample-major) takes row ``start`` of every sample: a
-    step of ``n`` from ``0 <= start < n``, ``B`` rows (with ``n = 1``, the whole batch).
-    Granite Speech masks each sample's last block of attention windows as ``a[n - 1::n]``."""
+def _one_row_of_each_sample(b: BatchDim, start: Any, step: Any) -> bool:
+    """Whether ``x[start::step]`` along a batch dim that holds ``n`` rows per sample
+    (``[B·n, …]``, sample-major) takes row ``start`` of every sample: a step of ``n``
+    from ``0 <= start < n``, which always gives ``B`` rows (with ``n = 1``, the whole
+    batch). Granite Speech masks each sample's last block of attention windows as
+    ``a[n - 1::n]``. (The row count the fake tensor gives, ``(B·n - start + n - 1) // n``,
+    reduces to ``B`` for no symbolic ``start`` but ``n - 1``.)"""
     start, step = (_meta(v) if isinstance(v, fx.Node) else v for v in (start, step))
     return _equal_one(b.outer) and isinstance(start, (int, torch.SymInt)) and statically_known_true(start >= 0) \
-        and statically_known_true(step == b.inner) \
-        and statically_known_true(start < b.inner) and statically_known_true(rows * b.inner == size)
+        and statically_known_true(step == b.inner) and statically_known_true(start < b.inner)
 
 
 def _whole_blocks(b: BatchDim, size: Any, pieces: list) -> list[BatchDim] | None:
@@ -2186,8 +2187,7 @@ def _view_scatter(node, arg_batch):
     if node.target is aten.slice_scatter.default and isinstance(base, BatchDim) and base.dim == dim \
             and (src is None and _fill_number(node.args[1]) is not None
                  or isinstance(src, BatchDim) and src.dim == dim and src.plain) \
-            and _one_row_of_each_sample(base, _meta(node.args[0]).shape[dim], named_arg(node, "start", 0),
-                                        named_arg(node, "step", 1), _meta(node.args[1]).shape[dim]):
+            and _one_row_of_each_sample(base, named_arg(node, "start", 0), named_arg(node, "step", 1)):
         # Row ``start`` of each sample's ``n`` rows written (``a[n - 1::n] = v``), by the
         # samples' own values or one number (a parameter's value there was made
         # per-sample by no rule: a crash, found by a red team).

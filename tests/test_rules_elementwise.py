@@ -1306,7 +1306,9 @@ class LastWindowOfEachSample(nn.Module):
     ``n`` a symbol, a second length, until the fifty-eighth session).
     ``step`` other than ``n`` reads rows of other samples: refused. ``"parameter
     written"`` writes a parameter's values there instead (of a copy): its per-sample VJP
-    got every sample's rows at once (a crash a red team found in the first version)."""
+    got every sample's rows at once (a crash a red team found in the first version).
+    ``"first row"`` masks row 0 instead, ``a[0::n]`` (at a symbolic ``n`` refused until a
+    red team found it: the row count the fake tensor gives did not reduce to ``B``)."""
 
     def __init__(self, step: int | None = None, how: str = "masked"):
         super().__init__()
@@ -1325,15 +1327,16 @@ class LastWindowOfEachSample(nn.Module):
         mask = torch.ones(3, 3, dtype=torch.bool)
         mask[:2, :2] = False
         step = self.step or n
+        start = 0 if self.how == "first row" else step - 1
         if self.how == "parameter written":
             a = a.clone()
-            a[step - 1::step] = self.p
+            a[start::step] = self.p
         else:
-            a[step - 1::step].masked_fill_(mask, -1e4)
+            a[start::step].masked_fill_(mask, -1e4)
         return a.softmax(-1).reshape(b, -1)
 
 
-@pytest.mark.parametrize("how", ["masked", "parameter written", "padded"])
+@pytest.mark.parametrize("how", ["masked", "parameter written", "padded", "first row"])
 def test_the_last_window_of_each_sample(how):
     torch.manual_seed(0)
     model = LastWindowOfEachSample(how=how).double()
