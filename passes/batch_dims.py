@@ -1371,9 +1371,10 @@ def _masked_scatter(node, arg_batch):
             and source.dim == 0 and bool(source.outer == 1) and (x is None or (isinstance(x, BatchDim) and x.same_as(
                 leading.at(_meta(node.args[0]).dim() - out.dim())))) \
             and _meta(node.args[1]).dim() == out.dim() \
-            and not statically_known_true(_meta(node.args[2])[0].numel() * source.inner > out[0].numel()):
-        # (A sample's source larger than its output reads past it: no mask passes the
-        # check. At sizes that only run time knows, the check decides.)
+            and not statically_known_true(_meta(node.args[2])[0].numel() * source.inner >= out[0].numel()):
+        # (A sample's source as large as its output fills it whole, or reads past it: a
+        # model that means that has no use for the mask, and one that does not fails the
+        # check on almost any data. At sizes that only run time knows, the check decides.)
         _OWN_ROWS[-1].append(SameCounts(node, node.args[1], 0, node.args[2], node.args[0]))
         return leading
     raise MixesSamples("it fills the masked positions from one flat list over the whole batch: which "

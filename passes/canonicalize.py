@@ -573,6 +573,8 @@ def _may_overlap_itself(t: Any) -> bool:
     its dims, by increasing stride, must each step past everything the smaller ones span."""
     if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
         return False
+    if _dense(t):
+        return False
     span = 0
     for size, stride in sorted(((z, st) for z, st in zip(t.shape, t.stride()) if not statically_known_true(z <= 1)),
                                key=lambda zs: size_hint(zs[1])):
@@ -580,6 +582,17 @@ def _may_overlap_itself(t: Any) -> bool:
             return True
         span = span + (size - 1) * stride
     return False
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s strides are those of a contiguous tensor of its dims in some order
+    (contiguous, channels-last, a transpose), expression for expression: symbolic sizes
+    give strides such as ``4·Max(1, s)``, past which the span test cannot see."""
+    from torch._prims_common import make_contiguous_strides_for
+
+    order = sorted(range(t.dim()), key=lambda d: size_hint(t.stride(d)), reverse=True)
+    expected = make_contiguous_strides_for([t.shape[d] for d in order])
+    return all(statically_known_true(t.stride(d) == e) for d, e in zip(order, expected))
 
 
 def overlapping_outputs_as_copies_pass(gm: fx.GraphModule) -> fx.GraphModule:

@@ -2236,15 +2236,23 @@ class _WindowsBesideOutputsWithoutGradient(nn.Module):
             return z.detach(), y
         if self.layout == "detached between":
             return y, x[:, :m].detach() * 3, z
+        if self.layout == "detached twin":
+            return z.detach(), y, z
         return x[:, :m].detach(), y, z
 
 
-@pytest.mark.parametrize("layout", ["detached first", "detached between", "input first"])
-def test_windows_read_from_tensors_beside_outputs_without_gradient(layout):
+@pytest.mark.parametrize("layout, compiler", [
+    ("detached first", "eager"), ("detached between", "eager"), ("input first", "eager"),
+    ("detached twin", "eager"),
+    # Under Inductor every output was copied (its strides, 4·Max(1, s), hid that it is
+    # dense), the copies dropped again by Inductor, and the detached twin came back as
+    # the very tensor of ``z``: no gradient for ``z``, a crash (red team).
+    ("detached twin", "inductor")])
+def test_windows_read_from_tensors_beside_outputs_without_gradient(layout, compiler):
     torch.manual_seed(0)
     model = _WindowsBesideOutputsWithoutGradient(layout).double()
     torch._dynamo.reset()
-    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.05, compiler="eager", in_dims=(0, None, None))
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.05, compiler=compiler, in_dims=(0, None, None))
 
     def loss(outs):
         return sum(o.pow(2).sum() for o in outs if o.requires_grad)
