@@ -446,8 +446,8 @@ def _written_unlike_along(node: fx.Node, dim: int) -> bool:
                 at = _norm_dim(named_arg(user, "dim", 0), _meta(base).dim())
                 if at == d and not (user.target is aten.slice.Tensor
                                     and statically_known_true(_meta(user).shape[d] == _meta(base).shape[d])):
-                    if any(writes_in_place(u.target) or is_view(u) for u in user.users):
-                        return True  # part of ``dim`` viewed, and written (or viewed on)
+                    if _written_through(user):
+                        return True  # part of ``dim`` viewed, and written
                     continue
                 views[user] = d - (user.target is aten.select.int and at < d)
             elif user.target is aten.unsqueeze.default:
@@ -455,10 +455,27 @@ def _written_unlike_along(node: fx.Node, dim: int) -> bool:
             elif user.target in (aten.alias.default, aten.detach.default):
                 views[user] = d
             else:
-                if any(writes_in_place(u.target) or is_view(u) for u in user.users):
+                if _written_through(user):
                     return True  # another view (a reshape, a permute), written through
                 continue
             stack.append(user)
+    return False
+
+
+def _written_through(view: fx.Node) -> bool:
+    """Whether a write in place goes into ``view`` or a view of it (only read, TimesFM's
+    padding ``pad.view(B, n, p)[..., 0]``, it changes nothing)."""
+    stack, seen = [view], {view}
+    while stack:
+        base = stack.pop()
+        for user in base.users:
+            if user.op != "call_function" or not user.args or user.args[0] is not base:
+                continue
+            if writes_in_place(user.target):
+                return True
+            if is_view(user) and user not in seen:
+                seen.add(user)
+                stack.append(user)
     return False
 
 

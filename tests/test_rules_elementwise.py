@@ -4297,6 +4297,29 @@ def test_a_mean_over_a_padding_built_in_a_loop():
         B, D, dtype=torch.float64))
 
 
+def _positions_after_the_padding(h: torch.Tensor, written: bool = False) -> torch.Tensor:
+    """TimesFM 2.5's positions: its padding built per series in a loop, its padded
+    patches counted off a view, ``pad.view(B, n, p)[..., 0]``, and subtracted from a
+    range (``written``: sample 0's patches marked through views of that view)."""
+    b, t = h.shape
+    padding = torch.stack([torch.zeros(t, dtype=h.dtype) for _ in h])
+    if written:
+        padding.view(b, 2, -1)[0, :, 0] = 1.0
+    padded = (padding.view(b, 2, -1)[..., 0] >= 0.5).sum(-1, keepdim=True)
+    return torch.arange(t, dtype=h.dtype) - padded
+
+
+def test_positions_counted_off_a_view_of_a_padding_built_in_a_loop():
+    """(Refused: any view of a view of the stacked padding was taken for a write into it,
+    "a shared tensor whose values vary along the batch dim", in TimesFM 2.5 on every input.)"""
+    torch.manual_seed(0)
+    model = around(lambda m, h: h * m.s * torch.cos(_positions_after_the_padding(h)), s=(D,))().double()
+    _against_the_loop(model, torch.randn(B, D, dtype=torch.float64))
+    model = around(lambda m, h: h * m.s * torch.cos(_positions_after_the_padding(h, written=True)), s=(D,))()
+    assert "a shared tensor whose values vary along the batch dim" in _reasons(model.double(), torch.randn(
+        B, D, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("rows", [lambda h: _one_row_per_sample(h, lambda i: i),
                                   lambda h: _one_row_per_sample(h, lambda i: i % 2),
                                   _first_row_written_through_a_view, _zero_beside_negative_zeros],
