@@ -3697,7 +3697,9 @@ def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter
     if node.target is aten.cat.default:
         joined = _pieces_joined(node, arg_batch[0], batch_size)
         if joined is not None:
-            if not _alike(list(node.args[0]), batch):
+            pieces = list(node.args[0])
+            slots = len(pieces) // _as_number(batch_size)
+            if not all(_alike(pieces[slot::slots], batch) for slot in range(slots)):
                 raise MixesSamples(_POSITIONED)
             return joined
     if node.target in (aten.slice_scatter.default, aten.select_scatter.default):
@@ -4285,17 +4287,23 @@ def _written_back(ids: Any, values: Any, into: Any, destination: Any) -> BatchDi
 
 
 def _pieces_joined(node: fx.Node, batches: list, batch_size: Any) -> BatchDim | None:
-    """``cat`` of ``Piece(0)``, …, ``Piece(B - 1)`` in order, each of the same size ``n``
-    along the dim they are concatenated along: that dim holds the batch, ``n`` rows per
-    sample (``cat([x[i:i + 1] for i in range(B)])`` is ``x``, ``cat([x[i] for i in
-    range(B)])`` and ``cat(x.unbind(0))`` are ``x.flatten(0, 1)``)."""
+    """``cat`` of ``Piece(0)``, …, ``Piece(B - 1)`` in order, ``k`` pieces of each sample
+    in turn (``k`` slots), each slot's pieces of one size along the dim they are
+    concatenated along: that dim holds the batch, the slots' rows of a sample together
+    (``cat([x[i:i + 1] for i in range(B)])`` is ``x``, ``cat([x[i] for i in range(B)])``
+    and ``cat(x.unbind(0))`` are ``x.flatten(0, 1)``; TimesFM's ``stack`` of each
+    series' trend and residual, ``[a0, b0, a1, b1, …]``, is ``[B·2, …]``)."""
     d = _joined_along(node)
     sizes = [_meta(t).shape[d] if _meta(t).dim() > d else 0 for t in node.args[0]]
     # A loop over ``range(x.shape[0])`` made Dynamo specialise ``B`` to its count.
-    if sizes and statically_known_true(len(batches) == batch_size) and all(
-            isinstance(b, Piece) and b.sample == i and statically_known_true(size == sizes[0])
-            for i, (b, size) in enumerate(zip(batches, sizes))) and not statically_known_true(sizes[0] == 0):
-        return BatchDim(d, sizes[0])
+    count = _as_number(batch_size)
+    if not sizes or not isinstance(count, int) or count <= 0 or len(batches) % count:
+        return None
+    slots = len(batches) // count
+    if all(isinstance(b, Piece) and b.sample == i // slots and statically_known_true(size == sizes[i % slots])
+           for i, (b, size) in enumerate(zip(batches, sizes))) \
+            and not any(statically_known_true(size == 0) for size in sizes[:slots]):
+        return BatchDim(d, sum(sizes[:slots]))
     return None
 
 

@@ -386,6 +386,16 @@ class PositionedPieces(nn.Module):
             h = torch.stack([(h[i][::2] if i == 0 else h[i][:2]).repeat(2) for i in rows])
         elif kind == "viewed by the position":
             h = torch.stack([h[i].view((2, 2) if i else (1, 4)).t().reshape(4) for i in rows])
+        elif kind in ("two pieces of each sample in turn", "two pieces swapped at the last position"):
+            # TimesFM's decomposition: each series' trend and residual stacked in turn,
+            # [a0, b0, a1, b1, …], recombined as out[0::2] + out[1::2] (refused before).
+            pieces = []
+            for i in rows:
+                trend, residual = h[i].cumsum(0) / 4, h[i] * 2
+                swapped = kind == "two pieces swapped at the last position" and i == len(rows) - 1
+                pieces.extend([residual, trend] if swapped else [trend, residual])
+            both = torch.tanh(torch.stack(pieces))
+            h = both[0::2] + both[1::2].sin()
         return self.head(h)
 
 
@@ -403,7 +413,8 @@ class _Square(torch.autograd.Function):
 
 @pytest.mark.parametrize("kind", ["written by the same code", "rewritten in place by the same code",
                                   "the same code, a shared row", "part of each row written", "two loops over the rows",
-                                  "an autograd.Function on every sample", "two writes into each row"])
+                                  "an autograd.Function on every sample", "two writes into each row",
+                                  "two pieces of each sample in turn"])
 def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
     torch.manual_seed(0)
     model = PositionedPieces(kind).to(DTYPE)
@@ -427,7 +438,7 @@ def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
                                   "the last row rewritten", "a count of ones by the position",
                                   "narrowed at the position", "written at a column by the position",
                                   "a strided slice at the first position", "viewed by the position",
-                                  "a third write into the first row"])
+                                  "a third write into the first row", "two pieces swapped at the last position"])
 def test_samples_pieces_computed_by_code_that_depends_on_the_position_are_refused(kind):
     """Each sample's values depend on where it stands in the batch: the microbatch loop
     gives every sample the first position's (or cannot run), and under add/remove
