@@ -77,7 +77,10 @@ def fake_bicubic_aa_backward() -> None:
     backward of ``F.interpolate(…, mode="bicubic", antialias=True)`` at a second image
     size (Dinov2's position embeddings resized to the image) failed inside PyTorch
     ("Expected IntList but got GenericList"). The same meta function serves it."""
-    from torch._meta_registrations import meta_upsample_bimode2d_aa_backward, register_meta
+    from torch._meta_registrations import (
+        meta_upsample_bimode2d_aa_backward,
+        register_meta,
+    )
 
     op = torch.ops.aten._upsample_bicubic2d_aa_backward.default
     register_meta(op)(meta_upsample_bimode2d_aa_backward)
