@@ -4482,6 +4482,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     rows_written: dict[fx.Node, dict[int, tuple]] = {}
     rows_whole: dict[fx.Node, dict[int, tuple]] = {}  # each row's writes, once every row is written
     rows_alike: dict[fx.Node, tuple] = {}  # those read whole: (their writes, whether every row's are alike)
+    rows_read: dict[fx.Node, list[fx.Node]] = {}  # rows of such a tensor read before every row is written
     mixing: list[fx.Node] = []  # where problems were found
     found = 0
 
@@ -4557,9 +4558,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         donors = set(_DTYPE_DONORS.get(target, ()))
         arg_batch = [None if i in donors else _arg_batch(a, batch) for i, a in enumerate(node.args)]
         kwarg_batch = [_arg_batch(v, batch) for v in node.kwargs.values()]
-        if any(a in rows_written for a in node.all_input_nodes) \
-                and not _reads_rows_written_so_far(node, arg_batch, rows_written):
-            problems.append(Problem(op_name(target), path, "", _PARTLY_WRITTEN, source_of(node)))
+        if any(a in rows_written for a in node.all_input_nodes):
+            if not _reads_rows_written_so_far(node, arg_batch, rows_written):
+                problems.append(Problem(op_name(target), path, "", _PARTLY_WRITTEN, source_of(node)))
+            elif node.target in (aten.select.int, aten.slice.Tensor):
+                rows_read.setdefault(node.args[0], []).append(node)
         if any(a in rows_whole and not _reads_a_row(node, a, arg_batch, batch)
                and not _rows_alike_at(a, rows_whole, rows_alike, batch) for a in node.all_input_nodes):
             problems.append(Problem(op_name(target), path, "", _POSITIONED, source_of(node)))
@@ -4740,6 +4743,14 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             else:
                 batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
 
+    # Rows read as the steps of a loop that fills every row, where no write ever fills
+    # them all (``h[0, 0].mul_(2)``, then ``stack([h[i, 0] for i in range(B)])``): row 0
+    # read written, the others not (alone, every sample is the first).
+    for base, reads in rows_read.items():
+        if base in rows_written and not any(user in rows_written or user in rows_whole for user in base.users):
+            problems.append(Problem(op_name(reads[0].target), module_path_of(reads[0]), "", _PARTLY_WRITTEN,
+                                    source_of(reads[0])))
+            mixing.extend(reads)
     if len(problems) > found:
         mixing.append(previous)
     # A use on a mask's rows is a use on the batch once the rows are put back in place.

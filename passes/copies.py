@@ -10,6 +10,7 @@ that depend on its position in the batch).
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable
 
@@ -209,6 +210,8 @@ def same_code(first: fx.Node, other: fx.Node, corr: dict, pieces: dict, varied: 
             varied.append((sizes_of, path, a, b))
         elif not (a == b or (a != a and b != b)):  # NaN constants are the same code
             return False
+        elif isinstance(a, float) and a == 0.0 and math.copysign(1.0, a) != math.copysign(1.0, b):
+            return False  # -0.0 is no 0.0 (``copysign``, ``atan2`` and division tell them apart)
     return True
 
 

@@ -386,6 +386,13 @@ class PositionedPieces(nn.Module):
             h = torch.stack([(h[i][::2] if i == 0 else h[i][:2]).repeat(2) for i in rows])
         elif kind == "viewed by the position":
             h = torch.stack([h[i].view((2, 2) if i else (1, 4)).t().reshape(4) for i in rows])
+        elif kind == "a signed zero by the position":
+            h = torch.stack([torch.copysign(h[i], 0.0 if i == 0 else -0.0) for i in rows])
+        elif kind in ("the first row written before the loop", "every row written before the loop"):
+            h = h * 1.0
+            for i in rows if kind == "every row written before the loop" else rows[:1]:
+                h[i, 0].mul_(2)
+            h = torch.stack([h[i] for i in rows])
         elif kind in ("two pieces of each sample in turn", "two pieces swapped at the last position"):
             # TimesFM's decomposition: each series' trend and residual stacked in turn,
             # [a0, b0, a1, b1, …], recombined as out[0::2] + out[1::2] (refused before).
@@ -414,7 +421,7 @@ class _Square(torch.autograd.Function):
 @pytest.mark.parametrize("kind", ["written by the same code", "rewritten in place by the same code",
                                   "the same code, a shared row", "part of each row written", "two loops over the rows",
                                   "an autograd.Function on every sample", "two writes into each row",
-                                  "two pieces of each sample in turn"])
+                                  "two pieces of each sample in turn", "every row written before the loop"])
 def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
     torch.manual_seed(0)
     model = PositionedPieces(kind).to(DTYPE)
@@ -432,13 +439,24 @@ def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
                          f"clipped grad at B = {batch_size}")
 
 
+def test_a_row_written_before_a_loop_that_reads_every_row_is_refused():
+    """``h[0, 0].mul_(2)``, then every sample's row stacked: row 0 read written, the
+    others not (alone, every sample is the first). Accepted, with wrong gradients, until a
+    red team found it: the rows a loop reads were taken for the steps of one that writes
+    every row."""
+    problems = fxdp.validate(PositionedPieces("the first row written before the loop").to(DTYPE),
+                             torch.randn(4, 4, dtype=DTYPE))
+    assert problems and any("into which only some samples' rows were written" in p.reason for p in problems), problems
+
+
 @pytest.mark.parametrize("kind", ["scaled by the position", "the first sample's own code",
                                   "another tensor's rows at some positions", "rows of a shared table at each position",
                                   "written by the position", "rewritten in place by the position",
                                   "the last row rewritten", "a count of ones by the position",
                                   "narrowed at the position", "written at a column by the position",
                                   "a strided slice at the first position", "viewed by the position",
-                                  "a third write into the first row", "two pieces swapped at the last position"])
+                                  "a third write into the first row", "two pieces swapped at the last position",
+                                  "a signed zero by the position"])
 def test_samples_pieces_computed_by_code_that_depends_on_the_position_are_refused(kind):
     """Each sample's values depend on where it stands in the batch: the microbatch loop
     gives every sample the first position's (or cannot run), and under add/remove
