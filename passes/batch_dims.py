@@ -3903,6 +3903,44 @@ def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, rows_w
             "(torch.stack)")
 
 
+def _read_through_views_after_a_partial_write(gm: fx.GraphModule, rows_written: dict) -> list[fx.Node]:
+    """The first op, for each tensor some but not all of whose rows were written in place
+    by samples' own values, that reads a view of it after the first such write: a row
+    taken before the write (``ps = [h[i] for i in range(B)]; h[0].mul_(2); stack(ps)``)
+    holds the value written where it is the written row, so sample 0's row changes only
+    at position 0."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    found = []
+    for base in rows_written:
+        if base.target in (aten.select_scatter.default, aten.slice_scatter.default):
+            continue  # written out of place: each write a new tensor, its reads followed by ``rows_read``
+        writes = [n for n in gm.graph.nodes if n.op == "call_function" and writes_in_place(n.target)
+                  and (written_chain(n) or [None])[-1] is base]
+        if not writes:
+            continue
+        first = min(order[n] for n in writes)
+        views, stack = set(), [base]
+        while stack:
+            for user in stack.pop().users:
+                if user.op == "call_function" and is_view(user) and user.args[0] in views | {base} \
+                        and user not in views:
+                    views.add(user)
+                    stack.append(user)
+        reads = [user for view in views for user in view.users if order[user] > first and user not in views
+                 and not (user.op == "call_function" and writes_in_place(user.target) and user.args[0] is view)]
+        if reads:
+            found.append(min(reads, key=order.get))
+    return found
+
+
+def _first_written(node: fx.Node) -> fx.Node:
+    """The tensor a chain of row writes (``select_scatter``/``slice_scatter``) began with."""
+    while node.target in (aten.select_scatter.default, aten.slice_scatter.default) and isinstance(
+            node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 def _reads_rows_written_so_far(node: fx.Node, arg_batch: list, rows_written: dict) -> bool:
     """Whether ``node``, which reads a tensor only some of whose rows samples have written
     (``_sample_row_written``), writes another sample's row into it, or takes one row
@@ -4482,7 +4520,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     rows_written: dict[fx.Node, dict[int, tuple]] = {}
     rows_whole: dict[fx.Node, dict[int, tuple]] = {}  # each row's writes, once every row is written
     rows_alike: dict[fx.Node, tuple] = {}  # those read whole: (their writes, whether every row's are alike)
-    rows_read: dict[fx.Node, list[fx.Node]] = {}  # rows of such a tensor read before every row is written
+    # Rows of such a tensor read before every row is written, by the tensor they were first
+    # written into: each read, and whether its row was written by then.
+    rows_read: dict[fx.Node, list[tuple[fx.Node, bool]]] = {}
     mixing: list[fx.Node] = []  # where problems were found
     found = 0
 
@@ -4562,7 +4602,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             if not _reads_rows_written_so_far(node, arg_batch, rows_written):
                 problems.append(Problem(op_name(target), path, "", _PARTLY_WRITTEN, source_of(node)))
             elif node.target in (aten.select.int, aten.slice.Tensor):
-                rows_read.setdefault(node.args[0], []).append(node)
+                base = node.args[0]
+                row = named_arg(node, "index", 0) if node.target is aten.select.int \
+                    else named_arg(node, "start", None) or 0
+                rows_read.setdefault(_first_written(base), []).append((node, row % _meta(base).shape[
+                    _norm_dim(named_arg(node, "dim", 0), _meta(base).dim())] in rows_written[base]))
         if any(a in rows_whole and not _reads_a_row(node, a, arg_batch, batch)
                and not _rows_alike_at(a, rows_whole, rows_alike, batch) for a in node.all_input_nodes):
             problems.append(Problem(op_name(target), path, "", _POSITIONED, source_of(node)))
@@ -4743,14 +4787,19 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             else:
                 batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
 
-    # Rows read as the steps of a loop that fills every row, where no write ever fills
-    # them all (``h[0, 0].mul_(2)``, then ``stack([h[i, 0] for i in range(B)])``): row 0
-    # read written, the others not (alone, every sample is the first).
-    for base, reads in rows_read.items():
-        if base in rows_written and not any(user in rows_written or user in rows_whole for user in base.users):
-            problems.append(Problem(op_name(reads[0].target), module_path_of(reads[0]), "", _PARTLY_WRITTEN,
-                                    source_of(reads[0])))
-            mixing.extend(reads)
+    # Rows read as the steps of a loop, some written by then and some not
+    # (``h[0, 0].mul_(2)``, then ``stack([h[i, 0] for i in range(B)])``): row 0 read
+    # written, the others not (alone, every sample is the first). A loop reads every row
+    # before its write, or every row after it.
+    for reads in rows_read.values():
+        if len({written for _, written in reads}) > 1:
+            first = reads[0][0]
+            problems.append(Problem(op_name(first.target), module_path_of(first), "", _PARTLY_WRITTEN,
+                                    source_of(first)))
+            mixing.extend(node for node, _ in reads)
+    for node in _read_through_views_after_a_partial_write(gm, rows_written):
+        problems.append(Problem(op_name(node.target), module_path_of(node), "", _PARTLY_WRITTEN, source_of(node)))
+        mixing.append(node)
     if len(problems) > found:
         mixing.append(previous)
     # A use on a mask's rows is a use on the batch once the rows are put back in place.

@@ -388,6 +388,17 @@ class PositionedPieces(nn.Module):
             h = torch.stack([h[i].view((2, 2) if i else (1, 4)).t().reshape(4) for i in rows])
         elif kind == "a signed zero by the position":
             h = torch.stack([torch.copysign(h[i], 0.0 if i == 0 else -0.0) for i in rows])
+        elif kind == "each row copied, then written":
+            h, pieces = h * 1.0, []
+            for i in rows:
+                pieces.append(h[i] * 1.0)  # before the row's own write: every row read unwritten
+                h[i].mul_(2)
+            h = torch.stack(pieces)
+        elif kind == "row views taken before the first row is written":
+            h = h * 1.0
+            views = [h[i] for i in rows]  # views: row 0's sees the write below
+            h[0].mul_(2)
+            h = torch.stack(views)
         elif kind in ("the first row written before the loop", "every row written before the loop"):
             h = h * 1.0
             for i in rows if kind == "every row written before the loop" else rows[:1]:
@@ -421,7 +432,8 @@ class _Square(torch.autograd.Function):
 @pytest.mark.parametrize("kind", ["written by the same code", "rewritten in place by the same code",
                                   "the same code, a shared row", "part of each row written", "two loops over the rows",
                                   "an autograd.Function on every sample", "two writes into each row",
-                                  "two pieces of each sample in turn", "every row written before the loop"])
+                                  "two pieces of each sample in turn", "every row written before the loop",
+                                  "each row copied, then written"])
 def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
     torch.manual_seed(0)
     model = PositionedPieces(kind).to(DTYPE)
@@ -439,13 +451,15 @@ def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
                          f"clipped grad at B = {batch_size}")
 
 
-def test_a_row_written_before_a_loop_that_reads_every_row_is_refused():
-    """``h[0, 0].mul_(2)``, then every sample's row stacked: row 0 read written, the
-    others not (alone, every sample is the first). Accepted, with wrong gradients, until a
-    red team found it: the rows a loop reads were taken for the steps of one that writes
-    every row."""
-    problems = fxdp.validate(PositionedPieces("the first row written before the loop").to(DTYPE),
-                             torch.randn(4, 4, dtype=DTYPE))
+@pytest.mark.parametrize("kind", ["the first row written before the loop",
+                                  "row views taken before the first row is written"])
+def test_a_row_written_before_a_loop_that_reads_every_row_is_refused(kind):
+    """``h[0, 0].mul_(2)``, then every sample's row stacked (or the rows taken as views
+    first): row 0 read written, the others not (alone, every sample is the first).
+    Accepted, with wrong gradients, until red teams found them: the rows a loop reads
+    were taken for the steps of one that writes every row, and views taken before the
+    write were not seen to hold it."""
+    problems = fxdp.validate(PositionedPieces(kind).to(DTYPE), torch.randn(4, 4, dtype=DTYPE))
     assert problems and any("into which only some samples' rows were written" in p.reason for p in problems), problems
 
 
