@@ -51,6 +51,7 @@ __all__ = [
     "name_function_calls",
     "vmap_safe_solves",
     "incompatible_keys",
+    "fake_bicubic_aa_backward",
 ]
 
 

@@ -12,7 +12,14 @@ import torch.fx as fx
 from torch._decomp import get_decompositions
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
-from fxdp._torch_internals import erase_unused, inline_checkpoints, make_fx_traced, size_hint, transform_regions_as_aten
+from fxdp._torch_internals import (
+    erase_unused,
+    fake_bicubic_aa_backward,
+    inline_checkpoints,
+    make_fx_traced,
+    size_hint,
+    transform_regions_as_aten,
+)
 from fxdp.errors import UnsupportedError
 from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
@@ -514,6 +521,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     (``transform_regions_as_aten``); ``torch.autograd.Function`` calls stay whole (``fxdp/functions.py``).
     Placeholders keep their order, node meta (``nn_module_stack``) is preserved.
     """
+    fake_bicubic_aa_backward()  # (also under torch.compile(backend="fxdp"), which captures without fxdp)
     gm = functions_as_ops(inline_checkpoints(transform_regions_as_aten(gm, fake_mode)))
     gm = rnn_initial_state_pass(data_attr_as_detach_pass(gm))
     # The LSTM decomposition would pick the opaque aten.mkldnn_rnn_layer on CPU float32.

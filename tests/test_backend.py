@@ -118,6 +118,37 @@ def test_entry_point_backend_without_importing_fxdp():
     assert "ENTRY POINT OK" in proc.stdout
 
 
+_RESIZED_GRID_SCRIPT = textwrap.dedent("""
+    import torch
+    from reference import assert_close_all, reference
+    from test_rules_elementwise import GridResizedToTheImage
+    torch.manual_seed(0)
+    model = GridResizedToTheImage("bicubic").double()
+    compiled = torch.compile(model, backend="fxdp", options={"grad_sample": True, "compiler": "eager"})
+    for b, h, w in ((3, 4, 4), (4, 8, 6)):
+        x = torch.randn(b, 4, h, w, dtype=torch.float64)
+        ref = reference(model, [x], lambda out, i: out.pow(2).sum())
+        for p in model.parameters():
+            p.grad, p.grad_sample = None, None
+        compiled(x).pow(2).sum((1, 2, 3)).mean().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, 1e-9,
+                         f"grad_sample at {h}x{w}")
+    print("RESIZED GRID OK")
+""")
+
+
+def test_an_antialiased_bicubic_resize_at_a_second_size_under_the_backend():
+    """The fake kernel PyTorch lacks for the bicubic resize's backward is registered on the
+    backend's path too (``torch.compile(backend="fxdp")`` captures without fxdp): in a
+    fresh process, where no ``fxdp.transform`` registered it first, the second image
+    size crashed ("Expected IntList but got GenericList")."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _RESIZED_GRID_SCRIPT], cwd=TESTS, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "RESIZED GRID OK" in proc.stdout
+
+
 def test_backend_with_options_clips():
     model = MLP().to(DTYPE)
     x = randn(6, 4)
