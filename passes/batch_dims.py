@@ -31,7 +31,8 @@ from fxdp.functions import FUNCTION_APPLY, function_batch, function_call, functi
 from fxdp.passes.copies import SIZE_ARITHMETIC, same_code
 from fxdp.passes.masked_rows import BATCH_TO_ROWS, ROWS_TO_BATCH
 from fxdp.passes.writes import (PIECE_INTO_SHARED, carries_no_gradient, computed_without_grad, follow_write,
-                               is_detach, is_view, parameter_write, writes_in_place, written_chain)
+                               is_detach, is_view, parameter_write, views_read_after, writes_in_place,
+                               written_chain, written_through)
 from fxdp.registry import lookup, named_arg, out_of_place
 from fxdp.rules.grouped import is_grouped_mm
 
@@ -446,7 +447,7 @@ def _written_unlike_along(node: fx.Node, dim: int) -> bool:
                 at = _norm_dim(named_arg(user, "dim", 0), _meta(base).dim())
                 if at == d and not (user.target is aten.slice.Tensor
                                     and statically_known_true(_meta(user).shape[d] == _meta(base).shape[d])):
-                    if _written_through(user):
+                    if written_through(user):
                         return True  # part of ``dim`` viewed, and written
                     continue
                 views[user] = d - (user.target is aten.select.int and at < d)
@@ -455,27 +456,10 @@ def _written_unlike_along(node: fx.Node, dim: int) -> bool:
             elif user.target in (aten.alias.default, aten.detach.default):
                 views[user] = d
             else:
-                if _written_through(user):
+                if written_through(user):
                     return True  # another view (a reshape, a permute), written through
                 continue
             stack.append(user)
-    return False
-
-
-def _written_through(view: fx.Node) -> bool:
-    """Whether a write in place goes into ``view`` or a view of it (only read, TimesFM's
-    padding ``pad.view(B, n, p)[..., 0]``, it changes nothing)."""
-    stack, seen = [view], {view}
-    while stack:
-        base = stack.pop()
-        for user in base.users:
-            if user.op != "call_function" or not user.args or user.args[0] is not base:
-                continue
-            if writes_in_place(user.target):
-                return True
-            if is_view(user) and user not in seen:
-                seen.add(user)
-                stack.append(user)
     return False
 
 
@@ -3904,32 +3888,19 @@ def _row_written_in_place(node: fx.Node, batch: dict, rows_written: dict, rows_w
 
 
 def _read_through_views_after_a_partial_write(gm: fx.GraphModule, rows_written: dict) -> list[fx.Node]:
-    """The first op, for each tensor some but not all of whose rows were written in place
-    by samples' own values, that reads a view of it after the first such write: a row
-    taken before the write (``ps = [h[i] for i in range(B)]; h[0].mul_(2); stack(ps)``)
-    holds the value written where it is the written row, so sample 0's row changes only
-    at position 0."""
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    """For each tensor some but not all of whose rows were written in place by samples'
+    own values, a view of it taken before the first such write and read after it: a row
+    taken so (``ps = [h[i] for i in range(B)]; h[0].mul_(2); stack(ps)``) holds the value
+    written where it is the written row, so sample 0's row changes only at position 0."""
     found = []
     for base in rows_written:
         if base.target in (aten.select_scatter.default, aten.slice_scatter.default):
             continue  # written out of place: each write a new tensor, its reads followed by ``rows_read``
-        writes = [n for n in gm.graph.nodes if n.op == "call_function" and writes_in_place(n.target)
-                  and (written_chain(n) or [None])[-1] is base]
-        if not writes:
-            continue
-        first = min(order[n] for n in writes)
-        views, stack = set(), [base]
-        while stack:
-            for user in stack.pop().users:
-                if user.op == "call_function" and is_view(user) and user.args[0] in views | {base} \
-                        and user not in views:
-                    views.add(user)
-                    stack.append(user)
-        reads = [user for view in views for user in view.users if order[user] > first and user not in views
-                 and not (user.op == "call_function" and writes_in_place(user.target) and user.args[0] is view)]
-        if reads:
-            found.append(min(reads, key=order.get))
+        first = next((n for n in gm.graph.nodes if n.op == "call_function" and writes_in_place(n.target)
+                      and (written_chain(n) or [None])[-1] is base), None)
+        stale = None if first is None else views_read_after(base, first, set(written_chain(first)))
+        if stale is not None:
+            found.append(stale)
     return found
 
 

@@ -24,7 +24,8 @@ from fxdp.errors import UnsupportedError
 from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
 from fxdp.passes.batch_dims import FILLED_LIKE, pure_op, reached
-from fxdp.passes.writes import carries_no_gradient, computed_without_grad, is_view, writes_in_place, written_chain
+from fxdp.passes.writes import (carries_no_gradient, computed_without_grad, is_view, writes_in_place, written_chain,
+                                written_through)
 from fxdp.registry import named_arg, out_of_place
 
 __all__ = [
@@ -688,7 +689,7 @@ def selected_before_the_slice_pass(gm: fx.GraphModule) -> fx.GraphModule:
         sliced = node.args[0]
         if not (isinstance(sliced, fx.Node) and sliced.op == "call_function" and sliced.target is aten.slice.Tensor
                 and named_arg(sliced, "step", 1) == 1 and named_arg(sliced, "start", None) in (None, 0)
-                and not _written_through(sliced)):
+                and not written_through(sliced)):
             continue
         rank = sliced.meta["val"].dim()
         dim, along = node.args[1] % rank, named_arg(sliced, "dim", 0) % rank
@@ -729,7 +730,7 @@ def _selected_piece(gm: fx.GraphModule, x: Any, dim: int, index: int, like: fx.N
     there is no such ``cat`` (or a value on the way is written in place, or a piece has
     another dtype than the ``cat`` it was promoted to). ``visited`` gets the nodes read."""
     aten = torch.ops.aten
-    if not isinstance(x, fx.Node) or x.op != "call_function" or _written_through(x):
+    if not isinstance(x, fx.Node) or x.op != "call_function" or written_through(x):
         return None
     visited.append(x)
     size = x.meta["val"].shape[dim]
@@ -743,7 +744,7 @@ def _selected_piece(gm: fx.GraphModule, x: Any, dim: int, index: int, like: fx.N
             if not isinstance(rows, int):
                 return None
             if index < start + rows:
-                if piece.meta["val"].dtype != x.meta["val"].dtype or _written_through(piece):
+                if piece.meta["val"].dtype != x.meta["val"].dtype or written_through(piece):
                     return None
                 visited.append(piece)
                 inner = _selected_piece(gm, piece, dim, index - start, like, visited)
@@ -1293,7 +1294,7 @@ def unit_scale_pass(gm: fx.GraphModule) -> fx.GraphModule:
         sizes = zip((*out.shape, *out.stride()), (*before.shape, *before.stride()))
         same_layout = out.dtype == before.dtype and out.dim() == before.dim() \
             and all(statically_known_true(a == b) for a, b in sizes)
-        if same_layout and not _written_through(node) and not _written_through(source):
+        if same_layout and not written_through(node) and not written_through(source):
             node.replace_all_uses_with(source)
             changed = True
     return _finished(gm, changed)
@@ -1317,7 +1318,7 @@ def empty_scatter_pass(gm: fx.GraphModule) -> fx.GraphModule:
         base, src = node.args[0], node.args[1]
         written = src.meta.get("val") if isinstance(src, fx.Node) else None
         if isinstance(written, torch.Tensor) and statically_known_true(written.numel() == 0) \
-                and not _written_through(node) and not _written_through(base):
+                and not written_through(node) and not written_through(base):
             node.replace_all_uses_with(base)
             changed = True
     return _finished(gm, changed)
@@ -1666,15 +1667,9 @@ def _finished(gm: fx.GraphModule, changed: bool) -> fx.GraphModule:
     return gm
 
 
-def _written_through(node: fx.Node) -> bool:
-    """Whether an in-place op writes ``node`` or a view of it."""
-    return any(writes_in_place(u.target) or (is_view(u) and _written_through(u)) for u in node.users
-               if u.op == "call_function")
-
-
 def _read_only(node: fx.Node) -> bool:
     """Whether nothing writes ``node`` (or a view of it) and the graph does not return it."""
-    return not _written_through(node) and not any(u.op == "output" for u in node.users)
+    return not written_through(node) and not any(u.op == "output" for u in node.users)
 
 
 def _leading(expand: fx.Node) -> int:
@@ -2032,7 +2027,7 @@ def broadcast_expanded_operands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 changed = True
             elif arg.meta["val"].dim() == out.dim() and arg.target is not torch.ops.aten.expand_as.default \
                     and not any(u.target is torch.ops.aten.view.default for u in node.users) \
-                    and not _written_through(node):
+                    and not written_through(node):
                 # (Not under a ``view``, which needs the result's memory dense: ``(p.expand(T, B,
                 # d) + pos).view(T, B * H, d // H)``, as multi-head attention splits heads; nor
                 # where an op writes into the result, which must own every element: stanza's
@@ -2142,7 +2137,7 @@ def constant_ids_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
         if all(u.target is aten.embedding.default and u.args[1] is node and u.args[0] is not node
                for u in node.users):
             kept = [1] * len(sizes)  # ids: every one the same
-        elif len(sizes) >= 2 and not _written_through(node) and _read_as_features(node):
+        elif len(sizes) >= 2 and not written_through(node) and _read_as_features(node):
             kept = [1] * (len(sizes) - 1) + sizes[-1:]  # rows: every one the same
         else:
             continue

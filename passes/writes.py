@@ -25,7 +25,7 @@ import torch.fx as fx
 from fxdp.batching import BatchDim, Packed, Piece
 
 __all__ = ["PIECE_INTO_SHARED", "carries_no_gradient", "computed_without_grad", "follow_write", "is_detach",
-           "is_view", "parameter_write", "written_chain", "writes_in_place"]
+           "is_view", "parameter_write", "views_read_after", "written_chain", "written_through", "writes_in_place"]
 
 aten = torch.ops.aten
 
@@ -52,6 +52,13 @@ def is_view(node: fx.Node) -> bool:
     return (bool(schema.arguments) and schema.arguments[0].alias_info is not None
             and not schema.arguments[0].alias_info.is_write and len(schema.returns) == 1
             and schema.returns[0].alias_info is not None)
+
+
+def written_through(node: fx.Node) -> bool:
+    """Whether an in-place op writes ``node`` or a view of it (views only read change
+    nothing: TimesFM's padding counted off ``pad.view(B, n, p)[..., 0]``)."""
+    return any(writes_in_place(u.target) or (is_view(u) and written_through(u)) for u in node.users
+               if u.op == "call_function")
 
 
 def _dim_in_base(view: fx.Node, dim: int) -> int | None:
@@ -205,7 +212,7 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
         dims[view.args[0]] = dim
     if not bool(base.meta["val"].shape[dim] == node.meta["val"].shape[written.dim]):
         return "it writes per-sample data into part of the batch dim of a tensor made inside the model"
-    stale = _views_read_after(base, node, set(chain))
+    stale = views_read_after(base, node, set(chain))
     if stale:
         return (f"{stale.name} is a view of a tensor that this op later fills with per-sample data in "
                 "place, and it is read after the write; take the view after the write")
@@ -214,14 +221,14 @@ def follow_write(node: fx.Node, batch: dict, sources: dict) -> str | None:
     return None
 
 
-def _views_read_after(base: fx.Node, write: fx.Node, written_through: set) -> fx.Node | None:
-    """A view of ``base`` made before ``write`` (not one it wrote through) that is read
-    after it."""
+def views_read_after(base: fx.Node, write: fx.Node, chain: set) -> fx.Node | None:
+    """A view of ``base`` made before ``write`` (not one of the ``chain`` it wrote
+    through) that is read after it."""
     order = {n: i for i, n in enumerate(write.graph.nodes)}
     stack = [u for u in base.users if is_view(u) and u.args[0] is base]
     while stack:
         view = stack.pop()
-        if view in written_through or order[view] > order[write]:
+        if view in chain or order[view] > order[write]:
             continue
         for user in view.users:
             if order[user] > order[write]:
