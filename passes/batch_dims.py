@@ -3904,6 +3904,34 @@ def _read_through_views_after_a_partial_write(gm: fx.GraphModule, rows_written: 
     return found
 
 
+def _row_taken(node: fx.Node, batch: dict) -> tuple[fx.Node, int] | None:
+    """``(base, row)`` where ``node`` takes one row of a batch (``h[i]``, ``h[i:i + 1]``)
+    at a position known, else ``None``."""
+    if node.target not in (aten.select.int, aten.slice.Tensor) or not isinstance(node.args[0], fx.Node):
+        return None
+    base = node.args[0]
+    layout = batch.get(base)
+    if not (isinstance(layout, BatchDim) and isinstance(layout.dim, int) and layout.plain) \
+            or _norm_dim(named_arg(node, "dim", 0), _meta(base).dim()) != layout.dim:
+        return None
+    size = _meta(base).shape[layout.dim]
+    if node.target is aten.select.int:
+        row = named_arg(node, "index", 0)
+    else:
+        row = named_arg(node, "start", None) or 0
+        if named_arg(node, "step", 1) != 1 or not statically_known_true(_meta(node).shape[layout.dim] == 1):
+            return None
+    return (base, row % size) if isinstance(row, int) and isinstance(size, int) else None
+
+
+def _rows_read_alike(reads: dict, batch_size: Any) -> bool:
+    """Whether every row of a batch was read as often, each time after as many of its
+    own writes, as every other (``row_reads``): then each sample reads its row as it
+    would alone."""
+    size = _as_number(batch_size)
+    return isinstance(size, int) and sorted(reads) == list(range(size)) and all(r == reads[0] for r in reads.values())
+
+
 def _first_written(node: fx.Node) -> fx.Node:
     """The tensor a chain of row writes (``select_scatter``/``slice_scatter``) began with."""
     while node.target in (aten.select_scatter.default, aten.slice_scatter.default) and isinstance(
@@ -4494,6 +4522,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     # Rows of such a tensor read before every row is written, by the tensor they were first
     # written into: each read, and whether its row was written by then.
     rows_read: dict[fx.Node, list[tuple[fx.Node, bool]]] = {}
+    # Every read of one row of a batch, by the tensor first written and the row: how many
+    # times the row had been written at each read.
+    row_reads: dict[fx.Node, dict[int, list[int]]] = {}
     mixing: list[fx.Node] = []  # where problems were found
     found = 0
 
@@ -4578,6 +4609,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     else named_arg(node, "start", None) or 0
                 rows_read.setdefault(_first_written(base), []).append((node, row % _meta(base).shape[
                     _norm_dim(named_arg(node, "dim", 0), _meta(base).dim())] in rows_written[base]))
+        taken = _row_taken(node, batch)
+        if taken is not None:
+            base, row = taken
+            writes = (rows_written.get(base) or rows_whole.get(base) or {}).get(row, ())
+            row_reads.setdefault(_first_written(base), {}).setdefault(row, []).append(len(writes))
         if any(a in rows_whole and not _reads_a_row(node, a, arg_batch, batch)
                and not _rows_alike_at(a, rows_whole, rows_alike, batch) for a in node.all_input_nodes):
             problems.append(Problem(op_name(target), path, "", _POSITIONED, source_of(node)))
@@ -4761,9 +4797,10 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     # Rows read as the steps of a loop, some written by then and some not
     # (``h[0, 0].mul_(2)``, then ``stack([h[i, 0] for i in range(B)])``): row 0 read
     # written, the others not (alone, every sample is the first). A loop reads every row
-    # before its write, or every row after it.
-    for reads in rows_read.values():
-        if len({written for _, written in reads}) > 1:
+    # before its write, or every row after it; or reads every row at the same points of
+    # its writes (``h[i] = h[i] * 2; ps.append(h[i])``: each row read before its write and after).
+    for key, reads in rows_read.items():
+        if len({written for _, written in reads}) > 1 and not _rows_read_alike(row_reads.get(key, {}), batch_size):
             first = reads[0][0]
             problems.append(Problem(op_name(first.target), module_path_of(first), "", _PARTLY_WRITTEN,
                                     source_of(first)))

@@ -2644,6 +2644,56 @@ def _scattered(gm: fx.GraphModule, base: fx.Node, value: fx.Node, view: fx.Node,
     return _call(gm, torch.ops.aten.slice_scatter.default, (base, row, dim, index, index + 1), like)
 
 
+def _apart(other: fx.Node, view: fx.Node, at: int, order: dict) -> bool:
+    """Whether ``other``, a view of ``view``'s base taken before a write into ``view`` at
+    ``at``, shows none of the memory written and is not written itself after it: rows
+    of one dim, at positions known, that do not meet (a loop's ``h[i].mul_(2);
+    ps.append(h[i])``: row 0's view still shows row 0 once row 1 is written). Its reads
+    then read the base before the write, which holds the same values there."""
+    if any(_writes_into(user, value) and order.get(user, -1) > at for value, user in _alias_uses(other)):
+        return False
+    if not _rows_apart(other, view):
+        return False
+    # A later write into the base that may reach ``other``'s positions would not show in it:
+    # its reads would read the base before this write, the later write's into the scattered one.
+    base = view.args[0]
+    for value, user in _alias_uses(base):
+        if not _writes_into(user, value) or order.get(user, -1) <= at:
+            continue
+        child = value
+        while child is not base and child.args[0] is not base:
+            child = child.args[0]
+        if (child is base or not _rows_apart(child, other)) and _read_after(other, order[user], order):
+            return False
+    return True
+
+
+def _rows_apart(a: fx.Node, b: fx.Node) -> bool:
+    shown_a, shown_b = _rows_shown(a), _rows_shown(b)
+    return shown_a is not None and shown_b is not None and shown_a[0] == shown_b[0] and (
+        shown_a[2] <= shown_b[1] or shown_b[2] <= shown_a[1])
+
+
+def _rows_shown(view: fx.Node) -> tuple[int, int, int] | None:
+    """``(dim, start, end)`` of the positions a ``select`` or step-1 ``slice`` shows along
+    its dim, where the graph knows them as numbers (else ``None``)."""
+    if view.target not in _SCATTERS:
+        return None
+    shape = view.args[0].meta["val"].shape
+    if view.target is torch.ops.aten.select.int:
+        index = _select_index(view)
+        return None if index is None else (view.args[1] % len(shape), index, index + 1)
+    dim, start, end, step = (list(view.args[1:]) + [0, None, None, 1][len(view.args) - 1:])[:4]
+    size = shape[dim] if isinstance(dim, int) else None
+    if step != 1 or not isinstance(size, int):
+        return None
+    start, end = (0 if start is None else start), (size if end is None else end)
+    if not (isinstance(start, int) and isinstance(end, int)):
+        return None
+    start, end = (max(0, min(size, b + size if b < 0 else b)) for b in (start, end))
+    return dim % len(shape), start, end
+
+
 def _read_after(view: fx.Node, at: int, order: dict) -> bool:
     """Whether anything reads ``view`` (or a view or piece of it) after position ``at``:
     such a read would see a write made at ``at`` into the memory they share."""
@@ -2723,7 +2773,7 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
     if (view.target not in _SCATTERS or not isinstance(base, fx.Node) or base.op != "call_function"
             or is_view(base) or writes_in_place(base.target)
             or any(is_view(u) and u is not view and order.get(u, -1) < at and _read_after(u, at, order)
-                   for u in base.users)):
+                   and not _apart(u, view, at, order) for u in base.users)):
         return False
     if any(writes_in_place(u.target) for u in base.users if order.get(u, -1) > at):
         return False  # the base written again later: reads of the view must see that write too

@@ -394,6 +394,28 @@ class PositionedPieces(nn.Module):
                 pieces.append(h[i] * 1.0)  # before the row's own write: every row read unwritten
                 h[i].mul_(2)
             h = torch.stack(pieces)
+        elif kind in ("each row written in place, then read as a view", "one-row slices written, then read",
+                      "each row written, then read", "the first row read after its write, the others before"):
+            # (refused before the fifty-ninth session: row 0's view of the first write's
+            # result kept the later rows' writes in place, and rows were read before and after)
+            h, pieces = h * 1.0, []
+            for i in rows:
+                if kind == "each row written in place, then read as a view":
+                    h[i].mul_(2)
+                    pieces.append(h[i])
+                elif kind == "one-row slices written, then read":
+                    h[i:i + 1].mul_(2)
+                    pieces.append(h[i:i + 1][0])
+                elif kind == "each row written, then read":
+                    h[i] = h[i] * 2
+                    pieces.append(h[i] + 1)
+                elif i == 0:  # "the first row read after its write, the others before"
+                    h[i] = h[i] * 2
+                    pieces.append(h[i] * 1.0)
+                else:
+                    pieces.append(h[i] * 1.0)
+                    h[i] = h[i] * 2
+            h = torch.stack(pieces)
         elif kind == "row views taken before the first row is written":
             h = h * 1.0
             views = [h[i] for i in rows]  # views: row 0's sees the write below
@@ -433,7 +455,8 @@ class _Square(torch.autograd.Function):
                                   "the same code, a shared row", "part of each row written", "two loops over the rows",
                                   "an autograd.Function on every sample", "two writes into each row",
                                   "two pieces of each sample in turn", "every row written before the loop",
-                                  "each row copied, then written"])
+                                  "each row copied, then written", "each row written in place, then read as a view",
+                                  "one-row slices written, then read", "each row written, then read"])
 def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
     torch.manual_seed(0)
     model = PositionedPieces(kind).to(DTYPE)
@@ -470,7 +493,8 @@ def test_a_row_written_before_a_loop_that_reads_every_row_is_refused(kind):
                                   "narrowed at the position", "written at a column by the position",
                                   "a strided slice at the first position", "viewed by the position",
                                   "a third write into the first row", "two pieces swapped at the last position",
-                                  "a signed zero by the position"])
+                                  "a signed zero by the position",
+                                  "the first row read after its write, the others before"])
 def test_samples_pieces_computed_by_code_that_depends_on_the_position_are_refused(kind):
     """Each sample's values depend on where it stands in the batch: the microbatch loop
     gives every sample the first position's (or cannot run), and under add/remove

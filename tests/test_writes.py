@@ -273,13 +273,15 @@ class ParameterWrittenAfterAView(nn.Module):
     data flow too: the per-sample gradient mapped back through the ops would miss the
     write's part (it did, silently: 79 against the loop, with a wrong clipped gradient)."""
 
-    def __init__(self):
+    def __init__(self, view_apart: bool = False):
         super().__init__()
         self.k = nn.Parameter(torch.rand(4, 2) + 0.5)
+        self.view_apart = view_apart
 
     def forward(self, x):  # x [B, 1, 12]
         s = torch.zeros(4, 5, dtype=x.dtype)
-        v = s[:, 1]
+        # (a view of columns the write does not reach keeps nothing from the rewrite)
+        v = s[:, 1] if self.view_apart else s[:, :2][:, 1]
         s[:, 0] = self.k[:, 0]
         return F.conv1d(x, (s * self.k[:, 1:2] + v[:, None]).unsqueeze(1)).flatten(1)[:, :3]
 
@@ -330,6 +332,21 @@ def test_parameters_written_through_two_views_into_a_fresh_matrix_are_exact(grad
 def test_parameter_values_written_into_a_tensor_the_analysis_cannot_rewrite_are_refused():
     with pytest.raises(fxdp.UnsupportedError, match="writes values computed from parameters in place into a tensor"):
         fxdp.transform(ParameterWrittenAfterAView(), max_grad_norm=1.0, compiler="eager")(torch.randn(B, 1, 12))
+
+
+def test_parameter_values_written_beside_a_view_they_do_not_reach_are_exact():
+    """Refused before the fifty-ninth session: a view of other columns, taken before the
+    write and read after it, kept the write in place."""
+    torch.manual_seed(0)
+    model = ParameterWrittenAfterAView(view_apart=True).double()
+    dp = fxdp.transform(model, max_grad_norm=1.0, grad_sample=True, compiler="eager", loss_reduction="sum")
+    for batch_size in (3, 5):
+        x = torch.randn(batch_size, 1, 12, dtype=torch.float64)
+        ref = reference(model, (x,), lambda out, i: out.pow(2).sum())
+        model.zero_grad(set_to_none=True)
+        dp(x).pow(2).sum().backward()
+        assert_close_all({"k": model.k.grad_sample}, ref.per_sample, tolerance(torch.float64), "grad_sample")
+        assert_close_all({"k": model.k.grad}, ref.grad("sum", 1.0), tolerance(torch.float64), "grad")
 
 
 def test_out_of_place_weight_surgery_is_exact():
