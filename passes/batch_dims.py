@@ -1411,6 +1411,17 @@ def _bucketize(node, arg_batch):
     return values
 
 
+@_register(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor)
+def _isin(node, arg_batch):
+    """``torch.isin(x, set)``: each element of ``x`` looked up in ``set``, which the
+    samples must share (a set of special token ids: Grounding DINO's mask over them)."""
+    if len(arg_batch) > 1 and _any_batched(arg_batch[1]):
+        raise MixesSamples("the set it looks each element up in holds the batch (every sample's values)")
+    if node.target is aten.isin.Scalar_Tensor:
+        return None  # (one number looked up in a shared set)
+    return arg_batch[0]
+
+
 @_register(aten.renorm.default)
 def _renorm(node, arg_batch):
     """``torch.renorm(x, p, dim, maxnorm)`` rescales each slice ``x.select(dim, i)`` by
@@ -2266,6 +2277,8 @@ def _repeat_interleave(node, arg_batch):
     if not isinstance(b, BatchDim) or b.dim is None:
         return b
     dim = named_arg(node, "dim", None)
+    if dim is None and _meta(node.args[0]).dim() == 1:
+        dim = 0  # (a 1-D tensor flattened is itself)
     if dim is None:
         raise MixesSamples("it flattens the batch dim into one dim (no dim given)")
     if _norm_dim(dim, _meta(node.args[0]).dim()) != b.dim:
@@ -3904,6 +3917,103 @@ def _read_through_views_after_a_partial_write(gm: fx.GraphModule, rows_written: 
     return found
 
 
+_BATCH_SIZE_AS_A_VALUE = (
+    "it computes with the batch size as a number (h * x.shape[0], torch.full(..., B), h / B ** 0.5, "
+    "cls.expand(B, d).sum(0), table[:B].sum(0)): "
+    "the batched model is then another function than the one each sample alone computes (there B = 1), "
+    "so no sample's gradient is its own; keep the batch size out of the model's values (a mean over the "
+    "batch belongs to the loss, where loss_reduction handles it; a loss scaled by it is fine)")
+
+# Ops whose numbers are sizes or positions, whatever their schema calls them: ``arange(B)``
+# numbers the samples (followed as positions), ``randperm``/``randint`` draw by them.
+_NUMBERS_AS_SIZES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.randint.default,
+                     aten.randint.low, aten.randperm.default}
+
+
+def _batch_size_as_a_value(node: fx.Node, batch_size: Any) -> bool:
+    """Whether ``node`` takes a number that involves the symbolic batch size where its
+    schema takes a value (a ``Scalar``, a ``float``, a ``Tensor``), not a size, an index
+    or a dim: ``mul(h, s0)`` for ``h * x.shape[0]``. Only a graph compiled with the batch
+    size symbolic shows it (in a static one ``B`` is a literal like any other)."""
+    size = _as_number(batch_size)
+    target, out = node.target, _meta(node)
+    if not isinstance(size, torch.SymInt) or not isinstance(target, torch._ops.OpOverload) \
+            or target in _NUMBERS_AS_SIZES or not (isinstance(out, torch.Tensor) or (
+                isinstance(out, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in out))):
+        return False  # (Dynamo's asserts on sizes have no tensor result)
+    symbols = plain_expression(size).free_symbols
+    schema = target._schema.arguments
+    values = list(zip(schema, node.args)) + [(a, node.kwargs[a.name]) for a in schema if a.name in node.kwargs]
+    for argument, value in values:
+        if _of_ints(argument.type):
+            continue  # a size, an index, a dim
+        for a in _flat(value):
+            number = _meta(a) if isinstance(a, fx.Node) else None
+            if isinstance(number, (torch.SymInt, torch.SymFloat)) and plain_expression(number).free_symbols & symbols:
+                return True
+    return False
+
+
+# Ops that reduce their first argument over ``dims`` (all where none are given), and
+# products that contract the last dim of theirs.
+_REDUCED_OVER = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim, aten.prod.default,
+                 aten.prod.dim_int, aten.amax.default, aten.amin.default, aten.logsumexp.default,
+                 aten.linalg_vector_norm.default, aten.std.correction, aten.var.correction, aten.max.dim,
+                 aten.min.dim, aten.max.default, aten.min.default, aten.argmax.default, aten.argmin.default}
+_CONTRACTED = {aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default, aten.mv.default,
+               aten.dot.default, aten.linear.default}
+
+
+def _reduces_over_the_batch_size(node: fx.Node, arg_batch: list, batch_size: Any) -> bool:
+    """Whether ``node`` reduces a tensor the samples share over a dim whose size involves
+    the symbolic batch size (``cls.expand(B, d).sum(0)``, ``table[:B].sum(0)``,
+    ``torch.ones(B).sum()``): the result grows with the batch, where each sample alone
+    would reduce one row."""
+    size = _as_number(batch_size)
+    target = node.target
+    if not isinstance(size, torch.SymInt) or target not in _REDUCED_OVER | _CONTRACTED or _any_batched(arg_batch):
+        return False
+    operand = node.args[1] if target is aten.addmm.default else node.args[0]
+    value = _meta(operand) if isinstance(operand, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return False
+    if target in _CONTRACTED:
+        dims = [value.dim() - 1]
+    else:
+        dims = named_arg(node, "dim", None)
+        dims = range(value.dim()) if dims in (None, []) else [dims] if isinstance(dims, int) else dims
+    symbols = plain_expression(size).free_symbols
+    return any(isinstance(value.shape[d], torch.SymInt) and plain_expression(value.shape[d]).free_symbols & symbols
+               for d in dims)
+
+
+def _scales_losses_only(node: fx.Node, batch: dict) -> bool:
+    """Whether every use of ``node``, through values the samples share, scales a loss
+    (``(l * mask).sum() / mask.sum()`` with ``mask = torch.ones(B, T)``, checked as a
+    scaling of the loss): no sample's own values depend on it."""
+    stack, seen = [node], set()
+    while stack:
+        value = stack.pop()
+        for user in value.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            layout = batch.get(user)
+            if isinstance(layout, Loss):
+                continue
+            if user.op == "output" or _any_batched([layout]) or _any_unknown([layout]):
+                return False
+            stack.append(user)
+    return True
+
+
+def _of_ints(kind: Any) -> bool:
+    """Whether a schema's type is ``int`` or ``SymInt``, optional or a list of them."""
+    while isinstance(kind, (torch._C.OptionalType, torch._C.ListType)):
+        kind = kind.getElementType()
+    return isinstance(kind, (torch._C.IntType, torch._C.SymIntType))
+
+
 def _row_taken(node: fx.Node, batch: dict) -> tuple[fx.Node, int] | None:
     """``(base, row)`` where ``node`` takes one row of a batch (``h[i]``, ``h[i:i + 1]``)
     at a position known, else ``None``."""
@@ -3924,12 +4034,16 @@ def _row_taken(node: fx.Node, batch: dict) -> tuple[fx.Node, int] | None:
     return (base, row % size) if isinstance(row, int) and isinstance(size, int) else None
 
 
-def _rows_read_alike(reads: dict, batch_size: Any) -> bool:
+def _rows_read_alike(reads: dict, batch_size: Any, batch: dict) -> bool:
     """Whether every row of a batch was read as often, each time after as many of its
-    own writes, as every other (``row_reads``): then each sample reads its row as it
-    would alone."""
+    own writes, as every other (``row_reads``), and its writes by then were alike
+    (``_rows_alike``: into the same place in the row, by the same code): then each
+    sample reads its row as it would alone."""
     size = _as_number(batch_size)
-    return isinstance(size, int) and sorted(reads) == list(range(size)) and all(r == reads[0] for r in reads.values())
+    if not (isinstance(size, int) and sorted(reads) == list(range(size))):
+        return False
+    counts = [[len(w) for w in reads[row]] for row in range(size)]
+    return all(c == counts[0] for c in counts) and _rows_alike({row: reads[row][-1] for row in reads}, batch)
 
 
 def _first_written(node: fx.Node) -> fx.Node:
@@ -4522,9 +4636,10 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     # Rows of such a tensor read before every row is written, by the tensor they were first
     # written into: each read, and whether its row was written by then.
     rows_read: dict[fx.Node, list[tuple[fx.Node, bool]]] = {}
-    # Every read of one row of a batch, by the tensor first written and the row: how many
-    # times the row had been written at each read.
-    row_reads: dict[fx.Node, dict[int, list[int]]] = {}
+    # Every read of one row of a batch, by the tensor first written and the row: the row's
+    # writes so far at each read (``_written``'s entries).
+    row_reads: dict[fx.Node, dict[int, list[tuple]]] = {}
+    batch_size_values: list[fx.Node] = []  # values computed with the (symbolic) batch size
     mixing: list[fx.Node] = []  # where problems were found
     found = 0
 
@@ -4613,7 +4728,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         if taken is not None:
             base, row = taken
             writes = (rows_written.get(base) or rows_whole.get(base) or {}).get(row, ())
-            row_reads.setdefault(_first_written(base), {}).setdefault(row, []).append(len(writes))
+            row_reads.setdefault(_first_written(base), {}).setdefault(row, []).append(writes)
         if any(a in rows_whole and not _reads_a_row(node, a, arg_batch, batch)
                and not _rows_alike_at(a, rows_whole, rows_alike, batch) for a in node.all_input_nodes):
             problems.append(Problem(op_name(target), path, "", _POSITIONED, source_of(node)))
@@ -4669,6 +4784,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             out = _meta(node)
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
             continue
+        if not single and (_batch_size_as_a_value(node, batch_size)
+                           or _reduces_over_the_batch_size(node, arg_batch, batch_size)) \
+                and not any(isinstance(b, Loss) for b in _flat(arg_batch)) and node not in checks_only \
+                and (function_body or not reaches_no_gradient(node, without_grad, gradient_free)):
+            batch_size_values.append(node)  # judged once every use is known (a loss scaled by it passes)
 
         sized = None if single else _sized_by_batch(
             node, batch_size, batched, like=batch.get(node.args[0]) if target in FILLED_LIKE else None)
@@ -4800,11 +4920,17 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     # before its write, or every row after it; or reads every row at the same points of
     # its writes (``h[i] = h[i] * 2; ps.append(h[i])``: each row read before its write and after).
     for key, reads in rows_read.items():
-        if len({written for _, written in reads}) > 1 and not _rows_read_alike(row_reads.get(key, {}), batch_size):
+        if len({written for _, written in reads}) > 1 \
+                and not _rows_read_alike(row_reads.get(key, {}), batch_size, batch):
             first = reads[0][0]
             problems.append(Problem(op_name(first.target), module_path_of(first), "", _PARTLY_WRITTEN,
                                     source_of(first)))
             mixing.extend(node for node, _ in reads)
+    for node in batch_size_values:
+        if not _scales_losses_only(node, batch):
+            problems.append(Problem(op_name(node.target), module_path_of(node), "", _BATCH_SIZE_AS_A_VALUE,
+                                    source_of(node)))
+            mixing.append(node)
     for node in _read_through_views_after_a_partial_write(gm, rows_written):
         problems.append(Problem(op_name(node.target), module_path_of(node), "", _PARTLY_WRITTEN, source_of(node)))
         mixing.append(node)

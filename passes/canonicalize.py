@@ -1294,7 +1294,9 @@ def unit_scale_pass(gm: fx.GraphModule) -> fx.GraphModule:
         sizes = zip((*out.shape, *out.stride()), (*before.shape, *before.stride()))
         same_layout = out.dtype == before.dtype and out.dim() == before.dim() \
             and all(statically_known_true(a == b) for a, b in sizes)
-        if same_layout and not written_through(node) and not written_through(source):
+        # (a copy of a view whose memory another view writes keeps the values before that write)
+        if same_layout and not written_through(node) and not written_through(source) \
+                and not _written_somewhere(_memory_of(source)):
             node.replace_all_uses_with(source)
             changed = True
     return _finished(gm, changed)
@@ -1576,7 +1578,8 @@ def legacy_empty_cat_pass(gm: fx.GraphModule) -> fx.GraphModule:
 
 def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """A ``repeat`` that only copies size-1 dims is an ``expand`` (then a view), and so
-    are ``expand_as`` and a ``repeat_interleave`` of a size-1 dim.
+    are ``expand_as`` and a ``repeat_interleave`` of a size-1 dim; a ``cat`` of copies
+    of one tensor is a ``repeat``.
 
     ``nn.MultiheadAttention(add_bias_kv=True)`` writes ``bias_k.repeat(1, bsz, 1)``;
     as an expand it is a parameter expanded to the batch, which the batch analysis
@@ -1587,6 +1590,13 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """
     aten = torch.ops.aten
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.cat.default and len(node.args[0]) > 1 \
+                and all(t is node.args[0][0] for t in node.args[0]):
+            # ``torch.cat(B * [p])`` (TVP's frame prompter): copies of one tensor, a repeat
+            src = node.args[0][0]
+            reps = [1] * src.meta["val"].dim()
+            reps[named_arg(node, "dim", 0) % len(reps)] = len(node.args[0])
+            node.target, node.args, node.kwargs = aten.repeat.default, (src, reps), {}
         if node.op == "call_function" and node.target is aten.expand_as.default:
             # ``p.expand_as(h)``: an expand to ``h``'s sizes (read from ``h`` where symbolic).
             with gm.graph.inserting_before(node):
@@ -1968,7 +1978,9 @@ def _reads_unexpanded(node: fx.Node, count: int) -> bool:
 
 
 # Dtype and device conversions: elementwise like the pointwise ops, untagged.
-_TO = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.other}
+# (``type_as`` to its own dtype returns its input itself too, though its schema names no alias)
+_TO = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.other,
+       torch.ops.aten.type_as.default}
 _CONVERSIONS = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout,
                 torch.ops.aten._to_copy.default}
 

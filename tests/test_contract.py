@@ -1111,6 +1111,54 @@ def test_a_loss_scaled_by_the_batch_size_into_neither_a_mean_nor_a_sum_is_refuse
         dp(randn(6, 5, 4))
 
 
+def test_a_sum_over_the_sum_of_a_mask_of_ones_made_inside_is_a_mean():
+    """A mask of ones made inside the model (no attention mask given) counts ``B·T·3``;
+    its sum grows with the batch, but only as the loss's normaliser (not refused as the
+    batch size in the model's values)."""
+    def ones(l, x):
+        return torch.ones(x.shape[0], x.shape[1], 3, dtype=l.dtype)
+
+    _exact_at_a_static_and_a_dynamic_batch_size(TokenLoss(lambda l, x: (l * ones(l, x)).sum() / ones(l, x).sum()),
+                                                "mean")
+
+
+# The batch size in the model's values, not the loss's scaling: each sample alone (B = 1)
+# computes another function than the batch does.
+BATCH_SIZE_IN_THE_VALUES = {
+    "times_the_batch_size": lambda h, x: h * x.shape[0],
+    "over_the_root_of_the_batch_size": lambda h, x: h / x.shape[0] ** 0.5,
+    "over_the_number_of_elements": lambda h, x: h / h.numel(),
+    "filled_with_the_batch_size": lambda h, x: h + torch.full((1, 3), x.shape[0], dtype=h.dtype),
+    "a_tensor_of_the_batch_size": lambda h, x: h * torch.tensor(x.shape[0], dtype=h.dtype),
+    "the_power_of_the_batch_size": lambda h, x: h.pow(x.shape[0]),
+    "ones_by_the_batch_summed": lambda h, x: h * torch.ones(x.shape[0], dtype=h.dtype).sum(),
+    "a_row_expanded_to_the_batch_and_summed": lambda h, x: h + h.new_ones(3).expand(x.shape[0], 3).sum(0),
+    "a_table_sliced_by_the_batch_size_and_summed": lambda h, x: h + torch.linspace(
+        0, 1, 30, dtype=h.dtype).view(10, 3)[:x.shape[0]].sum(0),
+}
+
+
+@pytest.mark.parametrize("form", list(BATCH_SIZE_IN_THE_VALUES))
+def test_the_batch_size_in_the_models_values_is_refused_once_symbolic(form):
+    """``h * x.shape[0]``: the per-sample gradients were those of the batched model, not
+    the loop's, silently, at every batch size. The first, static, compile cannot tell
+    ``B`` from a literal (documented); the second, symbolic, one refuses it."""
+    fn = BATCH_SIZE_IN_THE_VALUES[form]
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3).to(DTYPE)
+
+        def forward(self, x):
+            return fn(torch.tanh(self.fc(x)), x)
+
+    dp = fxdp.transform(Step(), max_grad_norm=1.0, compiler="eager")
+    dp(randn(4, 4)).square().sum().backward()
+    with refused(r"it computes with the batch size as a number"):
+        dp(randn(6, 4)).square().sum().backward()
+
+
 def test_a_sum_divided_by_a_multiple_of_the_batch_that_counts_nothing_stays_a_sum():
     """8 at B = 4 is ``2·B``, but a sample has 15 entries, not 2: a sum over a number."""
     _exact_and_the_other_reduction_refused(TokenLoss(lambda l, x: l.sum() / 8), "sum")

@@ -1149,15 +1149,18 @@ class LatentsCopiedToTheBatch(nn.Module):
             latents = self.latents[None].expand(n, -1, -1)
         elif self.how == "repeat":
             latents = self.latents.repeat(n, 1, 1)
+        elif self.how == "cat of copies":  # TVP's frame prompter: torch.cat(B * [prompt])
+            latents = torch.cat(n * [self.latents[None]])
         else:
             latents = self.latents[None].repeat_interleave(n, 0)
         return latents + latents * self.lin(x).mean(1, keepdim=True)
 
 
-@pytest.mark.parametrize("how", ["expand", "repeat", "repeat_interleave"])
+@pytest.mark.parametrize("how", ["expand", "repeat", "repeat_interleave", "cat of copies"])
 def test_latents_copied_to_the_batch(how):
     """``repeat_interleave`` was refused ("the parameter has a size other than 1 along
-    the batch dim"); it is now the expand it amounts to, as ``repeat`` is."""
+    the batch dim"); it is now the expand it amounts to, as ``repeat`` is, and so is a
+    ``cat`` of ``B`` copies (refused so until the fifty-ninth session)."""
     torch.manual_seed(0)
     model = LatentsCopiedToTheBatch(how).double()
     dp = _against_the_loop(model, torch.randn(B, T, D, dtype=torch.float64))
@@ -2608,6 +2611,13 @@ BATCHED_OPS = {
     "searchsorted": lambda m, h: h * m.s * torch.searchsorted(torch.sort(h.detach(), dim=-1).values,
                                                               h.detach().flip(-1).contiguous()),
     "renorm": lambda m, h: torch.renorm(h * m.s, 2, 0, 1.0),
+    # Grounding DINO's mask of special tokens: each value looked up in a shared set
+    "isin": lambda m, h: h * m.s * torch.isin((h.detach() * 4).round(), torch.tensor([0.0, 1.0, -2.0], dtype=h.dtype)),
+    "isin_inverted": lambda m, h: h * m.s * torch.isin((h.detach() * 4).round(), torch.tensor([0.0, 1.0]),
+                                                       invert=True),
+    # a count per sample repeated without a dim (a 1-D tensor: flattened, it is itself)
+    "repeat_interleave_1d_without_dim": lambda m, h: h * m.s * (h.detach()[:, 0, 0] > 0).double().repeat_interleave(
+        T * D).view(-1, T, D),
     # a count per sample (of the positive features), not over the batch
     "count_nonzero": lambda m, h: h * m.s * torch.count_nonzero(h.detach() > 0, dim=2).unsqueeze(-1),
     # FNet's Fourier mixing (``.real`` is ``view_as_real``), complex rotary embeddings

@@ -7,6 +7,8 @@ reductions over the batch that the write would otherwise hide.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -347,6 +349,44 @@ def test_parameter_values_written_beside_a_view_they_do_not_reach_are_exact():
         dp(x).pow(2).sum().backward()
         assert_close_all({"k": model.k.grad_sample}, ref.per_sample, tolerance(torch.float64), "grad_sample")
         assert_close_all({"k": model.k.grad}, ref.grad("sum", 1.0), tolerance(torch.float64), "grad")
+
+
+class AliasReadAfterASiblingWrite(nn.Module):
+    """A column view read through an op that returns it itself, or copied by ``* 1.0``,
+    then another view of the same memory written in place: eager's alias shows the
+    write, the copy does not (red team: ``type_as`` to its own dtype was taken for a
+    copy, ``* 1.0`` of a view for a no-op, each a wrong forward)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        if self.how == "type_as":
+            h = self.fc(x) * 1.0
+            v = h[:, 1].type_as(x)  # the column itself
+            h[:, 1].mul_(3)
+            return self.head(h + v[:, None])
+        h = self.fc(x)[:, None, :] + 0.0
+        v = h[:, 0] * 1.0  # a copy (of the same layout as the row it copies)
+        h[:, 0, :2].mul_(3)
+        return self.head(v + h[:, 0])
+
+
+@pytest.mark.parametrize("how", ["type_as", "a copy by one"])
+def test_an_alias_or_a_copy_read_after_a_write_into_its_memory_is_exact(how):
+    torch.manual_seed(0)
+    model = AliasReadAfterASiblingWrite(how).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(B, 4, dtype=torch.float64)
+    ref = reference(copy.deepcopy(plain), (x,), lambda out, i: out.pow(2).sum())
+    dp = fxdp.transform(model, max_grad_norm=1.0, grad_sample=True, compiler="eager", loss_reduction="sum")
+    out = dp(x)
+    torch.testing.assert_close(out, plain(x), rtol=1e-12, atol=1e-12)  # (the forward itself)
+    out.pow(2).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")
 
 
 def test_out_of_place_weight_surgery_is_exact():
