@@ -102,6 +102,11 @@ def reference(model: nn.Module, args: Sequence[Any], loss_fn: Callable[..., torc
     given = dict(enumerate(in_dims)) if isinstance(in_dims, Sequence) else dict(in_dims or {})
     for i in range(batch_size):
         m = copy.deepcopy(model)
+        # (a deep copy of torchvision's feature extractor re-runs its __init__, which sets
+        # train mode: each module keeps the original's mode)
+        for copied, original in zip(m.modules(), model.modules()):
+            if copied.training != original.training:
+                copied.train(original.training)  # (its own train() switches its graph)
         m.zero_grad(set_to_none=True)
         params = dict(m.named_parameters())
         one = [_narrow(a, i, given[k]) if k in given else _slice_batch(a, i, batch_size, batch_dim)

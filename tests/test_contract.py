@@ -74,6 +74,29 @@ def per_sample_sq_loss(out: torch.Tensor, i: int) -> torch.Tensor:
 # every transform option
 # ---------------------------------------------------------------------------
 
+class TrainModeOnCopy(nn.Module):
+    """Doubles its input in train mode only; a deep copy comes back in train mode, as
+    torchvision's feature extractor (``DualGraphModule``) does, re-running its __init__."""
+
+    def forward(self, x):
+        return x * 2 if self.training else x
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.train()
+
+
+def test_the_loop_runs_each_sample_in_the_models_own_mode():
+    """The reference's copies keep every module's mode (red team: torchgeo's BTC in eval
+    ran its random train graph in the loop alone)."""
+    model = nn.Sequential(nn.Linear(4, 3), TrainModeOnCopy()).to(DTYPE).eval()
+    x = randn(3, 4)
+    ref = reference(model, [x], lambda out, i: out.square().sum())
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    dp(x).square().sum().backward()
+    assert_close_all(grad_samples(model), ref.per_sample, TOL, "p.grad_sample")
+
+
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
 @pytest.mark.parametrize("grad_sample", [False, True])
 @pytest.mark.parametrize("clip", [False, True])
