@@ -2712,6 +2712,16 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
         raise MixesSamples(_MASKED)
     if any(_any_batched(b) and not isinstance(b, Masked) for b in flat):
         raise MixesSamples(_MASKED)
+    if node.target is aten.index.Tensor and arg_batch[0] is None and len(node.args[1]) == 1 \
+            and isinstance(arg_batch[1][0], Masked):
+        # A shared table looked up at each row's index (``table[ids[mask]]``, torchgeo's
+        # Panopticon channel embedding): row by row, as a lookup on the batch in place.
+        out = first if _meta(node.args[1][0]).dim() == 1 else None
+        if out is None:
+            raise MixesSamples(_MASKED)
+        if uses_parameter:
+            _ROWS_IN_PLACE[-1].append((node, {node.args[1][0]: first.mask}))
+        return out
     rule = lookup(node.target) if pure_op(node.target) else None
     if uses_parameter and rule is None and not (_is_pointwise(node.target) or node.target in PROPAGATION):
         raise _NoPropagation(_MASKED_PARAMETER)

@@ -84,6 +84,24 @@ class MaskedLMHead(nn.Module):
         return full
 
 
+class TableAtMaskedIds(nn.Module):
+    """torchgeo's Panopticon channel embedding: a parameter table indexed at the ids a
+    mask selected, ``embs[mask] = table[-(ids[mask] + 1)]``, written back by the mask
+    (refused as mixing the selected rows before the fifty-ninth session)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4, D))
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, tokens):
+        ids = tokens - 4  # negative: a row of the table, counted from its end
+        mask = ids < 0
+        embs = torch.zeros(*tokens.shape, D, dtype=x.dtype)
+        embs[mask] = self.table[-(ids[mask] + 1)]
+        return self.lin(x + embs)
+
+
 class RealImages(nn.Module):
     """Idefics2's vision tower on the real images only: the all-zero padding images are
     dropped (a mask over the batch dim itself), the rest patchified by a convolution,
@@ -139,7 +157,8 @@ class MaskCoordinatesReadOtherwise(nn.Module):
 
 MODELS = {"split by token": SplitByToken, "fusion embedding": FusionEmbedding, "masked LM head": MaskedLMHead,
           "real images": RealImages, "coordinates of a mask": MaskCoordinates,
-          "coordinates of a mask, read otherwise too": MaskCoordinatesReadOtherwise}
+          "coordinates of a mask, read otherwise too": MaskCoordinatesReadOtherwise,
+          "a table at the ids a mask selected": TableAtMaskedIds}
 
 
 def _inputs(size: int, dtype: torch.dtype, nothing: bool = False):
@@ -188,7 +207,7 @@ def test_parameters_on_rows_a_mask_selected_are_exact(name, wrapped):
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=wrapped == "backend"):
         for size in (3, 4):
             _check_step(model, call, clip, size, torch.float64)
-        if name == "masked LM head":
+        if name in ("masked LM head", "a table at the ids a mask selected"):
             _check_step(model, call, clip, 4, torch.float64, nothing=True)
 
 
