@@ -3932,7 +3932,7 @@ _BATCH_SIZE_AS_A_VALUE = (
     "cls.expand(B, d).sum(0), table[:B].sum(0)): "
     "the batched model is then another function than the one each sample alone computes (there B = 1), "
     "so no sample's gradient is its own; keep the batch size out of the model's values (a mean over the "
-    "batch belongs to the loss, where loss_reduction handles it; a loss scaled by it is fine)")
+    "batch belongs to the loss, where loss_reduction handles it; a loss scaled by the number B itself is fine)")
 
 # Ops whose numbers are sizes or positions, whatever their schema calls them: ``arange(B)``
 # numbers the samples (followed as positions), ``randperm``/``randint`` draw by them.
@@ -3964,57 +3964,86 @@ def _batch_size_as_a_value(node: fx.Node, batch_size: Any) -> bool:
     return False
 
 
-# Ops that reduce their first argument over ``dims`` (all where none are given), and
-# products that contract the last dim of theirs.
-_REDUCED_OVER = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim, aten.prod.default,
-                 aten.prod.dim_int, aten.amax.default, aten.amin.default, aten.logsumexp.default,
-                 aten.linalg_vector_norm.default, aten.std.correction, aten.var.correction, aten.max.dim,
-                 aten.min.dim, aten.max.default, aten.min.default, aten.argmax.default, aten.argmin.default}
+# Ops that mix the values of their first argument along ``dim`` (their schema's, with its
+# default; all dims where it names none or none is given); products that contract the
+# last dim of theirs; norms over the trailing ``normalized_shape``.
+_ALONG_DIMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim, aten.prod.default,
+               aten.prod.dim_int, aten.amax.default, aten.amin.default, aten.logsumexp.default,
+               aten.linalg_vector_norm.default, aten.std.correction, aten.var.correction, aten.std_mean.correction,
+               aten.var_mean.correction, aten.max.dim, aten.min.dim, aten.max.default, aten.min.default,
+               aten.argmax.default, aten.argmin.default, aten.median.default, aten.median.dim,
+               aten.nanmedian.default, aten.nanmedian.dim, aten.nansum.default, aten.mode.default,
+               aten.kthvalue.default, aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default,
+               aten.argsort.stable, aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default,
+               aten.cummax.default, aten.cummin.default, aten._softmax.default, aten._log_softmax.default,
+               aten.softmax.int, aten.log_softmax.int,
+               aten.count_nonzero.default, aten.count_nonzero.dim_IntList, aten.any.dim, aten.all.dim,
+               aten.any.default, aten.all.default, aten.any.dims, aten.all.dims}
 _CONTRACTED = {aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default, aten.mv.default,
-               aten.dot.default, aten.linear.default}
+               aten.dot.default, aten.linear.default, aten.embedding_bag.default, aten.embedding_bag.padding_idx,
+               aten._embedding_bag.default}
+_NORMALISED = {aten.layer_norm.default, aten.native_layer_norm.default}
 
 
-def _reduces_over_the_batch_size(node: fx.Node, arg_batch: list, batch_size: Any) -> bool:
-    """Whether ``node`` reduces a tensor the samples share over a dim whose size involves
-    the symbolic batch size (``cls.expand(B, d).sum(0)``, ``table[:B].sum(0)``,
-    ``torch.ones(B).sum()``): the result grows with the batch, where each sample alone
-    would reduce one row."""
+def _mixes_along_the_batch_size(node: fx.Node, arg_batch: list, batch_size: Any) -> bool:
+    """Whether ``node`` mixes the values of a tensor the samples share along a dim whose
+    size involves the symbolic batch size (``cls.expand(B, d).sum(0)``,
+    ``table[:B].sum(0)``, ``torch.ones(B).cumsum(0)``, a softmax over it): the result
+    changes with the batch, where each sample alone would read one row."""
     size = _as_number(batch_size)
     target = node.target
-    if not isinstance(size, torch.SymInt) or target not in _REDUCED_OVER | _CONTRACTED or _any_batched(arg_batch):
+    if not isinstance(size, torch.SymInt) or target not in _ALONG_DIMS | _CONTRACTED | _NORMALISED \
+            or _any_batched(arg_batch):
         return False
-    operand = node.args[1] if target is aten.addmm.default else node.args[0]
+    operand = node.args[1] if target in (aten.addmm.default, aten.embedding_bag.default, aten.embedding_bag.padding_idx,
+                                         aten._embedding_bag.default) else node.args[0]
     value = _meta(operand) if isinstance(operand, fx.Node) else None
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return False
     if target in _CONTRACTED:
         dims = [value.dim() - 1]
+    elif target in _NORMALISED:
+        dims = range(value.dim() - len(node.args[1]), value.dim())
     else:
-        dims = named_arg(node, "dim", None)
+        named = next((a for a in target._schema.arguments if a.name == "dim"), None)
+        dims = None if named is None else named_arg(
+            node, "dim", named.default_value if named.has_default_value() else None)
         dims = range(value.dim()) if dims in (None, []) else [dims] if isinstance(dims, int) else dims
-    symbols = plain_expression(size).free_symbols
-    return any(isinstance(value.shape[d], torch.SymInt) and plain_expression(value.shape[d]).free_symbols & symbols
-               for d in dims)
+    return any(_involves(value.shape[d % value.dim()], size) for d in dims)
 
 
-def _scales_losses_only(node: fx.Node, batch: dict) -> bool:
-    """Whether every use of ``node``, through values the samples share, scales a loss
-    (``(l * mask).sum() / mask.sum()`` with ``mask = torch.ones(B, T)``, checked as a
-    scaling of the loss): no sample's own values depend on it."""
-    stack, seen = [node], set()
-    while stack:
-        value = stack.pop()
-        for user in value.users:
-            if user in seen:
-                continue
-            seen.add(user)
-            layout = batch.get(user)
-            if isinstance(layout, Loss):
-                continue
-            if user.op == "output" or _any_batched([layout]) or _any_unknown([layout]):
-                return False
-            stack.append(user)
-    return True
+def _indexes_by_the_batch_size(node: fx.Node, arg_batch: list, batch_size: Any) -> bool:
+    """Whether ``node`` picks positions by a number that involves the symbolic batch size
+    along a dim that is no batch dim: ``t[B]``, ``t[:B][-1]`` (row ``B - 1``),
+    ``t.narrow(0, B - 1, 1)``, ``h[:, B:]``, ``h.roll(B, 1)``: each sample alone would
+    read other positions."""
+    size = _as_number(batch_size)
+    target = node.target
+    if not isinstance(size, torch.SymInt) or target not in (
+            aten.select.int, aten.narrow.default, aten.slice.Tensor, aten.roll.default):
+        return False
+    value, layout = _meta(node.args[0]), arg_batch[0] if arg_batch else None
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return False
+    if target is aten.roll.default:
+        return any(_involves(shift.meta.get("val") if isinstance(shift, fx.Node) else shift, size)
+                   for shift in node.args[1])
+    dim = _norm_dim(named_arg(node, "dim", 0), value.dim())
+    if isinstance(layout, BatchDim) and layout.dim == dim:
+        return False  # (positions of the samples: judged as pieces of the batch)
+    at = named_arg(node, "index", None) if target is aten.select.int else named_arg(node, "start", None)
+    at = at.meta.get("val") if isinstance(at, fx.Node) else at
+    if at is None:
+        return False
+    if isinstance(at, int) and at < 0:
+        at = value.shape[dim] + at  # (counted from the end of a dim whose size may involve it)
+    return _involves(at, size)
+
+
+def _involves(number: Any, batch_size: torch.SymInt) -> bool:
+    """Whether ``number`` is symbolic in the batch size's symbols."""
+    return isinstance(number, (torch.SymInt, torch.SymFloat)) and bool(
+        plain_expression(number).free_symbols & plain_expression(batch_size).free_symbols)
 
 
 def _of_ints(kind: Any) -> bool:
@@ -4650,6 +4679,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     # writes so far at each read (``_written``'s entries).
     row_reads: dict[fx.Node, dict[int, list[tuple]]] = {}
     batch_size_values: list[fx.Node] = []  # values computed with the (symbolic) batch size
+    normaliser_divisors: set[fx.Node] = set()  # the mask sums losses are divided by (``_mask_normaliser``)
     mixing: list[fx.Node] = []  # where problems were found
     found = 0
 
@@ -4795,10 +4825,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
             continue
         if not single and (_batch_size_as_a_value(node, batch_size)
-                           or _reduces_over_the_batch_size(node, arg_batch, batch_size)) \
+                           or _mixes_along_the_batch_size(node, arg_batch, batch_size)
+                           or _indexes_by_the_batch_size(node, arg_batch, batch_size)) \
                 and not any(isinstance(b, Loss) for b in _flat(arg_batch)) and node not in checks_only \
                 and (function_body or not reaches_no_gradient(node, without_grad, gradient_free)):
-            batch_size_values.append(node)  # judged once every use is known (a loss scaled by it passes)
+            batch_size_values.append(node)  # judged once every use is known (a mask normaliser passes)
 
         sized = None if single else _sized_by_batch(
             node, batch_size, batched, like=batch.get(node.args[0]) if target in FILLED_LIKE else None)
@@ -4827,6 +4858,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                 batch[node] = next(b for b in _flat(arg_batch) if isinstance(b, Loss))
                 continue
             mask = _mask_normaliser(node, losses, placeholder_batch, param_names)
+            if mask is not None:
+                normaliser_divisors.add(_division_operands(node)[1])
             if mask is not None and isinstance(batch.get(mask), BatchDim):
                 # (l * mask).sum() / mask.sum(): a mean over the samples (checked at run time).
                 numerator, denominator = _division_operands(node)
@@ -4937,7 +4970,9 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                                     source_of(first)))
             mixing.extend(node for node, _ in reads)
     for node in batch_size_values:
-        if not _scales_losses_only(node, batch):
+        # (a mask of ones made inside counts B·T: as the loss's normaliser it is judged as such;
+        # an index into the flattened batch moved by B·T, as its rows are checked at run time)
+        if node not in normaliser_divisors and node not in flat_indices:
             problems.append(Problem(op_name(node.target), module_path_of(node), "", _BATCH_SIZE_AS_A_VALUE,
                                     source_of(node)))
             mixing.append(node)

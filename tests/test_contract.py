@@ -1145,6 +1145,17 @@ def test_a_sum_over_the_sum_of_a_mask_of_ones_made_inside_is_a_mean():
                                                 "mean")
 
 
+def test_a_loss_scaled_by_a_tensor_that_counts_the_batch_is_refused_once_symbolic():
+    """``l.mean() * ones(B).sum().sqrt()`` is neither a mean nor a sum (red team: it
+    passed as a loss scaled by a shared value); a count of ones is a normaliser only as
+    the divisor of a masked sum (above)."""
+    dp = fxdp.transform(TokenLoss(lambda l, x: l.mean() * torch.ones(x.shape[0], dtype=l.dtype).sum().sqrt()),
+                        compiler="eager")
+    dp(randn(4, 5, 4)).backward()
+    with refused(r"it computes with the batch size as a number"):
+        dp(randn(6, 5, 4)).backward()
+
+
 # The batch size in the model's values, not the loss's scaling: each sample alone (B = 1)
 # computes another function than the batch does.
 BATCH_SIZE_IN_THE_VALUES = {
@@ -1158,7 +1169,19 @@ BATCH_SIZE_IN_THE_VALUES = {
     "a_row_expanded_to_the_batch_and_summed": lambda h, x: h + h.new_ones(3).expand(x.shape[0], 3).sum(0),
     "a_table_sliced_by_the_batch_size_and_summed": lambda h, x: h + torch.linspace(
         0, 1, 30, dtype=h.dtype).view(10, 3)[:x.shape[0]].sum(0),
+    # (red team) mixed along the batch size's dim otherwise, or picked by it
+    "a_softmax_over_the_batch_size": lambda h, x: h + _table(h)[:x.shape[0]].softmax(0)[0],
+    "a_cumsum_over_the_batch_size": lambda h, x: h * torch.ones(x.shape[0], dtype=h.dtype).cumsum(0)[-1],
+    "sorted_over_the_batch_size": lambda h, x: h + _table(h)[:x.shape[0]].sort(0).values[-1],
+    "a_row_picked_by_the_batch_size": lambda h, x: h + _table(h)[x.shape[0]],
+    "the_last_of_the_batch_size_rows": lambda h, x: h + _table(h)[:x.shape[0]][-1],
+    "rolled_by_the_batch_size": lambda h, x: h * h.roll(x.shape[0], 1),
+    "scaled_by_the_root_of_a_count_of_ones": lambda h, x: h * torch.ones(x.shape[0], dtype=h.dtype).sum().sqrt(),
 }
+
+
+def _table(h):
+    return torch.linspace(0, 1, 30, dtype=h.dtype).view(10, 3)
 
 
 @pytest.mark.parametrize("form", list(BATCH_SIZE_IN_THE_VALUES))
