@@ -4026,18 +4026,22 @@ def _indexes_by_the_batch_size(node: fx.Node, arg_batch: list, batch_size: Any) 
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return False
     if target is aten.roll.default:
-        return any(_involves(shift.meta.get("val") if isinstance(shift, fx.Node) else shift, size)
-                   for shift in node.args[1])
+        dims = named_arg(node, "dims", [])
+        return not (_any_batched([layout]) and getattr(layout, "dim", None) in [d % value.dim() for d in dims]) \
+            and any(_involves(shift.meta.get("val") if isinstance(shift, fx.Node) else shift, size)
+                    for shift in node.args[1])
     dim = _norm_dim(named_arg(node, "dim", 0), value.dim())
-    if isinstance(layout, BatchDim) and layout.dim == dim:
-        return False  # (positions of the samples: judged as pieces of the batch)
+    if _any_batched([layout]) and getattr(layout, "dim", dim) == dim:
+        return False  # (positions of the samples, or of packed blocks: judged as such)
     at = named_arg(node, "index", None) if target is aten.select.int else named_arg(node, "start", None)
     at = at.meta.get("val") if isinstance(at, fx.Node) else at
     if at is None:
         return False
     if isinstance(at, int) and at < 0:
         at = value.shape[dim] + at  # (counted from the end of a dim whose size may involve it)
-    return _involves(at, size)
+    # (a position B alone decides: ``u0 // B - 1``, the last of the rows a mask selected per
+    # sample, is each sample's own)
+    return _involves(at, size) and plain_expression(at).free_symbols <= plain_expression(size).free_symbols
 
 
 def _involves(number: Any, batch_size: torch.SymInt) -> bool:

@@ -1578,8 +1578,8 @@ def legacy_empty_cat_pass(gm: fx.GraphModule) -> fx.GraphModule:
 
 def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """A ``repeat`` that only copies size-1 dims is an ``expand`` (then a view), and so
-    are ``expand_as`` and a ``repeat_interleave`` of a size-1 dim; a ``cat`` of copies
-    of one tensor is a ``repeat``.
+    are ``expand_as``, a ``repeat_interleave`` of a size-1 dim and a ``cat`` of copies of
+    a tensor of size 1 along the dim joined.
 
     ``nn.MultiheadAttention(add_bias_kv=True)`` writes ``bias_k.repeat(1, bsz, 1)``;
     as an expand it is a parameter expanded to the batch, which the batch analysis
@@ -1592,11 +1592,14 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.cat.default and len(node.args[0]) > 1 \
                 and all(t is node.args[0][0] for t in node.args[0]):
-            # ``torch.cat(B * [p])`` (TVP's frame prompter): copies of one tensor, a repeat
-            src = node.args[0][0]
+            # ``torch.cat(B * [p])`` (TVP's frame prompter): copies of one tensor of one row
+            # along the dim joined, a repeat of it, hence an expand below (tiles of more rows
+            # stay a cat: the batch analysis reads its pieces)
+            src, dim = node.args[0][0], named_arg(node, "dim", 0)
             reps = [1] * src.meta["val"].dim()
-            reps[named_arg(node, "dim", 0) % len(reps)] = len(node.args[0])
-            node.target, node.args, node.kwargs = aten.repeat.default, (src, reps), {}
+            if reps and isinstance(src.meta["val"].shape[dim], int) and src.meta["val"].shape[dim] == 1:
+                reps[dim % len(reps)] = len(node.args[0])
+                node.target, node.args, node.kwargs = aten.repeat.default, (src, reps), {}
         if node.op == "call_function" and node.target is aten.expand_as.default:
             # ``p.expand_as(h)``: an expand to ``h``'s sizes (read from ``h`` where symbolic).
             with gm.graph.inserting_before(node):
