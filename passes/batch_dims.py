@@ -4057,13 +4057,12 @@ def _of_ints(kind: Any) -> bool:
     return isinstance(kind, (torch._C.IntType, torch._C.SymIntType))
 
 
-def _row_taken(node: fx.Node, batch: dict) -> tuple[fx.Node, int] | None:
-    """``(base, row)`` where ``node`` takes one row of a batch (``h[i]``, ``h[i:i + 1]``)
-    at a position known, else ``None``."""
+def _row_taken(node: fx.Node, layout: Any) -> tuple[fx.Node, int] | None:
+    """``(base, row)`` where ``node`` takes one row (``h[i]``, ``h[i:i + 1]``) at a
+    position known of a batch ``base`` held as ``layout``, else ``None``."""
     if node.target not in (aten.select.int, aten.slice.Tensor) or not isinstance(node.args[0], fx.Node):
         return None
     base = node.args[0]
-    layout = batch.get(base)
     if not (isinstance(layout, BatchDim) and isinstance(layout.dim, int) and layout.plain) \
             or _norm_dim(named_arg(node, "dim", 0), _meta(base).dim()) != layout.dim:
         return None
@@ -4108,18 +4107,7 @@ def _reads_rows_written_so_far(node: fx.Node, arg_batch: list, rows_written: dic
         return False
     if node.target in (aten.slice_scatter.default, aten.select_scatter.default):
         return _writes_its_own_row(node, arg_batch)
-    layout = arg_batch[0] if arg_batch else None
-    if node.target not in (aten.select.int, aten.slice.Tensor) or not isinstance(layout, BatchDim) \
-            or _norm_dim(named_arg(node, "dim", 0), _meta(base).dim()) != layout.dim:
-        return False
-    size = _meta(base).shape[layout.dim]
-    if node.target is aten.select.int:
-        row = named_arg(node, "index", 0)
-    else:
-        row = named_arg(node, "start", None) or 0
-        if not statically_known_true(_meta(node).shape[layout.dim] == 1) or named_arg(node, "step", 1) != 1:
-            return False
-    return isinstance(row, int) and isinstance(size, int)
+    return _row_taken(node, arg_batch[0] if arg_batch else None) is not None
 
 
 def _writes_its_own_row(node: fx.Node, arg_batch: list) -> bool:
@@ -4768,7 +4756,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                     else named_arg(node, "start", None) or 0
                 rows_read.setdefault(_first_written(base), []).append((node, row % _meta(base).shape[
                     _norm_dim(named_arg(node, "dim", 0), _meta(base).dim())] in rows_written[base]))
-        taken = _row_taken(node, batch)
+        taken = _row_taken(node, batch.get(node.args[0]) if node.args else None)
         if taken is not None:
             base, row = taken
             writes = (rows_written.get(base) or rows_whole.get(base) or {}).get(row, ())
