@@ -3951,17 +3951,10 @@ def _batch_size_as_a_value(node: fx.Node, batch_size: Any) -> bool:
             or target in _NUMBERS_AS_SIZES or not (isinstance(out, torch.Tensor) or (
                 isinstance(out, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in out))):
         return False  # (Dynamo's asserts on sizes have no tensor result)
-    symbols = plain_expression(size).free_symbols
     schema = target._schema.arguments
     values = list(zip(schema, node.args)) + [(a, node.kwargs[a.name]) for a in schema if a.name in node.kwargs]
-    for argument, value in values:
-        if _of_ints(argument.type):
-            continue  # a size, an index, a dim
-        for a in _flat(value):
-            number = _meta(a) if isinstance(a, fx.Node) else None
-            if isinstance(number, (torch.SymInt, torch.SymFloat)) and plain_expression(number).free_symbols & symbols:
-                return True
-    return False
+    return any(_involves(_meta(a), size) for argument, value in values if not _of_ints(argument.type)
+               for a in _flat(value) if isinstance(a, fx.Node))  # (not a size, an index, a dim)
 
 
 # Ops that mix the values of their first argument along ``dim`` (their schema's, with its
@@ -4747,16 +4740,13 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         donors = set(_DTYPE_DONORS.get(target, ()))
         arg_batch = [None if i in donors else _arg_batch(a, batch) for i, a in enumerate(node.args)]
         kwarg_batch = [_arg_batch(v, batch) for v in node.kwargs.values()]
+        taken = _row_taken(node, batch.get(node.args[0]) if node.args else None)
         if any(a in rows_written for a in node.all_input_nodes):
             if not _reads_rows_written_so_far(node, arg_batch, rows_written):
                 problems.append(Problem(op_name(target), path, "", _PARTLY_WRITTEN, source_of(node)))
-            elif node.target in (aten.select.int, aten.slice.Tensor):
-                base = node.args[0]
-                row = named_arg(node, "index", 0) if node.target is aten.select.int \
-                    else named_arg(node, "start", None) or 0
-                rows_read.setdefault(_first_written(base), []).append((node, row % _meta(base).shape[
-                    _norm_dim(named_arg(node, "dim", 0), _meta(base).dim())] in rows_written[base]))
-        taken = _row_taken(node, batch.get(node.args[0]) if node.args else None)
+            elif taken is not None:
+                base, row = taken
+                rows_read.setdefault(_first_written(base), []).append((node, row in rows_written[base]))
         if taken is not None:
             base, row = taken
             writes = (rows_written.get(base) or rows_whole.get(base) or {}).get(row, ())
