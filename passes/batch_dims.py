@@ -285,7 +285,7 @@ _VIEWS_OF_ALL = _RESHAPES | {aten.unsqueeze.default, aten.squeeze.dim, aten.sque
                              aten.flatten.using_ints}
 
 
-def _uniform_along(node: Any, dim: int, memo: dict | None = None) -> bool:
+def _uniform_along(node: Any, dim: int, memo: dict | None = None, resized: bool = False) -> bool:
     """Whether a shared value (no batch dim of its own) holds the same values all along
     ``dim`` (negative: a dim it broadcasts along), or values drawn alike there: one of
     size 1 there, a constant fill or an independent random draw (``ones(B, T)``,
@@ -294,16 +294,18 @@ def _uniform_along(node: Any, dim: int, memo: dict | None = None) -> bool:
     (``in_dims`` settles that reading), and elementwise ops, copies, slices, views and
     pieces of such. Not a range, a window of a table (``buffer[:B]``) or a cumulative
     sum along it. ``memo`` holds the answers found so far (shared masks are diamonds of
-    ops)."""
+    ops). ``resized``: ``dim`` has another size in the tensor first asked about (tiles of
+    ``buffer.repeat(B // 2, 1)``, a reshape): the size rule never read an input or buffer
+    there, whose rows then differ by position as far as the graph knows."""
     if not isinstance(node, fx.Node):
         return True  # a number
     memo = {} if memo is None else memo
-    if (node, dim) not in memo:
-        memo[node, dim] = _uniform_along_uncached(node, dim, memo)
-    return memo[node, dim]
+    if (node, dim, resized) not in memo:
+        memo[node, dim, resized] = _uniform_along_uncached(node, dim, memo, resized)
+    return memo[node, dim, resized]
 
 
-def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
+def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict, resized: bool) -> bool:
     value = _meta(node)
     if not isinstance(value, torch.Tensor) or dim < 0 or dim >= value.dim() \
             or statically_known_true(value.shape[dim] == 1):
@@ -311,7 +313,7 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
     if node.op == "placeholder":
         # An input or buffer read as shared: the size rule's reading, which in_dims settles
         # (an RNN state [layers, B, hidden] is the samples' own, row by row).
-        return True
+        return not resized
     if _written_unlike_along(node, dim):
         return False
     target = node.target
@@ -324,16 +326,17 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
     if target in (aten.index.Tensor, aten.index_select.default, aten.embedding.default):
         # A shared table looked up by positions alike all along ``dim`` (diffusion's
         # ``alphas[t]`` with ``t = randint(0, N, (B,))`` drawn in the forward).
-        return _looked_up_alike(node, dim, memo)
+        return _looked_up_alike(node, dim, memo, resized)
     if target is aten.expand.default:
         new = value.dim() - _meta(node.args[0]).dim()
-        return dim < new or _uniform_along(node.args[0], dim - new, memo)
+        return dim < new or _uniform_along(node.args[0], dim - new, memo, resized)
     if target in _SAME_DIMS:
-        return _uniform_along(node.args[0], dim, memo)
+        return _uniform_along(node.args[0], dim, memo, resized)
     if target is aten.repeat.default:
         # Copies along the dims it adds in front, tiles of the source along the others.
         new = value.dim() - _meta(node.args[0]).dim()
-        return dim < new or _uniform_along(node.args[0], dim - new, memo)
+        return dim < new or _uniform_along(node.args[0], dim - new, memo,
+                                           resized or _resized(node.args[0], dim - new, value.shape[dim]))
     if target in (aten.cat.default, aten.stack.default):
         # Pieces side by side: alike along another dim where every piece is (HiDream's
         # positions, a table repeated over the batch with text positions of zeros after it).
@@ -351,23 +354,30 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
                 target is aten.stack.default or statically_known_true(_meta(pieces[0]).shape[dim] == 1))
         pieces = [p for p in node.args[0] if _meta(p).dim() == value.dim() - (target is aten.stack.default)]
         own = dim if target is aten.cat.default or dim < at else dim - 1
-        return all(_uniform_along(p, own, memo) for p in pieces)
+        return all(_uniform_along(p, own, memo, resized) for p in pieces)
     moved = _moved_from(node, dim)
     if moved is not None:
-        return _uniform_along(node.args[0], moved, memo)
+        return _uniform_along(node.args[0], moved, memo, resized)
     if target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _PIECES_OF_ALL:
         node = node.args[0]  # a piece of an unbind or split: alike where its whole source is
         target = node.target
     if target in _RESHAPES or target is aten.flatten.using_ints:
         group = _reshaped_from(node, dim)
+        if group is not None and _whole_tiles(node, dim, group):
+            return True
         if group is not None:
-            return all(_uniform_along(node.args[0], d, memo) for d in group)
+            return all(_uniform_along(node.args[0], d, memo, resized or _resized(node.args[0], d, value.shape[dim]))
+                       for d in group)
     if target in _VIEWS_OF_ALL or target in _PIECES_OF_ALL:
+        # Alike along every dim of its source; a piece of a split is a window of it along the
+        # dims where it is smaller.
         source = _meta(node.args[0])
-        return all(_uniform_along(node.args[0], d, memo) for d in range(source.dim()))
+        cut = target in _PIECES_OF_ALL and target is not aten.unbind.int
+        return all(_uniform_along(node.args[0], d, memo, resized or (cut and _resized(node.args[0], d, value.shape[d])))
+                   for d in range(source.dim()))
     if _is_pointwise(target):
-        return all(_uniform_along(a, dim - (value.dim() - _meta(a).dim()), memo) for a in node.all_input_nodes
-                   if isinstance(_meta(a), torch.Tensor))
+        return all(_uniform_along(a, dim - (value.dim() - _meta(a).dim()), memo, resized)
+                   for a in node.all_input_nodes if isinstance(_meta(a), torch.Tensor))
     if target is aten.index_put.default:
         # One value put at positions of other dims, all along ``dim`` (sinkhorn-transformer's
         # causal mask, ``mask[:, i, j] = True`` into ``zeros(B * h, n, m)``).
@@ -375,7 +385,7 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
         indices, values = node.args[1], _meta(node.args[2])
         return (dim >= len(indices) or indices[dim] is None) and statically_known_true(values.numel() == 1) \
             and not any(isinstance(i, fx.Node) and _meta(i).dtype in (torch.bool, torch.uint8) for i in indices) \
-            and _uniform_along(node.args[0], dim, memo)
+            and _uniform_along(node.args[0], dim, memo, resized)
     if target in _REDUCED_ALONG_DIMS:
         # A reduction along other dims (TimesFM's count of its padding, ``(1 - pad).sum(1)``):
         # alike where its source is.
@@ -388,8 +398,39 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict) -> bool:
         reduced = {_norm_dim(d, source.dim()) for d in reduced}
         keep = bool(node.args[2] if len(node.args) > 2 else named_arg(node, "keepdim", False))
         kept = list(range(source.dim())) if keep else [d for d in range(source.dim()) if d not in reduced]
-        return kept[dim] in reduced or _uniform_along(node.args[0], kept[dim], memo)
+        return kept[dim] in reduced or _uniform_along(node.args[0], kept[dim], memo, resized)
     return False
+
+
+def _whole_tiles(node: fx.Node, dim: int, group: list[int]) -> bool:
+    """Whether reshape ``node`` splits the dims ``group`` of a ``repeat`` so that every
+    position along ``dim`` holds whole tiles, the same values: the repeat tiles the
+    first of them alone, and a position spans a multiple of its tiles
+    (``table.repeat(B, 1).view(B, n, d)`` of a table of ``n`` rows, or of a divisor of
+    ``n``; ``.view(B, n * d)``)."""
+    tiles = node.args[0]
+    while isinstance(tiles, fx.Node) and tiles.target in _RESHAPES and _same_sizes(tiles, tiles.args[0]):
+        tiles = tiles.args[0]  # (a view of the same sizes)
+    if not isinstance(tiles, fx.Node) or tiles.target is not aten.repeat.default:
+        return False
+    source, shape, counts = _meta(tiles.args[0]), _meta(tiles).shape, list(tiles.args[1])
+    new = len(shape) - source.dim()
+    first = group[0]
+    if first < new or any(not statically_known_true(counts[g] == 1)
+                          and not statically_known_true(source.shape[g - new] == 1) for g in group[1:]):
+        return False  # copies of all the source put in front, or tiles of a later dim of the group
+    after = math.prod(_meta(node).shape[dim + 1:])  # elements from one position along ``dim`` to the next
+    return statically_known_true(after % (source.shape[first - new] * math.prod(shape[first + 1:])) == 0)
+
+
+def _same_sizes(a: fx.Node, b: fx.Node) -> bool:
+    shape_a, shape_b = _meta(a).shape, _meta(b).shape
+    return len(shape_a) == len(shape_b) and all(statically_known_true(x == y) for x, y in zip(shape_a, shape_b))
+
+
+def _resized(source: fx.Node, d: int, size: Any) -> bool:
+    """Whether dim ``d`` of ``source`` may have another size than ``size``."""
+    return not statically_known_true(_meta(source).shape[d] == size)
 
 
 _REDUCED_ALONG_DIMS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
@@ -536,13 +577,13 @@ def _reshaped_from(node: fx.Node, dim: int) -> list[int] | None:
     return None
 
 
-def _looked_up_alike(node: fx.Node, dim: int, memo: dict) -> bool:
+def _looked_up_alike(node: fx.Node, dim: int, memo: dict, resized: bool = False) -> bool:
     """For ``table[idx]`` (one integer index, on the first dim), ``index_select`` or
     ``embedding``: whether ``dim`` of the result comes from ``idx`` where it is alike all
     along it, or from the table where that is."""
     if node.target is aten.index_select.default:
         table, at, idx = node.args
-        return _uniform_along(idx, 0, memo) if dim == at else _uniform_along(table, dim, memo)
+        return _uniform_along(idx, 0, memo, resized) if dim == at else _uniform_along(table, dim, memo, resized)
     if node.target is aten.embedding.default:
         table, idx = node.args[0], node.args[1]
     else:
@@ -551,12 +592,13 @@ def _looked_up_alike(node: fx.Node, dim: int, memo: dict) -> bool:
             return False
         idx = indices[0]
     rank = _meta(idx).dim()
-    return _uniform_along(idx, dim, memo) if dim < rank else _uniform_along(table, dim - rank + 1, memo)
+    return _uniform_along(idx, dim, memo, resized) if dim < rank \
+        else _uniform_along(table, dim - rank + 1, memo, resized)
 
 
 _ALONG_THE_BATCH = (
     "it combines the batch with a shared tensor whose values vary along the batch dim (arange(B), a buffer "
-    "sliced to B, a cumulative sum over the batch): each sample would get the entry at its position in the "
+    "sliced or tiled to B, a cumulative sum over the batch): each sample would get the entry at its position in the "
     "batch, so its gradient would change as other samples are added or removed; give such values no batch "
     "dim (size 1 there) or compute them from each sample")
 
@@ -598,8 +640,8 @@ def _in_line_with_the_batch(node: fx.Node, arg_batch: list, memo: dict) -> list[
         # is not (the size rule's reading, see ``_uniform_along``): a table there.
         rows = _meta(batched[0][0]).shape[batched[0][1].dim]
         tables = dict(memo)
-        tables.update({(p, d): False for p in node.graph.nodes if p.op == "placeholder"
-                       and isinstance(_meta(p), torch.Tensor) for d in range(_meta(p).dim())
+        tables.update({(p, d, r): False for p in node.graph.nodes if p.op == "placeholder"
+                       and isinstance(_meta(p), torch.Tensor) for d in range(_meta(p).dim()) for r in (False, True)
                        if not statically_known_true(_meta(p).shape[d] == 1)
                        and not statically_known_true(_meta(p).shape[d] == rows)})
         return [(ix, ib, at - broadcast + _meta(ix).dim()) for d, ix, ib in shared
@@ -664,7 +706,7 @@ def _varies_along_the_batch(node: fx.Node, arg_batch: list, out_batch: Any, sour
     elif node.target in _AT_INDICES:
         # No rule of a parameter judges these: a value computed from one varies along
         # the dims of the parameter it keeps (``buf[arange(B)] = table[:B]``).
-        memo = {(p, d): False for p, of in sources.items() if of == {p}
+        memo = {(p, d, r): False for p, of in sources.items() if of == {p} for r in (False, True)
                 for d in range(_meta(p).dim()) if not statically_known_true(_meta(p).shape[d] == 1)}
         return any(b is None and _meta(arg).dim() and not _uniform_along(arg, dim, memo)
                    for arg, b, dim in _in_line_with_the_batch(node, arg_batch, memo))
@@ -4803,6 +4845,11 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             continue
         rule = lookup(target)
         if _any_unknown(arg_batch):
+            if problems:
+                # A loss that meets a value after a refusal is no longer judged as the loss (the
+                # fallback scale of HF's time-series scalers, ``ts_sum.sum(0) / counts.sum(0)``;
+                # a value unknown without a problem, a run-time check's, keeps it judged).
+                misused.update(_reductions_behind(node, batch, losses))
             out = _meta(node)
             batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
             continue

@@ -1623,6 +1623,19 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
         # More counts than dims: repeat reads the tensor with leading size-1 dims added.
         lead = len(reps) - len(shape)
         shape = [1] * lead + shape
+        split = _tiles_viewed_as_copies(node, shape, reps) if lead == 0 else None
+        if split is not None:
+            # ``q.repeat(B, 1).view(B, n, d)`` of a table ``q`` of ``n`` rows: whole
+            # copies of it along a new dim, ``q.unsqueeze(0).expand(B, n, d)``.
+            view, dim = split
+            with gm.graph.inserting_before(view):
+                unsqueezed = _call(gm, aten.unsqueeze.default, (src, dim), view)
+            _copy_as_expand(gm, view, (unsqueezed, [r if i == dim or (i != dim + 1 and isinstance(s, int) and s == 1)
+                                                    else -1 for i, (s, r) in enumerate(zip(
+                                                        [*shape[:dim], 1, *shape[dim:]],
+                                                        [*reps[:dim], reps[dim], 1, *reps[dim + 1:]]))]))
+            gm.graph.erase_node(node)
+            continue
         if lead >= 0 and all(bool(r == 1) or bool(s == 1) for r, s in zip(reps, shape)):
             # -1 keeps a dim that is not repeated (its size may be symbolic), a size-1
             # dim takes the repeat count (a graph node for a symbolic batch size), and
@@ -1632,6 +1645,25 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _tiles_viewed_as_copies(node: fx.Node, shape: list, reps: list) -> tuple[fx.Node, int] | None:
+    """``(view, dim)`` where ``repeat`` ``node`` tiles one dim ``dim`` of its source
+    (other dims it repeats are of size 1) and its one user, a reshape, splits that dim
+    into the count and the source's size there: copies of the source along a new dim."""
+    tiled = [d for d, (r, s) in enumerate(zip(reps, shape)) if not (bool(r == 1) or bool(s == 1))]
+    if len(tiled) != 1 or len(node.users) != 1:
+        return None
+    (view,), dim = node.users, tiled[0]
+    if view.op != "call_function" or view.args[0] is not node or view.target not in (
+            torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+            torch.ops.aten.unflatten.int):
+        return None
+    out, got = list(node.meta["val"].shape), list(view.meta["val"].shape)
+    want = [*out[:dim], None, shape[dim], *out[dim + 1:]]
+    return (view, dim) if len(got) == len(want) and all(
+        w is None or statically_known_true(g == w) for g, w in zip(got, want)) \
+        and statically_known_true(got[dim] * shape[dim] == out[dim]) else None
 
 
 def _copy_as_expand(gm: fx.GraphModule, node: fx.Node, args: tuple) -> None:
@@ -2557,7 +2589,7 @@ def in_place_as_out_of_place_pass(gm: fx.GraphModule) -> fx.GraphModule:
             # A write under no_grad changes the values but keeps the gradient's path
             # through the tensor: its out-of-place twin, computed without grad, would cut it.
             continue
-        if any(is_view(u) and order[u] < order[node] for u in written.users):
+        if any(is_view(u) and order.get(u, -1) < order[node] for u in written.users):
             continue  # aliased memory
         if is_view(written) and not _sole_view(written):
             while (lifted := _write_one_view_up(gm, node, order)) is not None:
@@ -2675,9 +2707,7 @@ def _apart(other: fx.Node, view: fx.Node, at: int, order: dict) -> bool:
     for value, user in _alias_uses(base):
         if not _writes_into(user, value) or order.get(user, -1) <= at:
             continue
-        child = value
-        while child is not base and child.args[0] is not base:
-            child = child.args[0]
+        child = _view_of(base, value)
         if (child is base or not _rows_apart(child, other)) and _read_after(other, order[user], order):
             return False
     return True
@@ -2786,19 +2816,31 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
     base = view.args[0]
     at = order[node]
     if (view.target not in _SCATTERS or not isinstance(base, fx.Node) or base.op != "call_function"
-            or is_view(base) or writes_in_place(base.target)
-            or any(is_view(u) and u is not view and order.get(u, -1) < at and _read_after(u, at, order)
-                   and not _apart(u, view, at, order) for u in base.users)):
+            or is_view(base) or writes_in_place(base.target)):
         return False
+    retaken = []  # views taken before, apart from the write, read later through the scattered tensor
+    for other in base.users:
+        if not is_view(other) or other is view or order.get(other, -1) >= at or not _read_after(other, at, order):
+            continue
+        if _apart(other, view, at, order):
+            continue
+        if not (_rows_apart(other, view) and _retakeable(other, at, order)):
+            return False
+        retaken.append(other)
     if any(writes_in_place(u.target) for u in base.users if order.get(u, -1) > at):
         return False  # the base written again later: reads of the view must see that write too
+    if any(_writes_into(u, base) and _read_after(u, at, order) for u in base.users if order.get(u, -1) < at):
+        # an earlier write's result read after this one (``r = h.mul_(2); h[:, 1] = g; r + 1``):
+        # the base's memory, whose later reads would not see the scattered tensor
+        return False
     if any(_writes_into(user, value) for alias in (view, node) for value, user in _alias_uses(alias)
            if user is not node and order.get(user, -1) > at):
         # written again later through the view, or through the write's own result (``v.mul_(2);
         # v[:, 0] = g``), whose later views would read the out-of-place result, no view of the base
         return False
     later = [order[user] for value, user in _alias_uses(base)
-             if _writes_into(user, value) and user is not node and order.get(user, -1) > at]
+             if _writes_into(user, value) and user is not node and order.get(user, -1) > at
+             and not _rows_apart(_view_of(base, value), view)]
     if later and any(order.get(user, -1) > min(later) for alias in (view, node) for _, user in _alias_uses(alias)):
         # the view read after a later write into its base (``v.add_(g); h[:, 2] = c; v.sin()``):
         # the out-of-place result those reads would get does not show that write
@@ -2825,4 +2867,27 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
         user.replace_input_with(base, scattered)
     for user in [u for u in view.users if u is not node and order.get(u, -1) > at]:
         user.replace_input_with(view, node)
+    for other in retaken:
+        with gm.graph.inserting_after(scattered):
+            again = _call(gm, other.target, (scattered, *other.args[1:]), other, dict(other.kwargs))
+        for user in [u for u in other.users if order.get(u, -1) > at]:
+            user.replace_input_with(other, again)
     return True
+
+
+def _retakeable(other: fx.Node, at: int, order: dict) -> bool:
+    """Whether every read of view ``other`` after position ``at`` is a use of ``other``
+    itself, or of what such a use made after ``at``: the view taken again at ``at`` then
+    serves them all. A view of ``other``, or a write's result, made before ``at`` and
+    read after it (``v = h[:, 1].reshape(-1)``, then ``v[:, None]``) would still show the
+    old memory."""
+    return not any(order.get(user, -1) < at and ((_aliases(user) and user.args[0] is other) or _writes_into(user, other))
+                   and any(order.get(later, -1) > at for _, later in _alias_uses(user)) for user in other.users)
+
+
+def _view_of(base: fx.Node, value: fx.Node) -> fx.Node:
+    """The view of ``base`` itself through which ``value`` (a view of a view, or a
+    write's result) shows its memory (``base`` where ``value`` is ``base``)."""
+    while value is not base and value.args[0] is not base:
+        value = value.args[0]
+    return value

@@ -435,6 +435,17 @@ class PositionedPieces(nn.Module):
             views = [h[i] for i in rows]  # views: row 0's sees the write below
             h[0].mul_(2)
             h = torch.stack(views)
+        elif kind in ("row views taken first, each written in place, then read",
+                      "row views taken first, each written in place, the whole read",
+                      "row views taken first, each scaled by the position"):
+            # (refused before the sixtieth session: a view taken before another row's write,
+            # and written after it, was read as a view of the memory the write had changed)
+            h, pieces = h * 1.0, []
+            views = [h[i] for i in rows]
+            for i in rows:
+                views[i].mul_(i + 2 if kind == "row views taken first, each scaled by the position" else 2)
+                pieces.append(views[i] + 1)
+            h = torch.stack(pieces) if kind.endswith("then read") else h
         elif kind in ("the first row written before the loop", "every row written before the loop"):
             h = h * 1.0
             for i in rows if kind == "every row written before the loop" else rows[:1]:
@@ -471,7 +482,9 @@ class _Square(torch.autograd.Function):
                                   "two pieces of each sample in turn", "every row written before the loop",
                                   "each row copied, then written", "each row written in place, then read as a view",
                                   "one-row slices written, then read", "each row written, then read",
-                                  "part of each row written, read, then the rest written"])
+                                  "part of each row written, read, then the rest written",
+                                  "row views taken first, each written in place, then read",
+                                  "row views taken first, each written in place, the whole read"])
 def test_samples_pieces_computed_by_the_same_code_are_a_batch_again(kind):
     torch.manual_seed(0)
     model = PositionedPieces(kind).to(DTYPE)
@@ -514,7 +527,8 @@ def test_a_row_written_before_a_loop_that_reads_every_row_is_refused(kind):
                                   "a strided slice at the first position", "viewed by the position",
                                   "a third write into the first row", "two pieces swapped at the last position",
                                   "a signed zero by the position",
-                                  "the first row read after its write, the others before"])
+                                  "the first row read after its write, the others before",
+                                  "row views taken first, each scaled by the position"])
 def test_samples_pieces_computed_by_code_that_depends_on_the_position_are_refused(kind):
     """Each sample's values depend on where it stands in the batch: the microbatch loop
     gives every sample the first position's (or cannot run), and under add/remove

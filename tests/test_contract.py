@@ -2752,6 +2752,31 @@ def test_a_statistic_of_the_batch_is_refused_once_and_is_no_loss():
     assert "a statistic of the batch) is used by an op other than a sum" in problems[0].reason
 
 
+class FallbackScaleOfCounts(nn.Module):
+    """Hugging Face's ``TimeSeriesMeanScaler`` with ``default_scale=None``: the batch's
+    sum of values over its sum of observed counts, for a series with none observed."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 4)
+
+    def forward(self, x, observed):  # [B, T] each
+        total, counts = (x * observed).abs().sum(1, keepdim=True), observed.sum(1, keepdim=True)
+        default = torch.squeeze(total.sum(0) / torch.clamp(counts.sum(0), min=1))
+        scale = torch.where(counts > 0, total / torch.clamp(counts, min=1), default)
+        return self.lin((x / scale).unsqueeze(-1))
+
+
+def test_a_loss_that_meets_a_refused_value_is_no_loss():
+    """The counts' sum over the batch is refused; the values' sum beside it was kept as
+    the loss too, "the loss inside the graph is a sum over the batch but
+    loss_reduction='mean'", in a model that computes no loss (a helper's sweep of HF's
+    time-series models)."""
+    problems = fxdp.validate(FallbackScaleOfCounts().to(DTYPE), randn(3, 6), torch.ones(3, 6, dtype=DTYPE))
+    assert [p.op for p in problems] == ["aten.sum.dim_IntList"], problems
+    assert "it reduces over the batch dim (only the final loss may)" in problems[0].reason
+
+
 def _grid(dtype: torch.dtype) -> torch.Tensor:
     """HiDream's image positions: a ``[4, 3]`` table of zeros whose columns are written in
     place (a shared tensor with as many rows, or columns, as some batches have samples)."""

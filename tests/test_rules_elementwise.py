@@ -4297,6 +4297,65 @@ def test_a_stack_of_one_computation_per_sample_is_alike_along_the_batch():
             model, torch.randn(4, D, dtype=torch.float64))
 
 
+class _TiledTable(nn.Module):
+    """A table of two rows tiled to the batch, sample ``b`` given row ``b % 2`` by its
+    position (or one row repeated, alike for every sample)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.fc = how, nn.Linear(D, D)
+        self.register_buffer("table", torch.randn(2, D))
+        if how.startswith("a parameter"):
+            self.queries = nn.Parameter(torch.randn(2, D))
+
+    def forward(self, x):
+        h, copies = self.fc(x), x.shape[0] // 2
+        if self.how == "repeat":
+            return h * self.table.repeat(copies, 1)
+        if self.how == "tile":
+            return h * self.table.tile(copies, 1)
+        if self.how == "repeat of a product":
+            return h * (self.table * 2).repeat(copies, 1)
+        if self.how == "repeat of a constant":
+            return h * _TWO_ROWS.to(h.dtype).repeat(copies, 1)
+        if self.how == "repeat flat, then viewed as rows":
+            return h * self.table.view(-1).repeat(copies).view(-1, D)
+        if self.how == "a parameter repeated, then viewed as copies":  # (refused before)
+            return (h[:, None] * self.queries.repeat(x.shape[0], 1).view(x.shape[0], 2, D)).flatten(1)
+        if self.how == "a parameter repeated, then unflattened":
+            return (h[:, None] * self.queries.repeat(x.shape[0], 1).unflatten(0, (x.shape[0], 2))).flatten(1)
+        if self.how == "the whole table in each sample's row":  # (refused by a first version)
+            return h.repeat(1, 2) * self.table.repeat(x.shape[0], 1).view(x.shape[0], -1)
+        if self.how == "the whole table in each sample's row, through two views":
+            return h.repeat(1, 2) * self.table.repeat(x.shape[0], 1).view(2 * x.shape[0], D).view(x.shape[0], -1)
+        if self.how == "two copies per sample, read twice":
+            tiles, rows = self.table.repeat(2 * x.shape[0], 1), (x.shape[0], 4, D)
+            return (h[:, None] * tiles.view(rows)).flatten(1) + tiles.view(rows).sum(1).repeat(1, 4)
+        return h * self.table[:1].repeat(x.shape[0], 1)  # "one row repeated"
+
+
+@pytest.mark.parametrize("how", ["repeat", "tile", "repeat of a product", "repeat of a constant",
+                                 "repeat flat, then viewed as rows"])
+def test_a_table_tiled_to_the_batch_is_refused(how: str):
+    """(Accepted before the sixtieth session, with the batched model's gradients: a buffer
+    was taken for one alike along every dim, its tiles too; the size rule reads a buffer
+    only where its size is the batch's.)"""
+    model = _TiledTable(how).double()
+    assert "a shared tensor whose values vary along the batch dim" in _reasons(model, torch.randn(
+        4, D, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("how", ["one row repeated", "a parameter repeated, then viewed as copies",
+                                 "a parameter repeated, then unflattened", "the whole table in each sample's row",
+                                 "the whole table in each sample's row, through two views",
+                                 "two copies per sample, read twice"])
+def test_whole_copies_of_a_table_repeated_over_the_batch(how: str):
+    torch.manual_seed(0)
+    model = _TiledTable(how).double()
+    dp = _against_the_loop(model, torch.randn(4, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(3, D, dtype=torch.float64), dp=dp)
+
+
 def test_a_mean_over_a_padding_built_in_a_loop():
     """(Refused: a reduction of the stacked padding along another dim was not known to
     hold the same values along the batch.)"""
