@@ -314,6 +314,10 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict, resized: bool) 
         # An input or buffer read as shared: the size rule's reading, which in_dims settles
         # (an RNN state [layers, B, hidden] is the samples' own, row by row).
         return not resized
+    if node.op == "get_attr":
+        # A constant made in the forward from Python values, whose values the graph holds
+        # (TimesFM's ``torch.tensor(freq)``: the same id for every series, or not).
+        return _constant_alike_along(node, dim)
     if _written_unlike_along(node, dim):
         return False
     target = node.target
@@ -378,6 +382,12 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict, resized: bool) 
     if _is_pointwise(target):
         return all(_uniform_along(a, dim - (value.dim() - _meta(a).dim()), memo, resized)
                    for a in node.all_input_nodes if isinstance(_meta(a), torch.Tensor))
+    if target is aten.slice_scatter.default:
+        # A slice along another dim written with values alike along ``dim`` (PatchTST's forecast
+        # mask, ``mask[:, -k:] = 1`` into ``zeros(B, L)``).
+        at = _norm_dim(node.args[2] if len(node.args) > 2 else named_arg(node, "dim", 0), value.dim())
+        return at != dim and _uniform_along(node.args[0], dim, memo, resized) \
+            and _uniform_along(node.args[1], dim, memo, resized)
     if target is aten.index_put.default:
         # One value put at positions of other dims, all along ``dim`` (sinkhorn-transformer's
         # causal mask, ``mask[:, i, j] = True`` into ``zeros(B * h, n, m)``).
@@ -421,6 +431,22 @@ def _whole_tiles(node: fx.Node, dim: int, group: list[int]) -> bool:
         return False  # copies of all the source put in front, or tiles of a later dim of the group
     after = math.prod(_meta(node).shape[dim + 1:])  # elements from one position along ``dim`` to the next
     return statically_known_true(after % (source.shape[first - new] * math.prod(shape[first + 1:])) == 0)
+
+
+def _constant_alike_along(node: fx.Node, dim: int) -> bool:
+    """Whether the graph's constant ``node`` holds the same values all along ``dim``
+    (``-0.0`` apart from ``0.0``, NaN alike)."""
+    value = getattr(node.graph.owning_module, node.target, None)
+    if not isinstance(value, torch.Tensor) or value.dim() <= dim:
+        return False
+    try:
+        first = value.narrow(dim, 0, 1).expand_as(value)
+        same = (value == first) | (value.isnan() & first.isnan()) if value.is_floating_point() else value == first
+        if value.is_floating_point():
+            same &= value.signbit() == first.signbit()
+        return bool(same.all())
+    except Exception:  # noqa: BLE001 - values not at hand (a fake tensor): not known alike
+        return False
 
 
 def _same_sizes(a: fx.Node, b: fx.Node) -> bool:
@@ -580,10 +606,14 @@ def _reshaped_from(node: fx.Node, dim: int) -> list[int] | None:
 def _looked_up_alike(node: fx.Node, dim: int, memo: dict, resized: bool = False) -> bool:
     """For ``table[idx]`` (one integer index, on the first dim), ``index_select`` or
     ``embedding``: whether ``dim`` of the result comes from ``idx`` where it is alike all
-    along it, or from the table where that is."""
+    along it, or from the table where that is; along ``idx``'s dims, also where every
+    row of the table holds the same values, whichever rows ``idx`` picks (PatchTST's
+    forecast mask, one row repeated, shuffled: ``mask[torch.randperm(B)]``)."""
     if node.target is aten.index_select.default:
         table, at, idx = node.args
-        return _uniform_along(idx, 0, memo, resized) if dim == at else _uniform_along(table, dim, memo, resized)
+        if dim != at:
+            return _uniform_along(table, dim, memo, resized)
+        return _uniform_along(idx, 0, memo, resized) or _uniform_along(table, at, memo, True)
     if node.target is aten.embedding.default:
         table, idx = node.args[0], node.args[1]
     else:
@@ -592,8 +622,10 @@ def _looked_up_alike(node: fx.Node, dim: int, memo: dict, resized: bool = False)
             return False
         idx = indices[0]
     rank = _meta(idx).dim()
-    return _uniform_along(idx, dim, memo, resized) if dim < rank \
-        else _uniform_along(table, dim - rank + 1, memo, resized)
+    if dim >= rank:
+        return _uniform_along(table, dim - rank + 1, memo, resized)
+    # (the table's rows counted apart from the result's: an input's or buffer's rows differ)
+    return _uniform_along(idx, dim, memo, resized) or _uniform_along(table, 0, memo, True)
 
 
 _ALONG_THE_BATCH = (

@@ -4356,6 +4356,57 @@ def test_whole_copies_of_a_table_repeated_over_the_batch(how: str):
     _against_the_loop(model, torch.randn(3, D, dtype=torch.float64), dp=dp)
 
 
+class _ShuffledMask(nn.Module):
+    """PatchTST's forecast masking: the last positions of ``zeros(B, T)`` set, in every
+    row or in some, then the rows shuffled, ``mask[torch.randperm(B)]``."""
+
+    def __init__(self, rows: str):
+        super().__init__()
+        self.rows, self.fc = rows, nn.Linear(D, D)
+
+    def forward(self, x):  # [B, T, D]
+        mask = torch.zeros(x.shape[:2], dtype=x.dtype)
+        mask[slice(None) if self.rows == "every row" else slice(0, 1), -1:] = 1
+        mask = mask[torch.randperm(x.shape[0])]
+        return self.fc(x.masked_fill(mask.bool()[..., None], 0.0))
+
+
+def test_rows_alike_shuffled_are_alike():
+    """(Refused before the sixtieth session: rows picked by a permutation were taken to
+    differ, whatever the rows held; a scatter into another dim was not followed.) One
+    row marked, then shuffled, masks one sample at random: its position decides."""
+    torch.manual_seed(0)
+    model = _ShuffledMask("every row").double()
+    dp = _against_the_loop(model, torch.randn(4, 3, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(3, 3, D, dtype=torch.float64), dp=dp)
+    assert "a shared tensor whose values vary along the batch dim" in _reasons(
+        _ShuffledMask("the first row").double(), torch.randn(4, 3, D, dtype=torch.float64))
+
+
+class _ConstantOfTheBatchSize(nn.Module):
+    """A constant of one number per sample made in the forward from Python values
+    (TimesFM's ``torch.tensor(freq)`` of a list of series' frequencies)."""
+
+    def __init__(self, values: str):
+        super().__init__()
+        self.values, self.fc = values, nn.Linear(D, D)
+
+    def forward(self, x):
+        numbers = [2.0] * x.shape[0] if self.values == "alike" else [float(i) for i in range(x.shape[0])]
+        return self.fc(x) * torch.tensor(numbers, dtype=x.dtype)[:, None]
+
+
+def test_a_constant_alike_along_the_batch_is_alike():
+    """(Refused before the sixtieth session: the graph's constants were taken to differ
+    along every dim, whatever they held.)"""
+    torch.manual_seed(0)
+    model = _ConstantOfTheBatchSize("alike").double()
+    dp = _against_the_loop(model, torch.randn(4, D, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(3, D, dtype=torch.float64), dp=dp)
+    assert "a shared tensor whose values vary along the batch dim" in _reasons(
+        _ConstantOfTheBatchSize("by position").double(), torch.randn(4, D, dtype=torch.float64))
+
+
 def test_a_mean_over_a_padding_built_in_a_loop():
     """(Refused: a reduction of the stacked padding along another dim was not known to
     hold the same values along the batch.)"""
