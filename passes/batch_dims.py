@@ -314,12 +314,12 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict, resized: bool) 
         # An input or buffer read as shared: the size rule's reading, which in_dims settles
         # (an RNN state [layers, B, hidden] is the samples' own, row by row).
         return not resized
+    if _written_unlike_along(node, dim):
+        return False
     if node.op == "get_attr":
         # A constant made in the forward from Python values, whose values the graph holds
         # (TimesFM's ``torch.tensor(freq)``: the same id for every series, or not).
         return _constant_alike_along(node, dim)
-    if _written_unlike_along(node, dim):
-        return False
     target = node.target
     if target is aten.slice.Tensor and (node.args[1] if len(node.args) > 1 else 0) % value.dim() == dim \
             and not statically_known_true(_meta(node.args[0]).shape[dim] == value.shape[dim]):
