@@ -3563,6 +3563,33 @@ def _batch_power(node: fx.Node, batch_size: Any, counts: Callable[[], set[int]])
     return 0, False
 
 
+def _sums_along_the_batch_size(node: fx.Node, sized_by_batch: Sequence[fx.Node], batch_size: Any) -> bool:
+    """Whether ``node``'s value adds up, along a dim of size ``B``, a tensor built from
+    sizes with ``B`` among them (``mask.sum() + 1e-10`` of a mask ``zeros(B, T)`` made
+    inside the model: a count that grows with the batch)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in (aten.sum.default, aten.sum.dim_IntList) \
+                and _built_from(n.args[0], sized_by_batch):
+            shape = _meta(n.args[0]).shape
+            dims = n.args[1] if n.target is aten.sum.dim_IntList and len(n.args) > 1 and n.args[1] else range(len(shape))
+            if any(_same_size(shape[_norm_dim(d, len(shape))], batch_size) for d in dims):
+                return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+_SCALED_BY_A_COUNT = (
+    "the loss inside the graph is scaled by a count over a tensor the model makes with the batch's size "
+    "(l.sum() / (mask.sum() + 1e-10) of a mask torch.zeros(B, T) filled inside): the count grows with the "
+    "batch, so no sample's own loss would give its gradient; divide by mask.sum() itself, or by "
+    "mask.sum().clamp(min=1), which fxdp reads as a mean over the samples")
+
+
 _SCALED_BY_THE_BATCH = (
     "the loss inside the graph is scaled by the batch size so that it is neither a mean over the samples "
     "nor a sum (l.mean() / B, l.sum() * B, l.sum() / B ** 2, l.sum() / (B + 1)): no sample's own loss would "
@@ -4932,6 +4959,12 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             sized_normaliser |= mask is not None and batch.get(mask) is None and _built_from(mask, sized_by_batch)
             # Only sums, scalings by shared values and copies may follow the loss.
             if _scales_the_loss(target, arg_batch):
+                if any(isinstance(a, fx.Node) and not isinstance(batch.get(a), Loss)
+                       and _sums_along_the_batch_size(a, sized_by_batch, batch_size) for a in node.args[:2]):
+                    problems.append(Problem(op_name(target), path, "", _SCALED_BY_A_COUNT, source_of(node)))
+                    misused.update(_reductions_behind(node, batch, losses))
+                    batch[node] = None
+                    continue
                 batch[node] = next(b for b in _flat(arg_batch) if isinstance(b, Loss))
                 power = _batch_power(node, batch_size,
                                      functools.partial(_counts_per_sample, node, batch, losses, batch_size))

@@ -1145,15 +1145,16 @@ def test_a_sum_over_the_sum_of_a_mask_of_ones_made_inside_is_a_mean():
                                                 "mean")
 
 
-def test_a_loss_scaled_by_a_tensor_that_counts_the_batch_is_refused_once_symbolic():
+def test_a_loss_scaled_by_a_tensor_that_counts_the_batch_is_refused():
     """``l.mean() * ones(B).sum().sqrt()`` is neither a mean nor a sum (red team: it
     passed as a loss scaled by a shared value); a count of ones is a normaliser only as
-    the divisor of a masked sum (above)."""
+    the divisor of a masked sum (above). Refused once the graph is symbolic ("it computes
+    with the batch size as a number") before the sixtieth session, and since then on
+    the first, static, compile too, as a count over a tensor made with the batch's size."""
     dp = fxdp.transform(TokenLoss(lambda l, x: l.mean() * torch.ones(x.shape[0], dtype=l.dtype).sum().sqrt()),
                         compiler="eager")
-    dp(randn(4, 5, 4)).backward()
-    with refused(r"it computes with the batch size as a number"):
-        dp(randn(6, 5, 4)).backward()
+    with refused(r"the loss inside the graph is scaled by a count over a tensor the model makes"):
+        dp(randn(4, 5, 4)).backward()
 
 
 # The batch size in the model's values, not the loss's scaling: each sample alone (B = 1)
@@ -2775,6 +2776,51 @@ def test_a_loss_that_meets_a_refused_value_is_no_loss():
     problems = fxdp.validate(FallbackScaleOfCounts().to(DTYPE), randn(3, 6), torch.ones(3, 6, dtype=DTYPE))
     assert [p.op for p in problems] == ["aten.sum.dim_IntList"], problems
     assert "it reduces over the batch dim (only the final loss may)" in problems[0].reason
+
+
+class _LossOf(nn.Module):
+    """A linear layer whose ``[B, T]`` per-position squares ``loss`` reduces in the graph."""
+
+    def __init__(self, loss):
+        super().__init__()
+        self.lin, self.loss = nn.Linear(4, 4), loss
+
+    def forward(self, x):
+        return self.loss((self.lin(x) ** 2).mean(-1))
+
+
+class CountOfAMaskMadeInside(nn.Module):
+    """PatchTST's pretraining loss: each sample's last position masked in a mask made
+    inside, the loss over the masked positions divided by their count plus a guard."""
+
+    def __init__(self, guard: float | None):
+        super().__init__()
+        self.lin, self.guard = nn.Linear(4, 4), guard
+
+    def forward(self, x):  # [B, T, 4]
+        mask = torch.zeros(x.shape[:2], dtype=x.dtype)
+        mask[:, -1:] = 1
+        per_position = ((self.lin(x.masked_fill(mask.bool()[..., None], 0.0)) - x) ** 2).mean(-1)
+        count = mask.sum() if self.guard is None else mask.sum() + self.guard
+        return (per_position * mask).sum() / count
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_a_loss_divided_by_a_guarded_count_of_a_mask_made_inside_is_refused(reduction):
+    """``(l * mask).sum() / (mask.sum() + 1e-10)``: the count grows with the batch, so
+    the loss is neither a sum nor a mean of the samples' own. Accepted on the first,
+    static, compile with loss_reduction='sum' (the batched model's gradients) once the
+    mask's column write was read as alike along the batch; the guard-free form is a
+    mean over the samples."""
+    problems = fxdp.validate(CountOfAMaskMadeInside(1e-10).to(DTYPE), randn(3, 5, 4), loss_reduction=reduction)
+    assert [p.op for p in problems] == ["aten.div.Tensor"], problems
+    assert "the loss inside the graph is scaled by a count over a tensor the model makes" in problems[0].reason
+    assert not fxdp.validate(CountOfAMaskMadeInside(None).to(DTYPE), randn(3, 5, 4), loss_reduction="mean")
+    # A mask of ones, no column written (accepted before the sixtieth session with loss_reduction='sum')
+    model = _LossOf(lambda h: (h * torch.ones(h.shape[:2], dtype=h.dtype)).sum()
+                    / (torch.ones(h.shape[:2], dtype=h.dtype).sum() + 1e-10))
+    problems = fxdp.validate(model.to(DTYPE), randn(3, 5, 4), loss_reduction=reduction)
+    assert [p.op for p in problems] == ["aten.div.Tensor"], problems
 
 
 def _grid(dtype: torch.dtype) -> torch.Tensor:
