@@ -4766,6 +4766,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     row_reads: dict[fx.Node, dict[int, list[tuple]]] = {}
     batch_size_values: list[fx.Node] = []  # values computed with the (symbolic) batch size
     normaliser_divisors: set[fx.Node] = set()  # the mask sums losses are divided by (``_mask_normaliser``)
+    counted: list[tuple[fx.Node, list[fx.Node]]] = []  # losses scaled by a count sized by the batch
     mixing: list[fx.Node] = []  # where problems were found
     found = 0
 
@@ -4959,13 +4960,13 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             sized_normaliser |= mask is not None and batch.get(mask) is None and _built_from(mask, sized_by_batch)
             # Only sums, scalings by shared values and copies may follow the loss.
             if _scales_the_loss(target, arg_batch):
+                batch[node] = next(b for b in _flat(arg_batch) if isinstance(b, Loss))
                 if any(isinstance(a, fx.Node) and not isinstance(batch.get(a), Loss)
                        and _sums_along_the_batch_size(a, sized_by_batch, batch_size) for a in node.args[:2]):
-                    problems.append(Problem(op_name(target), path, "", _SCALED_BY_A_COUNT, source_of(node)))
-                    misused.update(_reductions_behind(node, batch, losses))
-                    batch[node] = None
+                    # judged once every use is known: a statistic of the batch that meets the
+                    # samples later is refused there, as no loss
+                    counted.append((node, _reductions_behind(node, batch, losses)))
                     continue
-                batch[node] = next(b for b in _flat(arg_batch) if isinstance(b, Loss))
                 power = _batch_power(node, batch_size,
                                      functools.partial(_counts_per_sample, node, batch, losses, batch_size))
                 if power is None:
@@ -5075,6 +5076,13 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
         mixing.append(node)
     if len(problems) > found:
         mixing.append(previous)
+    live = _live_nodes(gm)
+    for node, reductions in counted:
+        if any(r in live and r not in misused for r in reductions):
+            problems.append(Problem(op_name(node.target), module_path_of(node), "", _SCALED_BY_A_COUNT,
+                                    source_of(node)))
+            mixing.append(node)
+            misused.update(reductions)
     # A use on a mask's rows is a use on the batch once the rows are put back in place.
     in_place = {n for n, _ in _ROWS_IN_PLACE[-1]}
     uses, broadcasts = ([], {}) if single else _classify_parameter_uses(
@@ -5084,7 +5092,6 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     loss = None
     # A loss computed and dropped (dense_diff_pool's entropy term its caller ignores)
     # is none: only the losses the outputs depend on count.
-    live = _live_nodes(gm)
     losses = {n: kind for n, kind in losses.items() if n in live and n not in misused}
     losses = {n: _scaled_kind(kind, divided.get(n, [])) for n, kind in losses.items()}
     if None in losses.values():

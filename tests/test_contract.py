@@ -2747,13 +2747,12 @@ def test_a_statistic_of_the_batch_is_refused_once_and_is_no_loss():
     """The batch's sum was refused where it met the samples, and kept as the loss too:
     "the loss inside the graph is a sum over the batch but loss_reduction='mean'", with
     the samples' division by the refused value ("a shared tensor whose values vary along
-    the batch dim") after it. Since the sixtieth session the batch's sum divided by the
-    count of a ``ones_like`` is refused at the division, as a count over a tensor made
-    with the batch's size (the message speaks of the loss: the analysis cannot tell
-    there that the statistic will meet the samples)."""
+    the batch dim") after it. Its division by the count of a ``ones_like`` (a count that
+    grows with the batch) is no loss's scaling either: it was refused as one in the
+    sixtieth session, before the statistic met the samples."""
     problems = fxdp.validate(FallbackScale().to(DTYPE), randn(3, 4))
-    assert [p.op for p in problems] == ["aten.div.Tensor"], problems
-    assert "scaled by a count over a tensor the model makes with the batch's size" in problems[0].reason
+    assert [p.op for p in problems] == ["aten.where.self"], problems
+    assert "a statistic of the batch) is used by an op other than a sum" in problems[0].reason
 
 
 class FallbackScaleOfCounts(nn.Module):
