@@ -643,7 +643,7 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     # what consumes those), where broadcasting replaces them; a pointwise op that an
     # expand moves past can bring it to a lookup, hence rounds until nothing moves
     # (peft's prefix: lookup, dtype cast, view, permute, split, select, cat).
-    gm = constant_ids_as_expand_pass(selected_before_the_slice_pass(gm))
+    gm = constant_ids_as_expand_pass(uniform_constants_as_fills_pass(selected_before_the_slice_pass(gm)))
     for _ in range(6):
         before = gm.code
         gm = sink_expands_pass(gm)
@@ -2196,6 +2196,73 @@ def constant_ids_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
         _replace(gm, node, expanded)
         changed = True
     return _finished(gm, changed)
+
+
+# Ops that keep one value in every element (the copies and views of a filled tensor).
+_KEEP_ONE_VALUE = {
+    torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+    torch.ops.aten.flatten.using_ints, torch.ops.aten._to_copy.default,
+}
+
+
+def uniform_constants_as_fills_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A tensor the model builds from a Python list of one number (``torch.tensor(freq)``
+    of ``freq = [0, 0, 0]``, a constant of the graph) becomes that number filled in, as
+    ``torch.full``, past the copies and views that follow it.
+
+    Hugging Face's TimesFM looks its frequency embedding up by
+    ``torch.tensor(freq[:B]).reshape(-1, 1)``: a constant the size of the batch that
+    holds no sample's data. Filled, its lookup broadcasts one row to the batch
+    (``constant_ids_as_expand_pass``)::
+
+        _tensor_constant0 = self._tensor_constant0                                # before
+        lift_fresh_copy = torch.ops.aten.lift_fresh_copy.default(_tensor_constant0)
+        reshape = torch.ops.aten.reshape.default(lift_fresh_copy, [-1, 1])
+        full = torch.ops.aten.full.default([3, 1], 0, dtype = torch.int32, ...)   # after
+
+    Dynamo guards the list's values: another list compiles again."""
+    aten = torch.ops.aten
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is aten.lift_fresh_copy.default
+                and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"):
+            continue
+        value = getattr(gm, node.args[0].target, None)
+        if not (isinstance(value, torch.Tensor) and value.numel() > 1 and _one_value(value)):
+            continue
+        last = node
+        while len(last.users) == 1 and next(iter(last.users)).target in _KEEP_ONE_VALUE \
+                and next(iter(last.users)).args[0] is last:
+            last = next(iter(last.users))
+        out = last.meta["val"]
+        if not all(isinstance(size, int) for size in out.shape) or written_through(last):
+            continue
+        number = value.reshape(-1)[0].to(out.dtype).item()
+        with gm.graph.inserting_before(last):
+            filled = gm.graph.call_function(aten.full.default, (list(out.shape), number),
+                                            {"dtype": out.dtype, "layout": torch.strided, "device": out.device,
+                                             "pin_memory": False})
+        filled.meta.update({k: v for k, v in last.meta.items() if k != "val"})
+        filled.meta["val"] = out.new_empty(out.shape)
+        _replace(gm, last, filled)
+        changed = True
+    return _finished(gm, changed)
+
+
+def _one_value(value: torch.Tensor) -> bool:
+    """Whether every element of ``value`` is its first (not NaN; ``-0.0`` is no ``0.0``)."""
+    if value.is_complex():
+        return False
+    try:
+        flat = value.reshape(-1)
+        same = flat == flat[0]
+        if value.is_floating_point():
+            same &= flat.signbit() == flat[0].signbit()
+        return bool(same.all())
+    except Exception:  # noqa: BLE001 - values not at hand (a fake tensor): not known filled
+        return False
 
 
 # Views that ``sink_expands_pass`` moves an expand below, and elementwise reads.

@@ -850,3 +850,48 @@ def test_codebooks_looked_up_with_a_shared_index_beside_the_codes(how):
     dp(codes).pow(2).sum().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
                      tolerance(torch.float64), "grad_sample")
+
+
+class FrequencyOfAList(nn.Module):
+    """Hugging Face's TimesFM: the frequency of each series passed as a Python list and
+    looked up by ``torch.tensor(freq[:B]).reshape(-1, 1)``, a constant of the graph (or
+    scaling the features, ``kind="scale"``)."""
+
+    def __init__(self, kind: str = "lookup"):
+        super().__init__()
+        self.lin, self.freq, self.kind = nn.Linear(4, 4), nn.Embedding(3, 4), kind
+
+    def forward(self, x, freq):  # x [B, T, 4]
+        if self.kind == "scale":
+            scale = torch.tensor(freq[: x.shape[0]], dtype=x.dtype)[:, None, None]
+            return self.lin(x) * scale + self.freq.weight[0]
+        return self.lin(x) + self.freq(torch.tensor(freq[: x.shape[0]], dtype=torch.int32).reshape(-1, 1))
+
+
+@pytest.mark.parametrize("kind", ["lookup", "scale"])
+def test_a_list_of_one_frequency_is_one_row_broadcast_to_the_batch(kind):
+    """``freq = [0] * B``: every sample reads the same row, its per-sample gradient each
+    sample's alone (the lookup was refused before the sixty-first session as "the
+    parameter has a size other than 1 along the batch dim of the output"). The constant is the size of the
+    batch, so the loop gives each sample the first entries of the list: equal to its own
+    where they are all one number."""
+    torch.manual_seed(0)
+    model = FrequencyOfAList(kind).double()
+    for batch, number in ((3, 0), (4, 2)):
+        dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+        x, freq = torch.randn(batch, 5, 4, dtype=torch.float64), [number] * batch
+        for p in model.parameters():
+            p.grad = p.grad_sample = None
+        (dp(x, freq) ** 2).sum().backward()
+        ref = reference(model, (x, freq), lambda out, i: (out ** 2).sum(), in_dims=(0, None))
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), f"grad_sample B={batch}")
+
+
+def test_a_list_of_each_samples_frequency_is_refused_with_what_to_pass():
+    """``freq = [0, 1, 2]``: each sample's own number, built inside the model into a
+    constant the size of the batch, is refused; the message says to pass it batched."""
+    problems = fxdp.validate(FrequencyOfAList().double(), torch.randn(3, 5, 4, dtype=torch.float64), [0, 1, 2])
+    assert [(p.op, p.parameter) for p in problems] == [("aten.add.Tensor", "freq.weight")], problems
+    assert "torch.tensor of a Python list" in problems[0].reason
+    assert "pass per-sample values as a tensor batched with the input" in problems[0].reason

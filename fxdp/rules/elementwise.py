@@ -302,7 +302,9 @@ def _check(args_batch, args_meta, index):
                 "shared by all samples; combine it with the batched input directly")
     if param_spans_batch(tuple(args_meta[index].shape), out_batch, out_ndim):
         return ("the parameter has a size other than 1 along the batch dim of the output, so each "
-                "sample would use its own slice of it")
+                "sample would use its own slice of it; values the model builds the size of the batch from "
+                "no sample's data (torch.tensor of a Python list, a buffer sliced to B) are not the "
+                "samples' own: pass per-sample values as a tensor batched with the input")
     return None
 
 

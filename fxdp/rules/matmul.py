@@ -345,7 +345,9 @@ def _make_check(op: Any, out_batch):
             shape = (*shape[:-2], 1, 1) if len(shape) > 2 else ()
         if param_spans_batch(shape, out, out_ndim):
             return ("the parameter has a size other than 1 along the batch dim of the product, so each "
-                    "sample would use its own slice of it")
+                    "sample would use its own slice of it; values the model builds the size of the batch from "
+                    "no sample's data (torch.tensor of a Python list, a buffer sliced to B) are not the "
+                    "samples' own: pass per-sample values as a tensor batched with the input")
         return None
 
     return check
