@@ -1626,14 +1626,22 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
         split = _tiles_viewed_as_copies(node, shape, reps) if lead == 0 else None
         if split is not None:
             # ``q.repeat(B, 1).view(B, n, d)`` of a table ``q`` of ``n`` rows: whole
-            # copies of it along a new dim, ``q.unsqueeze(0).expand(B, n, d)``.
-            view, dim = split
-            with gm.graph.inserting_before(view):
-                unsqueezed = _call(gm, aten.unsqueeze.default, (src, dim), view)
-            _copy_as_expand(gm, view, (unsqueezed, [r if i == dim or (i != dim + 1 and isinstance(s, int) and s == 1)
-                                                    else -1 for i, (s, r) in enumerate(zip(
-                                                        [*shape[:dim], 1, *shape[dim:]],
-                                                        [*reps[:dim], reps[dim], 1, *reps[dim + 1:]]))]))
+            # copies of it along a new dim, ``q.unsqueeze(0).expand(B, n, d)`` (its other
+            # dims repeated first: ``q.repeat(B, 2).view(B, n, 2 * d)``).
+            views, between, dim = split
+            inner, tiled = src, [d != dim and not (bool(r == 1) or bool(s == 1)) for d, (s, r) in enumerate(zip(shape, reps))]
+            if any(tiled):
+                with gm.graph.inserting_before(node):
+                    inner = _call(gm, aten.repeat.default, (src, [r if t else 1 for t, r in zip(tiled, reps)]), node)
+            for view in views:
+                with gm.graph.inserting_before(view):
+                    unsqueezed = _call(gm, aten.unsqueeze.default, (inner, dim), view)
+                _copy_as_expand(gm, view, (unsqueezed, [
+                    r if i == dim or (i != dim + 1 and isinstance(s, int) and s == 1) else -1
+                    for i, (s, r) in enumerate(zip([*shape[:dim], 1, *shape[dim:]],
+                                                   [*reps[:dim], reps[dim], 1, *reps[dim + 1:]]))]))
+            for view in reversed(between):
+                gm.graph.erase_node(view)
             gm.graph.erase_node(node)
             continue
         if lead >= 0 and all(bool(r == 1) or bool(s == 1) for r, s in zip(reps, shape)):
@@ -1647,23 +1655,40 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _tiles_viewed_as_copies(node: fx.Node, shape: list, reps: list) -> tuple[fx.Node, int] | None:
-    """``(view, dim)`` where ``repeat`` ``node`` tiles one dim ``dim`` of its source
-    (other dims it repeats are of size 1) and its one user, a reshape, splits that dim
-    into the count and the source's size there: copies of the source along a new dim."""
-    tiled = [d for d, (r, s) in enumerate(zip(reps, shape)) if not (bool(r == 1) or bool(s == 1))]
-    if len(tiled) != 1 or len(node.users) != 1:
-        return None
-    (view,), dim = node.users, tiled[0]
-    if view.op != "call_function" or view.args[0] is not node or view.target not in (
-            torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-            torch.ops.aten.unflatten.int):
-        return None
-    out, got = list(node.meta["val"].shape), list(view.meta["val"].shape)
-    want = [*out[:dim], None, shape[dim], *out[dim + 1:]]
-    return (view, dim) if len(got) == len(want) and all(
-        w is None or statically_known_true(g == w) for g, w in zip(got, want)) \
-        and statically_known_true(got[dim] * shape[dim] == out[dim]) else None
+def _tiles_viewed_as_copies(node: fx.Node, shape: list, reps: list) -> tuple[list, list, int] | None:
+    """``(views, between, dim)`` where every read of ``repeat`` ``node`` is a reshape
+    (``views``, perhaps past reshapes to its own sizes, ``between``) that splits a dim
+    ``dim`` the repeat tiles into the count and the source's size there: copies, along a
+    new dim, of the source with its other dims repeated."""
+    views, between, pending = [], [], list(node.users)
+    while pending:
+        view = pending.pop()
+        if view.op != "call_function" or view.target not in _RESHAPES_OF_TILES or view.args[0] not in (
+                node, *between):
+            return None
+        if _same_shape(view, node):
+            between.append(view)
+            pending.extend(view.users)
+        else:
+            views.append(view)
+    out = list(node.meta["val"].shape)
+    for dim in [d for d, (r, s) in enumerate(zip(reps, shape)) if not (bool(r == 1) or bool(s == 1))]:
+        want = [*out[:dim], None, shape[dim], *out[dim + 1:]]
+        if views and all(len(got) == len(want) and all(w is None or statically_known_true(g == w)
+                                                        for g, w in zip(got, want))
+                         and statically_known_true(got[dim] * shape[dim] == out[dim])
+                         for got in (list(view.meta["val"].shape) for view in views)):
+            return views, between, dim
+    return None
+
+
+_RESHAPES_OF_TILES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+                      torch.ops.aten.unflatten.int}
+
+
+def _same_shape(a: fx.Node, b: fx.Node) -> bool:
+    x, y = a.meta["val"].shape, b.meta["val"].shape
+    return len(x) == len(y) and all(statically_known_true(i == j) for i, j in zip(x, y))
 
 
 def _copy_as_expand(gm: fx.GraphModule, node: fx.Node, args: tuple) -> None:

@@ -4324,6 +4324,15 @@ class _TiledTable(nn.Module):
             return (h[:, None] * self.queries.repeat(x.shape[0], 1).view(x.shape[0], 2, D)).flatten(1)
         if self.how == "a parameter repeated, then unflattened":
             return (h[:, None] * self.queries.repeat(x.shape[0], 1).unflatten(0, (x.shape[0], 2))).flatten(1)
+        if self.how == "a parameter repeated, through two views":  # (refused before the sixty-first session)
+            tiles = self.queries.repeat(x.shape[0], 1).view(2 * x.shape[0], D)
+            return (h[:, None] * tiles.view(x.shape[0], 2, D)).flatten(1)
+        if self.how == "a parameter repeated with its columns twice":  # (as the last)
+            tiles = self.queries.repeat(x.shape[0], 2).view(x.shape[0], 2, 2 * D)
+            return (h.repeat(1, 2)[:, None] * tiles).flatten(1)
+        if self.how == "a parameter repeated, read twice":  # (as the last)
+            tiles, rows = self.queries.repeat(x.shape[0], 1), (x.shape[0], 2, D)
+            return (h[:, None] * tiles.view(rows)).flatten(1) + tiles.unflatten(0, rows[:2]).sum(1).repeat(1, 2)
         if self.how == "the whole table in each sample's row":  # (refused by a first version)
             return h.repeat(1, 2) * self.table.repeat(x.shape[0], 1).view(x.shape[0], -1)
         if self.how == "the whole table in each sample's row, through two views":
@@ -4348,7 +4357,8 @@ def test_a_table_tiled_to_the_batch_is_refused(how: str):
 @pytest.mark.parametrize("how", ["one row repeated", "a parameter repeated, then viewed as copies",
                                  "a parameter repeated, then unflattened", "the whole table in each sample's row",
                                  "the whole table in each sample's row, through two views",
-                                 "two copies per sample, read twice"])
+                                 "two copies per sample, read twice", "a parameter repeated, through two views",
+                                 "a parameter repeated with its columns twice", "a parameter repeated, read twice"])
 def test_whole_copies_of_a_table_repeated_over_the_batch(how: str):
     torch.manual_seed(0)
     model = _TiledTable(how).double()
