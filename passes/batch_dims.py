@@ -1721,6 +1721,8 @@ def _select(node, arg_batch):
         size, index = _meta(node.args[0]).shape[d], node.args[2]
         if b.plain and isinstance(size, int) and isinstance(index, int):
             return Piece(index % size)
+        if b.plain and isinstance(index, int) and index >= 0:  # (a loop over a symbolic batch)
+            return Piece(index)
         raise MixesSamples("it selects one row of the batch" + _PER_SAMPLE_LOOP)
     return b.at(b.dim - 1 if d < b.dim else b.dim)
 
@@ -1740,6 +1742,9 @@ def _slice(node, arg_batch):
         if blocks is None and b.plain and isinstance(x.shape[d], int) and isinstance(start, int) \
                 and _meta(node).shape[d] == 1:
             return Piece(start % x.shape[d])
+        samples = _samples_blocks(b, [(start, _meta(node).shape[d])]) if blocks is None and step == 1 else None
+        if samples is not None:  # one sample's rows of a merged batch (``h[i * n:(i + 1) * n]``)
+            return Piece(samples[0])
         if blocks is None and _one_row_of_each_sample(b, start, step):
             return BatchDim(b.dim)
         if blocks is None:
@@ -1758,6 +1763,19 @@ def _one_row_of_each_sample(b: BatchDim, start: Any, step: Any) -> bool:
     start, step = (_meta(v) if isinstance(v, fx.Node) else v for v in (start, step))
     return _equal_one(b.outer) and isinstance(start, (int, torch.SymInt)) and statically_known_true(start >= 0) \
         and statically_known_true(step == b.inner) and statically_known_true(start < b.inner)
+
+
+def _samples_blocks(b: BatchDim, pieces: list) -> list[int] | None:
+    """The sample whose rows each ``(start, length)`` piece of a batch dim laid out as
+    ``b`` is, all of them: ``length`` is the ``inner`` rows of one sample (a number), from
+    the first of them; ``None`` where a piece is not."""
+    inner = b.inner
+    if not (_equal_one(b.outer) and isinstance(inner, int) and inner >= 1):
+        return None
+    if not all(isinstance(start, int) and isinstance(length, int) and start >= 0 and length == inner
+               and start % inner == 0 for start, length in pieces):
+        return None
+    return [start // inner for start, _ in pieces]
 
 
 def _whole_blocks(b: BatchDim, size: Any, pieces: list) -> list[BatchDim] | None:
@@ -1794,8 +1812,11 @@ def _split(node, arg_batch):
             pieces.append((start, out.shape[d]))
             start = start + out.shape[d]
         blocks = _whole_blocks(b, _meta(node.args[0]).shape[d], pieces)
-        if blocks is None and b.plain and all(isinstance(s, int) and s == 1 for _, s in pieces):
-            return [Piece(i) for i in range(n)]
+        samples = _samples_blocks(b, pieces) if blocks is None else None
+        if samples is not None:
+            # each sample's rows, ``n`` of them in a merged batch ``[B·n, …]`` (Llava-OneVision
+            # splits its images' tiles back per image, ``split(h, [n] * B)``)
+            return [Piece(i) for i in samples]
         if blocks is None:
             raise MixesSamples("it splits the batch dim" + _PER_SAMPLE_LOOP)
         return blocks

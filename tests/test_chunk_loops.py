@@ -536,3 +536,57 @@ def test_samples_pieces_computed_by_code_that_depends_on_the_position_are_refuse
     problems = fxdp.validate(PositionedPieces(kind).to(DTYPE), torch.randn(4, 4, dtype=DTYPE))
     assert problems and any("computes them with different code at different positions" in p.reason
                             and "run the same code on every sample" in p.reason for p in problems), problems
+
+
+class TilesOfEachImage(nn.Module):
+    """Llava-OneVision's anyres features: every image's ``n`` tiles through the tower as
+    one batch ``[B·n, …]``, split back per image (``torch.split(h, [n] * B)``), each image's
+    base tile plus the mean of the others, stacked."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.tower, self.head = how, nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):  # [B, n, 4]
+        batch, n = x.shape[:2]
+        tiles = torch.cat([image[:n] for image in x]) if self.how.startswith("a loop") else x.reshape(batch * n, 4)
+        h = self.tower(tiles)
+        if self.how.endswith("sliced per image"):
+            chunks = [h[i * n:(i + 1) * n] for i in range(batch)]
+        elif self.how.endswith("split across images"):
+            chunks = torch.split(h, [n + 1] + [n] * (batch - 2) + [n - 1])
+        elif self.how.endswith("two images per chunk"):
+            chunks = torch.split(h, 2 * n)
+        else:
+            chunks = torch.split(h, [n] * batch)
+        return self.head(torch.stack([c[0] + c[1:].mean(0) for c in chunks]))
+
+
+@pytest.mark.parametrize("how", ["reshaped, split per image", "a loop over the images, split per image",
+                                 "reshaped, sliced per image"])
+def test_each_samples_rows_of_a_merged_batch_split_apart_are_its_own(how):
+    """Each piece holds one sample's ``n`` rows of ``[B·n, …]``: that sample's values
+    (refused before the sixty-first session as "it splits the batch dim"; the loop over
+    the images' tensors also as "it selects one row of the batch" at the second batch
+    size, whose ``B`` is symbolic)."""
+    torch.manual_seed(0)
+    model = TilesOfEachImage(how).to(DTYPE)
+    plain = copy.deepcopy(model)
+    dp_model = fxdp.transform(model, grad_sample=True, max_grad_norm=0.5, loss_reduction="sum", compiler="eager")
+    for batch_size in (4, 3):
+        x = torch.randn(batch_size, 3, 4, dtype=DTYPE)
+        ref = reference(copy.deepcopy(plain), (x,), lambda out, i: out.pow(2).sum())
+        model.zero_grad(set_to_none=True)
+        dp_model(x).pow(2).sum().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, tolerance(DTYPE),
+                         f"grad_sample at B = {batch_size}")
+        assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("sum", 0.5), tolerance(DTYPE),
+                         f"clipped grad at B = {batch_size}")
+
+
+@pytest.mark.parametrize("how", ["reshaped, split across images", "reshaped, two images per chunk"])
+def test_pieces_of_a_merged_batch_across_its_samples_are_refused(how):
+    problems = fxdp.validate(TilesOfEachImage(how).to(DTYPE), torch.randn(4, 3, 4, dtype=DTYPE))
+    assert [p.op for p in problems] == ["aten.split_with_sizes.default" if "across" in how
+                                        else "aten.split.Tensor"], problems
+    assert "it splits the batch dim" in problems[0].reason
