@@ -3318,7 +3318,8 @@ def _sized_by_batch(node: fx.Node, batch_size: Any, batched: bool, *, unambiguou
     """
     if node.target in FILLED_LIKE:  # constants shaped like a batched tensor: batched as it
         return like if batched and isinstance(like, BatchDim) and like.dim is not None else None
-    if node.target not in _SIZED_BY_ARGUMENT and (node.target is not aten.expand.default or batched):
+    if node.target not in _SIZED_BY_ARGUMENT and not _lifted_constant(node) \
+            and (node.target is not aten.expand.default or batched):
         return None
     shape = _meta(node).shape
     if node.target is aten.expand.default:
@@ -3342,10 +3343,22 @@ _READ_SHARED = "shared"  # ``_sized_by_batch``'s ``at`` that reads the tensor as
 
 
 def _dims_sized_by_batch(node: fx.Node, batch_size: Any) -> list[int]:
-    """The dims of size ``B`` of a tensor ``_sized_by_batch`` reads as batched."""
+    """The dims of size ``B`` of a tensor ``_sized_by_batch`` reads as batched: of a
+    constant made in the forward, those its values are alike along (``torch.tensor([row]
+    * B)``: Dynamo guards the list's length, so each batch size compiles a graph where
+    ``B`` is a number, and the rows' count is the batch's as ``zeros(B, T)``'s is)."""
     shape = _meta(node).shape
+    if _lifted_constant(node):
+        return [d for d, size in enumerate(shape)
+                if _same_size(size, batch_size) and _constant_alike_along(node.args[0], d)]
     return [d for d, size in enumerate(shape) if _same_size(size, batch_size)] if node.target in _SIZED_BY_ARGUMENT \
         else []
+
+
+def _lifted_constant(node: fx.Node) -> bool:
+    """``torch.tensor(values)`` in the forward: a copy of a constant of the graph."""
+    return node.op == "call_function" and node.target is aten.lift_fresh_copy.default \
+        and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
 
 
 # What may follow the loss: ops linear in it, and copies. The loss stays a sum (or

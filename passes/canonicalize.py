@@ -1629,17 +1629,15 @@ def repeat_as_expand_pass(gm: fx.GraphModule) -> fx.GraphModule:
             # copies of it along a new dim, ``q.unsqueeze(0).expand(B, n, d)`` (its other
             # dims repeated first: ``q.repeat(B, 2).view(B, n, 2 * d)``).
             views, between, dim = split
-            inner, tiled = src, [d != dim and not (bool(r == 1) or bool(s == 1)) for d, (s, r) in enumerate(zip(shape, reps))]
+            tiled = [d != dim and not (bool(r == 1) or bool(s == 1)) for d, (s, r) in enumerate(zip(shape, reps))]
+            inner = src
             if any(tiled):
                 with gm.graph.inserting_before(node):
                     inner = _call(gm, aten.repeat.default, (src, [r if t else 1 for t, r in zip(tiled, reps)]), node)
             for view in views:
                 with gm.graph.inserting_before(view):
                     unsqueezed = _call(gm, aten.unsqueeze.default, (inner, dim), view)
-                _copy_as_expand(gm, view, (unsqueezed, [
-                    r if i == dim or (i != dim + 1 and isinstance(s, int) and s == 1) else -1
-                    for i, (s, r) in enumerate(zip([*shape[:dim], 1, *shape[dim:]],
-                                                   [*reps[:dim], reps[dim], 1, *reps[dim + 1:]]))]))
+                _copy_as_expand(gm, view, (unsqueezed, _sizes_of_copies(shape, reps, dim)))
             for view in reversed(between):
                 gm.graph.erase_node(view)
             gm.graph.erase_node(node)
@@ -1680,6 +1678,16 @@ def _tiles_viewed_as_copies(node: fx.Node, shape: list, reps: list) -> tuple[lis
                          for got in (list(view.meta["val"].shape) for view in views)):
             return views, between, dim
     return None
+
+
+def _sizes_of_copies(shape: list, reps: list, dim: int) -> list:
+    """The sizes to expand ``source.unsqueeze(dim)`` to for ``reps[dim]`` copies along the
+    new dim: -1 keeps a dim of the source (repeated already, or not at all), and a size-1
+    dim takes its repeat count."""
+    sizes = [reps[dim]]
+    for d, (size, count) in enumerate(zip(shape, reps)):
+        sizes.append(count if d != dim and isinstance(size, int) and size == 1 else -1)
+    return [*sizes[1:dim + 1], sizes[0], *sizes[dim + 1:]]
 
 
 _RESHAPES_OF_TILES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,

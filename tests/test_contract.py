@@ -2825,6 +2825,41 @@ def test_a_loss_divided_by_a_guarded_count_of_a_mask_made_inside_is_refused(redu
     assert [p.op for p in problems] == ["aten.div.Tensor"], problems
 
 
+class MaskOfAList(nn.Module):
+    """A mask the model builds from a Python list with one row per sample,
+    ``torch.tensor([row] * B)`` (a constant of the graph: Dynamo guards the list's
+    length), as the normaliser of a masked mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):  # [B, 5, 4]
+        per_position = (self.lin(x) ** 2).sum(-1)
+        mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0]] * x.shape[0], dtype=x.dtype)
+        return (per_position * mask).sum() / mask.sum()
+
+
+def test_a_mask_of_a_list_of_rows_per_sample_normalises_a_mean():
+    """``mask.sum()`` counts ``3·B``: the loss is a mean over the samples. It was read as
+    a fixed number, a sum, before the sixty-first session: with loss_reduction='sum' every
+    per-sample gradient was ``B`` times too small (a red team's find). The constant's
+    rows, alike, are sized by the batch as those of ``torch.ones(B, 5)`` are."""
+    assert "the loss inside the graph is a mean over the batch but loss_reduction='sum'" in fxdp.validate(
+        MaskOfAList().to(DTYPE), randn(3, 5, 4), loss_reduction="sum")[0].reason
+    torch.manual_seed(0)
+    model = MaskOfAList().to(DTYPE)
+    plain = copy.deepcopy(model)
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="mean", compiler="eager")
+    for batch in (3, 4):
+        x = randn(batch, 5, 4)
+        model.zero_grad(set_to_none=True)
+        dp(x).backward()
+        ref = reference(copy.deepcopy(plain), (x,), lambda out, i: out)
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(DTYPE), f"grad_sample B={batch}")
+
+
 def _grid(dtype: torch.dtype) -> torch.Tensor:
     """HiDream's image positions: a ``[4, 3]`` table of zeros whose columns are written in
     place (a shared tensor with as many rows, or columns, as some batches have samples)."""
