@@ -1770,12 +1770,29 @@ def _samples_blocks(b: BatchDim, pieces: list) -> list[int] | None:
     ``b`` is, all of them: ``length`` is the ``inner`` rows of one sample (a number), from
     the first of them; ``None`` where a piece is not."""
     inner = b.inner
-    if not (_equal_one(b.outer) and isinstance(inner, int) and inner >= 1):
+    if not (_equal_one(b.outer) and isinstance(inner, (int, torch.SymInt)) and statically_known_true(inner >= 1)):
         return None
-    if not all(isinstance(start, int) and isinstance(length, int) and start >= 0 and length == inner
-               and start % inner == 0 for start, length in pieces):
+    samples = []
+    for start, length in pieces:
+        sample = _whole_multiple(start, inner)
+        if sample is None or not (isinstance(length, (int, torch.SymInt)) and statically_known_true(length == inner)):
+            return None
+        samples.append(sample)
+    return samples
+
+
+def _whole_multiple(value: Any, size: Any) -> int | None:
+    """``k`` where ``value`` is ``k·size`` for a number ``k >= 0`` (``i * n`` with a
+    symbolic ``n``), else ``None``."""
+    import sympy
+
+    def expression(v: Any) -> Any:
+        return plain_expression(v) if isinstance(v, torch.SymInt) else sympy.Integer(v)
+
+    if not isinstance(value, (int, torch.SymInt)):
         return None
-    return [start // inner for start, _ in pieces]
+    ratio = sympy.simplify(expression(value) / expression(size))
+    return int(ratio) if ratio.is_Integer and ratio >= 0 else None
 
 
 def _whole_blocks(b: BatchDim, size: Any, pieces: list) -> list[BatchDim] | None:

@@ -568,13 +568,15 @@ def test_each_samples_rows_of_a_merged_batch_split_apart_are_its_own(how):
     """Each piece holds one sample's ``n`` rows of ``[B·n, …]``: that sample's values
     (refused before the sixty-first session as "it splits the batch dim"; the loop over
     the images' tensors also as "it selects one row of the batch" at the second batch
-    size, whose ``B`` is symbolic)."""
+    size, whose ``B`` is symbolic). A split stays exact when the rows per sample change
+    (``n`` symbolic: a red team's find); slices at ``i * n`` of a symbolic ``n`` are
+    refused as starts that move."""
     torch.manual_seed(0)
     model = TilesOfEachImage(how).to(DTYPE)
     plain = copy.deepcopy(model)
     dp_model = fxdp.transform(model, grad_sample=True, max_grad_norm=0.5, loss_reduction="sum", compiler="eager")
-    for batch_size in (4, 3):
-        x = torch.randn(batch_size, 3, 4, dtype=DTYPE)
+    for batch_size, n in ((4, 3), (3, 3)) + (((3, 2),) if "split" in how else ()):
+        x = torch.randn(batch_size, n, 4, dtype=DTYPE)
         ref = reference(copy.deepcopy(plain), (x,), lambda out, i: out.pow(2).sum())
         model.zero_grad(set_to_none=True)
         dp_model(x).pow(2).sum().backward()
