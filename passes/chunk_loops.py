@@ -66,7 +66,9 @@ def chunk_loops_as_whole_pass(gm: fx.GraphModule, batch: dict[fx.Node, Any], par
         loop = _loop(cat, batch)
         if loop is not None and (_map(gm, cat, loop, batch, fake_mode) if loop.mapped
                                  else _fuse(gm, cat, loop, batch, param_names, fake_mode)
-                                 or (_of_single_rows(loop) and _map(gm, cat, loop, batch, fake_mode))):
+                                 or (_of_single_rows(loop) and _map(gm, cat, loop, batch, fake_mode))
+                                 or (_of_samples_rows(loop, batch)
+                                     and _map(gm, cat, loop, batch, fake_mode, samples_rows=True))):
             fused += 1
     if fused:
         gm.graph.eliminate_dead_code()
@@ -104,6 +106,20 @@ def _of_single_rows(loop: _Loop) -> bool:
     then the copy is a function of one sample, as with ``x[i]``."""
     return not any(loop.varied) and all(equal(length, 1) for _, length in loop.ranges) \
         and equal(loop.body[-1].meta["val"].shape[loop.dim], 1)
+
+
+def _of_samples_rows(loop: _Loop, batch: dict) -> bool:
+    """Whether every piece of ``loop`` is one sample's rows of a merged batch, the
+    samples in order (``torch.split(h, [n] * B)`` of ``h`` ``[B·n, …]``: Llava-OneVision's
+    tiles split back per image): then the copy is a function of one sample's ``n`` rows."""
+    if any(loop.varied) or not loop.ranges:
+        return False
+    for source, dim in loop.pieces.values():
+        layout = batch.get(source)
+        if not (isinstance(layout, BatchDim) and layout.dim == dim and equal(layout.outer, 1)
+                and not equal(layout.inner, 1) and all(equal(length, layout.inner) for _, length in loop.ranges)):
+            return False
+    return True
 
 
 def _allowed(node: fx.Node) -> bool:
@@ -327,7 +343,8 @@ def _body_layouts(gm: fx.GraphModule, loop: _Loop, batch: dict, param_names: dic
     return {node: analysis.batch.get(env[node]) for node in loop.body}
 
 
-def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: Any) -> bool:
+def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: Any,
+         samples_rows: bool = False) -> bool:
     """Write ``loop``, a function of one row stacked over every row, as that function
     mapped over the rows by ``vmap``, traced to ATen in place of ``cat``; ``False`` (and
     the graph unchanged) where it reads batched values or an op has no batching rule.
@@ -335,6 +352,9 @@ def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: 
     ``torch.stack([f(x[i]) for i in range(B)])`` is ``vmap(f)(x)`` for any pure ``f``,
     whether or not ``f`` keeps the rows of a sample apart: the batching rules write
     ``f`` for the whole batch (``linear`` on ``[T, d]`` becomes ``mm`` on ``[B * T, d]``).
+    With ``samples_rows`` each piece is one sample's ``n`` rows of a merged batch
+    (``_of_samples_rows``), mapped over ``h.unflatten(dim, (B, -1))``; results of other
+    than one row along the ``cat``'s dim are joined as the ``cat`` joins them.
     """
     body = set(loop.body)
     free = list(dict.fromkeys(a for node in loop.body for a in node.all_input_nodes
@@ -351,16 +371,24 @@ def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: 
     row = fx.Interpreter(fx.GraphModule(gm, graph))
     in_dims = tuple(dim for _, dim in loop.pieces.values()) + (None,) * len(free)
 
-    # a row taken with its dim is the mapped row with it put back
-    unsqueezed = [dim if piece in loop.kept else None for piece, (_, dim) in loop.pieces.items()]
+    # a row taken with its dim is the mapped row with it put back (a sample's rows are the piece)
+    unsqueezed = [dim if piece in loop.kept and not samples_rows else None
+                  for piece, (_, dim) in loop.pieces.items()]
+    # (the samples, as many as the loop's copies: ``n`` may be symbolic, untraced here)
+    samples = [len(loop.ranges) if samples_rows else None for _ in loop.pieces]
+    joined = not equal(loop.body[-1].meta["val"].shape[loop.dim], 1)  # each result of several rows
 
     def one_row(*args):
         args = [a if d is None else a.unsqueeze(d) for a, d in zip(args, unsqueezed)] + list(args[len(unsqueezed):])
-        return row.run(*args).squeeze(loop.dim)
+        out = row.run(*args)
+        return out if joined else out.squeeze(loop.dim)
 
     def mapped(*args):
+        args = [a if b is None else a.unflatten(d, (b, -1)) for a, b, d in zip(args, samples, in_dims)] \
+            + list(args[len(samples):])
         with vmap_safe_solves():
-            return torch.func.vmap(one_row, in_dims=in_dims, out_dims=loop.dim)(*args)
+            out = torch.func.vmap(one_row, in_dims=in_dims, out_dims=loop.dim)(*args)
+        return out.flatten(loop.dim, loop.dim + 1) if joined else out
 
     sources = [source for source, _ in loop.pieces.values()]
     examples = [node.meta["val"] for node in [*sources, *free]]

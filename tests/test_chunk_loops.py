@@ -546,6 +546,8 @@ class TilesOfEachImage(nn.Module):
     def __init__(self, how: str):
         super().__init__()
         self.how, self.tower, self.head = how, nn.Linear(4, 4), nn.Linear(4, 3)
+        if how.startswith("a newline"):
+            self.newline = nn.Parameter(torch.randn(4))
 
     def forward(self, x):  # [B, n, 4]
         batch, n = x.shape[:2]
@@ -559,18 +561,24 @@ class TilesOfEachImage(nn.Module):
             chunks = torch.split(h, 2 * n)
         else:
             chunks = torch.split(h, [n] * batch)
+        if self.how.startswith("a newline"):
+            # (modeling_llava_onevision.py's pack_image_features: a learned row after each image's features)
+            rows = [torch.cat((c.tanh(), self.newline[None].expand(1, 4))) for c in chunks]
+            return self.head(torch.stack(rows) if "stacked" in self.how else torch.cat(rows))
         return self.head(torch.stack([c[0] + c[1:].mean(0) for c in chunks]))
 
 
 @pytest.mark.parametrize("how", ["reshaped, split per image", "a loop over the images, split per image",
-                                 "reshaped, sliced per image"])
+                                 "reshaped, sliced per image", "a newline after each image, stacked, split per image",
+                                 "a newline after each image, concatenated, split per image"])
 def test_each_samples_rows_of_a_merged_batch_split_apart_are_its_own(how):
     """Each piece holds one sample's ``n`` rows of ``[B·n, …]``: that sample's values
     (refused before the sixty-first session as "it splits the batch dim"; the loop over
     the images' tensors also as "it selects one row of the batch" at the second batch
     size, whose ``B`` is symbolic). A split stays exact when the rows per sample change
     (``n`` symbolic: a red team's find); slices at ``i * n`` of a symbolic ``n`` are
-    refused as starts that move."""
+    refused as starts that move. A parameter used on each sample's piece (Llava's image
+    newline) is mapped over the samples by ``vmap``, each result stacked or concatenated."""
     torch.manual_seed(0)
     model = TilesOfEachImage(how).to(DTYPE)
     plain = copy.deepcopy(model)
