@@ -2236,7 +2236,9 @@ _KEEP_ONE_VALUE = {
     torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
     torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
     torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
-    torch.ops.aten.flatten.using_ints, torch.ops.aten._to_copy.default,
+    torch.ops.aten.flatten.using_ints, torch.ops.aten._to_copy.default, torch.ops.aten.slice.Tensor,
+    torch.ops.aten.select.int, torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
+    torch.ops.aten.expand.default,
 }
 
 

@@ -865,10 +865,12 @@ class FrequencyOfAList(nn.Module):
         if self.kind == "scale":
             scale = torch.tensor(freq[: x.shape[0]], dtype=x.dtype)[:, None, None]
             return self.lin(x) * scale + self.freq.weight[0]
+        if self.kind == "a longer list sliced":
+            return self.lin(x) + self.freq(torch.tensor(freq)[: x.shape[0]].reshape(-1, 1))
         return self.lin(x) + self.freq(torch.tensor(freq[: x.shape[0]], dtype=torch.int32).reshape(-1, 1))
 
 
-@pytest.mark.parametrize("kind", ["lookup", "scale"])
+@pytest.mark.parametrize("kind", ["lookup", "scale", "a longer list sliced"])
 def test_a_list_of_one_frequency_is_one_row_broadcast_to_the_batch(kind):
     """``freq = [0] * B``: every sample reads the same row, its per-sample gradient each
     sample's alone (the lookup was refused before the sixty-first session as "the
@@ -879,7 +881,7 @@ def test_a_list_of_one_frequency_is_one_row_broadcast_to_the_batch(kind):
     model = FrequencyOfAList(kind).double()
     for batch, number in ((3, 0), (4, 2)):
         dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
-        x, freq = torch.randn(batch, 5, 4, dtype=torch.float64), [number] * batch
+        x, freq = torch.randn(batch, 5, 4, dtype=torch.float64), [number] * (batch + 2 * (kind != "lookup"))
         for p in model.parameters():
             p.grad = p.grad_sample = None
         (dp(x, freq) ** 2).sum().backward()
