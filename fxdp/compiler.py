@@ -1097,7 +1097,8 @@ def fxdp_same_mask_counts(mask: torch.Tensor, dim: int, source: torch.Tensor | N
     ``mean``: the selected elements are averaged, not viewed."""
     if like is not None:
         mask = mask.expand(torch.broadcast_shapes(mask.shape, like.shape))
-    counts = mask.movedim(dim, 0).flatten(1).sum(1)
+    per_sample = mask.movedim(dim, 0)
+    counts = (per_sample.flatten(1) if per_sample.dim() > 1 else per_sample[:, None]).sum(1)  # (a [B] mask: 0 or 1)
     if source is not None:
         held = source.shape[0] if rows else source.numel()
         how = "x[mask] = rows" if rows else "masked_scatter"

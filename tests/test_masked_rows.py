@@ -345,6 +345,40 @@ def test_a_mean_over_the_rows_masks_that_select_as_many_is_exact(how):
         dp(x, tokens)
 
 
+class KeptSamples(nn.Module):
+    """pytorch-metric-learning's NCA loss: each sample's probability of its class, those
+    not zero kept by a mask over the batch alone (``[B]``), their negative log averaged."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        p = self.lin(x).softmax(-1)[:, 0]
+        return -torch.log(p[p != 0]).mean()
+
+
+def test_a_mean_over_the_samples_a_mask_of_the_batch_alone_kept():
+    """A ``[B]`` mask selects one element or none per sample: where it keeps every
+    sample the mean is over the samples, exact at two batch sizes. Its run-time count
+    check crashed on a mask of one dim ("Dimension out of range", a helper's sweep);
+    a sample dropped fails the step."""
+    torch.manual_seed(0)
+    model = KeptSamples().double()
+    dp = fxdp.transform(model, grad_sample=True, compiler="eager")
+    for size in (4, 3):
+        x = torch.randn(size, 4, dtype=torch.float64)
+        ref = reference(model, (x,), lambda out, i: out)
+        model.zero_grad()
+        dp(x).backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), f"grad_sample at B = {size}")
+    x = torch.randn(3, 4, dtype=torch.float64)
+    x[0] = -1e4 * model.lin.weight[0].detach().sign()  # sample 0's probability underflows to zero
+    with pytest.raises(fxdp.UnsupportedError, match="select different numbers of elements"):
+        dp(x)
+
+
 @pytest.mark.parametrize("how", ["mean", "over count", "rows over count", "over ones_like", "over new_ones",
                                  "over ones of the count", "over arange of the count"])
 def test_a_count_of_the_rows_every_mask_selected_is_refused(how):
