@@ -1416,11 +1416,14 @@ def resumed_arguments() -> frozenset[str] | None:
     return frozenset(original.co_varnames[:count])
 
 
-def stored_outputs(gm: fx.GraphModule) -> frozenset[int]:
+def stored_outputs(gm: fx.GraphModule) -> dict[int, bool]:
     """The positions among ``gm``'s outputs of the tensors the forward stores into objects
     that outlive the call (``module.weight = w * mask``, ``self.cache["k"] = t``, an
     append to a module's list): Dynamo returns them from the graph and stores them after
-    it runs. Read from the side effects of the frame Dynamo compiles; empty outside one.
+    it runs. Each says whether it goes into a module's buffers (``self.center = …`` of
+    a registered buffer: the model's state, read by the next step), not a plain
+    attribute (a statistic stored to be reported). Read from the side effects of the
+    frame Dynamo compiles; empty outside one.
     """
     from torch._dynamo.symbolic_convert import InstructionTranslator
     from torch._dynamo.variables import base
@@ -1433,22 +1436,27 @@ def stored_outputs(gm: fx.GraphModule) -> frozenset[int]:
     side_effects = tx.output.side_effects
     stored: set[fx.Node] = set()
 
-    def collect(variable: base.VariableTracker) -> None:
-        # A value the forward never read (a module's other buffers, beside one it
-        # reassigns) holds nothing it computed; asking its type would realise it, a new
-        # input of the graph that the compiled code, built for the inputs before, lacks.
-        if type(variable) is LazyVariableTracker and not variable.is_realized():
-            return
-        if isinstance(variable, TensorVariable):
-            stored.add(variable.as_proxy().node)
+    def collector(into: set[fx.Node]) -> Callable[[base.VariableTracker], None]:
+        def collect(variable: base.VariableTracker) -> None:
+            # A value the forward never read (a module's other buffers, beside one it
+            # reassigns) holds nothing it computed; asking its type would realise it, a new
+            # input of the graph that the compiled code, built for the inputs before, lacks.
+            if type(variable) is LazyVariableTracker and not variable.is_realized():
+                return
+            if isinstance(variable, TensorVariable):
+                into.add(variable.as_proxy().node)
+        return collect
 
+    buffers: set[fx.Node] = set()
     for variable in side_effects._get_modified_vars():
         # An object the call creates reaches the caller only through one that existed,
         # or as a returned value.
         if not isinstance(variable.mutation_type, (base.AttributeMutationNew, base.ValueMutationNew)):
-            base.VariableTracker.visit(collect, variable, side_effects=side_effects)
+            base.VariableTracker.visit(collector(stored), variable, side_effects=side_effects)
+            if getattr(variable.source, "member", None) == "_buffers":  # (``Module.__setattr__`` of a buffer)
+                base.VariableTracker.visit(collector(buffers), variable, side_effects=side_effects)
     outputs = gm.graph.output_node().args[0]
-    return frozenset(i for i, node in enumerate(outputs) if node in stored)
+    return {i: node in buffers for i, node in enumerate(outputs) if node in stored}
 
 
 def outputs_need_grad(gm: fx.GraphModule) -> bool:

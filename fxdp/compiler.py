@@ -488,7 +488,7 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                "; a forward that reads only the sizes of its arguments (x.shape[0]) gives no sample an "
                "output of its own"))
     # Dynamo returns what the forward stores from the graph, after what it returns.
-    stored = internals.stored_outputs(gm) if len(_outputs(canon)) == len(_outputs(gm)) else frozenset()
+    stored = internals.stored_outputs(gm) if len(_outputs(canon)) == len(_outputs(gm)) else {}
     analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored)
     if analysis.rows_in_place:  # parameter uses on a mask's rows, run on the batch
         rows_in_place_pass(canon, analysis.rows_in_place, analysis.batch)

@@ -18,7 +18,7 @@ import operator
 import os
 import re
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -4667,7 +4667,7 @@ def batch_dim_pass(
     function_body: bool = False,
     chunk: bool = False,
     sized_batched: str | None = None,
-    stored_outputs: frozenset[int] = frozenset(),
+    stored_outputs: Mapping[int, bool] | None = None,
 ) -> BatchAnalysis:
     """Propagate batch dims through ``gm`` and collect everything that mixes samples.
 
@@ -4703,11 +4703,13 @@ def batch_dim_pass(
             with one), not the first that leaves no
             problems.
         stored_outputs: The positions among ``gm``'s outputs of the values the forward
-            stores and does not return (``fxdp._torch_internals.stored_outputs``).
+            stores and does not return, each with whether into a module's buffers
+            (``fxdp._torch_internals.stored_outputs``).
 
     Returns:
         The analysis; the graph is not changed (nodes get ``meta["fxdp_batch"]``).
     """
+    stored_outputs = stored_outputs or {}
     analysis = _propagate(gm, placeholder_batch, param_names, batch_size, sized_batched=sized_batched or "none",
                           function_body=function_body, chunk=chunk, stored_outputs=stored_outputs)
     if sized_batched is None and (analysis.problems or analysis.sized_normaliser) and analysis.sized_by_batch:
@@ -4758,7 +4760,7 @@ def _choose_sized_dims(gm: fx.GraphModule, placeholder_batch: dict, param_names:
 
 def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any, *,
                sized_batched: str | dict, function_body: bool, chunk: bool = False,
-               stored_outputs: frozenset[int] = frozenset()) -> BatchAnalysis:
+               stored_outputs: Mapping[int, bool]) -> BatchAnalysis:
     """``batch_dim_pass`` with the tensors built from ``B`` shared (``"none"``), batched
     (``"all"``), or batched where a single dim has size ``B`` (``"unambiguous"``), or
     batched along the dims a dict gives (the others as ``"all"`` reads them)."""
@@ -4783,7 +4785,7 @@ def _propagate(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, b
 
 def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any,
                      sized_batched: str, function_body: bool, chunk: bool,
-                     stored_outputs: frozenset[int]) -> BatchAnalysis:
+                     stored_outputs: Mapping[int, bool]) -> BatchAnalysis:
     sized_by_batch: list[fx.Node] = []
     expanded_params: dict[fx.Node, BatchDim] = {}  # read batched: see _classify_parameter_uses
     batch: dict[fx.Node, Any] = {}
@@ -4818,6 +4820,10 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     batch_size_values: list[fx.Node] = []  # values computed with the (symbolic) batch size
     normaliser_divisors: set[fx.Node] = set()  # the mask sums losses are divided by (``_mask_normaliser``)
     counted: list[tuple[fx.Node, list[fx.Node]]] = []  # losses scaled by a count sized by the batch
+    returned = gm.graph.output_node().args[0]
+    returned = returned if isinstance(returned, (list, tuple)) else (returned,)
+    # values stored into a module's buffers: a statistic of the batch there is the next step's
+    into_buffers = frozenset(out for i, out in enumerate(returned) if stored_outputs.get(i) and isinstance(out, fx.Node))
     mixing: list[fx.Node] = []  # where problems were found
     found = 0
 
@@ -4968,7 +4974,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                            or _mixes_along_the_batch_size(node, arg_batch, batch_size)
                            or _indexes_by_the_batch_size(node, arg_batch, batch_size)) \
                 and not any(isinstance(b, Loss) for b in _flat(arg_batch)) and node not in checks_only \
-                and (function_body or not reaches_no_gradient(node, without_grad, gradient_free)):
+                and (function_body or not reaches_no_gradient(node, without_grad, gradient_free, into_buffers)):
             batch_size_values.append(node)  # judged once every use is known (a mask normaliser passes)
 
         sized = None if single else _sized_by_batch(
@@ -5080,7 +5086,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             # Where nothing with a gradient depends on it (a run-time check, a statistic the
             # forward reports), no sample's gradient does: nothing after it is judged.
             if node in checks_only or (
-                    not function_body and reaches_no_gradient(node, without_grad, gradient_free)):
+                    not function_body and reaches_no_gradient(node, without_grad, gradient_free, into_buffers)):
                 out = _meta(node)
                 batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
                 continue
@@ -5214,7 +5220,8 @@ def _written_into(node: fx.Node) -> bool:
     return any(writes_in_place(u.target) and u.args[0] is v for v in views for u in v.users)
 
 
-def reaches_no_gradient(node: fx.Node, without_grad: set[fx.Node], memo: dict) -> bool:
+def reaches_no_gradient(node: fx.Node, without_grad: set[fx.Node], memo: dict,
+                        stored: frozenset[fx.Node] = frozenset()) -> bool:
     """Whether everything computed from ``node``'s value carries no gradient, and none of
     it writes into anything else: a statistic of the whole batch that the forward only
     reports (the perplexity a VQ-VAE's quantizer computes from a ``histc`` of the batch's
@@ -5236,6 +5243,10 @@ def reaches_no_gradient(node: fx.Node, without_grad: set[fx.Node], memo: dict) -
         node: An op the batch analysis finds mixing samples (or cannot follow).
         without_grad: The nodes run under ``no_grad`` (``computed_without_grad``).
         memo: Shared by the calls on one graph.
+        stored: The values the forward stores into objects that outlive the call
+            (``self.center = 0.9 * self.center + 0.1 * t.mean(0)``, lightly's DINO
+            centre): one computed from ``node`` carries the batch into the next step,
+            as a write into a buffer does.
     """
     # The op and its outputs (``var_mean``'s two, taken by getitem).
     own = {node} | {u for u in node.users if u.target is operator.getitem}
@@ -5246,6 +5257,8 @@ def reaches_no_gradient(node: fx.Node, without_grad: set[fx.Node], memo: dict) -
             reached.add(n)
             pending.extend(n.users)
     if any(u.op == "output" for n in own for u in n.users) and not _gradient_free(node, without_grad, memo):
+        return False
+    if reached & stored:
         return False
     return all((n in own or _gradient_free(n, without_grad, memo)) and _writes_only_into(n, reached)
                for n in reached)

@@ -2728,6 +2728,41 @@ def test_a_statistic_of_the_batch_that_a_gradient_depends_on_is_refused(kind, op
             else "mixes samples") in problems[0].reason
 
 
+class CentredByTheBatch(nn.Module):
+    """lightly's ``Center`` (DINO and iBOT losses): a buffer ``center`` moved towards the
+    batch's mean output under ``no_grad``, and read by the next step's loss; stored by
+    ``how``: rebinding the buffer (``Center.update``), ``copy_`` or ``.data =``."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(4, 3)
+        self.register_buffer("center", torch.zeros(1, 3))
+
+    def forward(self, x):
+        t = self.lin(x)
+        loss = ((t - self.center) ** 2).sum(-1)
+        with torch.no_grad():
+            moved = 0.9 * self.center + 0.1 * t.mean(0, keepdim=True)
+            if self.how == "rebound":
+                self.center = moved
+            elif self.how == "copied":
+                self.center.copy_(moved)
+            else:
+                self.center.data = moved
+        return loss
+
+
+@pytest.mark.parametrize("how", ["rebound", "copied", "data"])
+def test_a_statistic_of_the_batch_stored_into_a_buffer_is_refused(how):
+    """The next step's gradients would depend on this batch's other samples. Rebinding
+    the buffer was accepted before the sixty-first session (a helper's sweep of lightly):
+    only a write into it was refused. A plain attribute stored to be reported
+    (``Reports``' perplexity) stays accepted."""
+    problems = fxdp.validate(CentredByTheBatch(how).to(DTYPE), randn(3, 4))
+    assert [p.op for p in problems] == ["aten.mean.dim"], problems
+    assert "it reduces over the batch dim" in problems[0].reason
+
+
 class FallbackScale(nn.Module):
     """gluonts' ``MeanScaler`` without a default scale: a series with nothing observed is
     scaled by the whole batch's mean, ``weighted.sum(0) / observed.sum(0)``."""
