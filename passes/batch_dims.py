@@ -4883,7 +4883,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             # Every sample's own pieces, returned apart (Hugging Face's list of each image's
             # features), are each sample's; some of them alone are those at their positions.
             returned = {b.sample for out in pieces for b in _flat(batch.get(out)) if isinstance(b, Piece)}
-            if pieces and returned != set(range(batch_size if isinstance(batch_size, int) else -1)):
+            count = _as_number(batch_size)  # (a loop over the samples specialises a symbolic B)
+            if pieces and returned != set(range(count if isinstance(count, int) else -1)):
                 for out in pieces:
                     problems.append(Problem(op_name(out.target), module_path_of(out), "", _PIECE_OUTPUT,
                                             source_of(out)))

@@ -418,10 +418,38 @@ def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: 
                 env[node].meta = dict(node.meta)
             elif node.op == "output":
                 cat.replace_all_uses_with(env[node.args[0]])
+                _results_read_from(gm, loop, cat, env[node.args[0]])
             else:
                 env[node] = gm.graph.node_copy(node, env.__getitem__)
     gm.graph.erase_node(cat)
     return True
+
+
+def _results_read_from(gm: fx.GraphModule, loop: _Loop, cat: fx.Node, mapped: fx.Node) -> None:
+    """Each copy's result, where read after ``mapped`` (their ``cat``, mapped), read as its
+    rows of ``mapped`` instead: Hugging Face's Llava-OneVision returns every image's
+    features as a list beside their ``cat``, which would keep the copies (and their
+    parameter uses on one sample's piece) in the graph."""
+    size = loop.body[-1].meta["val"].shape[loop.dim]
+    if not isinstance(size, int):
+        return
+    order = {node: k for k, node in enumerate(gm.graph.nodes)}
+    for k, corr in enumerate(loop.copies):
+        result = corr[loop.body[-1]]
+        read = [(result, aten.slice.Tensor, (mapped, loop.dim, k * size, (k + 1) * size))]
+        if result.target is aten.unsqueeze.default and result.args[1] % result.meta["val"].dim() == loop.dim:
+            # a ``stack``'s row: what it unsqueezed is row ``k`` of the stack
+            read.append((result.args[0], aten.select.int, (mapped, loop.dim, k)))
+        for value, op, args in read:
+            later = [user for user in value.users if user is not cat and user not in corr.values()
+                     and order.get(user, -1) > order[mapped]]
+            if not later:
+                continue
+            with gm.graph.inserting_after(mapped):
+                rows = gm.graph.call_function(op, args)
+            rows.meta = {**value.meta, "val": value.meta["val"]}
+            for user in later:
+                user.replace_input_with(value, rows)
 
 
 def _free_attr(gm: fx.GraphModule, name: str) -> str:

@@ -249,7 +249,8 @@ def test_a_loop_over_chunks_that_is_not_the_loop_over_the_whole_batch_is_refused
     ("random draw in each sample", "uses a parameter on the values of one sample"),
     ("each sample reads the whole batch", "it reduces over the batch dim"),
     ("samples stacked out of order", "uses a parameter on the values of one sample"),
-    ("a sample's result read elsewhere", "uses a parameter on the values of one sample"),
+    # (its row of the mapped stack since the sixty-first session: one sample's piece beside the batch)
+    ("a sample's result read elsewhere", "combines the values of one sample taken out of the batch"),
     ("an op without a batching rule", "uses a parameter on the values of one sample"),  # vmap's loop turned off
     # the write is no input of the ops after it: mapped, the copy would leave it out (wrong before)
     ("a write in place in each sample, seen through an earlier view", "uses a parameter on the values of one sample"),
@@ -564,7 +565,8 @@ class TilesOfEachImage(nn.Module):
         if self.how.startswith("a newline"):
             # (modeling_llava_onevision.py's pack_image_features: a learned row after each image's features)
             rows = [torch.cat((c.tanh(), self.newline[None].expand(1, 4))) for c in chunks]
-            return self.head(torch.stack(rows) if "stacked" in self.how else torch.cat(rows))
+            out = self.head(torch.stack(rows) if "stacked" in self.how else torch.cat(rows))
+            return (out, rows) if "returned" in self.how else out
         return self.head(torch.stack([c[0] + c[1:].mean(0) for c in chunks]))
 
 
@@ -600,3 +602,27 @@ def test_pieces_of_a_merged_batch_across_its_samples_are_refused(how):
     assert [p.op for p in problems] == ["aten.split_with_sizes.default" if "across" in how
                                         else "aten.split.Tensor"], problems
     assert "it splits the batch dim" in problems[0].reason
+
+
+@pytest.mark.parametrize("how", ["a newline after each image, concatenated, returned, split per image",
+                                 "a newline after each image, stacked, returned, split per image"])
+def test_each_samples_result_of_a_mapped_loop_returned_apart_is_its_own(how):
+    """Llava-OneVision returns every image's features as a list beside the model's output
+    (``image_hidden_states``): each copy's result, read after the loop, is its rows of
+    the mapped result (refused before the sixty-first session, the copies kept for the
+    list), and a loss of the list is each sample's own."""
+    torch.manual_seed(0)
+    model = TilesOfEachImage(how).to(DTYPE)
+    plain = copy.deepcopy(model)
+    dp_model = fxdp.transform(model, grad_sample=True, max_grad_norm=0.5, loss_reduction="sum", compiler="eager")
+
+    def loss(out):
+        return out[0].pow(2).sum() + sum(r.sin().sum() for r in out[1])
+
+    for batch_size in (4, 3):
+        x = torch.randn(batch_size, 3, 4, dtype=DTYPE)
+        ref = reference(copy.deepcopy(plain), (x,), lambda out, i: loss(out))
+        model.zero_grad(set_to_none=True)
+        loss(dp_model(x)).backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, tolerance(DTYPE),
+                         f"grad_sample at B = {batch_size}")
