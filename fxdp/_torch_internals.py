@@ -1420,10 +1420,11 @@ def stored_outputs(gm: fx.GraphModule) -> dict[int, bool]:
     """The positions among ``gm``'s outputs of the tensors the forward stores into objects
     that outlive the call (``module.weight = w * mask``, ``self.cache["k"] = t``, an
     append to a module's list): Dynamo returns them from the graph and stores them after
-    it runs. Each says whether it goes into a module's buffers (``self.center = …`` of
-    a registered buffer: the model's state, read by the next step), not a plain
-    attribute (a statistic stored to be reported). Read from the side effects of the
-    frame Dynamo compiles; empty outside one.
+    it runs. Each says whether it goes into the model's state: a module's buffers
+    (``self.center = …`` of a registered buffer), or a place this call read an input
+    from (an attribute, a list's or dict's entry), which the next call reads; not a
+    plain attribute the forward only writes (a statistic stored to be reported). Read
+    from the side effects of the frame Dynamo compiles; empty outside one.
     """
     from torch._dynamo.symbolic_convert import InstructionTranslator
     from torch._dynamo.variables import base
@@ -1447,16 +1448,40 @@ def stored_outputs(gm: fx.GraphModule) -> dict[int, bool]:
                 into.add(variable.as_proxy().node)
         return collect
 
-    buffers: set[fx.Node] = set()
+    # Where the graph's inputs come from: a value stored where the forward read one is
+    # the next call's input.
+    read = [_source_name(getattr(n.meta.get("grapharg"), "source", None)) for n in gm.graph.nodes
+            if n.op == "placeholder"]
+
+    def is_read(place: str | None) -> bool:
+        return place is not None and any(r is not None and (r == place or r.startswith((place + "[", place + ".")))
+                                         for r in read)
+
+    state: set[fx.Node] = set()
     for variable in side_effects._get_modified_vars():
         # An object the call creates reaches the caller only through one that existed,
         # or as a returned value.
         if not isinstance(variable.mutation_type, (base.AttributeMutationNew, base.ValueMutationNew)):
             base.VariableTracker.visit(collector(stored), variable, side_effects=side_effects)
-            if getattr(variable.source, "member", None) == "_buffers":  # (``Module.__setattr__`` of a buffer)
-                base.VariableTracker.visit(collector(buffers), variable, side_effects=side_effects)
+            place = _source_name(variable.source)
+            attributes = side_effects.store_attr_mutations.get(variable, {})
+            for name, value in attributes.items():
+                if is_read(None if place is None else f"{place}.{name}"):
+                    base.VariableTracker.visit(collector(state), value, side_effects=side_effects)
+            if not attributes and (is_read(place) or getattr(variable.source, "member", None) == "_buffers"):
+                # a list's or dict's entries the forward read, or a module's buffers
+                # (``Module.__setattr__`` of a buffer)
+                base.VariableTracker.visit(collector(state), variable, side_effects=side_effects)
     outputs = gm.graph.output_node().args[0]
-    return {i: node in buffers for i, node in enumerate(outputs) if node in stored}
+    return {i: node in state for i, node in enumerate(outputs) if node in stored}
+
+
+def _source_name(source: Any) -> str | None:
+    """Dynamo's name of where a value comes from (``L['self']._buffers['center']``)."""
+    if source is None:
+        return None
+    name = source.name
+    return name() if callable(name) else name
 
 
 def outputs_need_grad(gm: fx.GraphModule) -> bool:

@@ -2737,27 +2737,34 @@ class CentredByTheBatch(nn.Module):
         super().__init__()
         self.how, self.lin = how, nn.Linear(4, 3)
         self.register_buffer("center", torch.zeros(1, 3))
+        self.plain, self.kept = torch.zeros(1, 3), {"center": torch.zeros(1, 3)}
 
     def forward(self, x):
         t = self.lin(x)
-        loss = ((t - self.center) ** 2).sum(-1)
+        center = {"a plain attribute": self.plain, "a dict's entry": self.kept["center"]}.get(self.how, self.center)
+        loss = ((t - center) ** 2).sum(-1)
         with torch.no_grad():
-            moved = 0.9 * self.center + 0.1 * t.mean(0, keepdim=True)
+            moved = 0.9 * center + 0.1 * t.mean(0, keepdim=True)
             if self.how == "rebound":
                 self.center = moved
             elif self.how == "copied":
                 self.center.copy_(moved)
-            else:
+            elif self.how == "data":
                 self.center.data = moved
+            elif self.how == "a plain attribute":
+                self.plain = moved
+            else:
+                self.kept["center"] = moved
         return loss
 
 
-@pytest.mark.parametrize("how", ["rebound", "copied", "data"])
+@pytest.mark.parametrize("how", ["rebound", "copied", "data", "a plain attribute", "a dict's entry"])
 def test_a_statistic_of_the_batch_stored_into_a_buffer_is_refused(how):
     """The next step's gradients would depend on this batch's other samples. Rebinding
-    the buffer was accepted before the sixty-first session (a helper's sweep of lightly):
-    only a write into it was refused. A plain attribute stored to be reported
-    (``Reports``' perplexity) stays accepted."""
+    the buffer, or a plain attribute or a dict's entry the forward reads, was accepted
+    before the sixty-first session (a helper's sweep of lightly, then a red team): only a
+    write into a buffer was refused. A plain attribute the forward only writes, stored to
+    be reported (``Reports``' perplexity), stays accepted."""
     problems = fxdp.validate(CentredByTheBatch(how).to(DTYPE), randn(3, 4))
     assert [p.op for p in problems] == ["aten.mean.dim"], problems
     assert "it reduces over the batch dim" in problems[0].reason
