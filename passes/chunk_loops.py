@@ -290,6 +290,8 @@ def _fuse_as(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, layouts: dict, fake_
             gm.graph.erase_node(new)
         return False
     cat.replace_all_uses_with(env[result])
+    if all(equal(length, 1) for _, length in loop.ranges):  # (a chunk of samples' result kept: refused)
+        _results_read_from(gm, loop, cat, env[result])
     gm.graph.erase_node(cat)
     return True
 
@@ -426,20 +428,20 @@ def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: 
 
 
 def _results_read_from(gm: fx.GraphModule, loop: _Loop, cat: fx.Node, mapped: fx.Node) -> None:
-    """Each copy's result, where read after ``mapped`` (their ``cat``, mapped), read as its
-    rows of ``mapped`` instead: Hugging Face's Llava-OneVision returns every image's
+    """Each copy's result, where read after ``mapped`` (their ``cat``, mapped or fused),
+    read as its rows of ``mapped`` instead: Hugging Face's Llava-OneVision returns every image's
     features as a list beside their ``cat``, which would keep the copies (and their
     parameter uses on one sample's piece) in the graph."""
-    size = loop.body[-1].meta["val"].shape[loop.dim]
-    if not isinstance(size, int):
+    sizes = [corr[loop.body[-1]].meta["val"].shape[loop.dim] for corr in loop.copies]
+    if not all(isinstance(size, int) for size in sizes):
         return
     order = {node: k for k, node in enumerate(gm.graph.nodes)}
     for k, corr in enumerate(loop.copies):
-        result = corr[loop.body[-1]]
-        read = [(result, aten.slice.Tensor, (mapped, loop.dim, k * size, (k + 1) * size))]
+        result, start = corr[loop.body[-1]], sum(sizes[:k])
+        read = [(result, aten.slice.Tensor, (mapped, loop.dim, start, start + sizes[k]))]
         if result.target is aten.unsqueeze.default and result.args[1] % result.meta["val"].dim() == loop.dim:
-            # a ``stack``'s row: what it unsqueezed is row ``k`` of the stack
-            read.append((result.args[0], aten.select.int, (mapped, loop.dim, k)))
+            # a ``stack``'s row: what it unsqueezed is row ``start`` of the stack
+            read.append((result.args[0], aten.select.int, (mapped, loop.dim, start)))
         for value, op, args in read:
             later = [user for user in value.users if user is not cat and user not in corr.values()
                      and order.get(user, -1) > order[mapped]]

@@ -626,3 +626,36 @@ def test_each_samples_result_of_a_mapped_loop_returned_apart_is_its_own(how):
         loss(dp_model(x)).backward()
         assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, tolerance(DTYPE),
                          f"grad_sample at B = {batch_size}")
+
+
+class RowsReturned(nn.Module):
+    """A loop over one-row slices concatenated (fused as the layer on the whole batch),
+    each row's result also returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        rows = [self.lin(x[i:i + 1]).tanh() for i in range(x.shape[0])]
+        return self.head(torch.cat(rows)), rows
+
+
+def test_each_rows_result_of_a_fused_loop_returned_apart_is_its_own():
+    """As for a mapped loop: each copy's result read after the loop is its rows of the
+    fused result (refused before the sixty-first session, a red team's find)."""
+    torch.manual_seed(0)
+    model = RowsReturned().to(DTYPE)
+    plain = copy.deepcopy(model)
+    dp_model = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+
+    def loss(out):
+        return out[0].pow(2).sum() + sum(r.sin().sum() for r in out[1])
+
+    for batch_size in (4, 3):
+        x = torch.randn(batch_size, 4, dtype=DTYPE)
+        ref = reference(copy.deepcopy(plain), (x,), lambda out, i: loss(out))
+        model.zero_grad(set_to_none=True)
+        loss(dp_model(x)).backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, tolerance(DTYPE),
+                         f"grad_sample at B = {batch_size}")
