@@ -1480,8 +1480,11 @@ def _source_name(source: Any) -> str | None:
     """Dynamo's name of where a value comes from (``L['self']._buffers['center']``)."""
     if source is None:
         return None
-    name = source.name
-    return name() if callable(name) else name
+    try:
+        name = source.name
+        return name() if callable(name) else name
+    except NotImplementedError:  # a source without a name (a transform's local): nowhere the forward reads
+        return None
 
 
 def outputs_need_grad(gm: fx.GraphModule) -> bool:
