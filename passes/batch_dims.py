@@ -1767,8 +1767,8 @@ def _one_row_of_each_sample(b: BatchDim, start: Any, step: Any) -> bool:
 
 def _samples_blocks(b: BatchDim, pieces: list) -> list[int] | None:
     """The sample whose rows each ``(start, length)`` piece of a batch dim laid out as
-    ``b`` is, all of them: ``length`` is the ``inner`` rows of one sample (a number), from
-    the first of them; ``None`` where a piece is not."""
+    ``b`` is, all of them: ``length`` is the ``inner`` rows of one sample, from the first
+    of them (``n`` symbolic too); ``None`` where a piece is not."""
     inner = b.inner
     if not (_equal_one(b.outer) and isinstance(inner, (int, torch.SymInt)) and statically_known_true(inner >= 1)):
         return None
@@ -4703,8 +4703,8 @@ def batch_dim_pass(
             with one), not the first that leaves no
             problems.
         stored_outputs: The positions among ``gm``'s outputs of the values the forward
-            stores and does not return, each with whether into a module's buffers
-            (``fxdp._torch_internals.stored_outputs``).
+            stores and does not return, each with whether into the model's state (a
+            buffer, or a place the forward read an input from: ``fxdp._torch_internals.stored_outputs``).
 
     Returns:
         The analysis; the graph is not changed (nodes get ``meta["fxdp_batch"]``).
@@ -4822,8 +4822,8 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     counted: list[tuple[fx.Node, list[fx.Node]]] = []  # losses scaled by a count sized by the batch
     returned = gm.graph.output_node().args[0]
     returned = returned if isinstance(returned, (list, tuple)) else (returned,)
-    # values stored into a module's buffers: a statistic of the batch there is the next step's
-    into_buffers = frozenset(out for i, out in enumerate(returned) if stored_outputs.get(i) and isinstance(out, fx.Node))
+    # values stored into the model's state: a statistic of the batch there is the next step's
+    into_state = frozenset(out for i, out in enumerate(returned) if stored_outputs.get(i) and isinstance(out, fx.Node))
     mixing: list[fx.Node] = []  # where problems were found
     found = 0
 
@@ -4975,7 +4975,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                            or _mixes_along_the_batch_size(node, arg_batch, batch_size)
                            or _indexes_by_the_batch_size(node, arg_batch, batch_size)) \
                 and not any(isinstance(b, Loss) for b in _flat(arg_batch)) and node not in checks_only \
-                and (function_body or not reaches_no_gradient(node, without_grad, gradient_free, into_buffers)):
+                and (function_body or not reaches_no_gradient(node, without_grad, gradient_free, into_state)):
             batch_size_values.append(node)  # judged once every use is known (a mask normaliser passes)
 
         sized = None if single else _sized_by_batch(
@@ -5087,7 +5087,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             # Where nothing with a gradient depends on it (a run-time check, a statistic the
             # forward reports), no sample's gradient does: nothing after it is judged.
             if node in checks_only or (
-                    not function_body and reaches_no_gradient(node, without_grad, gradient_free, into_buffers)):
+                    not function_body and reaches_no_gradient(node, without_grad, gradient_free, into_state)):
                 out = _meta(node)
                 batch[node] = [UNKNOWN] * len(out) if isinstance(out, (list, tuple)) else UNKNOWN
                 continue
@@ -5244,10 +5244,10 @@ def reaches_no_gradient(node: fx.Node, without_grad: set[fx.Node], memo: dict,
         node: An op the batch analysis finds mixing samples (or cannot follow).
         without_grad: The nodes run under ``no_grad`` (``computed_without_grad``).
         memo: Shared by the calls on one graph.
-        stored: The values the forward stores into objects that outlive the call
-            (``self.center = 0.9 * self.center + 0.1 * t.mean(0)``, lightly's DINO
-            centre): one computed from ``node`` carries the batch into the next step,
-            as a write into a buffer does.
+        stored: The values the forward stores into the model's state, where the next
+            call reads them (``self.center = 0.9 * self.center + 0.1 * t.mean(0)``,
+            lightly's DINO centre): one computed from ``node`` carries the batch into
+            the next step, as a write into a buffer does.
     """
     # The op and its outputs (``var_mean``'s two, taken by getitem).
     own = {node} | {u for u in node.users if u.target is operator.getitem}
