@@ -3618,19 +3618,13 @@ def _sums_along_the_batch_size(node: fx.Node, sized_by_batch: Sequence[fx.Node],
     """Whether ``node``'s value adds up, along a dim of size ``B``, a tensor built from
     sizes with ``B`` among them (``mask.sum() + 1e-10`` of a mask ``zeros(B, T)`` made
     inside the model: a count that grows with the batch)."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    for n in reached([node], lambda n: n.all_input_nodes):
         if n.op == "call_function" and n.target in (aten.sum.default, aten.sum.dim_IntList) \
                 and _built_from(n.args[0], sized_by_batch):
             shape = _meta(n.args[0]).shape
             dims = n.args[1] if n.target is aten.sum.dim_IntList and len(n.args) > 1 and n.args[1] else range(len(shape))
             if any(_same_size(shape[_norm_dim(d, len(shape))], batch_size) for d in dims):
                 return True
-        stack.extend(n.all_input_nodes)
     return False
 
 
