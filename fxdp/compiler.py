@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from fxdp import _torch_internals as internals
 from fxdp.batching import BatchDim
 from fxdp.clip_norm import ClipNorm
-from fxdp.errors import Problem, UnsupportedError
+from fxdp.errors import Problem, UnsupportedError, format_problems
 from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
 from fxdp.passes.batch_dims import (
@@ -29,7 +29,7 @@ from fxdp.passes.batch_dims import (
 )
 from fxdp.passes.canonicalize import canonicalize_pass
 from fxdp.passes.masked_rows import rows_in_place_pass
-from fxdp.passes.chunk_loops import chunk_loops_as_whole_pass
+from fxdp.passes.chunk_loops import chunk_loops_as_whole_pass, unmapped_problems
 from fxdp.passes.rewrite_backward import (BackwardPlan, backward_rewrite_pass, constant_gradients, gradient_outputs,
                                           stored_gradients, unmarked_gradients)
 from fxdp.passes.tag import tag_pass
@@ -495,8 +495,10 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
         analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored)
     # A loop after a refused one reads layouts the analysis no longer knows: each round
     # fuses the loops it can read, until none is left.
-    while analysis.problems and chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode):
+    unmapped = {}
+    while analysis.problems and chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode, unmapped):
         analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored)
+    analysis.problems += unmapped_problems(canon, unmapped, analysis.mixing)
     analysis.notes = list(dict.fromkeys(notes))
     if analysis.loss not in (None, "batchmean", options.loss_reduction):
         reason = (f"the loss inside the graph is a {analysis.loss} over the batch but "
@@ -829,8 +831,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
             )
         excluded = {name for p in analysis.problems for name in p.parameters}
         warnings.warn(
-            "fxdp: these parameters get no gradient (strict=False):\n"
-            + "\n".join(f"  - {p}" for p in analysis.problems)
+            "fxdp: these parameters get no gradient (strict=False):\n" + format_problems(analysis.problems)
             + "".join(f"\nNote: {note}" for note in analysis.notes),
             stacklevel=2,
         )

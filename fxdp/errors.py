@@ -40,7 +40,11 @@ class Problem:
 
 
 def format_problems(problems: list[Problem]) -> str:
-    return "\n".join(f"  - {p}" for p in problems)
+    """One line per problem; problems alike in every field, source included (the copies
+    of a loop Dynamo unrolled), once, with how many there are."""
+    lines = [str(p) for p in problems]
+    return "\n".join(f"  - {line}" + (f" ({lines.count(line)} times)" if lines.count(line) > 1 else "")
+                     for line in dict.fromkeys(lines))
 
 
 class UnsupportedError(RuntimeError):

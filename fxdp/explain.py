@@ -10,7 +10,7 @@ from torch.nn.parameter import is_lazy
 
 from fxdp._torch_internals import capture_config, new_fake_mode
 from fxdp.compiler import CompiledGraph, analyse_graph, forward_arg_names
-from fxdp.errors import Problem, UnsupportedError
+from fxdp.errors import Problem, UnsupportedError, format_problems
 from fxdp.options import Options
 
 __all__ = ["Explanation", "explain", "validate"]
@@ -46,7 +46,7 @@ class Explanation:
             out.append(f"=== fxdp graph {i} ({g.options}) ===")
             if g.problems:
                 out.append("refused (strict=False):")
-                out.extend(f"  - {p}" for p in g.problems)
+                out.append(format_problems(g.problems))
             out.append(f"rules fired: {g.rule_counts}")
             out.append("--- forward (after partitioning) ---")
             out.append(g.stages.get("forward", "<not compiled>").strip())

@@ -27,25 +27,27 @@ over the rows by ``torch.func.vmap``, traced to ATen (``_map``).
 from __future__ import annotations
 
 import operator
-from typing import Any
+import re
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
 
 from fxdp._torch_internals import make_fx_traced, vmap_safe_solves
 from fxdp.batching import BatchDim
-from fxdp.passes.batch_dims import batch_dim_pass, pure_op, reached
+from fxdp.errors import Problem
+from fxdp.passes.batch_dims import batch_dim_pass, module_path_of, op_name, pure_op, reached, source_of
 from fxdp.passes.canonicalize import in_place_as_out_of_place_pass
 from fxdp.passes.copies import SIZE_ARITHMETIC, SIZE_LISTS, equal, piece_of, same_code, size_value
 from fxdp.passes.writes import written_chain
 from fxdp.registry import named_arg
 
-__all__ = ["chunk_loops_as_whole_pass"]
+__all__ = ["chunk_loops_as_whole_pass", "unmapped_problems"]
 
 aten = torch.ops.aten
 
 def chunk_loops_as_whole_pass(gm: fx.GraphModule, batch: dict[fx.Node, Any], param_names: dict[fx.Node, str],
-                              fake_mode: Any) -> int:
+                              fake_mode: Any, unmapped: dict | None = None) -> int:
     """Write each ``cat`` of one function's results on consecutive chunks of the batch
     as that function on the whole batch, and each ``stack`` of its results on the
     samples' rows as that function mapped over the batch.
@@ -57,18 +59,21 @@ def chunk_loops_as_whole_pass(gm: fx.GraphModule, batch: dict[fx.Node, Any], par
             by the samples).
         param_names: Trainable-parameter placeholders and their names.
         fake_mode: The fake mode of the graph's example values.
+        unmapped: Filled, where given, with each ``cat`` of a loop over the samples that
+            ``vmap`` could not trace -> ``(why, the nodes of its copies)``, for
+            ``unmapped_problems``.
 
     Returns:
         How many loops were fused (the graph is unchanged when none).
     """
-    fused = 0
+    fused, unmapped = 0, {} if unmapped is None else unmapped
     for cat in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.cat.default]:
         loop = _loop(cat, batch)
-        if loop is not None and (_map(gm, cat, loop, batch, fake_mode) if loop.mapped
+        if loop is not None and (_map(gm, cat, loop, batch, fake_mode, unmapped) if loop.mapped
                                  else _fuse(gm, cat, loop, batch, param_names, fake_mode)
-                                 or (_of_single_rows(loop) and _map(gm, cat, loop, batch, fake_mode))
+                                 or (_of_single_rows(loop) and _map(gm, cat, loop, batch, fake_mode, unmapped))
                                  or (_of_samples_rows(loop, batch)
-                                     and _map(gm, cat, loop, batch, fake_mode, samples_rows=True))):
+                                     and _map(gm, cat, loop, batch, fake_mode, unmapped, samples_rows=True))):
             fused += 1
     if fused:
         gm.graph.eliminate_dead_code()
@@ -345,11 +350,12 @@ def _body_layouts(gm: fx.GraphModule, loop: _Loop, batch: dict, param_names: dic
     return {node: analysis.batch.get(env[node]) for node in loop.body}
 
 
-def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: Any,
+def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: Any, unmapped: dict,
          samples_rows: bool = False) -> bool:
     """Write ``loop``, a function of one row stacked over every row, as that function
     mapped over the rows by ``vmap``, traced to ATen in place of ``cat``; ``False`` (and
-    the graph unchanged) where it reads batched values or an op has no batching rule.
+    the graph unchanged) where it reads batched values or an op has no batching rule
+    (then ``unmapped[cat]`` says why).
 
     ``torch.stack([f(x[i]) for i in range(B)])`` is ``vmap(f)(x)`` for any pure ``f``,
     whether or not ``f`` keeps the rows of a sample apart: the batching rules write
@@ -398,7 +404,8 @@ def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: 
     torch._C._functorch._set_vmap_fallback_enabled(False)
     try:
         traced = make_fx_traced(mapped, examples, fake_mode=fake_mode)
-    except Exception:  # noqa: BLE001 - an op without a batching rule: keep the loop
+    except Exception as e:  # noqa: BLE001 - an op without a batching rule: keep the loop
+        unmapped[cat] = (_why_not_mapped(e), {b for corr in loop.copies for b in corr.values()})
         return False
     finally:
         torch._C._functorch._set_vmap_fallback_enabled(fallback)
@@ -425,6 +432,31 @@ def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: 
                 env[node] = gm.graph.node_copy(node, env.__getitem__)
     gm.graph.erase_node(cat)
     return True
+
+
+def _why_not_mapped(error: Exception) -> str:
+    """What ``vmap`` said when it could not trace a loop's body, in one line."""
+    said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    fallback = re.match(r"(\S+) hit the vmap fallback", said)
+    if fallback:
+        return f"torch.func.vmap has no batching rule for {fallback.group(1)}"
+    return f"torch.func.vmap raised {type(error).__name__}: {said}"
+
+
+def unmapped_problems(gm: fx.GraphModule, unmapped: dict, mixing: Iterable[fx.Node]) -> list[Problem]:
+    """A problem for each loop over the samples that ``vmap`` could not trace (``unmapped``,
+    filled by ``chunk_loops_as_whole_pass``) and still in ``gm`` with a copy among the nodes
+    a batch analysis refused (``mixing``): the refusals at the copies say how such loops
+    run, this says why that one did not."""
+    live, refused = set(gm.graph.nodes), set(mixing)
+    return [Problem(op_name(cat.target), module_path_of(cat), "", _NOT_MAPPED.format(why=why), source_of(cat))
+            for cat, (why, copies) in unmapped.items() if cat in live and copies & refused]
+
+
+_NOT_MAPPED = (
+    "it joins the results of a loop over the samples, torch.stack([f(x[i]) for i in range(B)]), that fxdp could "
+    "not run as torch.func.vmap(f): {why}, so the loop's parameter uses on one sample's values are refused; "
+    "write f with ops vmap can batch, or apply them to the whole batch")
 
 
 def _results_read_from(gm: fx.GraphModule, loop: _Loop, cat: fx.Node, mapped: fx.Node) -> None:

@@ -659,3 +659,53 @@ def test_each_rows_result_of_a_fused_loop_returned_apart_is_its_own():
         loss(dp_model(x)).backward()
         assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample, tolerance(DTYPE),
                          f"grad_sample at B = {batch_size}")
+
+
+@pytest.mark.parametrize("kind", ["random draw in each sample", "samples stacked out of order",
+                                  "an op without a batching rule"])
+def test_a_loop_vmap_could_not_trace_says_why_once(kind):
+    """Where vmap cannot trace a loop over the samples (an op without a batching rule),
+    the refusal says so and names the op, once for the loop; before the sixty-second
+    session it only repeated, once per copy, that such loops run as vmap(f) "where f
+    draws no random numbers, writes nothing in place...", all true of that loop. Loops
+    refused for other reasons get no such line; the copies' alike problems are listed
+    once, with how many there are."""
+    torch.manual_seed(0)
+    dp_model = fxdp.transform(ChunkLoops(kind).to(DTYPE), grad_sample=True, compiler="eager")
+    with pytest.raises(UnsupportedError) as info:
+        dp_model(*_inputs(kind, 4))
+    message = str(info.value)
+    untraced = ("could not run as torch.func.vmap(f): torch.func.vmap has no batching rule for "
+                "fxdp_test_chunk_loops::twice, so the loop's parameter uses on one sample's values are refused")
+    assert (message.count(untraced) == 1) == (kind == "an op without a batching rule"), message
+    assert message.count("uses a parameter on the values of one sample") == 1, message
+    assert "(4 times)" in message, message
+
+
+class UntracedLoopBeside(nn.Module):
+    """A loop over the samples without parameter uses vmap cannot trace (``pdist``,
+    kept as a loop: the analysis follows each sample's piece), beside a layer refused
+    for its own reason (BatchNorm in training)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.head = nn.Linear(4, 4), nn.BatchNorm1d(15), nn.Linear(15, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.head(self.norm(torch.stack([torch.pdist(row) for row in h])))
+
+
+def test_a_loop_vmap_could_not_trace_but_the_analysis_follows_is_not_blamed():
+    dp_model = fxdp.transform(UntracedLoopBeside().to(DTYPE), compiler="eager")
+    with pytest.raises(UnsupportedError, match="batch_norm") as info:
+        dp_model(torch.randn(4, 6, 4, dtype=DTYPE))
+    assert "torch.func.vmap(f):" not in str(info.value) and len(info.value.problems) == 1, str(info.value)
+    eval_model = UntracedLoopBeside().to(DTYPE).eval()
+    plain = copy.deepcopy(eval_model)
+    dp_model = fxdp.transform(eval_model, grad_sample=True, compiler="eager")
+    x = torch.randn(4, 6, 4, dtype=DTYPE)
+    ref = reference(copy.deepcopy(plain), (x,), lambda out, i: _per_sample_loss(out).sum())
+    _per_sample_loss(dp_model(x)).mean().backward()
+    assert_close_all({n: p.grad_sample for n, p in eval_model.named_parameters()},
+                     ref.per_sample, tolerance(DTYPE), "grad_sample")
