@@ -1505,7 +1505,8 @@ RUN_TIME_CHECKS = ("fxdp: samples keep different numbers of targets", "fxdp: the
                    "fxdp: x[mask] = rows fills every sample's masked positions",
                    "fxdp: the loss is a mean over the elements a boolean mask selected",
                    "fxdp: a shared index into rows of several samples",
-                   "fxdp: a grouped matmul's offsets count the sorted keys")
+                   "fxdp: a grouped matmul's offsets count the sorted keys",
+                   "fxdp: elements a boolean mask selected over the batch")
 
 
 def _modules_with_backward_hooks(model: torch.nn.Module | None) -> list[str]:

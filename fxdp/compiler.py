@@ -1065,7 +1065,7 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
         if isinstance(gather, SameCounts):
             with gm.graph.inserting_before(gather.node):
                 gm.graph.call_function(fxdp_same_mask_counts, (gather.mask, gather.dim, gather.source, gather.like,
-                                                               gather.rows, gather.mean))
+                                                               gather.rows, gather.mean, gather.one))
             continue
         if isinstance(gather, CountedKeys):
             with gm.graph.inserting_before(gather.node):
@@ -1089,13 +1089,15 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
 
 
 def fxdp_same_mask_counts(mask: torch.Tensor, dim: int, source: torch.Tensor | None = None,
-                          like: torch.Tensor | None = None, rows: bool = False, mean: bool = False) -> None:
+                          like: torch.Tensor | None = None, rows: bool = False, mean: bool = False,
+                          one: bool = False) -> None:
     """Assert that every sample's part of the boolean ``mask`` (batched along ``dim``)
     selects as many elements as the first's, or, for a ``masked_scatter``, as one
     sample's part of its ``source`` holds (``source`` batched along dim 0, a row or
     several per sample; the mask broadcast to ``like``'s shape), or, with ``rows``, as
     many positions as one sample's part of ``source`` has rows (see ``SameCounts``).
-    ``mean``: the selected elements are averaged, not viewed."""
+    ``mean``: the selected elements are averaged, not viewed; ``one``: they are paired with
+    the samples, and every sample's part must select exactly one."""
     if like is not None:
         mask = mask.expand(torch.broadcast_shapes(mask.shape, like.shape))
     per_sample = mask.movedim(dim, 0)
@@ -1108,6 +1110,13 @@ def fxdp_same_mask_counts(mask: torch.Tensor, dim: int, source: torch.Tensor | N
             "source rows, and the samples' masks select other numbers of positions than a sample's "
             "source rows hold: samples would be filled from each other's rows. Fill each sample from a "
             "source of the output's shape instead: torch.where(mask, filled, x)."))
+        return
+    if one:
+        torch._assert_async((counts == 1).all(), (
+            "fxdp: elements a boolean mask selected over the batch (x[mask], one list of every sample's) are "
+            "combined with the batch by broadcasting (cos + mask * f(cos[mask])[:, None]), which pairs element i "
+            "with sample i, and some sample's mask selects other than exactly one element: samples would get each "
+            "other's elements. Select each sample's element by position instead (cos.gather(1, labels[:, None]))."))
         return
     if mean:
         torch._assert_async((counts[:1] == counts).all(), (

@@ -1089,7 +1089,9 @@ class SameCounts:
     (``h[eos_mask].view(B, -1, d)``, the sentence representation of Hugging Face's BART
     and T5 classification heads): row ``(b, j)`` is sample ``b``'s ``j``-th selected
     row only where every sample's mask selects as many (``n``), which ``own_rows_pass``
-    checks at run time. Or a mean over every element of the selected rows
+    checks at run time. Or an elementwise op broadcasting the selected elements against
+    the batch (``cos + mask * f(cos[mask])[:, None]``, see ``_paired_per_sample``):
+    every sample's mask must select exactly one. Or a mean over every element of the selected rows
     (``x[mask].mean()``, ``bce_with_logits(logits[mask], labels[mask])``, ELECTRA's
     discriminator loss), the mean over the samples of each one's own mean where every
     sample's mask selects as many. Or a ``masked_scatter`` of a source batched along its dim 0
@@ -1113,6 +1115,7 @@ class SameCounts:
     like: "fx.Node | None" = None
     rows: bool = False
     mean: bool = False  # ``node`` is a mean over every element of the selected rows
+    one: bool = False  # ``node`` pairs the selected elements with the batch's samples: one each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2823,7 +2826,10 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
             return first.layout
         raise MixesSamples(_MASKED)
     if any(_any_batched(b) and not isinstance(b, Masked) for b in flat):
-        raise MixesSamples(_MASKED)
+        paired = None if uses_parameter else _paired_per_sample(node, arg_batch, kwarg_batch, first)
+        if paired is None:
+            raise MixesSamples(_MASKED)
+        return paired
     if node.target is aten.index.Tensor and arg_batch[0] is None and len(node.args[1]) == 1 \
             and isinstance(arg_batch[1][0], Masked):
         # A shared table looked up at each row's index (``table[ids[mask]]``, torchgeo's
@@ -3033,6 +3039,36 @@ def _as_masked(out: Any, selected: Masked, node: fx.Node) -> Any:
 # Means over every element alike: not a cross entropy, whose mean counts the targets
 # that are not ``ignore_index``.
 _MEANS_OF_EVERY_ELEMENT = {aten.mean.default, aten.mean.dim, *_ELEMENTWISE_LOSSES}
+
+
+def _paired_per_sample(node: fx.Node, arg_batch: list, kwarg_batch: list, selected: Masked) -> BatchDim | None:
+    """``cos + mask * f(cos[mask == 1])[:, None]`` (pytorch-metric-learning's ArcFace and
+    CosFace margins: each sample's target-class cosine selected by a one-hot mask,
+    changed, and added back): an elementwise op that broadcasts the list ``[N, ...]``
+    against the batch ``[B, ...]`` along both their dims 0 pairs element ``i`` with sample
+    ``i``, its own where every sample's mask selects exactly one element (recorded for a
+    run-time check, see ``SameCounts``). ``None`` where ``node`` is no such op."""
+    layout, out = selected.layout, _meta(node)
+    if not (_is_pointwise(node.target) and isinstance(out, torch.Tensor) and out.dim() > 0
+            and isinstance(layout, BatchDim) and layout.dim == 0 and layout.plain
+            and statically_known_true(out.shape[0] == _meta(selected.mask).shape[0])):
+        return None
+    batched = False
+    for arg, b in list(zip(node.args, arg_batch)) + list(zip(node.kwargs.values(), kwarg_batch)):
+        value = _meta(arg) if isinstance(arg, fx.Node) else None
+        if not isinstance(value, torch.Tensor):
+            if b is not None:
+                return None
+        elif isinstance(b, Masked) or (isinstance(b, BatchDim) and b.dim == 0 and b.plain):
+            if value.dim() != out.dim():  # (the list's dim 0, or the batch's, is not the result's)
+                return None
+            batched = batched or isinstance(b, BatchDim)
+        elif b is not None or (value.dim() == out.dim() and not statically_known_true(value.shape[0] == 1)):
+            return None
+    if not batched:
+        return None
+    _OWN_ROWS[-1].append(SameCounts(node, selected.mask, 0, one=True))
+    return BatchDim(0)
 
 
 def _viewed_per_sample(node: fx.Node, arg_batch: list, selected: Masked) -> BatchDim | None:

@@ -535,3 +535,82 @@ def test_a_mask_read_in_another_order_is_refused():
     mask = torch.rand(3, 2, 3) < 0.5
     problems = fxdp.validate(WeightsByTheMaskUnflattened("transposed"), torch.randn(3, 6, D), mask)
     assert any("different boolean masks" in p.reason for p in problems), problems
+
+
+class MarginOnTarget(nn.Module):
+    """One element per sample selected by a mask over the batch, changed, and combined
+    with the batch again by broadcasting, element ``i`` with sample ``i``:
+    pytorch-metric-learning's ArcFace margin (``losses/large_margin_softmax_loss.py``:
+    a one-hot mask of the labels, ``cos[mask == 1]``, ``cos + mask * diff.unsqueeze(1)``)
+    and the one end-of-sentence row of each sample (``h[tokens == eos]``) gated by the
+    sample's first row."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.emb = nn.Linear(D, 6)
+        if how == "the end of each sentence, gated":
+            self.gate, self.head = nn.Linear(D, 6), nn.Linear(6, 2)
+        else:
+            self.w = nn.Parameter(torch.randn(6, 3))
+
+    def forward(self, x, tokens):
+        if self.how == "the end of each sentence, gated":
+            rows = self.emb(x)[tokens == V - 1]
+            return self.head(rows * torch.sigmoid(self.gate(x[:, 0])))
+        cos = F.normalize(self.emb(x[:, 0]), dim=1) @ F.normalize(self.w, dim=0)  # [B, C]
+        mask = torch.zeros(x.shape[0], 3, dtype=x.dtype)
+        mask[torch.arange(x.shape[0]), tokens[:, 0] % 3] = 1
+        target = cos[mask == 1]
+        diff = torch.cos(torch.acos(target.clamp(-1 + 1e-7, 1 - 1e-7)) + 0.5) - target
+        if self.how == "along the classes":  # [B, C] * [N]: the list runs along each sample's classes
+            return 30 * cos * diff
+        if self.how == "with a parameter":
+            return torch.addcmul(cos, diff.unsqueeze(1), self.w[0])
+        return 30 * (cos + mask * diff.unsqueeze(1))
+
+
+def _one_eos(size: int):
+    x, tokens = _inputs(size, torch.float64)
+    tokens = tokens % (V - 1)
+    tokens[torch.arange(size), torch.arange(size) % T] = V - 1  # one end of sentence per sample
+    return x, tokens
+
+
+@pytest.mark.parametrize("how", ["arcface", "the end of each sentence, gated"])
+def test_one_element_per_sample_paired_with_the_batch_is_exact(how):
+    """Exact against the loop at two batch sizes (the ArcFace margin was refused as work
+    on a list of the whole batch's elements before the sixty-second session, a helper's
+    sweep of pytorch-metric-learning); where a sample's mask selects two elements and
+    another's none (the list still as long as the batch), the step fails."""
+    torch.manual_seed(0)
+    model = MarginOnTarget(how).double()
+    dp = fxdp.transform(model, grad_sample=True, max_grad_norm=1.0, loss_reduction="sum", compiler="eager")
+    for size in (3, 4):
+        x, tokens = _one_eos(size)
+        ref = reference(model, (x, tokens), lambda out, i: _loss(out))
+        model.zero_grad()
+        out = dp(x, tokens)
+        torch.testing.assert_close(out, model(x, tokens))
+        _loss(out).backward()
+        params = dict(model.named_parameters())
+        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tolerance(torch.float64),
+                         f"grad_sample at B = {size}")
+        assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("sum", 1.0), tolerance(torch.float64),
+                         f"p.grad at B = {size}")
+    if how == "arcface":
+        return  # (its mask selects one element of each row by construction)
+    x, tokens = _one_eos(4)
+    tokens[1, T - 1], tokens[2] = V - 1, tokens[2] % (V - 1)  # two ends in sample 1, none in sample 2
+    with pytest.raises(fxdp.UnsupportedError, match="pairs element i with sample i, and some sample's mask selects "
+                       "other than exactly one element"):
+        dp(x, tokens)
+
+
+@pytest.mark.parametrize("how", ["along the classes", "with a parameter"])
+def test_a_list_of_one_element_per_sample_combined_otherwise_is_refused(how):
+    """Broadcast along each sample's classes (``[B, C] * [N]``), the list's elements are
+    no sample's own; a parameter in the op pairing them keeps the refusal of parameter
+    uses on a list."""
+    problems = fxdp.validate(MarginOnTarget(how).double(), *_one_eos(3))
+    assert problems and "boolean mask" in problems[0].reason, problems
