@@ -437,13 +437,20 @@ def _constant_alike_along(node: fx.Node, dim: int) -> bool:
     """Whether the graph's constant ``node`` holds the same values all along ``dim``
     (``-0.0`` apart from ``0.0``, NaN alike)."""
     value = getattr(node.graph.owning_module, node.target, None)
-    if not isinstance(value, torch.Tensor) or value.dim() <= dim:
-        return False
+    return isinstance(value, torch.Tensor) and value.dim() > dim and values_alike_along(value, dim)
+
+
+def values_alike_along(value: torch.Tensor, dim: int, nan_alike: bool = True) -> bool:
+    """Whether ``value`` holds the same values all along ``dim`` (``-0.0`` apart from
+    ``0.0``; NaN alike where ``nan_alike``); ``False`` for an empty dim, or values not at
+    hand (a fake tensor)."""
     try:
         first = value.narrow(dim, 0, 1).expand_as(value)
-        same = (value == first) | (value.isnan() & first.isnan()) if value.is_floating_point() else value == first
+        same = value == first
         if value.is_floating_point():
             same &= value.signbit() == first.signbit()
+            if nan_alike:
+                same |= value.isnan() & first.isnan()
         return bool(same.all())
     except Exception:  # noqa: BLE001 - values not at hand (a fake tensor): not known alike
         return False

@@ -23,7 +23,7 @@ from fxdp._torch_internals import (
 from fxdp.errors import UnsupportedError
 from fxdp.functions import functions_as_ops, ops_as_functions
 from fxdp.passes.autocast import ambient_autocast, explicit_autocast_pass, no_autocast
-from fxdp.passes.batch_dims import FILLED_LIKE, pure_op, reached
+from fxdp.passes.batch_dims import FILLED_LIKE, pure_op, reached, values_alike_along
 from fxdp.passes.writes import (carries_no_gradient, computed_without_grad, is_view, writes_in_place, written_chain,
                                 written_through)
 from fxdp.registry import named_arg, out_of_place
@@ -2288,16 +2288,7 @@ def uniform_constants_as_fills_pass(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _one_value(value: torch.Tensor) -> bool:
     """Whether every element of ``value`` is its first (not NaN; ``-0.0`` is no ``0.0``)."""
-    if value.is_complex():
-        return False
-    try:
-        flat = value.reshape(-1)
-        same = flat == flat[0]
-        if value.is_floating_point():
-            same &= flat.signbit() == flat[0].signbit()
-        return bool(same.all())
-    except Exception:  # noqa: BLE001 - values not at hand (a fake tensor): not known filled
-        return False
+    return not value.is_complex() and values_alike_along(value.reshape(-1), 0, nan_alike=False)
 
 
 # Views that ``sink_expands_pass`` moves an expand below, and elementwise reads.
