@@ -1570,6 +1570,15 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
             "on a model's first call that asks for hidden states or attentions (its own heads "
             "may ask), to install its output-capturing hooks: call the model once before the "
             "transformed model's first call, e.g. under torch.no_grad() on one sample.")
+    if isinstance(error, torch._dynamo.exc.Unsupported) and "torch.autograd.grad" in str(error) \
+            and "autograd.Function" in str(error):
+        return one_graph(
+            "Dynamo does not capture torch.autograd.grad inside a torch.autograd.Function. In its backward "
+            "(the adjoint method of ODE and SDE solvers: torchdiffeq's odeint_adjoint, torchsde's sdeint_adjoint, "
+            "torchdyn's adjoint sensitivity) such a call takes the parameters' gradient of the whole batch at "
+            "once, summed over the samples, which fxdp could not make per-sample even if it were captured. "
+            "Backpropagate through the solver's steps instead (odeint, sdeint, torchdyn's "
+            "sensitivity='autograd'), or write the backward without torch.autograd.grad.")
     if isinstance(error, torch._dynamo.exc.Unsupported) and "torch.autograd.grad" in str(error):
         return one_graph(
             "Dynamo does not capture torch.autograd.grad there (its hint, trace_autograd_ops=True, "

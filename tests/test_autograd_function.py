@@ -925,3 +925,44 @@ def test_mean_loss_over_targets_computed_inside_a_function_is_refused():
 
     (problem,) = fxdp.validate(Step().double(), _batch((5, D), torch.float64))
     assert "its targets are computed inside the Function" in problem.reason, problem.reason
+
+
+class EulerAdjoint(torch.autograd.Function):
+    """torchdiffeq's ``odeint_adjoint`` in small: Euler steps under ``no_grad``, and a
+    backward that integrates the adjoint back with ``torch.autograd.grad`` over the state
+    and the parameters (their gradient of the whole batch, summed over the samples)."""
+
+    @staticmethod
+    def forward(ctx, func, y0, *params):
+        with torch.no_grad():
+            y1 = y0 + 0.5 * func(y0)
+        ctx.func = func
+        ctx.save_for_backward(y0, *params)
+        return y1
+
+    @staticmethod
+    def backward(ctx, a):
+        y0, *params = ctx.saved_tensors
+        with torch.enable_grad():
+            y = y0.detach().requires_grad_(True)
+            gy, *gp = torch.autograd.grad(ctx.func(y), (y, *params), 0.5 * a)
+        return (None, a + gy, *gp)
+
+
+class AdjointSolved(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.func, self.head = nn.Linear(D, D), nn.Linear(D, 2)
+
+    def forward(self, x):
+        return self.head(EulerAdjoint.apply(self.func, x, *self.func.parameters()))
+
+
+def test_an_adjoint_backward_taking_torch_autograd_grad_is_refused_with_what_to_do():
+    """The adjoint method of ODE and SDE solvers is refused with its own message (it
+    suggested torch.func.grad for the forward before the sixty-second session, found by a
+    helper's sweep of torchdiffeq, torchdyn and torchsde)."""
+    dp_model = fxdp.transform(AdjointSolved(), max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="torch.autograd.grad inside a torch.autograd.Function. In its "
+                       r"backward \(the adjoint method .*Backpropagate through the solver's steps instead"):
+        dp_model(torch.randn(3, D))
