@@ -4447,10 +4447,19 @@ def _sorted_rows_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, rule: 
     elif _is_pointwise(target):
         out = _pointwise(node, as_plain)
     else:
-        raise _NoPropagation(
-            f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it keeps samples "
-            "independent; register a rule for it with fxdp.register_rule")
+        raise _NoPropagation(_no_propagation(target))
     return _as_rows(out, first)
+
+
+def _no_propagation(target: Any) -> str:
+    """Why an op without a rule or a propagation is refused, and what to do."""
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return (f"no batch-dim propagation for {op_name(target)}, a higher-order op (control flow: while_loop, "
+                "scan, cond, map) whose body fxdp does not look into, nor can fxdp.register_rule describe; "
+                "write a loop as a Python loop over a fixed count, which Dynamo unrolls into the graph, and a "
+                "branch on a value as torch.where of both branches")
+    return (f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it keeps samples "
+            "independent; register a rule for it with fxdp.register_rule")
 
 
 # Ops that rearrange, cast or copy the row ids of a ``Rows`` (a sort's indices, a
@@ -5105,10 +5114,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
             elif _is_pointwise(target):
                 batch[node] = _pointwise(node, [b for b in arg_batch])
             else:
-                raise _NoPropagation(
-                    f"no batch-dim propagation for {op_name(target)}: fxdp cannot tell whether it "
-                    "keeps samples independent; register a rule for it with fxdp.register_rule"
-                )
+                raise _NoPropagation(_no_propagation(target))
             if (_is_pointwise(target) or target in _SCATTERED_ALONG or target in _AT_INDICES or target in (
                     aten.cat.default, aten.stack.default, aten.select_scatter.default, aten.slice_scatter.default)) \
                     and _varies_along_the_batch(node, arg_batch, batch[node], sources):

@@ -4767,6 +4767,32 @@ def test_a_foreach_norm_over_batched_tensors_is_refused():
     assert "no batch-dim propagation for aten._foreach_norm" in _reasons(model, torch.randn(B, D))
 
 
+class ControlFlowOp(nn.Module):
+    """A Linear applied three times by ``while_loop``, or one of two branches by ``cond``."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.op, self.lin = op, nn.Linear(D, D)
+
+    def forward(self, x):
+        from torch._higher_order_ops import while_loop
+
+        if self.op == "while_loop":
+            return while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, torch.tanh(self.lin(h))),
+                              (torch.zeros((), dtype=torch.int64), x))[1]
+        return torch.cond(self.lin.weight.sum() > 0, lambda h: self.lin(h), lambda h: -self.lin(h), (x,))
+
+
+@pytest.mark.parametrize("op", ["while_loop", "cond"])
+def test_a_control_flow_op_is_refused_with_how_to_write_it(op):
+    """A higher-order op fxdp does not look into is refused with how to write it instead
+    (the message suggested fxdp.register_rule, which takes no such op, before the
+    sixty-second session; found by a helper's sweep of ODE solvers)."""
+    reasons = _reasons(ControlFlowOp(op), torch.randn(B, D))
+    assert f"no batch-dim propagation for {op}, a higher-order op" in reasons and "Python loop" in reasons \
+        and "register_rule" not in reasons.replace("nor can fxdp.register_rule", ""), reasons
+
+
 class InnerGradientStep(nn.Module):
     """A gradient step the forward takes itself, per sample (titans' neural memory,
     test-time training): ``vmap(grad(inner))`` of a loss through a layer norm puts
