@@ -1061,9 +1061,13 @@ def own_rows_pass(gm: fx.GraphModule, analysis) -> fx.GraphModule:
     if not analysis.own_rows:
         return gm
     reference = _batched_input(analysis)
+    order = {node: k for k, node in enumerate(gm.graph.nodes)}
     for gather in analysis.own_rows:
         if isinstance(gather, SameCounts):
-            with gm.graph.inserting_before(gather.node):
+            # Paired with the batch, the list is checked before the first use of its mask:
+            # Dynamo's own checks of its length against the batch's follow the select.
+            at = min(gather.mask.users, key=lambda n: order.get(n, -1)) if gather.one else gather.node
+            with gm.graph.inserting_before(at):
                 gm.graph.call_function(fxdp_same_mask_counts, (gather.mask, gather.dim, gather.source, gather.like,
                                                                gather.rows, gather.mean, gather.one))
             continue

@@ -605,6 +605,15 @@ def test_one_element_per_sample_paired_with_the_batch_is_exact(how):
     with pytest.raises(fxdp.UnsupportedError, match="pairs element i with sample i, and some sample's mask selects "
                        "other than exactly one element"):
         dp(x, tokens)
+    # One end in the whole batch: the plain model broadcasts that row to every sample. The
+    # check runs before Dynamo's of the list's length (a raw "Runtime assertion failed
+    # for expression u0 >= 4" before the red team's find), on a fresh model too.
+    x, tokens = _one_eos(4)
+    tokens = tokens % (V - 1)
+    tokens[2, 1] = V - 1
+    for call in (dp, fxdp.transform(MarginOnTarget(how).double(), grad_sample=True, compiler="eager")):
+        with pytest.raises(fxdp.UnsupportedError, match="some sample's mask selects other than exactly one"):
+            call(x, tokens)
 
 
 @pytest.mark.parametrize("how", ["along the classes", "with a parameter"])
