@@ -494,9 +494,17 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
         rows_in_place_pass(canon, analysis.rows_in_place, analysis.batch)
         analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored)
     # A loop after a refused one reads layouts the analysis no longer knows: each round
-    # fuses the loops it can read, until none is left.
+    # fuses the loops it can read, until none is left. Where it can read none, the loops
+    # are read with every tensor built from the batch's size batched: the reading the
+    # analysis takes where the loops are fused (TabNet's random mask ``bernoulli(p *
+    # ones(B, G))`` before its ghost batch norm's chunks), which the loops' own refusal
+    # keeps it from taking before.
     unmapped = {}
-    while analysis.problems and chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode, unmapped):
+    while analysis.problems and (
+            chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode, unmapped)
+            or (analysis.sized_by_batch and chunk_loops_as_whole_pass(
+                canon, batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored,
+                                      sized_batched="all").batch, c_param_names, fake_mode, unmapped))):
         analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored)
     analysis.problems += unmapped_problems(canon, unmapped, analysis.mixing)
     analysis.notes = list(dict.fromkeys(notes))

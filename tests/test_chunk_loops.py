@@ -709,3 +709,46 @@ def test_a_loop_vmap_could_not_trace_but_the_analysis_follows_is_not_blamed():
     _per_sample_loss(dp_model(x)).mean().backward()
     assert_close_all({n: p.grad_sample for n, p in eval_model.named_parameters()},
                      ref.per_sample, tolerance(DTYPE), "grad_sample")
+
+
+class RandomMaskBeforeChunks(nn.Module):
+    """pytorch-tabnet's pretraining in training: a random mask per sample,
+    ``bernoulli(p * ones(B, G))`` through a shared group matrix (``RandomObfuscator``),
+    then a ghost batch norm's loop over chunks (eval). ``drawn`` replays the batch's draw
+    for the loop's samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.register_buffer("groups", torch.rand(4, 4))
+
+    def forward(self, x, drawn=None):
+        g = torch.bernoulli(0.3 * torch.ones(x.shape[0], 4, dtype=x.dtype)) if drawn is None else drawn
+        h = self.lin((1 - g @ self.groups) * x)
+        return torch.cat([self.head(c).tanh() for c in h.chunk(2)])
+
+
+def test_a_loop_over_chunks_after_a_random_mask_of_the_batch_s_size_is_fused():
+    """The mask is read as batched only once the loop is fused, and the loop was read
+    only with the mask shared: refused (at the mask's multiply, "a shared tensor whose
+    values vary along the batch dim") before the sixty-second session, a helper's sweep
+    of pytorch-tabnet. Checked against the loop run on each sample's row of the draw."""
+    torch.manual_seed(0)
+    model = RandomMaskBeforeChunks().to(DTYPE)
+    plain = copy.deepcopy(model)
+    dp_model = fxdp.transform(model, grad_sample=True, max_grad_norm=0.5, compiler="eager")
+    for batch_size in (5, 4):
+        x = torch.randn(batch_size, 4, dtype=DTYPE)
+        torch.manual_seed(batch_size)
+        out = dp_model(x)
+        torch.manual_seed(batch_size)
+        drawn = torch.bernoulli(0.3 * torch.ones(batch_size, 4, dtype=DTYPE))
+        torch.testing.assert_close(out, plain(x, drawn))
+        ref = reference(copy.deepcopy(plain), (x,), lambda out, i: _per_sample_loss(out).sum(),
+                        kwargs={"drawn": drawn})
+        model.zero_grad(set_to_none=True)
+        _per_sample_loss(out).mean().backward()
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(DTYPE), f"grad_sample at B = {batch_size}")
+        assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean", 0.5),
+                         tolerance(DTYPE), f"clipped grad at B = {batch_size}")
