@@ -498,13 +498,16 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     # are read with every tensor built from the batch's size batched: the reading the
     # analysis takes where the loops are fused (TabNet's random mask ``bernoulli(p *
     # ones(B, G))`` before its ghost batch norm's chunks), which the loops' own refusal
-    # keeps it from taking before.
+    # keeps it from taking before. There only what the batch's data reaches is batched:
+    # a loop over chunks of ``ones(B, B)`` itself stays a loop (its ``sum(1)`` counts B).
     unmapped = {}
+    data = [n for n, b in c_batch.items() if b is not None]
     while analysis.problems and (
             chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode, unmapped)
             or (analysis.sized_by_batch and chunk_loops_as_whole_pass(
-                canon, batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored,
-                                      sized_batched="all").batch, c_param_names, fake_mode, unmapped))):
+                canon, _of_the_data(batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size,
+                                                   stored_outputs=stored, sized_batched="all").batch, data),
+                c_param_names, fake_mode, unmapped))):
         analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored)
     analysis.problems += unmapped_problems(canon, unmapped, analysis.mixing)
     analysis.notes = list(dict.fromkeys(notes))
@@ -516,6 +519,12 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                   "model without labels=)")
         analysis.problems.append(Problem("loss", "", "", reason))
     return canon, fake_mode, c_param_names, analysis
+
+
+def _of_the_data(batch: dict[fx.Node, Any], data: Sequence[fx.Node]) -> dict[fx.Node, Any]:
+    """``batch``'s layouts of the values computed from ``data`` (the batched inputs)."""
+    reached_from = reached(data, lambda n: n.users)
+    return {node: layout for node, layout in batch.items() if node in reached_from}
 
 
 def refuse_graph_break(gm: fx.GraphModule, options: Options, example_inputs: Sequence[Any]) -> None:

@@ -752,3 +752,27 @@ def test_a_loop_over_chunks_after_a_random_mask_of_the_batch_s_size_is_fused():
                          tolerance(DTYPE), f"grad_sample at B = {batch_size}")
         assert_close_all({n: p.grad for n, p in model.named_parameters()}, ref.grad("mean", 0.5),
                          tolerance(DTYPE), f"clipped grad at B = {batch_size}")
+
+
+class LoopOverABuiltTensor(nn.Module):
+    """A loop over chunks of ``ones(B, B)``, whose ``sum(1)`` counts the batch: every
+    sample gets ``B``, a batch of one ``1``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("groups", torch.rand(4, 4))
+
+    def forward(self, x):
+        g = torch.bernoulli(0.3 * torch.ones(x.shape[0], 4, dtype=x.dtype))
+        s = torch.cat([c.sum(1, keepdim=True) for c in torch.ones(x.shape[0], x.shape[0], dtype=x.dtype).chunk(2)])
+        return self.lin((1 - g @ self.groups) * x * s)
+
+
+def test_a_loop_over_chunks_of_a_tensor_built_from_the_batch_size_stays_refused():
+    """The reading with tensors built from ``B`` batched fuses only loops over values of
+    the batch's data: over ``ones(B, B)`` itself it fused the loop, and the count was
+    accepted (a wrong result the red team found in the change's first form)."""
+    dp_model = fxdp.transform(LoopOverABuiltTensor().to(DTYPE), grad_sample=True, compiler="eager")
+    with pytest.raises(UnsupportedError):
+        dp_model(torch.randn(5, 4, dtype=DTYPE))
