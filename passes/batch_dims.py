@@ -3332,8 +3332,8 @@ _CREATION = {
 # ``b`` is what sample ``b`` would get alone (the same values, or its own random draw).
 _SIZED_BY_ARGUMENT = {
     aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format,
-    aten.randn.default, aten.rand.default, aten.new_ones.default, aten.new_zeros.default,
-    aten.new_full.default, aten.new_empty.default,
+    aten.randn.default, aten.rand.default, aten.randint.default, aten.randint.low, aten.normal.float_float,
+    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
 }
 
 

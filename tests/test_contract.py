@@ -3019,6 +3019,48 @@ def test_a_schedule_looked_up_at_timesteps_drawn_in_the_forward_is_accepted(how)
     assert fxdp.validate(DrawsTimesteps(how).to(DTYPE), randn(4, 4), loss_reduction="sum") == []
 
 
+class DrawnMask(nn.Module):
+    """A random mask of each sample drawn in the forward at the batch's size and mixed
+    through a shared matrix (pytorch-tabnet's ``RandomObfuscator``); ``drawn`` replays the
+    batch's draw for the loop's samples."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.net = nn.Linear(4, 4)
+        self.register_buffer("groups", torch.rand(4, 4))
+
+    def draw(self, size: int) -> torch.Tensor:
+        if self.how == "rand <":
+            return (torch.rand(size, 4) < 0.5).to(DTYPE)
+        if self.how == "randint":
+            return torch.randint(0, 2, (size, 4)).to(DTYPE)
+        return torch.normal(0.0, 1.0, (size, 4)).to(DTYPE)
+
+    def forward(self, x, drawn=None):
+        g = self.draw(x.shape[0]) if drawn is None else drawn
+        return self.net((1 - g @ self.groups) * x).pow(2).sum(1)
+
+
+@pytest.mark.parametrize("how", ["rand <", "randint", "normal"])
+def test_a_random_mask_drawn_at_the_batch_size_is_each_sample_s_own(how):
+    """Against the loop run on each sample's row of the draw. ``randint`` and ``normal``
+    at the batch's size were refused before the sixty-second session ("a shared tensor
+    whose values vary along the batch dim"; a red team's find), ``rand`` was not."""
+    model = DrawnMask(how).to(DTYPE)
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for size in (4, 3):
+        x = randn(size, 4, seed=size)
+        torch.manual_seed(size)
+        out = dp(x)
+        torch.manual_seed(size)
+        drawn = model.draw(size)
+        ref = reference(model, [x], lambda out, i: out.sum(), kwargs={"drawn": drawn})
+        model.zero_grad()
+        out.sum().backward()
+        assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample at B = {size}")
+
+
 def test_refusal_raises_fxdp_unsupported_error_itself():
     dp = fxdp.transform(Centred().to(DTYPE), compiler="eager")
     with pytest.raises(fxdp.UnsupportedError):
