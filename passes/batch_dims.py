@@ -3898,6 +3898,8 @@ def _piece_batch(node: fx.Node, arg_batch: list, batch_size: Any, uses_parameter
             if not all(_alike(pieces[slot::slots], batch) for slot in range(slots)):
                 raise MixesSamples(_POSITIONED)
             return joined
+        if _every_samples_piece(arg_batch[0], batch_size):
+            raise MixesSamples(_RAGGED)
     if node.target in (aten.slice_scatter.default, aten.select_scatter.default):
         if _writes_its_own_row(node, arg_batch):
             return arg_batch[0]
@@ -3939,6 +3941,14 @@ _PARTLY_WRITTEN = (
     "samples' code would have replaced had they been at those positions, so each sample's values depend on its "
     "position in the batch (alone, every sample is the first); write every sample's row (a loop over "
     "range(B)), or build the tensor from the samples (torch.stack)")
+
+
+_RAGGED = (
+    "it concatenates every sample's piece taken out of the batch in their order, but the pieces' sizes along the "
+    "joined dim differ, or may (lengths read from the data: torch.cat([feat[:length] for feat, length in "
+    "zip(features, lengths)]), flair's token scores): a ragged list of every sample's rows, in which fxdp cannot tell where "
+    "one sample's rows end; keep the padded batch and mask what each sample does not use "
+    "((loss * mask).sum() with mask = arange(T) < lengths[:, None])")
 
 
 _POSITIONED = (
@@ -4678,6 +4688,16 @@ def _pieces_joined(node: fx.Node, batches: list, batch_size: Any) -> BatchDim | 
             and not any(statically_known_true(size == 0) for size in sizes[:slots]):
         return BatchDim(d, sum(sizes[:slots]))
     return None
+
+
+def _every_samples_piece(batches: list, batch_size: Any) -> bool:
+    """Whether ``batches`` are ``Piece(0)``, …, ``Piece(B - 1)`` in order, ``k`` of each
+    sample in turn (as ``_pieces_joined`` reads them, their sizes aside)."""
+    count = _as_number(batch_size)
+    if not batches or not isinstance(count, int) or count <= 0 or len(batches) % count:
+        return False
+    slots = len(batches) // count
+    return all(isinstance(b, Piece) and b.sample == i // slots for i, b in enumerate(batches))
 
 
 def _flat(value: Any):

@@ -738,12 +738,14 @@ class JoinedPieces(torch.nn.Module):
         self.fc1 = torch.nn.Linear(4, 4)
         self.fc2 = torch.nn.Linear(4, 3)
 
-    def forward(self, x):
+    def forward(self, x, lengths=None):
         h = self.fc1(x).tanh()
         if self.kind == "unbind":
             packed = torch.cat(h.unbind(0))
         elif self.kind == "unequal":
             packed = torch.cat([h[i, :i + 1] for i in range(x.shape[0])])
+        elif self.kind == "lengths":  # flair's SequenceTagger without a CRF: each sentence's real tokens
+            return self.fc2(torch.cat([feat[:length] for feat, length in zip(h, lengths)]))
         else:
             packed = torch.cat([h[i] for i in range(x.shape[0])], 0)
         return self.fc2(packed).view(x.shape[0], -1, 3) if self.kind != "unequal" else self.fc2(packed)
@@ -757,9 +759,16 @@ def test_every_samples_rows_concatenated_in_order_are_the_batch_flattened(kind):
     _against_the_loop_at(model, dp_model, (B, B + 2), 3, 4, max_grad_norm=0.5)
 
 
-def test_pieces_of_different_sizes_concatenated_are_refused():
-    with pytest.raises(fxdp.UnsupportedError, match="combines the values of one sample taken out of the batch"):
-        fxdp.transform(JoinedPieces("unequal").double(), compiler="eager")(torch.randn(3, 3, 4, dtype=torch.float64))
+@pytest.mark.parametrize("kind", ["unequal", "lengths"])
+def test_pieces_of_different_sizes_concatenated_are_refused(kind):
+    """A ragged list of every sample's rows, at sizes of their positions or read from the
+    data (flair's token scores): refused with what to do instead (before the sixty-second
+    session as combining one sample's values with the others')."""
+    x = torch.randn(3, 3, 4, dtype=torch.float64)
+    args = (x,) if kind == "unequal" else (x, torch.tensor([3, 1, 2]))
+    with pytest.raises(fxdp.UnsupportedError, match="it concatenates every sample's piece taken out of the batch in "
+                       r"their order, but the pieces' sizes along the joined dim differ, or may .*\(loss \* mask\)"):
+        fxdp.transform(JoinedPieces(kind).double(), compiler="eager")(*args)
 
 
 class PaddedPieces(torch.nn.Module):
