@@ -51,7 +51,7 @@ __all__ = [
     "name_function_calls",
     "vmap_safe_solves",
     "incompatible_keys",
-    "fake_bicubic_aa_backward",
+    "fake_kernels_torch_lacks",
 ]
 
 
@@ -69,10 +69,10 @@ def new_fake_mode():
 
 
 @functools.cache
-def fake_bicubic_aa_backward() -> None:
-    """A fake kernel for ``aten._upsample_bicubic2d_aa_backward`` at symbolic sizes.
+def fake_kernels_torch_lacks() -> None:
+    """Fake kernels for ops PyTorch has none for at symbolic sizes (torch 2.13).
 
-    Works around PyTorch (torch 2.13, ``torch/_meta_registrations.py``): the Python
+    ``aten._upsample_bicubic2d_aa_backward``: the Python
     meta of the antialiased resizes' backward lists the bilinear and Lanczos ops but not
     the bicubic one, whose C++ meta takes sizes as integers only, so tracing the
     backward of ``F.interpolate(…, mode="bicubic", antialias=True)`` at a second image
@@ -86,6 +86,19 @@ def fake_bicubic_aa_backward() -> None:
     op = torch.ops.aten._upsample_bicubic2d_aa_backward.default
     register_meta(op)(meta_upsample_bimode2d_aa_backward)
     op.py_impl(torch._C.DispatchKey.Meta)(meta_upsample_bimode2d_aa_backward)
+    # ``torch.distributions``' draws of each element on its own and their reparameterised
+    # gradients (Gamma, Beta, Dirichlet, Binomial), whose outputs have the first input's
+    # shape: their fallback runs only at sizes that are numbers, so a second batch size
+    # failed ("UnsupportedOperatorException: aten._standard_gamma_grad.default").
+    aten = torch.ops.aten
+    for op in (aten._standard_gamma_grad.default, aten._sample_dirichlet.default, aten.binomial.default,
+               aten._dirichlet_grad.default):
+        register_meta(op)(_shaped_like_first)
+        op.py_impl(torch._C.DispatchKey.Meta)(_shaped_like_first)
+
+
+def _shaped_like_first(first: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.empty_like(first)
 
 
 # Logger methods a forward may call (Hugging Face adds ``warning_once`` and ``warning_advice``).
@@ -186,7 +199,7 @@ def capture_config():
 
     attribute_call = GetAttrVariable.call_method
     _install_capture_hooks()
-    fake_bicubic_aa_backward()
+    fake_kernels_torch_lacks()
     capturing = _NAMING.capturing
     _NAMING.capturing = True
     try:

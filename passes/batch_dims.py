@@ -379,7 +379,7 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict, resized: bool) 
         cut = target in _PIECES_OF_ALL and target is not aten.unbind.int
         return all(_uniform_along(node.args[0], d, memo, resized or (cut and _resized(node.args[0], d, value.shape[d])))
                    for d in range(source.dim()))
-    if _is_pointwise(target):
+    if _is_pointwise(target) or (target is aten._sample_dirichlet.default and dim < value.dim() - 1):
         return all(_uniform_along(a, dim - (value.dim() - _meta(a).dim()), memo, resized)
                    for a in node.all_input_nodes if isinstance(_meta(a), torch.Tensor))
     if target is aten.slice_scatter.default:
@@ -861,6 +861,8 @@ _EXTRA_POINTWISE = [
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
     aten.rsub.Tensor, aten.rsub.Scalar, aten.zero.default, aten._conj.default, aten.conj_physical.default,
     aten.rand_like.default, aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
+    # draws of each element on its own (``torch.distributions``' Gamma, Poisson, Binomial)
+    aten._standard_gamma.default, aten.poisson.default, aten.binomial.default, aten._standard_gamma_grad.default,
     aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.feature_dropout.default,
     aten.alpha_dropout.default, aten.gelu.default, aten.silu.default, aten.hardtanh.default,
     aten.leaky_relu.default, aten.elu.default, aten.softplus.default, aten.mish.default,
@@ -1051,6 +1053,9 @@ PROPAGATION[aten.rot90.default] = _dim_op(lambda node, ndim: list(node.args[2]) 
 
 # ``F.glu`` halves its dim (default the last) into a value and a gate.
 PROPAGATION[aten.glu.default] = _dim_op(_arg_dim(1, -1))
+# A Dirichlet draw (``torch.distributions``' Dirichlet and Beta) normalises along the
+# last dim, the concentrations of one draw.
+PROPAGATION[aten._sample_dirichlet.default] = _dim_op(lambda node, ndim: [ndim - 1])
 
 
 for _op in (aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default):

@@ -14,7 +14,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_kno
 
 from fxdp._torch_internals import (
     erase_unused,
-    fake_bicubic_aa_backward,
+    fake_kernels_torch_lacks,
     inline_checkpoints,
     make_fx_traced,
     size_hint,
@@ -522,7 +522,7 @@ def canonicalize_pass(gm: fx.GraphModule, fake_args: Sequence[Any], *, fake_mode
     (``transform_regions_as_aten``); ``torch.autograd.Function`` calls stay whole (``fxdp/functions.py``).
     Placeholders keep their order, node meta (``nn_module_stack``) is preserved.
     """
-    fake_bicubic_aa_backward()  # (also under torch.compile(backend="fxdp"), which captures without fxdp)
+    fake_kernels_torch_lacks()  # (also under torch.compile(backend="fxdp"), which captures without fxdp)
     gm = functions_as_ops(inline_checkpoints(transform_regions_as_aten(gm, fake_mode)))
     gm = rnn_initial_state_pass(data_attr_as_detach_pass(gm))
     # The LSTM decomposition would pick the opaque aten.mkldnn_rnn_layer on CPU float32.

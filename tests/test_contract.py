@@ -3035,18 +3035,27 @@ class DrawnMask(nn.Module):
             return (torch.rand(size, 4) < 0.5).to(DTYPE)
         if self.how == "randint":
             return torch.randint(0, 2, (size, 4)).to(DTYPE)
-        return torch.normal(0.0, 1.0, (size, 4)).to(DTYPE)
+        if self.how == "normal":
+            return torch.normal(0.0, 1.0, (size, 4)).to(DTYPE)
+        concentration, probability = torch.tensor(2.0, dtype=DTYPE), torch.tensor(0.3, dtype=DTYPE)
+        distribution = {"gamma": torch.distributions.Gamma(concentration, 1.0),
+                        "beta": torch.distributions.Beta(concentration, 3.0),
+                        "poisson": torch.distributions.Poisson(concentration),
+                        "binomial": torch.distributions.Binomial(4, probability)}[self.how]
+        return distribution.sample((size, 4))
 
     def forward(self, x, drawn=None):
         g = self.draw(x.shape[0]) if drawn is None else drawn
         return self.net((1 - g @ self.groups) * x).pow(2).sum(1)
 
 
-@pytest.mark.parametrize("how", ["rand <", "randint", "normal"])
+@pytest.mark.parametrize("how", ["rand <", "randint", "normal", "gamma", "beta", "poisson", "binomial"])
 def test_a_random_mask_drawn_at_the_batch_size_is_each_sample_s_own(how):
     """Against the loop run on each sample's row of the draw. ``randint`` and ``normal``
-    at the batch's size were refused before the sixty-second session ("a shared tensor
-    whose values vary along the batch dim"; a red team's find), ``rand`` was not."""
+    at the batch's size, and ``torch.distributions``' Gamma, Beta, Poisson and Binomial
+    samples (gluonts' implicit quantile head draws its levels from a Beta), were refused
+    before the sixty-second session ("a shared tensor whose values vary along the batch
+    dim"; a red team's and a helper's finds), ``rand`` was not."""
     model = DrawnMask(how).to(DTYPE)
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
     for size in (4, 3):
@@ -3055,6 +3064,51 @@ def test_a_random_mask_drawn_at_the_batch_size_is_each_sample_s_own(how):
         out = dp(x)
         torch.manual_seed(size)
         drawn = model.draw(size)
+        ref = reference(model, [x], lambda out, i: out.sum(), kwargs={"drawn": drawn})
+        model.zero_grad()
+        out.sum().backward()
+        assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample at B = {size}")
+
+
+class _GammaReplayed(torch.autograd.Function):
+    """A Gamma draw given, with the reparameterised gradient ``rsample`` takes."""
+
+    @staticmethod
+    def forward(ctx, concentration, drawn):
+        ctx.save_for_backward(concentration, drawn)
+        return drawn.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        concentration, drawn = ctx.saved_tensors
+        return grad * torch._standard_gamma_grad(concentration, drawn), None
+
+
+class GammaOfATrainableConcentration(nn.Module):
+    """``Gamma(softplus(a), 1).rsample((B,))``: each sample's own draw, differentiated
+    through the draw into the parameter; ``drawn`` replays the batch's draw."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.net = nn.Parameter(torch.tensor([1.5, 0.5, 2.0, 1.0])), nn.Linear(4, 4)
+
+    def forward(self, x, drawn=None):
+        concentration = F.softplus(self.a).expand(x.shape[0], 4)
+        g = torch._standard_gamma(concentration) if drawn is None else _GammaReplayed.apply(concentration, drawn)
+        return self.net(x * g).pow(2).sum(1)
+
+
+def test_a_reparameterised_gamma_draw_of_a_parameter_is_exact():
+    """A second batch size compiles at symbolic sizes, where PyTorch has no fake kernel for
+    the draw's gradient (``aten._standard_gamma_grad``): fxdp registers one."""
+    model = GammaOfATrainableConcentration().to(DTYPE)
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for size in (4, 3):
+        x = randn(size, 4, seed=size)
+        torch.manual_seed(size)
+        out = dp(x)
+        torch.manual_seed(size)
+        drawn = torch._standard_gamma(F.softplus(model.a.detach()).expand(size, 4))
         ref = reference(model, [x], lambda out, i: out.sum(), kwargs={"drawn": drawn})
         model.zero_grad()
         out.sum().backward()
