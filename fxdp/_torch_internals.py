@@ -1637,6 +1637,11 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
                    "requires_grad_(step >= n) made in the forward). Do that outside the forward, between "
                    "steps (p.requires_grad_(...) before the call: fxdp gives frozen parameters no "
                    "gradient), or pass a value that does not change.")
+        elif "PendingUnbackedSymbolNotFound" in str(error):
+            why = ("a tensor's value is used as a Python number where the forward makes a tensor (a fill "
+                   "value: x.new_full(size, t) or torch.full(size, t) with a 0-d tensor t, such as one entry of "
+                   "a buffer). Pass a Python number there (float(t) computed once, before the transform, or a "
+                   "constant), or build the tensor from t itself (t.expand(size)).")
         else:
             why = ("often code Dynamo calls on the model's own objects raises (a tuple subclass whose "
                    "__len__ raises, read by Dynamo's guards); pass plain values there.")

@@ -627,6 +627,26 @@ def test_a_number_made_symbolic_where_dynamo_needs_a_constant_is_named():
     assert "outside the forward" in last
 
 
+class FilledWithATensor(nn.Module):
+    """ultralytics' ``make_anchors``: ``x.new_full(size, stride)`` with ``stride`` one entry
+    of a buffer, a 0-d tensor. Dynamo fails inside itself ("PendingUnbackedSymbolNotFound",
+    ``torch.compile(fullgraph=True)`` too); the generic refusal guessed at a tuple subclass."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("stride", torch.tensor([8.0, 16.0]))
+
+    def forward(self, x):
+        return self.lin(x) * x.new_full((4,), self.stride[1])
+
+
+def test_a_tensor_used_as_a_fill_value_is_named():
+    with refused("a tensor's value is used as a Python number where the forward makes a tensor .*new_full.* Pass "
+                 "a Python number there"):
+        fxdp.transform(FilledWithATensor().to(DTYPE), compiler="eager")(randn(5, 4))
+
+
 class BranchesOnATensorsValue(nn.Module):
     """asteroid's DCUNet checks its input length against ``int(torch.from_numpy(a)[0])``."""
 
