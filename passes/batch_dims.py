@@ -863,6 +863,7 @@ _EXTRA_POINTWISE = [
     aten.rand_like.default, aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
     # draws of each element on its own (``torch.distributions``' Gamma, Poisson, Binomial)
     aten._standard_gamma.default, aten.poisson.default, aten.binomial.default, aten._standard_gamma_grad.default,
+    aten._dirichlet_grad.default,  # (each element's, given the draw's total along its last dim)
     aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.feature_dropout.default,
     aten.alpha_dropout.default, aten.gelu.default, aten.silu.default, aten.hardtanh.default,
     aten.leaky_relu.default, aten.elu.default, aten.softplus.default, aten.mish.default,

@@ -3135,6 +3135,56 @@ def test_a_reparameterised_gamma_draw_of_a_parameter_is_exact():
         assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample at B = {size}")
 
 
+class _DirichletReplayed(torch.autograd.Function):
+    """A Dirichlet draw given, with the gradient ``torch.distributions``' ``_Dirichlet`` takes."""
+
+    @staticmethod
+    def forward(ctx, concentration, drawn):
+        ctx.save_for_backward(concentration, drawn)
+        return drawn.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        concentration, drawn = ctx.saved_tensors
+        return torch.distributions.dirichlet._Dirichlet_backward(drawn, concentration, grad), None
+
+
+class DirichletOfParameters(nn.Module):
+    """``Dirichlet(c).rsample()`` with ``c`` a parameter's (one for the batch) or each
+    sample's own, computed by a layer; ``drawn`` replays the batch's draw."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.a, self.net = nn.Parameter(torch.tensor([1.5, 2.0, 0.7])), nn.Linear(3, 3)
+
+    def concentration(self, x):
+        return self.net(x).exp() if self.how == "each sample's" else F.softplus(self.a).expand(x.shape[0], 3)
+
+    def forward(self, x, drawn=None):
+        c = self.concentration(x)
+        g = torch.distributions.Dirichlet(c).rsample() if drawn is None else _DirichletReplayed.apply(c, drawn)
+        return self.net(x * g).pow(2).sum(1) + (g * self.a).sum(1)
+
+
+@pytest.mark.parametrize("how", ["a parameter's", "each sample's"])
+def test_a_reparameterised_dirichlet_draw_is_exact(how):
+    """Refused before the sixty-second session: the draw's gradient
+    (``aten._dirichlet_grad``) had no propagation, nor fake kernel at symbolic sizes."""
+    model = DirichletOfParameters(how).to(DTYPE)
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    for size in (4, 3):
+        x = randn(size, 3, seed=size)
+        torch.manual_seed(size)
+        out = dp(x)
+        torch.manual_seed(size)
+        drawn = torch._sample_dirichlet(model.concentration(x).detach())
+        ref = reference(model, [x], lambda out, i: out.sum(), kwargs={"drawn": drawn})
+        model.zero_grad()
+        out.sum().backward()
+        assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample at B = {size}")
+
+
 def test_refusal_raises_fxdp_unsupported_error_itself():
     dp = fxdp.transform(Centred().to(DTYPE), compiler="eager")
     with pytest.raises(fxdp.UnsupportedError):
