@@ -15,6 +15,7 @@ import re
 import threading
 import warnings
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -3069,39 +3070,55 @@ class DrawnMask(nn.Module):
         return self.net((1 - g @ self.groups) * x).pow(2).sum(1)
 
 
-@pytest.mark.parametrize("how", ["rand <", "randint", "normal", "gamma", "beta", "poisson", "binomial"])
-def test_a_random_mask_drawn_at_the_batch_size_is_each_sample_s_own(how):
-    """Against the loop run on each sample's row of the draw. ``randint`` and ``normal``
-    at the batch's size, and ``torch.distributions``' Gamma, Beta, Poisson and Binomial
-    samples (gluonts' implicit quantile head draws its levels from a Beta), were refused
-    before the sixty-second session ("a shared tensor whose values vary along the batch
-    dim"; a red team's and a helper's finds), ``rand`` was not."""
-    model = DrawnMask(how).to(DTYPE)
+def _against_the_loop_on_the_same_draws(model: nn.Module, features: int, redraw: Callable) -> None:
+    """fxdp's per-sample gradients against the loop run on each sample's row of the
+    batch's draw, at two batch sizes (the second compiles at symbolic sizes): the draw is
+    made again from the same seed by ``redraw(x)`` and passed to the loop as ``drawn``."""
     dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
     for size in (4, 3):
-        x = randn(size, 4, seed=size)
+        x = randn(size, features, seed=size)
         torch.manual_seed(size)
         out = dp(x)
         torch.manual_seed(size)
-        drawn = model.draw(size)
+        drawn = redraw(x)
         ref = reference(model, [x], lambda out, i: out.sum(), kwargs={"drawn": drawn})
         model.zero_grad()
         out.sum().backward()
         assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample at B = {size}")
 
 
-class _GammaReplayed(torch.autograd.Function):
-    """A Gamma draw given, with the reparameterised gradient ``rsample`` takes."""
+@pytest.mark.parametrize("how", ["rand <", "randint", "normal", "gamma", "beta", "poisson", "binomial"])
+def test_a_random_mask_drawn_at_the_batch_size_is_each_sample_s_own(how):
+    """``randint`` and ``normal`` at the batch's size, and ``torch.distributions``' Gamma,
+    Beta, Poisson and Binomial samples (gluonts' implicit quantile head draws its levels
+    from a Beta), were refused before the sixty-second session ("a shared tensor whose
+    values vary along the batch dim"; a red team's and a helper's finds), ``rand`` was not."""
+    model = DrawnMask(how).to(DTYPE)
+    _against_the_loop_on_the_same_draws(model, 4, lambda x: model.draw(x.shape[0]))
+
+
+class _Replayed(torch.autograd.Function):
+    """A reparameterised draw given (``drawn``), with the gradient ``vjp(concentration,
+    drawn, grad)`` that ``rsample`` takes."""
 
     @staticmethod
-    def forward(ctx, concentration, drawn):
+    def forward(ctx, vjp, concentration, drawn):
+        ctx.vjp = vjp
         ctx.save_for_backward(concentration, drawn)
         return drawn.clone()
 
     @staticmethod
     def backward(ctx, grad):
         concentration, drawn = ctx.saved_tensors
-        return grad * torch._standard_gamma_grad(concentration, drawn), None
+        return None, ctx.vjp(concentration, drawn, grad), None
+
+
+def _gamma_vjp(concentration, drawn, grad):
+    return grad * torch._standard_gamma_grad(concentration, drawn)
+
+
+def _dirichlet_vjp(concentration, drawn, grad):
+    return torch.distributions.dirichlet._Dirichlet_backward(drawn, concentration, grad)
 
 
 class GammaOfATrainableConcentration(nn.Module):
@@ -3112,41 +3129,20 @@ class GammaOfATrainableConcentration(nn.Module):
         super().__init__()
         self.a, self.net = nn.Parameter(torch.tensor([1.5, 0.5, 2.0, 1.0])), nn.Linear(4, 4)
 
+    def concentration(self, x):
+        return F.softplus(self.a).expand(x.shape[0], 4)
+
     def forward(self, x, drawn=None):
-        concentration = F.softplus(self.a).expand(x.shape[0], 4)
-        g = torch._standard_gamma(concentration) if drawn is None else _GammaReplayed.apply(concentration, drawn)
+        c = self.concentration(x)
+        g = torch._standard_gamma(c) if drawn is None else _Replayed.apply(_gamma_vjp, c, drawn)
         return self.net(x * g).pow(2).sum(1)
 
 
 def test_a_reparameterised_gamma_draw_of_a_parameter_is_exact():
-    """A second batch size compiles at symbolic sizes, where PyTorch has no fake kernel for
-    the draw's gradient (``aten._standard_gamma_grad``): fxdp registers one."""
+    """At the second batch size PyTorch has no fake kernel for the draw's gradient
+    (``aten._standard_gamma_grad``) at symbolic sizes: fxdp registers one."""
     model = GammaOfATrainableConcentration().to(DTYPE)
-    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
-    for size in (4, 3):
-        x = randn(size, 4, seed=size)
-        torch.manual_seed(size)
-        out = dp(x)
-        torch.manual_seed(size)
-        drawn = torch._standard_gamma(F.softplus(model.a.detach()).expand(size, 4))
-        ref = reference(model, [x], lambda out, i: out.sum(), kwargs={"drawn": drawn})
-        model.zero_grad()
-        out.sum().backward()
-        assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample at B = {size}")
-
-
-class _DirichletReplayed(torch.autograd.Function):
-    """A Dirichlet draw given, with the gradient ``torch.distributions``' ``_Dirichlet`` takes."""
-
-    @staticmethod
-    def forward(ctx, concentration, drawn):
-        ctx.save_for_backward(concentration, drawn)
-        return drawn.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        concentration, drawn = ctx.saved_tensors
-        return torch.distributions.dirichlet._Dirichlet_backward(drawn, concentration, grad), None
+    _against_the_loop_on_the_same_draws(model, 4, lambda x: torch._standard_gamma(model.concentration(x).detach()))
 
 
 class DirichletOfParameters(nn.Module):
@@ -3163,7 +3159,7 @@ class DirichletOfParameters(nn.Module):
 
     def forward(self, x, drawn=None):
         c = self.concentration(x)
-        g = torch.distributions.Dirichlet(c).rsample() if drawn is None else _DirichletReplayed.apply(c, drawn)
+        g = torch.distributions.Dirichlet(c).rsample() if drawn is None else _Replayed.apply(_dirichlet_vjp, c, drawn)
         return self.net(x * g).pow(2).sum(1) + (g * self.a).sum(1)
 
 
@@ -3172,17 +3168,7 @@ def test_a_reparameterised_dirichlet_draw_is_exact(how):
     """Refused before the sixty-second session: the draw's gradient
     (``aten._dirichlet_grad``) had no propagation, nor fake kernel at symbolic sizes."""
     model = DirichletOfParameters(how).to(DTYPE)
-    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
-    for size in (4, 3):
-        x = randn(size, 3, seed=size)
-        torch.manual_seed(size)
-        out = dp(x)
-        torch.manual_seed(size)
-        drawn = torch._sample_dirichlet(model.concentration(x).detach())
-        ref = reference(model, [x], lambda out, i: out.sum(), kwargs={"drawn": drawn})
-        model.zero_grad()
-        out.sum().backward()
-        assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample at B = {size}")
+    _against_the_loop_on_the_same_draws(model, 3, lambda x: torch._sample_dirichlet(model.concentration(x).detach()))
 
 
 def test_refusal_raises_fxdp_unsupported_error_itself():
