@@ -87,18 +87,21 @@ def fake_kernels_torch_lacks() -> None:
     register_meta(op)(meta_upsample_bimode2d_aa_backward)
     op.py_impl(torch._C.DispatchKey.Meta)(meta_upsample_bimode2d_aa_backward)
     # ``torch.distributions``' draws of each element on its own and their reparameterised
-    # gradients (Gamma, Beta, Dirichlet, Binomial), whose outputs have the first input's
-    # shape: their fallback runs only at sizes that are numbers, so a second batch size
-    # failed ("UnsupportedOperatorException: aten._standard_gamma_grad.default").
+    # gradients (Gamma, Beta, Dirichlet, Binomial), whose outputs have their inputs'
+    # broadcast shape and the first's dtype: their fallback runs only at sizes that are
+    # numbers, so a second batch size failed ("UnsupportedOperatorException:
+    # aten._standard_gamma_grad.default").
     aten = torch.ops.aten
     for op in (aten._standard_gamma_grad.default, aten._sample_dirichlet.default, aten.binomial.default,
                aten._dirichlet_grad.default):
-        register_meta(op)(_shaped_like_first)
-        op.py_impl(torch._C.DispatchKey.Meta)(_shaped_like_first)
+        register_meta(op)(_elementwise_result)
+        op.py_impl(torch._C.DispatchKey.Meta)(_elementwise_result)
 
 
-def _shaped_like_first(first: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return torch.empty_like(first)
+def _elementwise_result(first: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The result of an elementwise op of ``first`` and the tensors among ``args``."""
+    shapes = [first.shape, *(a.shape for a in args if isinstance(a, torch.Tensor))]
+    return first.new_empty(torch.broadcast_shapes(*shapes))
 
 
 # Logger methods a forward may call (Hugging Face adds ``warning_once`` and ``warning_advice``).

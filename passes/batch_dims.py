@@ -379,7 +379,9 @@ def _uniform_along_uncached(node: fx.Node, dim: int, memo: dict, resized: bool) 
         cut = target in _PIECES_OF_ALL and target is not aten.unbind.int
         return all(_uniform_along(node.args[0], d, memo, resized or (cut and _resized(node.args[0], d, value.shape[d])))
                    for d in range(source.dim()))
-    if _is_pointwise(target) or (target is aten._sample_dirichlet.default and dim < value.dim() - 1):
+    if _is_pointwise(target) or (target is aten._sample_dirichlet.default and dim < value.dim() - 1
+                                 # (a draw over as many as the batch has samples: alone, over one)
+                                 and not statically_known_true(value.shape[-1] == value.shape[dim])):
         return all(_uniform_along(a, dim - (value.dim() - _meta(a).dim()), memo, resized)
                    for a in node.all_input_nodes if isinstance(_meta(a), torch.Tensor))
     if target is aten.slice_scatter.default:
@@ -1054,9 +1056,23 @@ PROPAGATION[aten.rot90.default] = _dim_op(lambda node, ndim: list(node.args[2]) 
 
 # ``F.glu`` halves its dim (default the last) into a value and a gate.
 PROPAGATION[aten.glu.default] = _dim_op(_arg_dim(1, -1))
-# A Dirichlet draw (``torch.distributions``' Dirichlet and Beta) normalises along the
-# last dim, the concentrations of one draw.
-PROPAGATION[aten._sample_dirichlet.default] = _dim_op(lambda node, ndim: [ndim - 1])
+def _dirichlet_draw(node: fx.Node, arg_batch: list) -> Any:
+    """A Dirichlet draw (``torch.distributions``' Dirichlet and Beta) normalises along the
+    last dim, the concentrations of one draw: not the batch dim, nor one of the batch's
+    size where the concentrations are built from sizes alone (``ones(B, B)``: alone, a
+    sample would draw over one)."""
+    b = arg_batch[0]
+    value = _meta(node.args[0])
+    if isinstance(b, BatchDim) and isinstance(b.dim, int) and value.dim() > 1 \
+            and statically_known_true(value.shape[-1] == value.shape[b.dim]) \
+            and not any(n.op == "placeholder" for n in reached(
+                [node.args[0]], lambda n: [] if n.target in _SIZES else n.all_input_nodes)):
+        raise MixesSamples("it draws over as many categories as the batch has samples, from concentrations "
+                           "built from sizes alone (torch.ones(B, B)): alone, each sample would draw over one")
+    return _dim_op(lambda node, ndim: [ndim - 1])(node, arg_batch)
+
+
+PROPAGATION[aten._sample_dirichlet.default] = _dirichlet_draw
 
 
 for _op in (aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default):

@@ -60,8 +60,8 @@ def chunk_loops_as_whole_pass(gm: fx.GraphModule, batch: dict[fx.Node, Any], par
         param_names: Trainable-parameter placeholders and their names.
         fake_mode: The fake mode of the graph's example values.
         unmapped: Filled, where given, with each ``cat`` of a loop over the samples that
-            ``vmap`` could not trace -> ``(why, the nodes of its copies)``, for
-            ``unmapped_problems``.
+            ``vmap`` could not trace, or over chunks whose body mixes a chunk's rows ->
+            ``(why, the nodes of its copies and pieces)``, for ``unmapped_problems``.
 
     Returns:
         How many loops were fused (the graph is unchanged when none).
@@ -70,7 +70,7 @@ def chunk_loops_as_whole_pass(gm: fx.GraphModule, batch: dict[fx.Node, Any], par
     for cat in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.cat.default]:
         loop = _loop(cat, batch)
         if loop is not None and (_map(gm, cat, loop, batch, fake_mode, unmapped) if loop.mapped
-                                 else _fuse(gm, cat, loop, batch, param_names, fake_mode)
+                                 else _fuse(gm, cat, loop, batch, param_names, fake_mode, unmapped)
                                  or (_of_single_rows(loop) and _map(gm, cat, loop, batch, fake_mode, unmapped))
                                  or (_of_samples_rows(loop, batch)
                                      and _map(gm, cat, loop, batch, fake_mode, unmapped, samples_rows=True))):
@@ -211,20 +211,27 @@ def _loop(cat: fx.Node, batch: dict) -> _Loop | None:
                  {p0 for p0 in first_pieces if piece_of(p0)[4]})
 
 
-def _fuse(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, param_names: dict, fake_mode: Any) -> bool:
+def _fuse(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, param_names: dict, fake_mode: Any,
+          unmapped: dict) -> bool:
     """Write ``loop`` as its first copy on the whole chunked tensors, in place of ``cat``;
-    ``False`` (and the graph unchanged) where the copy does not keep rows apart or its
-    sizes cannot be read.
+    ``False`` (and the graph unchanged) where the copy does not keep rows apart (then
+    ``unmapped[cat]`` says where) or its sizes cannot be read.
 
     A shared tensor expanded (or built) to the chunk's rows, ``arange(n).expand_as(c)``
     (reformer's LSH ``ticker``), is first read as shared, its size a constant; where
     the fused code then does not fit the whole tensor, the copy is analysed again with
     such tensors batched along their dim of the chunk's size, which must keep the rows
     apart too, and that size becomes the whole tensor's."""
+    mixing = []
     for reading in ("none", "all"):
-        layouts = _body_layouts(gm, loop, batch, param_names, loop.ranges[0][1], reading)
+        layouts = _body_layouts(gm, loop, batch, param_names, loop.ranges[0][1], reading,
+                                mixing if reading == "none" else None)
         if layouts is not None and _fuse_as(gm, cat, loop, layouts, fake_mode):
             return True
+    if mixing:
+        pieces = [pieces[p0] for pieces in loop.copies for p0 in loop.pieces]
+        unmapped[cat] = (_NOT_FUSED.format(why=mixing[0]),
+                         {b for corr in loop.copies for b in corr.values()} | {a for p in pieces for a in p.all_input_nodes})
     return False
 
 
@@ -314,10 +321,11 @@ def _times(gm: fx.GraphModule, total: Any, rows: int, added: list) -> Any:
 
 
 def _body_layouts(gm: fx.GraphModule, loop: _Loop, batch: dict, param_names: dict, rows: int,
-                  sized_batched: str) -> dict | None:
+                  sized_batched: str, mixing: list | None = None) -> dict | None:
     """The batch layouts of the first copy's nodes, its chunks read as a batch of
     ``rows`` samples and the tensors built from ``rows`` as ``sized_batched`` says
-    (``batch_dim_pass``); ``None`` where the copy mixes rows or reads batched values."""
+    (``batch_dim_pass``); ``None`` where the copy mixes rows (its problems then added to
+    ``mixing``, where given) or reads batched values."""
     graph, env, placeholder_batch, names = fx.Graph(), {}, {}, {}
 
     def placeholder(node: fx.Node, layout: Any) -> fx.Node:
@@ -346,6 +354,8 @@ def _body_layouts(gm: fx.GraphModule, loop: _Loop, batch: dict, param_names: dic
     analysis = batch_dim_pass(fx.GraphModule(gm, graph), placeholder_batch, names, batch_size=rows,
                               function_body=True, chunk=True, sized_batched=sized_batched)
     if analysis.problems:
+        if mixing is not None:
+            mixing.extend(analysis.problems)
         return None
     return {node: analysis.batch.get(env[node]) for node in loop.body}
 
@@ -405,7 +415,7 @@ def _map(gm: fx.GraphModule, cat: fx.Node, loop: _Loop, batch: dict, fake_mode: 
     try:
         traced = make_fx_traced(mapped, examples, fake_mode=fake_mode)
     except Exception as e:  # noqa: BLE001 - an op without a batching rule: keep the loop
-        unmapped[cat] = (_why_not_mapped(e), {b for corr in loop.copies for b in corr.values()})
+        unmapped[cat] = (_NOT_MAPPED.format(why=_why_not_mapped(e)), {b for corr in loop.copies for b in corr.values()})
         return False
     finally:
         torch._C._functorch._set_vmap_fallback_enabled(fallback)
@@ -444,13 +454,19 @@ def _why_not_mapped(error: Exception) -> str:
 
 
 def unmapped_problems(gm: fx.GraphModule, unmapped: dict, mixing: Iterable[fx.Node]) -> list[Problem]:
-    """A problem for each loop over the samples that ``vmap`` could not trace (``unmapped``,
-    filled by ``chunk_loops_as_whole_pass``) and still in ``gm`` with a copy among the nodes
-    a batch analysis refused (``mixing``): the refusals at the copies say how such loops
-    run, this says why that one did not."""
+    """A problem for each loop over the samples that ``vmap`` could not trace, or over
+    chunks whose body mixes a chunk's rows (``unmapped``, filled by
+    ``chunk_loops_as_whole_pass``), still in ``gm`` with a copy or piece among the nodes a
+    batch analysis refused (``mixing``): the refusals there say how such loops run, this
+    says why that one did not."""
     live, refused = set(gm.graph.nodes), set(mixing)
-    return [Problem(op_name(cat.target), module_path_of(cat), "", _NOT_MAPPED.format(why=why), source_of(cat))
-            for cat, (why, copies) in unmapped.items() if cat in live and copies & refused]
+    return [Problem(op_name(cat.target), module_path_of(cat), "", reason, source_of(cat))
+            for cat, (reason, copies) in unmapped.items() if cat in live and copies & refused]
+
+
+_NOT_FUSED = (
+    "it joins the results of a loop over chunks of the batch, torch.cat([f(c) for c in x.chunk(k)]), that fxdp "
+    "could not run as f on the whole batch: f must keep the rows of its chunk apart, and in f, {why}")
 
 
 _NOT_MAPPED = (

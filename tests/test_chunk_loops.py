@@ -237,12 +237,17 @@ def test_a_loop_over_chunks_of_the_batch_is_per_sample(kind):
     "a chunk's result read elsewhere",
 ])
 def test_a_loop_over_chunks_that_is_not_the_loop_over_the_whole_batch_is_refused(kind):
+    """A body that mixes a chunk's rows is named with the op that does (since the
+    sixty-second session: TabNet's ghost BatchNorm in training was refused at its chunk
+    alone)."""
     torch.manual_seed(0)
     model = ChunkLoops(kind).to(DTYPE)
     dp_model = fxdp.transform(model, grad_sample=True, compiler="eager")
     with pytest.raises(UnsupportedError, match=r"it splits the batch dim \(a loop over chunks .* keeps each "
-                                               r"chunk's rows apart, draws no random numbers.*torch\.func\.vmap\(f\)"):
+                                               r"chunk's rows apart, draws no random numbers.*torch\.func\.vmap\(f\)") as info:
         dp_model(*_inputs(kind, 4))
+    named = "could not run as f on the whole batch: f must keep the rows of its chunk apart, and in f, aten.mean"
+    assert (named in str(info.value)) == (kind == "mixes the chunk's rows"), str(info.value)
 
 
 @pytest.mark.parametrize("kind, reason", [
@@ -598,10 +603,14 @@ def test_each_samples_rows_of_a_merged_batch_split_apart_are_its_own(how):
 
 @pytest.mark.parametrize("how", ["reshaped, split across images", "reshaped, two images per chunk"])
 def test_pieces_of_a_merged_batch_across_its_samples_are_refused(how):
+    """Two images' tiles per chunk, read apart: the loop is named too, with the first op
+    in its body that mixes a chunk's rows (since the sixty-second session)."""
     problems = fxdp.validate(TilesOfEachImage(how).to(DTYPE), torch.randn(4, 3, 4, dtype=DTYPE))
-    assert [p.op for p in problems] == ["aten.split_with_sizes.default" if "across" in how
-                                        else "aten.split.Tensor"], problems
+    assert [p.op for p in problems] == (["aten.split_with_sizes.default"] if "across" in how
+                                        else ["aten.split.Tensor", "aten.cat.default"]), problems
     assert "it splits the batch dim" in problems[0].reason
+    assert "across" in how or "could not run as f on the whole batch: f must keep the rows of its chunk apart, " \
+        "and in f, aten.slice.Tensor" in problems[1].reason, problems
 
 
 @pytest.mark.parametrize("how", ["a newline after each image, concatenated, returned, split per image",

@@ -3058,6 +3058,9 @@ class DrawnMask(nn.Module):
             return torch.randint(0, 2, (size, 4)).to(DTYPE)
         if self.how == "normal":
             return torch.normal(0.0, 1.0, (size, 4)).to(DTYPE)
+        if self.how == "binomial of counts broadcast":  # (traced [B, 1] by a first fake kernel: a red team's find)
+            g = torch.binomial(torch.full((size, 1), 4.0, dtype=DTYPE), torch.full((size, 4), 0.3, dtype=DTYPE))
+            return g / g.shape[-1]
         concentration, probability = torch.tensor(2.0, dtype=DTYPE), torch.tensor(0.3, dtype=DTYPE)
         distribution = {"gamma": torch.distributions.Gamma(concentration, 1.0),
                         "beta": torch.distributions.Beta(concentration, 3.0),
@@ -3087,7 +3090,8 @@ def _against_the_loop_on_the_same_draws(model: nn.Module, features: int, redraw:
         assert_close_all(grad_samples(model), ref.per_sample, TOL, f"p.grad_sample at B = {size}")
 
 
-@pytest.mark.parametrize("how", ["rand <", "randint", "normal", "gamma", "beta", "poisson", "binomial"])
+@pytest.mark.parametrize("how", ["rand <", "randint", "normal", "gamma", "beta", "poisson", "binomial",
+                                 "binomial of counts broadcast"])
 def test_a_random_mask_drawn_at_the_batch_size_is_each_sample_s_own(how):
     """``randint`` and ``normal`` at the batch's size, and ``torch.distributions``' Gamma,
     Beta, Poisson and Binomial samples (gluonts' implicit quantile head draws its levels
@@ -3169,6 +3173,29 @@ def test_a_reparameterised_dirichlet_draw_is_exact(how):
     (``aten._dirichlet_grad``) had no propagation, nor fake kernel at symbolic sizes."""
     model = DirichletOfParameters(how).to(DTYPE)
     _against_the_loop_on_the_same_draws(model, 3, lambda x: torch._sample_dirichlet(model.concentration(x).detach()))
+
+
+class DirichletOverTheBatchSize(nn.Module):
+    """A Dirichlet draw over ``B`` categories of concentrations ``ones(B, B)``: alone,
+    each sample draws over one category (1.0)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.net = how, nn.Linear(4, 1)
+
+    def forward(self, x):
+        size = x.shape[0]
+        if self.how == "_sample_dirichlet":
+            g = torch._sample_dirichlet(torch.ones(size, size, dtype=x.dtype))
+        else:
+            g = torch.distributions.Dirichlet(torch.ones(size, dtype=x.dtype)).sample((size,))
+        return self.net(x * g[:, :1]).sum(1)
+
+
+@pytest.mark.parametrize("how", ["_sample_dirichlet", "Dirichlet.sample"])
+def test_a_dirichlet_draw_over_as_many_categories_as_samples_is_refused(how):
+    """Accepted by the first form of the draws' rules (a red team's find)."""
+    assert fxdp.validate(DirichletOverTheBatchSize(how).to(DTYPE), randn(4, 4), loss_reduction="sum") != []
 
 
 def test_refusal_raises_fxdp_unsupported_error_itself():
