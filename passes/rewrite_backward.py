@@ -544,6 +544,15 @@ def backward_rewrite_pass(bw_gm: fx.GraphModule, options: Options, *,
             try:
                 mapped = _per_sample_vjp(use.transform.module, sources, others, psg)
             except RuntimeError as e:
+                if "called random operation while in randomness error mode" in str(e):
+                    raise UnsupportedError(
+                        f"fxdp cannot map the per-sample gradients of "
+                        f"{', '.join(use.source_names or [use.param])} back through the computation that makes "
+                        f"the value {use.module_path or 'the model'} uses from them: it draws random numbers (a "
+                        "reparameterised draw of parameters with no batch dim, "
+                        "torch.distributions.Dirichlet(softplus(a)).rsample(), one draw shared by the batch), "
+                        "which fxdp would have to draw again for each sample. Draw one for each sample instead, "
+                        "with the batch's shape (rsample((B,)))") from None
                 if "Batching rule not implemented" not in str(e):
                     raise
                 raise UnsupportedError(

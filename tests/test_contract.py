@@ -3198,6 +3198,29 @@ def test_a_dirichlet_draw_over_as_many_categories_as_samples_is_refused(how):
     assert fxdp.validate(DirichletOverTheBatchSize(how).to(DTYPE), randn(4, 4), loss_reduction="sum") != []
 
 
+class OneDirichletDrawForTheBatch(nn.Module):
+    """``Dirichlet(softplus(a)).rsample()``: one draw of the parameter's concentration,
+    shared by every sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.net = nn.Parameter(torch.tensor([1.5, 0.5, 2.0, 1.0])), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.net(x * torch.distributions.Dirichlet(F.softplus(self.a)).rsample()).sum(1)
+
+
+def test_one_reparameterised_draw_of_a_parameter_for_the_batch_is_refused():
+    """Its per-sample gradients would need the draw again for each sample: refused in the
+    backward, nothing written (a vmap error raised out of fxdp before the sixty-second
+    session; a red team's find)."""
+    model = OneDirichletDrawForTheBatch().to(DTYPE)
+    dp = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="draws random numbers .* Draw one for each sample instead"):
+        dp(randn(4, 4)).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_refusal_raises_fxdp_unsupported_error_itself():
     dp = fxdp.transform(Centred().to(DTYPE), compiler="eager")
     with pytest.raises(fxdp.UnsupportedError):
