@@ -139,16 +139,24 @@ def tolerance(dtype: torch.dtype, conv: bool = False) -> float:
 
 def assert_close_all(got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor], tol: float,
                      what: str = "") -> None:
-    """``max |got − ref| ≤ tol · max |ref|``, both maxima over all parameters."""
+    """``max |got − ref| ≤ tol · max |ref|``, both maxima over all parameters (``ref``'s
+    finite values). A NaN or infinity in ``got`` where ``ref`` has none (or another) is
+    an error of its own: the maxima would skip it."""
     assert set(got) == set(ref), f"{what}: parameters differ: {sorted(got)} vs {sorted(ref)}"
-    scale = max((r.abs().max().item() for r in ref.values() if r.numel()), default=0.0)
+    scale = max((r[torch.isfinite(r)].abs().max().item() for r in ref.values() if torch.isfinite(r).any()),
+                default=0.0)
     worst, where = 0.0, ""
     for n, r in ref.items():
         g = got[n]
         assert g is not None, f"{what}: {n} has no result"
         assert g.shape == r.shape, f"{what}: {n} shape {tuple(g.shape)} != {tuple(r.shape)}"
         if r.numel():
-            err = (g.detach().to(r.dtype) - r).abs().max().item()
+            g = g.detach().to(r.dtype)
+            finite = torch.isfinite(r)
+            assert torch.equal(torch.isfinite(g), finite) and torch.equal(g[~finite].isnan(), r[~finite].isnan()) \
+                and torch.equal(g[~finite & ~r.isnan()], r[~finite & ~r.isnan()]), (
+                    f"{what}: {n} has non-finite values where the reference has none, or other ones")
+            err = (g[finite] - r[finite]).abs().max().item() if finite.any() else 0.0
             if err > worst:
                 worst, where = err, n
     assert worst <= tol * max(scale, 1e-30), (

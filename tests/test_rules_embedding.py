@@ -897,3 +897,43 @@ def test_a_list_of_each_samples_frequency_is_refused_with_what_to_pass():
     assert [(p.op, p.parameter) for p in problems] == [("aten.add.Tensor", "freq.weight")], problems
     assert "torch.tensor of a Python list" in problems[0].reason
     assert "pass per-sample values as a tensor batched with the input" in problems[0].reason
+
+
+class MagnitudeOfThePadding(nn.Module):
+    """A lookup with a padding row, normalised by its magnitude (Gemma3n's AltUp,
+    ``mean(h ** 2) ** 0.5``), whose gradient at the zero padding row is NaN: PyTorch's
+    backward skips padding positions, so the loop's gradients are finite."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        if how == "embedding_bag":
+            self.emb = nn.EmbeddingBag(10, 4, mode="sum", padding_idx=0)
+        else:
+            self.emb = nn.Embedding(10, 4, padding_idx=0)
+        self.head = nn.Linear(4, 10 if how == "tied, ghost norms" else 1, bias=False)
+        if how == "tied, ghost norms":
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(h * (h ** 2).mean(-1, keepdim=True) ** 0.5 + h)
+
+
+@pytest.mark.parametrize("how", ["embedding", "embedding_bag", "tied, ghost norms"])
+def test_a_nan_gradient_at_padding_positions_stays_out(how):
+    """NaN before the sixty-second session, the padding zeroed by a product (0 · NaN), in
+    each rule that zeroes it (a helper's sweep of Hugging Face's Gemma3n)."""
+    torch.manual_seed(0)
+    model = MagnitudeOfThePadding(how).double()
+    ids = torch.tensor([[0, 0, 3], [2, 4, 5], [6, 0, 8]]) if how != "embedding_bag" else \
+        torch.tensor([[0, 0], [2, 0], [6, 7]])  # (sample 0's bag is padding alone)
+    ref = reference(copy.deepcopy(model), (ids,), lambda out, i: out.sum())
+    dp = fxdp.transform(model, grad_sample=how != "tied, ghost norms", max_grad_norm=1.0, loss_reduction="sum",
+                        compiler="eager")
+    dp(ids).sum().backward()
+    params = dict(model.named_parameters())
+    if how != "tied, ghost norms":
+        assert_close_all({n: p.grad_sample for n, p in params.items()}, ref.per_sample, tolerance(torch.float64),
+                         "grad_sample")
+    assert_close_all({n: p.grad for n, p in params.items()}, ref.grad("sum", 1.0), tolerance(torch.float64), "grad")

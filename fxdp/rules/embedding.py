@@ -184,8 +184,8 @@ def _embedding_tokens(g: torch.Tensor, ids: torch.Tensor, config: dict) -> tuple
     padding_idx = config.get("padding_idx", -1)
     g, ids = as_sequence(g), as_sequence(ids, last=0)
     keep = _not_padding(ids, padding_idx)
-    if keep is not None:
-        g = g * keep.unsqueeze(-1).to(g.dtype)
+    if keep is not None:  # (selected, not multiplied: a NaN gradient there stays out, as PyTorch skips it)
+        g = torch.where(keep.unsqueeze(-1), g, 0)
     return g, ids
 
 
@@ -331,7 +331,8 @@ def _bag_tokens(g, ids, offsets, per_sample_weights, *, mode, padding_idx, bags,
         psw = None if per_sample_weights is None else per_sample_weights.reshape(ids.shape)
         c = _bag_weights(ids, None, None, psw, mode=mode, padding_idx=padding_idx,
                          dtype=g.dtype, bag_shape=(n, p, k))
-        grads = g.unsqueeze(2).expand(n, p, k, d).reshape(n, p * k, d) * c.unsqueeze(-1)
+        grads = _without_padding(g.unsqueeze(2).expand(n, p, k, d).reshape(n, p * k, d) * c.unsqueeze(-1), ids,
+                                 padding_idx)
         sample = _regular_sample(ids)
         return grads.reshape(-1, d), ids.reshape(-1), sample.reshape(-1), n
     # "offsets": g [B, d], shared ids [1, N], offsets [B]: bag n is sample n.
@@ -340,8 +341,15 @@ def _bag_tokens(g, ids, offsets, per_sample_weights, *, mode, padding_idx, bags,
     bag = _bag_of(ids.shape[0], offsets.reshape(-1))
     psw = None if per_sample_weights is None else per_sample_weights.reshape(-1)
     c = _bag_weights(ids, bag, n, psw, mode=mode, padding_idx=padding_idx, dtype=g.dtype)
-    grads = g.reshape(n, -1)[bag] * c.unsqueeze(-1)
+    grads = _without_padding(g.reshape(n, -1)[bag] * c.unsqueeze(-1), ids, padding_idx)
     return grads, ids, bag, n
+
+
+def _without_padding(grads: torch.Tensor, ids: torch.Tensor, padding_idx: Any) -> torch.Tensor:
+    """``grads`` zero at the padding ids, selected, not multiplied: a NaN gradient of a bag
+    of padding alone stays out, as PyTorch skips padding."""
+    keep = _not_padding(ids, padding_idx)
+    return grads if keep is None else torch.where(keep.unsqueeze(-1), grads, 0)
 
 
 def _bag_per_sample_grad(g, ids, offsets, per_sample_weights=None, *, num_embeddings, **config):

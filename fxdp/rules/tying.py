@@ -25,7 +25,7 @@ def embedding_linear_inner(emb_ops, emb_config, lin_ops, lin_config) -> torch.Te
     h, ids = as_sequence(h), as_sequence(ids, last=0).to(torch.int64)
     padding_idx = emb_config.get("padding_idx", -1)
     if padding_idx is not None and padding_idx >= 0:
-        h = h * (ids != padding_idx).unsqueeze(-1).to(h.dtype)
+        h = torch.where((ids != padding_idx).unsqueeze(-1), h, 0)  # (a NaN there stays out, as PyTorch skips it)
     g, a = as_sequence(g), as_sequence(a)
     picked = torch.gather(g, 2, ids.unsqueeze(1).expand(-1, g.shape[1], -1))  # [n, t, s]
     features = torch.bmm(a, h.transpose(1, 2))  # [n, t, s]
