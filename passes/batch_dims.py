@@ -1056,6 +1056,8 @@ PROPAGATION[aten.rot90.default] = _dim_op(lambda node, ndim: list(node.args[2]) 
 
 # ``F.glu`` halves its dim (default the last) into a value and a gate.
 PROPAGATION[aten.glu.default] = _dim_op(_arg_dim(1, -1))
+
+
 def _dirichlet_draw(node: fx.Node, arg_batch: list) -> Any:
     """A Dirichlet draw (``torch.distributions``' Dirichlet and Beta) normalises along the
     last dim, the concentrations of one draw: not the batch dim, nor one of the batch's
