@@ -1071,7 +1071,10 @@ def _dirichlet_draw(node: fx.Node, arg_batch: list) -> Any:
                 [node.args[0]], lambda n: [] if n.target in _SIZES else n.all_input_nodes)):
         raise MixesSamples("it draws over as many categories as the batch has samples, from concentrations "
                            "built from sizes alone (torch.ones(B, B)): alone, each sample would draw over one")
-    return _dim_op(lambda node, ndim: [ndim - 1])(node, arg_batch)
+    return _along_the_last_dim(node, arg_batch)
+
+
+_along_the_last_dim = _dim_op(lambda node, ndim: [ndim - 1])
 
 
 PROPAGATION[aten._sample_dirichlet.default] = _dirichlet_draw
@@ -4700,15 +4703,12 @@ def _pieces_joined(node: fx.Node, batches: list, batch_size: Any) -> BatchDim | 
     (``cat([x[i:i + 1] for i in range(B)])`` is ``x``, ``cat([x[i] for i in range(B)])``
     and ``cat(x.unbind(0))`` are ``x.flatten(0, 1)``; TimesFM's ``stack`` of each
     series' trend and residual, ``[a0, b0, a1, b1, …]``, is ``[B·2, …]``)."""
+    if not _every_samples_piece(batches, batch_size):
+        return None
     d = _joined_along(node)
     sizes = [_meta(t).shape[d] if _meta(t).dim() > d else 0 for t in node.args[0]]
-    # A loop over ``range(x.shape[0])`` made Dynamo specialise ``B`` to its count.
-    count = _as_number(batch_size)
-    if not sizes or not isinstance(count, int) or count <= 0 or len(batches) % count:
-        return None
-    slots = len(batches) // count
-    if all(isinstance(b, Piece) and b.sample == i // slots and statically_known_true(size == sizes[i % slots])
-           for i, (b, size) in enumerate(zip(batches, sizes))) \
+    slots = len(batches) // _as_number(batch_size)
+    if all(statically_known_true(size == sizes[i % slots]) for i, size in enumerate(sizes)) \
             and not any(statically_known_true(size == 0) for size in sizes[:slots]):
         return BatchDim(d, sum(sizes[:slots]))
     return None
@@ -4717,6 +4717,7 @@ def _pieces_joined(node: fx.Node, batches: list, batch_size: Any) -> BatchDim | 
 def _every_samples_piece(batches: list, batch_size: Any) -> bool:
     """Whether ``batches`` are ``Piece(0)``, …, ``Piece(B - 1)`` in order, ``k`` of each
     sample in turn (as ``_pieces_joined`` reads them, their sizes aside)."""
+    # A loop over ``range(x.shape[0])`` made Dynamo specialise ``B`` to its count.
     count = _as_number(batch_size)
     if not batches or not isinstance(count, int) or count <= 0 or len(batches) % count:
         return False
