@@ -498,12 +498,14 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
     # are read with every tensor built from the batch's size batched: the reading the
     # analysis takes where the loops are fused (TabNet's random mask ``bernoulli(p *
     # ones(B, G))`` before its ghost batch norm's chunks), which the loops' own refusal
-    # keeps it from taking before. There only what the batch's data reaches is batched:
-    # a loop over chunks of ``ones(B, B)`` itself stays a loop (its ``sum(1)`` counts B).
+    # keeps it from taking before. There, and where the analysis kept such a reading,
+    # only what the batch's data reaches is batched: a loop over chunks of ``ones(B, B)``
+    # itself stays a loop (its ``sum(1)`` counts B).
     unmapped = {}
     data = [n for n, b in c_batch.items() if b is not None]
     while analysis.problems and (
-            chunk_loops_as_whole_pass(canon, analysis.batch, c_param_names, fake_mode, unmapped)
+            chunk_loops_as_whole_pass(canon, analysis.batch if analysis.sized_shared else
+                                      _of_the_data(analysis.batch, data), c_param_names, fake_mode, unmapped)
             or (analysis.sized_by_batch and chunk_loops_as_whole_pass(
                 canon, _of_the_data(batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size,
                                                    stored_outputs=stored, sized_batched="all").batch, data),

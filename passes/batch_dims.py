@@ -162,6 +162,8 @@ class BatchAnalysis:
             cache recomputed every call), with the parameters it is computed from: its
             gradient must be zero at run time (see ``fxdp.compiler``), as the loss may not
             use it.
+        sized_shared: The tensors built from ``B`` are read as shared (the first reading,
+            see ``batch_dim_pass``), not batched.
     """
 
     batch: dict[fx.Node, Any]
@@ -180,6 +182,7 @@ class BatchAnalysis:
     rows_in_place: list[tuple[fx.Node, dict]] = dataclasses.field(default_factory=list)
     mixing: list[fx.Node] = dataclasses.field(default_factory=list)
     stored: dict[fx.Node, list[str]] = dataclasses.field(default_factory=dict)
+    sized_shared: bool = True
 
 
 def op_name(target: Any) -> str:
@@ -4809,9 +4812,11 @@ def batch_dim_pass(
             readings[reading] = retried = _propagate(gm, placeholder_batch, param_names, batch_size,
                                                      sized_batched=reading, function_body=function_body,
                                                      chunk=chunk, stored_outputs=stored_outputs)
-            if not retried.problems or set(retried.problems) < set(analysis.problems):
-                # Refused either way, for some of the same reasons: name only those, not
-                # the ones this reading of the same tensors explains away.
+            if not retried.problems or set(retried.problems) < set(analysis.problems) \
+                    or _only_read_as_shared(analysis, retried):
+                # Refused either way, for some of the same reasons (or for others, found
+                # past where the first reading stopped): name only those, not the ones
+                # this reading of the same tensors explains away.
                 analysis = retried
             if not retried.problems:
                 break
@@ -4822,6 +4827,20 @@ def batch_dim_pass(
     for node in gm.graph.nodes:
         node.meta["fxdp_batch"] = rule_layout(analysis.batch.get(node))
     return analysis
+
+
+def _only_read_as_shared(first: BatchAnalysis, retried: BatchAnalysis) -> bool:
+    """Whether a reading with the tensors built from ``B`` batched explains away only
+    problems of the first reading's sharing them (a shared tensor whose values vary along
+    the batch dim) and finds its own only after those, where the first reading stopped
+    following the batch. Its problems are then the ones to name: Doge's router, which
+    reshapes the batch dim after an attention whose mask has ``B`` rows, not the mask."""
+    explained = set(first.problems) - set(retried.problems)
+    if not explained or not all(p.reason.endswith(_ALONG_THE_BATCH) for p in explained):
+        return False
+    stopped = set(first.mixing) - set(retried.mixing)
+    found = set(retried.mixing) - set(first.mixing)
+    return bool(found) and found <= reached(list(stopped), lambda n: n.users) - stopped
 
 
 def _choose_sized_dims(gm: fx.GraphModule, placeholder_batch: dict, param_names: dict, batch_size: Any,
@@ -5254,7 +5273,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
                          broadcasts=broadcasts, param_only=sources, single=single,
                          empty=single and batch_size == 0, sized_by_batch=sized_by_batch,
                          normalisers=normalisers, sized_normaliser=sized_normaliser, mixing=mixing,
-                         stored=stored)
+                         stored=stored, sized_shared=sized_batched == "none")
 
 
 def _live_nodes(gm: fx.GraphModule) -> set[fx.Node]:

@@ -643,7 +643,8 @@ def _simplified(gm: fx.GraphModule) -> fx.GraphModule:
     # what consumes those), where broadcasting replaces them; a pointwise op that an
     # expand moves past can bring it to a lookup, hence rounds until nothing moves
     # (peft's prefix: lookup, dtype cast, view, permute, split, select, cat).
-    gm = constant_ids_as_expand_pass(uniform_constants_as_fills_pass(selected_before_the_slice_pass(gm)))
+    gm = uniform_constants_as_fills_pass(counting_constants_as_arange_pass(selected_before_the_slice_pass(gm)))
+    gm = constant_ids_as_expand_pass(gm)
     for _ in range(6):
         before = gm.code
         gm = sink_expands_pass(gm)
@@ -2240,6 +2241,42 @@ _KEEP_ONE_VALUE = {
     torch.ops.aten.select.int, torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
     torch.ops.aten.expand.default,
 }
+
+
+def counting_constants_as_arange_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A constant of the graph that counts ``0, 1, …, n - 1`` becomes ``torch.arange(n)``,
+    the same values, which the analysis follows as the samples' positions where ``n`` is
+    the batch size. Dynamo passes a Python ``range(B)`` used as an index as such a
+    constant: supar's Eisner CRF reads each sample's score at its length by
+    ``s[lens, range(B)]``::
+
+        _tensor_constant0 = self._tensor_constant0                                # before
+        lift_fresh_copy = torch.ops.aten.lift_fresh_copy.default(_tensor_constant0)
+        index = torch.ops.aten.index.Tensor(s, [lens, lift_fresh_copy])
+        arange = torch.ops.aten.arange.default(4, dtype = torch.int64, ...)      # after
+
+    Dynamo guards the range: another batch size compiles again."""
+    aten = torch.ops.aten
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is aten.lift_fresh_copy.default
+                and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"):
+            continue
+        value = getattr(gm, node.args[0].target, None)
+        if not (isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() > 1
+                and value.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+                and torch.equal(value.cpu(), torch.arange(value.numel(), dtype=value.dtype))):
+            continue
+        out = node.meta["val"]
+        with gm.graph.inserting_before(node):
+            counted = gm.graph.call_function(aten.arange.default, (value.numel(),),
+                                             {"dtype": out.dtype, "layout": torch.strided, "device": out.device,
+                                              "pin_memory": False})
+        counted.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        counted.meta["val"] = out.new_empty(out.shape)
+        _replace(gm, node, counted)
+        changed = True
+    return _finished(gm, changed)
 
 
 def uniform_constants_as_fills_pass(gm: fx.GraphModule) -> fx.GraphModule:

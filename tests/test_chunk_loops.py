@@ -785,3 +785,24 @@ def test_a_loop_over_chunks_of_a_tensor_built_from_the_batch_size_stays_refused(
     dp_model = fxdp.transform(LoopOverABuiltTensor().to(DTYPE), grad_sample=True, compiler="eager")
     with pytest.raises(UnsupportedError):
         dp_model(torch.randn(5, 4, dtype=DTYPE))
+
+
+class RandomMaskBeforeMixingChunks(RandomMaskBeforeChunks):
+    """``RandomMaskBeforeChunks`` whose loop centres each chunk on its mean: its rows mix."""
+
+    def forward(self, x):
+        g = torch.bernoulli(0.3 * torch.ones(x.shape[0], 4, dtype=x.dtype))
+        h = self.lin((1 - g @ self.groups) * x)
+        return torch.cat([self.head(c - c.mean(0, keepdim=True)) for c in h.chunk(2)])
+
+
+def test_a_loop_mixing_rows_after_a_random_mask_is_named_not_the_mask():
+    """The refusal names the loop that mixes the rows, not the mask's multiply ("a shared
+    tensor whose values vary along the batch dim"), an op that is per-sample once the
+    mask is read batched (a red team's find in the sixty-second session)."""
+    with pytest.raises(UnsupportedError) as refused:
+        fxdp.transform(RandomMaskBeforeMixingChunks().to(DTYPE), grad_sample=True,
+                       compiler="eager")(torch.randn(5, 4, dtype=DTYPE))
+    reasons = [p.reason for p in refused.value.problems]
+    assert any("it splits the batch dim" in r for r in reasons), reasons
+    assert not any("vary along the batch dim" in r for r in reasons), reasons

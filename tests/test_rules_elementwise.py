@@ -954,6 +954,36 @@ def test_a_shared_mask_and_a_per_sample_token_both_sized_like_the_batch(batch_si
     _against_the_loop(model, torch.randn(batch_size + 2, T, width, dtype=torch.float64), dp=dp)
 
 
+class HalvesOfTheBatchAfterACausalMask(nn.Module):
+    """Doge's router in transformers (``router_logits.view(2, B * T, -1)``): the first half
+    of the batch's rows meets the second half, after an attention whose causal mask is
+    built as transformers builds it, from positions expanded to ``B`` rows and read at
+    ``arange(B)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 2 * D)
+
+    def forward(self, x):  # [B, T, D]
+        b, t = x.shape[0], x.shape[1]
+        positions = torch.arange(t).unsqueeze(0).expand(b, -1)
+        rows, steps = torch.arange(b)[:, None, None], torch.arange(t)
+        causal = positions[rows, steps[None, :, None]] >= positions[rows, steps[None, None, :]]
+        h = self.lin((x @ x.transpose(1, 2)).masked_fill(~causal, -1e9).softmax(-1) @ x)
+        first, second = h.view(2, b * t, -1)
+        return first.softmax(-1) * second
+
+
+def test_a_reshape_mixing_halves_of_the_batch_is_named_not_the_mask_before_it():
+    """The refusal names the reshape that mixes samples, not the mask's ``masked_fill``
+    ("a shared tensor whose values vary along the batch dim"): that is per-sample once
+    the mask is read batched, and with the mask shared the analysis stopped there and never
+    saw the reshape (a helper's sweep of transformers' Doge)."""
+    reasons = _reasons(HalvesOfTheBatchAfterACausalMask(), torch.randn(B, T, D))
+    assert "it reshapes the batch dim into several dims" in reasons, reasons
+    assert "vary along the batch dim" not in reasons, reasons
+
+
 class StatesStackedBeforeTheBatch(nn.Module):
     """xLSTM's sLSTM: its states ``zeros(4, B, H)`` (four stacked before the batch), every
     step's written into ``zeros(4, T + 1, B, H)``, ``states[0] @ R`` meeting the samples.
@@ -4415,6 +4445,38 @@ def test_a_constant_alike_along_the_batch_is_alike():
     _against_the_loop(model, torch.randn(3, D, dtype=torch.float64), dp=dp)
     assert "a shared tensor whose values vary along the batch dim" in _reasons(
         _ConstantOfTheBatchSize("by position").double(), torch.randn(4, D, dtype=torch.float64))
+
+
+class _PickedByARange(nn.Module):
+    """Each sample's score at its own position, picked with a Python ``range(B)`` along
+    the batch dim, which Dynamo passes as a constant tensor: supar's Eisner CRF,
+    ``s[lens, range(B)]`` of scores laid out ``[L, B]`` (``"batch second"``), and
+    ``h[range(B), labels]`` (``"batch first"``); ``"as values"`` multiplies by the range."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.fc = how, nn.Linear(D, 1)
+
+    def forward(self, x, positions):  # [B, L, D], [B]
+        scores = self.fc(x).squeeze(-1)
+        if self.how == "batch second":
+            return scores.movedim(0, 1)[positions, range(x.shape[0])]
+        if self.how == "batch first":
+            return scores[range(x.shape[0]), positions]
+        return scores * torch.tensor(range(x.shape[0]), dtype=x.dtype)[:, None]
+
+
+@pytest.mark.parametrize("how", ["batch second", "batch first"])
+def test_a_python_range_over_the_batch_picks_each_sample_s_row(how):
+    """(Refused before the sixty-third session, "it indexes the batch dim with a tensor
+    other than torch.arange(B)", where ``torch.arange(B)`` was accepted; a helper's sweep
+    of supar.) Dynamo compiles again for another batch size, as its range is a constant."""
+    torch.manual_seed(0)
+    model = _PickedByARange(how).double()
+    dp = _against_the_loop(model, torch.randn(4, 5, D, dtype=torch.float64), torch.tensor([4, 2, 3, 0]))
+    _against_the_loop(model, torch.randn(3, 5, D, dtype=torch.float64), torch.tensor([1, 4, 2]), dp=dp)
+    assert "a shared tensor whose values vary along the batch dim" in "\n".join(str(p) for p in fxdp.validate(
+        _PickedByARange("as values").double(), torch.randn(4, 5, D, dtype=torch.float64), torch.tensor([4, 2, 3, 0])))
 
 
 def test_a_mean_over_a_padding_built_in_a_loop():
