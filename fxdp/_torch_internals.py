@@ -1818,6 +1818,19 @@ def size_hint(size: Any) -> int:
     return int(size)
 
 
+def decided_size(size: Any) -> Any:
+    """``size`` as an int where the shape environment's guards already decide its value
+    (without a new guard, and without tracing a comparison: the backward's tracer does
+    not know the forward's sizes), else ``size``."""
+    if not isinstance(size, torch.SymInt) or size.node.hint is None:
+        return size
+    import sympy
+
+    hint = int(size.node.hint)
+    decided = size.node.shape_env._maybe_evaluate_static(sympy.Eq(size.node.expr, hint))
+    return hint if decided is not None and bool(decided) else size
+
+
 def plain_expression(size: Any) -> Any:
     """The sympy expression of a symbolic size or number, with the functions Dynamo
     writes float arithmetic with (``FloatTrueDiv(1.0, ToFloat(s0))`` for ``1.0 / B``)

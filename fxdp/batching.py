@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fxdp._torch_internals import decided_size
 from fxdp.errors import UnsupportedError
 
 __all__ = ["retrack", "BatchDim", "Piece", "Masked", "Packed", "Rows", "Groups", "Inverse", "unpermute", "WHOLE", "SHARED", "RAW",
@@ -224,12 +225,16 @@ def _equal(a: Any, b: Any) -> bool:
 def retrack(batch: BatchDim, values) -> BatchDim:
     """``batch`` with its sizes usable in another trace (the backward's).
 
-    ``inner``/``outer`` come from the forward's symbolic shapes. A constant one
-    becomes an int; a symbolic one is rebuilt from the sizes that ``values``
-    (tensors and SymInts the tracer knows) carry: the same expression, or its symbols.
+    ``inner``/``outer`` come from the forward's symbolic shapes. A constant one, or one
+    the forward's guards decide, becomes an int; a symbolic one is rebuilt from the
+    sizes that ``values`` (tensors and SymInts the tracer knows) carry: the same
+    expression, or its symbols.
     """
     if batch.dim in (None, "shared", "raw"):
         return batch
+    # (``5 // (s // 16)`` rows per sample of a batch merged with ``s // 16`` chunks, after a
+    # recurrence unrolled over them under the guard ``s // 16 == 5``: asteroid's DPTNet)
+    batch = BatchDim(batch.dim, decided_size(batch.inner), decided_size(batch.outer))
     if not any(isinstance(v, torch.SymInt) for v in (batch.inner, batch.outer)):
         return batch
     known: dict = {}

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
-from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_or_false, statically_known_true
 
 from fxdp._torch_internals import (
     erase_unused,
@@ -2878,8 +2878,13 @@ def _read_after(view: fx.Node, at: int, order: dict) -> bool:
 def _as_written(gm: fx.GraphModule, node: fx.Node, view: fx.Node) -> fx.Node:
     """What ``view.copy_(src)`` or ``view.fill_(src)`` (``node``; Dynamo writes ``out[i] =
     t`` of a 0-d ``t`` so) leaves in ``view``: ``src`` in its dtype, broadcast to its shape
-    (no read of the view's values, nor of the tensor it shows)."""
+    (no read of the view's values, nor of the tensor it shows). A 0-d ``src`` into a view
+    whose sizes depend on the data, the rows a boolean mask selected, fills it out of
+    place: an ``expand`` would take that count as a size (normflows' spline flows,
+    ``cumwidths[..., 0] = left`` on ``widths[inside_interval_mask, :]``)."""
     src, shown = node.args[1], view.meta["val"]
+    if src.meta["val"].dim() == 0 and free_unbacked_symbols(shown.shape):
+        return _call(gm, torch.ops.aten.fill.Tensor, (view, src), node)
     copied = _written_somewhere(_memory_of(src))  # a later write into the source must not show
     if src.meta["val"].dtype != shown.dtype:
         src = _call(gm, torch.ops.aten.to.dtype, (src, shown.dtype), node)

@@ -429,3 +429,44 @@ def test_a_parameter_normed_through_its_transpose(compiler: str):
     _loss(dp_model(x)).sum().backward()
     assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
                      tolerance(torch.float64), "p.grad_sample")
+
+
+class DualPathPReLU(nn.Module):
+    """asteroid's DPTNet between its dual-path blocks: chunks of the sequence merged into
+    the batch (``[B·K, C, S]``, ``S`` chunks from the length), a recurrence over the ``S``
+    chunks, unrolled by the capture under the guard ``S == s // 16``, the batch split
+    back, then ``PReLU``, which runs through the fallback."""
+
+    chunk = 4
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.lin, self.act = nn.LSTM(4, 3, batch_first=True), nn.Linear(3, 4), nn.PReLU()
+
+    def forward(self, x):  # [B, T]
+        b = x.shape[0]
+        u = x.view(b, 4, self.chunk, -1)  # [B, C, K, S]
+        s = u.shape[-1]
+        y = u.transpose(1, 2).reshape(b * self.chunk, 4, s)
+        y = self.lin(self.rnn(y.transpose(1, -1))[0])  # [B·K, S, C]
+        return self.act(y.transpose(1, -1).reshape(b, self.chunk, 4, s).transpose(1, 2))
+
+
+def test_rows_per_sample_the_guards_decide_after_a_new_length():
+    """At a new batch size and length the input of ``PReLU`` holds ``5 // (s // 16)`` rows
+    per sample, which the recurrence's guard makes 1 but which the backward's sizes
+    cannot rebuild: refused before the sixty-third session ("fxdp cannot follow the
+    symbolic size s50 of a merged batch dim into the backward"; a helper's sweep of
+    asteroid)."""
+    torch.manual_seed(0)
+    model = DualPathPReLU().double()
+    twin = copy.deepcopy(model)
+    dp_model = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    gen = torch.Generator().manual_seed(1)
+    for size, length in ((3, 64), (2, 80)):
+        x = torch.randn(size, length, generator=gen, dtype=torch.float64)
+        model.zero_grad(set_to_none=True)
+        dp_model(x).pow(2).sum().backward()
+        ref = reference(twin, (x,), lambda out, i: out.pow(2).sum())
+        assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                         tolerance(torch.float64), f"p.grad_sample at B = {size}, T = {length}")

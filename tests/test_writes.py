@@ -1143,6 +1143,8 @@ class PiecewiseThroughAMask(nn.Module):
         self.kind = kind
         self.l1, self.l2 = nn.Linear(6, 6), nn.Linear(6, 3)
         self.s = nn.Parameter(torch.tensor(0.3))
+        if kind == "end knots of a shared spline":  # its bins shared by all samples (nflows' unconditional ones)
+            self.w = nn.Parameter(torch.randn(2, 3))
 
     def forward(self, x):  # x [B, 6]
         h = self.l1(x)
@@ -1179,6 +1181,23 @@ class PiecewiseThroughAMask(nn.Module):
         elif self.kind == "a parameter on the list":
             m = h > 0.2
             out[m] = h[m] * self.s
+        elif self.kind in ("end knots", "end knots of a parameter", "end knots of a shared spline", "a count as a knot"):
+            # normflows' rational-quadratic spline: its end knots written as Python numbers,
+            # cumwidths[..., 0] = left, into the bins of the elements inside the interval
+            m = x[:, :2].abs() < 1.0
+            bins = (self.w[None].expand(x.shape[0], 2, 3) if self.kind == "end knots of a shared spline"
+                    else h.view(-1, 2, 3))[m]
+            knots = 2.0 * torch.softmax(bins, -1)  # [N, 3], a fresh tensor
+            if self.kind == "end knots of a parameter":
+                knots[..., 0] = self.s * 3
+            elif self.kind == "a count as a knot":
+                knots[..., 0] = knots.shape[0]
+            else:
+                knots[..., 0] = -1.0
+            knots[:, 2:] = 1.0
+            inside = torch.zeros_like(x[:, :2])
+            inside[m] = knots[:, 1] * h[:, 2:4][m] + knots[:, 0] + knots[:, 2]
+            out = out + F.pad(inside, (0, 4))
         elif self.kind == "a sum of the list":
             m = h > 0.2
             out = h + h[m].sum()
@@ -1189,8 +1208,13 @@ class PiecewiseThroughAMask(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["both sides", "two tensors, one mask", "rows", "rows of bins", "cumulative bins",
-                                  "a parameter on the list"])
+                                  "a parameter on the list", "end knots", "end knots of a parameter",
+                                  "end knots of a shared spline"])
 def test_an_elementwise_function_of_masked_elements_written_back_by_the_mask(kind):
+    """(The end knots, a number written into the selected rows, were refused before the
+    sixty-third session: the write was canonicalised as an expand of the number to the
+    rows' data-dependent count, "it takes how many elements a boolean mask selected
+    … as a size"; a helper's sweep of normflows' neural spline flows.)"""
     model = PiecewiseThroughAMask(kind).double()
     assert_exact_at_two_batch_sizes(model, fxdp.transform(model, grad_sample=True, compiler="eager"), 6)
 
@@ -1210,6 +1234,7 @@ def test_a_cumulative_product_over_masked_rows_is_a_limit_of_aot_autograd():
     ("a sum of the list", "a reduction over the batch (the loss, or a statistic of the batch) is used"),
     ("two masks", "a boolean mask over the batch dim selected"),
     ("rows turned", "a boolean mask over the batch dim selected"),
+    ("a count as a knot", "it computes with how many elements a boolean mask selected"),
 ])
 def test_masked_elements_that_meet_other_samples_are_refused(kind, reason):
     problems = fxdp.validate(PiecewiseThroughAMask(kind).double(), torch.randn(B, 6, dtype=torch.float64))
