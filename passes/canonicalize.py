@@ -2243,6 +2243,14 @@ _KEEP_ONE_VALUE = {
 }
 
 
+def _graph_constants(gm: fx.GraphModule) -> list[tuple[fx.Node, Any]]:
+    """Each tensor the model builds from Python values (a constant of the graph, copied
+    in by ``lift_fresh_copy``), with that value."""
+    return [(node, getattr(gm, node.args[0].target, None)) for node in gm.graph.nodes
+            if node.op == "call_function" and node.target is torch.ops.aten.lift_fresh_copy.default
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"]
+
+
 def counting_constants_as_arange_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """A constant of the graph that counts ``0, 1, …, n - 1`` becomes ``torch.arange(n)``,
     the same values, which the analysis follows as the samples' positions where ``n`` is
@@ -2258,11 +2266,7 @@ def counting_constants_as_arange_pass(gm: fx.GraphModule) -> fx.GraphModule:
     Dynamo guards the range: another batch size compiles again."""
     aten = torch.ops.aten
     changed = False
-    for node in list(gm.graph.nodes):
-        if not (node.op == "call_function" and node.target is aten.lift_fresh_copy.default
-                and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"):
-            continue
-        value = getattr(gm, node.args[0].target, None)
+    for node, value in _graph_constants(gm):
         if not (isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() > 1
                 and value.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
                 and torch.equal(value.cpu(), torch.arange(value.numel(), dtype=value.dtype))):
@@ -2297,11 +2301,7 @@ def uniform_constants_as_fills_pass(gm: fx.GraphModule) -> fx.GraphModule:
     Dynamo guards the list's values: another list compiles again."""
     aten = torch.ops.aten
     changed = False
-    for node in list(gm.graph.nodes):
-        if not (node.op == "call_function" and node.target is aten.lift_fresh_copy.default
-                and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"):
-            continue
-        value = getattr(gm, node.args[0].target, None)
+    for node, value in _graph_constants(gm):
         if not (isinstance(value, torch.Tensor) and value.numel() > 1 and _one_value(value)):
             continue
         last = node
