@@ -2243,6 +2243,18 @@ _KEEP_ONE_VALUE = {
 }
 
 
+def _made_instead(gm: fx.GraphModule, node: fx.Node, target: Any, args: tuple) -> None:
+    """``node`` replaced by the creation op ``target(*args)``, made with its dtype and
+    device."""
+    out = node.meta["val"]
+    with gm.graph.inserting_before(node):
+        made = gm.graph.call_function(target, args, {"dtype": out.dtype, "layout": torch.strided,
+                                                     "device": out.device, "pin_memory": False})
+    made.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    made.meta["val"] = out.new_empty(out.shape)
+    _replace(gm, node, made)
+
+
 def _graph_constants(gm: fx.GraphModule) -> list[tuple[fx.Node, Any]]:
     """Each tensor the model builds from Python values (a constant of the graph, copied
     in by ``lift_fresh_copy``), with that value."""
@@ -2271,14 +2283,7 @@ def counting_constants_as_arange_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 and value.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
                 and torch.equal(value.cpu(), torch.arange(value.numel(), dtype=value.dtype))):
             continue
-        out = node.meta["val"]
-        with gm.graph.inserting_before(node):
-            counted = gm.graph.call_function(aten.arange.default, (value.numel(),),
-                                             {"dtype": out.dtype, "layout": torch.strided, "device": out.device,
-                                              "pin_memory": False})
-        counted.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        counted.meta["val"] = out.new_empty(out.shape)
-        _replace(gm, node, counted)
+        _made_instead(gm, node, aten.arange.default, (value.numel(),))
         changed = True
     return _finished(gm, changed)
 
@@ -2311,14 +2316,7 @@ def uniform_constants_as_fills_pass(gm: fx.GraphModule) -> fx.GraphModule:
         out = last.meta["val"]
         if not all(isinstance(size, int) for size in out.shape) or written_through(last):
             continue
-        number = value.reshape(-1)[0].to(out.dtype).item()
-        with gm.graph.inserting_before(last):
-            filled = gm.graph.call_function(aten.full.default, (list(out.shape), number),
-                                            {"dtype": out.dtype, "layout": torch.strided, "device": out.device,
-                                             "pin_memory": False})
-        filled.meta.update({k: v for k, v in last.meta.items() if k != "val"})
-        filled.meta["val"] = out.new_empty(out.shape)
-        _replace(gm, last, filled)
+        _made_instead(gm, last, aten.full.default, (list(out.shape), value.reshape(-1)[0].to(out.dtype).item()))
         changed = True
     return _finished(gm, changed)
 
