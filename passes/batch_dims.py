@@ -2516,9 +2516,10 @@ def arange_dim(node: Any) -> int | None:
 
     Followed back through the ops that build ``arange(B)[:, None, None, None]`` and
     its expansions: unsqueeze, a slice that keeps everything, view/reshape, expand,
-    permute and dtype/device copies.
+    permute and dtype/device copies; none of them written in place, through a view too
+    (``idx = torch.arange(B).detach(); idx[1:] = 0``: sample 1 on reads sample 0).
     """
-    if not isinstance(node, fx.Node) or node.op != "call_function":
+    if not isinstance(node, fx.Node) or node.op != "call_function" or written_through(node):
         return None
     target, args = node.target, node.args
     if target is aten.arange.default:
