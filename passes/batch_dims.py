@@ -2907,8 +2907,17 @@ def _masked_batch(node: fx.Node, arg_batch: list, kwarg_batch: list, uses_parame
                      if isinstance(a, fx.Node) and isinstance(b, Masked))
         if len(masks) != sum(isinstance(b, Masked) for b in flat):  # a list inside a list argument
             raise _NoPropagation(_MASKED_PARAMETER)
+        if writes_in_place(node.target):  # (the write would land in the rows put back, not in the list)
+            raise _NoPropagation(_MASKED_PARAMETER_IN_PLACE)
         _ROWS_IN_PLACE[-1].append((node, masks))
     return out
+
+
+_MASKED_PARAMETER_IN_PLACE = (
+    "it writes in place with a parameter into the elements a boolean mask selected from the whole batch "
+    "(x[mask]): fxdp runs a parameter's use on such elements on the whole batch with the elements put back in "
+    "place, where an in-place write would not reach the selected elements; compute it out of place "
+    "(c = c * s, c = torch.cat([s.expand(n, 1), c[:, 1:]], 1), torch.where)")
 
 
 _COUNTED = ("it computes with how many elements a boolean mask selected from the whole batch, or a nonzero "

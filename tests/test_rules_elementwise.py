@@ -4451,7 +4451,8 @@ class _PickedByARange(nn.Module):
     """Each sample's score at its own position, picked with a Python ``range(B)`` along
     the batch dim, which Dynamo passes as a constant tensor: supar's Eisner CRF,
     ``s[lens, range(B)]`` of scores laid out ``[L, B]`` (``"batch second"``), and
-    ``h[range(B), labels]`` (``"batch first"``); ``"as values"`` multiplies by the range."""
+    ``h[range(B), labels]`` (``"batch first"``); ``"as values"`` multiplies by the range,
+    ``"written"`` sets its last position to 0 first (an arange so: ``"an arange written"``)."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -4463,6 +4464,10 @@ class _PickedByARange(nn.Module):
             return scores.movedim(0, 1)[positions, range(x.shape[0])]
         if self.how == "batch first":
             return scores[range(x.shape[0]), positions]
+        if self.how in ("written", "an arange written"):  # the last sample reads the first's row
+            rows = torch.tensor(list(range(x.shape[0]))) if self.how == "written" else torch.arange(x.shape[0]).detach()
+            rows[-1] = 0
+            return scores[rows, positions]
         return scores * torch.tensor(range(x.shape[0]), dtype=x.dtype)[:, None]
 
 
@@ -4477,6 +4482,17 @@ def test_a_python_range_over_the_batch_picks_each_sample_s_row(how):
     _against_the_loop(model, torch.randn(3, 5, D, dtype=torch.float64), torch.tensor([1, 4, 2]), dp=dp)
     assert "a shared tensor whose values vary along the batch dim" in "\n".join(str(p) for p in fxdp.validate(
         _PickedByARange("as values").double(), torch.randn(4, 5, D, dtype=torch.float64), torch.tensor([4, 2, 3, 0])))
+
+
+@pytest.mark.parametrize("how", ["written", "an arange written"])
+def test_a_range_over_the_batch_written_in_place_is_no_range(how):
+    """``rows[-1] = 0`` before ``scores[rows, positions]``: the last sample reads the
+    first's row. Accepted with each sample's own row's gradients when the sixty-third
+    session first read ``range(B)`` as ``arange(B)`` (a red team's find), and for an
+    ``arange(B).detach()`` so written before that."""
+    assert "it indexes the batch dim with a tensor other than torch.arange(B)" in "\n".join(
+        str(p) for p in fxdp.validate(_PickedByARange(how).double(), torch.randn(4, 5, D, dtype=torch.float64),
+                                      torch.tensor([4, 2, 3, 0])))
 
 
 def test_a_mean_over_a_padding_built_in_a_loop():
