@@ -1674,6 +1674,16 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
             "PyTorch's backward of cumprod does, and plain torch.compile(model, fullgraph=True) then "
             "fails the same way. Compute on the whole tensor and select with torch.where(mask, f(x), "
             f"other) instead. Its reason: {inner}")
+    if isinstance(inner, AssertionError) and "not a subset of src_bound" in str(inner):
+        return UnsupportedError(
+            "PyTorch's symbolic shapes fail on this model compiled for any input size (Dynamo compiles so at "
+            "a second size): tracing the backward, AOTAutograd derives a bound for a size that is not within "
+            "the size's own (a PyTorch bug: plain torch.compile(model, backend='aot_eager', fullgraph=True) "
+            "fails the same way; transformers' Kosmos-2.5 meets it where it writes image embeddings into the "
+            "tokens' through a boolean mask). Compile for each input size instead: set "
+            "torch._dynamo.config.automatic_dynamic_shapes = False (each new shape compiles again, up to "
+            "torch._dynamo.config.recompile_limit), or keep the input sizes fixed (pad to one length). "
+            f"Its error: {inner}")
     return inner if isinstance(inner, (UnsupportedError, ValueError, TypeError)) else None
 
 

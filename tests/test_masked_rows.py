@@ -623,3 +623,55 @@ def test_a_list_of_one_element_per_sample_combined_otherwise_is_refused(how):
     uses on a list."""
     problems = fxdp.validate(MarginOnTarget(how).double(), *_one_eos(3))
     assert problems and "boolean mask" in problems[0].reason, problems
+
+
+class ImageTokensWrittenThroughAMask(nn.Module):
+    """transformers' Kosmos-2.5: each sample's image queries written into its token
+    embeddings where a boolean mask marks the image's positions,
+    ``inputs_embeds[image_embeds_position_mask == 1] = image_embeds.view(-1, d)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.image = nn.Embedding(20, 6), nn.Linear(5, 6)
+        self.queries, self.head = nn.Parameter(torch.randn(4, 6)), nn.Linear(6, 20)
+
+    def forward(self, ids, pixels, image_mask):
+        tokens = self.embed(ids)
+        image = self.image(pixels).mean(1, keepdim=True) + self.queries  # [B, 4, d]
+        tokens[image_mask] = image.reshape(-1, tokens.shape[-1])
+        return self.head(torch.tanh(tokens))
+
+
+def _image_batch(size: int, length: int) -> tuple[torch.Tensor, ...]:
+    mask = torch.zeros(size, length, dtype=torch.bool)
+    mask[:, 1:5] = True
+    return torch.randint(0, 20, (size, length)), torch.randn(size, 7, 5, dtype=torch.float64), mask
+
+
+def _exact_at(model: nn.Module, dp_model: fxdp.DPModule, inputs: tuple[torch.Tensor, ...]) -> None:
+    ref = reference(model, list(inputs), lambda out, i: out.pow(2).sum())
+    model.zero_grad(set_to_none=True)
+    dp_model(*inputs).pow(2).sum().backward()
+    assert_close_all({n: p.grad_sample for n, p in model.named_parameters()}, ref.per_sample,
+                     tolerance(torch.float64), "grad_sample")
+
+
+def test_a_size_bound_pytorch_fails_on_at_a_second_size_is_a_refusal_with_the_way_around():
+    """At a second batch size and length the graph compiled for any size makes PyTorch's
+    ShapeEnv fail an internal assertion ("tgt_bound=… not a subset of src_bound=…") in
+    torch 2.13, as plain ``torch.compile(backend="aot_eager")`` does: a crash before the
+    sixty-third session (a helper's sweep of Kosmos-2.5), now a refusal that says to
+    compile for each size, which is exact."""
+    torch.manual_seed(0)
+    model = ImageTokensWrittenThroughAMask().double()
+    dp_model = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+    _exact_at(model, dp_model, _image_batch(3, 10))
+    try:
+        _exact_at(model, dp_model, _image_batch(2, 8))  # (exact, where PyTorch no longer fails)
+    except fxdp.UnsupportedError as refused:
+        assert "automatic_dynamic_shapes = False" in str(refused)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        dp_model = fxdp.transform(model, grad_sample=True, loss_reduction="sum", compiler="eager")
+        for size, length in ((3, 10), (2, 8)):
+            _exact_at(model, dp_model, _image_batch(size, length))
