@@ -1564,8 +1564,10 @@ def backend_error(error: BaseException, model: torch.nn.Module | None = None) ->
     fails, its ``InternalTorchDynamoError`` (quoted too); a guard on a value read from a
     tensor (``GuardOnDataDependentSymNode``, from Dynamo, or from AOTAutograd tracing a
     backward on such a size) and an op failing on Dynamo's fake tensors
-    (``TorchRuntimeError``) are refusals that quote them as well. A break at a module
-    backward hook names the modules of ``model`` that hold one.
+    (``TorchRuntimeError``) are refusals that quote them as well, and so is PyTorch's
+    ShapeEnv failing its own assertion on a size's bound while AOTAutograd traces a
+    backward compiled for any size. A break at a module backward hook names the modules
+    of ``model`` that hold one.
     """
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
