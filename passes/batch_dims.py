@@ -2519,7 +2519,13 @@ def arange_dim(node: Any) -> int | None:
     permute and dtype/device copies; none of them written in place, through a view too
     (``idx = torch.arange(B).detach(); idx[1:] = 0``: sample 1 on reads sample 0).
     """
-    if not isinstance(node, fx.Node) or node.op != "call_function" or written_through(node):
+    dim = _arange_dim_built(node)
+    return None if dim is None or written_through(node) else dim  # (the walk only where it is one)
+
+
+def _arange_dim_built(node: Any) -> int | None:
+    """``arange_dim`` as the ops that build ``node`` show it, writes aside."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
     target, args = node.target, node.args
     if target is aten.arange.default:
