@@ -4226,15 +4226,23 @@ _NORMALISED = {aten.layer_norm.default, aten.native_layer_norm.default}
 def _mixes_along_the_batch_size(node: fx.Node, arg_batch: list, batch_size: Any) -> bool:
     """Whether ``node`` mixes the values of a tensor the samples share along a dim whose
     size involves the symbolic batch size (``cls.expand(B, d).sum(0)``,
-    ``table[:B].sum(0)``, ``torch.ones(B).cumsum(0)``, a softmax over it): the result
-    changes with the batch, where each sample alone would read one row."""
+    ``table[:B].sum(0)``, ``torch.ones(B).cumsum(0)``, a softmax over it), or those of a
+    batched tensor along such a dim other than its batch dim (``ones(B, B).sum(1)`` read
+    batched along dim 0, ``h[:, None].expand(B, B, d).sum(1)``): the result changes with
+    the batch, where each sample alone would read one row."""
     size = _as_number(batch_size)
     target = node.target
-    if not isinstance(size, torch.SymInt) or target not in _ALONG_DIMS | _CONTRACTED | _NORMALISED \
-            or _any_batched(arg_batch):
+    if not isinstance(size, torch.SymInt) or target not in _ALONG_DIMS | _CONTRACTED | _NORMALISED:
         return False
-    operand = node.args[1] if target in (aten.addmm.default, aten.embedding_bag.default, aten.embedding_bag.padding_idx,
-                                         aten._embedding_bag.default) else node.args[0]
+    at = 1 if target in (aten.addmm.default, aten.embedding_bag.default, aten.embedding_bag.padding_idx,
+                         aten._embedding_bag.default) else 0
+    operand, layout = node.args[at], arg_batch[at]
+    own_batch = None
+    if _any_batched(arg_batch):
+        if not (isinstance(layout, BatchDim) and isinstance(layout.dim, int) and layout.plain) \
+                or any(_any_batched(b) and not isinstance(b, BatchDim) for b in _flat(arg_batch)):
+            return False  # (the batch's other layouts: judged as such)
+        own_batch = layout.dim
     value = _meta(operand) if isinstance(operand, fx.Node) else None
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return False
@@ -4247,7 +4255,7 @@ def _mixes_along_the_batch_size(node: fx.Node, arg_batch: list, batch_size: Any)
         dims = None if named is None else named_arg(
             node, "dim", named.default_value if named.has_default_value() else None)
         dims = range(value.dim()) if dims in (None, []) else [dims] if isinstance(dims, int) else dims
-    return any(_involves(value.shape[d % value.dim()], size) for d in dims)
+    return any(_involves(value.shape[d % value.dim()], size) for d in dims if d % value.dim() != own_batch)
 
 
 def _indexes_by_the_batch_size(node: fx.Node, arg_batch: list, batch_size: Any) -> bool:

@@ -1199,6 +1199,13 @@ BATCH_SIZE_IN_THE_VALUES = {
     "the_last_of_the_batch_size_rows": lambda h, x: h + _table(h)[:x.shape[0]][-1],
     "rolled_by_the_batch_size": lambda h, x: h * h.roll(x.shape[0], 1),
     "scaled_by_the_root_of_a_count_of_ones": lambda h, x: h * torch.ones(x.shape[0], dtype=h.dtype).sum().sqrt(),
+    # (read batched along one of its dims of size B, the sum runs over the other)
+    "a_square_of_ones_by_the_batch_summed_along_its_rows": lambda h, x: h * torch.ones(
+        x.shape[0], x.shape[0], dtype=h.dtype).sum(1, keepdim=True),
+    "a_square_of_ones_by_the_batch_averaged": lambda h, x: h * torch.ones(
+        x.shape[0], x.shape[0], dtype=h.dtype).mean(0)[:, None],
+    "each_sample_repeated_by_the_batch_size_and_summed": lambda h, x: h[:, None].expand(
+        x.shape[0], x.shape[0], 3).sum(1),
 }
 
 
