@@ -1234,6 +1234,14 @@ def _indexing_along(node, arg_batch):
             return index
         raise MixesSamples("it gathers shared data along another dim than the batch of its indices "
                            "(each sample would read the row at its own position in the batch)")
+    if isinstance(b, BatchDim) and isinstance(b.dim, int) and isinstance(index, BatchDim) \
+            and isinstance(index.dim, int) and (index.dim if node.target is aten.gather.default else _norm_dim(
+                node.args[1], _meta(node.args[0]).dim())) != b.dim:
+        # The indices' batch lands on another dim than the data's (``index_select(h, 1,
+        # lengths - 1)``: every sample reads the positions all the samples chose).
+        raise MixesSamples("it picks positions along another dim with indices of the whole batch: each "
+                           "sample would read the positions every other sample chose (pick each sample's "
+                           "own with h[arange(B), idx] or gather)")
     if (node.target is not aten.narrow.default and isinstance(b, BatchDim) and isinstance(b.dim, int)
             and b.dim == _norm_dim(node.args[1], _meta(node.args[0]).dim())):
         # Rows of the batch dim picked by per-sample indices (``index_select`` of a flat

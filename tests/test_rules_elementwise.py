@@ -3312,6 +3312,33 @@ def test_rows_of_the_flattened_batch_picked_by_per_sample_offsets(how):
         dp(torch.randn(B, T, D, dtype=torch.float64), crossing).sum().backward()
 
 
+class _PositionsOfEverySample(_FlatRows):
+    """Each sample's own positions used as a list of positions for the whole batch, along
+    a dim other than its batch dim: ``index_select(h, 1, pos)`` is ``[B, B, d]``, sample
+    ``b`` reading the positions every sample chose (alone it reads its own only)."""
+
+    def forward(self, x, pos):
+        h = torch.tanh(self.fc(x))
+        if self.how == "index_select":
+            picked = h.index_select(1, pos)  # [B, B, d]
+        else:  # the batch moved to dim 1, gathered along dim 0 by indices batched along dim 0
+            batch, _, d = x.shape
+            picked = h.transpose(0, 1).gather(0, pos[:, None, None].expand(batch, batch, d))
+        return self.head(picked).sum(1)
+
+
+@pytest.mark.parametrize("how", ["index_select", "gather"])
+def test_positions_picked_by_the_whole_batchs_indices_along_another_dim_are_refused(how):
+    """``index_select``'s result was read as batched along the data's batch dim alone:
+    silently another function than the loop's, every sample's gradient holding the
+    positions the other samples chose. ``gather``'s was read as batched along the
+    indices' dim 1 and refused only at the sum over it, which named no cause."""
+    torch.manual_seed(0)
+    dp = fxdp.transform(_PositionsOfEverySample(how).double(), max_grad_norm=1.0, compiler="eager")
+    with pytest.raises(fxdp.UnsupportedError, match="every other sample chose"):
+        dp(torch.randn(B, T, D, dtype=torch.float64), torch.tensor([4, 0, 2])).sum().backward()
+
+
 class _SegmentPool(_FlatRows):
     """Segment pooling over a flattened batch (TAPAS's ``segment_reduce``, graph pooling):
     each sample's positions pooled into its own ``S`` rows of ``zeros(B * S, d)``, at
