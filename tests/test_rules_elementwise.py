@@ -3321,18 +3321,21 @@ class _PositionsOfEverySample(_FlatRows):
         h = torch.tanh(self.fc(x))
         if self.how == "index_select":
             picked = h.index_select(1, pos)  # [B, B, d]
+        elif self.how == "take_along_dim":  # the indices' batch broadcast along dim 1
+            picked = h.take_along_dim(pos[None, :, None], 1)  # [B, B, d]
         else:  # the batch moved to dim 1, gathered along dim 0 by indices batched along dim 0
             batch, _, d = x.shape
             picked = h.transpose(0, 1).gather(0, pos[:, None, None].expand(batch, batch, d))
         return self.head(picked).sum(1)
 
 
-@pytest.mark.parametrize("how", ["index_select", "gather"])
+@pytest.mark.parametrize("how", ["index_select", "take_along_dim", "gather"])
 def test_positions_picked_by_the_whole_batchs_indices_along_another_dim_are_refused(how):
-    """``index_select``'s result was read as batched along the data's batch dim alone:
-    silently another function than the loop's, every sample's gradient holding the
-    positions the other samples chose. ``gather``'s was read as batched along the
-    indices' dim 1 and refused only at the sum over it, which named no cause."""
+    """``index_select``'s and ``take_along_dim``'s results were read as batched along the
+    data's batch dim alone: silently another function than the loop's, every sample's
+    gradient holding the positions the other samples chose. ``gather``'s was read as
+    batched along the indices' dim 1 and refused only at the sum over it, which named no
+    cause."""
     torch.manual_seed(0)
     dp = fxdp.transform(_PositionsOfEverySample(how).double(), max_grad_norm=1.0, compiler="eager")
     with pytest.raises(fxdp.UnsupportedError, match="every other sample chose"):
