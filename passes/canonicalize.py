@@ -1432,6 +1432,8 @@ def unique_rows_gathered_back_pass(gm: fx.GraphModule) -> fx.GraphModule:
                     env[step] = unique.args[0]
                     continue
                 args, kwargs = fx.node.map_arg((step.args, step.kwargs), lambda a, env=env: env.get(a, a))
+                if step.target in _VIEWS_OF_ROWS:  # one row for each index, not each distinct one
+                    args = (args[0], [-1, *step.args[1][1:]])
                 env[step] = _call(gm, step.target, args, step, kwargs)
         node.replace_all_uses_with(env[chain[-1]])
         gm.graph.erase_node(node)
@@ -1451,6 +1453,28 @@ def _unique_of(inverse: fx.Node) -> fx.Node | None:
             and named_arg(unique, "dim", None) is None:
         return unique
     return None
+
+
+# Views given every size, dim 0's among them (rebuilt with ``-1`` there), and views of
+# the dims after dim 0 alone.
+_VIEWS_OF_ROWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+_VIEWS_IN_ROWS = {torch.ops.aten.flatten.using_ints, torch.ops.aten.unflatten.int}
+
+
+def _keeps_the_rows(view: fx.Node, after: set) -> bool:
+    """Whether ``view`` keeps its input's rows as they are (dim 0 unchanged) with other
+    sizes that are no values computed from ``unique`` (those in ``after``) and not 0."""
+    before, value = view.args[0].meta["val"], view.meta["val"]
+    if before.dim() < 1 or value.dim() < 1 or not statically_known_true(value.shape[0] == before.shape[0]):
+        return False
+    if view.target is torch.ops.aten.flatten.using_ints:
+        return named_arg(view, "start_dim", 0) % before.dim() >= 1
+    sizes = view.args[2] if view.target is torch.ops.aten.unflatten.int else view.args[1][1:]
+    if view.target is torch.ops.aten.unflatten.int and view.args[1] % before.dim() < 1:
+        return False
+    inferred = view.target is torch.ops.aten.unflatten.int  # (one -1 beside the rows' -1: no)
+    return not any((isinstance(n, fx.Node) and n in after) or (isinstance(n, int) and n <= 0 and not (
+        inferred and n == -1)) for n in sizes)
 
 
 # Ops along the dims their ``dim`` names, which must not be 0 (the distinct values' dim).
@@ -1497,6 +1521,12 @@ def _rows_of_unique(rows: fx.Node, unique: fx.Node) -> list | None:
                 pending.append(index)
         elif target is aten.linear.default:
             if others != [args[0]]:
+                return None
+            pending.append(args[0])
+        elif target in _VIEWS_OF_ROWS | _VIEWS_IN_ROWS:
+            # a view that keeps the rows (pykeen's ``x.view(*u.shape, *shape)``): rebuilt
+            # with ``-1`` rows, its other sizes owing nothing to the distinct values
+            if not (one_dim and isinstance(args[0], fx.Node) and _keeps_the_rows(node, after)):
                 return None
             pending.append(args[0])
         elif torch.Tag.pointwise in getattr(target, "tags", ()) and pure_op(target):
