@@ -4193,6 +4193,9 @@ _NUMBERS_AS_SIZES = {aten.arange.default, aten.arange.start, aten.arange.start_s
                      aten.randint.low, aten.randperm.default}
 
 
+_DRAWN_BETWEEN = {aten.randint.default, aten.randint.low, aten.randint.generator, aten.randint.low_generator}
+
+
 def _batch_size_as_a_value(node: fx.Node, batch_size: Any) -> bool:
     """Whether ``node`` takes a number that involves the symbolic batch size where its
     schema takes a value (a ``Scalar``, a ``float``, a ``Tensor``), not a size, an index
@@ -4200,6 +4203,11 @@ def _batch_size_as_a_value(node: fx.Node, batch_size: Any) -> bool:
     size symbolic shows it (in a static one ``B`` is a literal like any other)."""
     size = _as_number(batch_size)
     target, out = node.target, _meta(node)
+    if isinstance(size, torch.SymInt) and target in _DRAWN_BETWEEN:
+        # Its bounds are the values it draws among (``randint(0, B, (B, 1))``: alone,
+        # every sample draws 0), its size a size.
+        return any(isinstance(bound, fx.Node) and _involves(_meta(bound), size)
+                   for bound in (named_arg(node, "low", None), named_arg(node, "high", None)))
     if not isinstance(size, torch.SymInt) or not isinstance(target, torch._ops.OpOverload) \
             or target in _NUMBERS_AS_SIZES or not (isinstance(out, torch.Tensor) or (
                 isinstance(out, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in out))):
