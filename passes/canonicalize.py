@@ -1954,10 +1954,12 @@ def sink_expands_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 shape, target = list(expand.meta["val"].shape), list(node.meta["val"].shape)
                 kept = max((d for d in range(ndim) if _expands_dim(expand, d)), default=-1) + 1
                 lead = _leading(expand)
-                if 0 < kept <= len(target) and all(bool(a == b) for a, b in zip(shape[:kept], target[:kept])):
+                # (sizes a slice at bounds read from a tensor gives are unbacked: not known equal)
+                if 0 < kept <= len(target) and all(
+                        guard_or_false(a == b) for a, b in zip(shape[:kept], target[:kept])):
                     source_shape = [1] * (kept - lead) + target[kept:]
-                    if kept > lead and not all(
-                            bool(expand.args[0].meta["val"].shape[d - lead] == 1) for d in range(lead, kept)):
+                    if kept > lead and not all(guard_or_false(
+                            expand.args[0].meta["val"].shape[d - lead] == 1) for d in range(lead, kept)):
                         source_shape = None
                     if source_shape is not None and all(isinstance(d, int) for d in source_shape):
                         inner = _call(gm, aten.reshape.default, (expand.args[0], source_shape), node)
@@ -2990,8 +2992,6 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
         if not (_rows_apart(other, view) and _retakeable(other, at, order)):
             return False
         retaken.append(other)
-    if any(writes_in_place(u.target) for u in base.users if order.get(u, -1) > at):
-        return False  # the base written again later: reads of the view must see that write too
     if any(_writes_into(u, base) and _read_after(u, at, order) for u in base.users if order.get(u, -1) < at):
         # an earlier write's result read after this one (``r = h.mul_(2); h[:, 1] = g; r + 1``):
         # the base's memory, whose later reads would not see the scattered tensor
@@ -3005,8 +3005,10 @@ def _write_as_scatter(gm: fx.GraphModule, node: fx.Node, twin: Any, order: dict)
              if _writes_into(user, value) and user is not node and order.get(user, -1) > at
              and not _rows_apart(_view_of(base, value), view)]
     if later and any(order.get(user, -1) > min(later) for alias in (view, node) for _, user in _alias_uses(alias)):
-        # the view read after a later write into its base (``v.add_(g); h[:, 2] = c; v.sin()``):
-        # the out-of-place result those reads would get does not show that write
+        # the view read after a later write into its base (``v.add_(g); h[:, 2] = c; v.sin()``,
+        # ``s = h[:, 1:]; s.mul_(2); h.add_(1); s + 1``): the out-of-place result those reads
+        # would get does not show that write (where none reads it, the later write goes into
+        # the scattered tensor: escnn's filter, a block of zeros(...) written, then an index_put_)
         return False
     if view.target is torch.ops.aten.select.int and _select_index(view) is None:
         return False

@@ -923,6 +923,36 @@ def test_values_tiled_over_the_batch_by_an_expand(batch_size):
     _against_the_loop(model, torch.randn(batch_size + 2, frames, T, D, dtype=torch.float64), dp=dp)
 
 
+class NormGateOfFieldsAtBufferBounds(nn.Module):
+    """escnn's ``NormNonLinearity``: the channels of a field type sliced at bounds read
+    from a buffer (``x[:, idx[0]:idx[1]]``: an unbacked size), the norm of each field,
+    and the gate expanded back over the field's channels and reshaped."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+        self.register_buffer("bounds", torch.tensor([0, 4]))
+
+    def forward(self, x):
+        h = self.conv(x)
+        n = h.shape[0]
+        fields = h[:, self.bounds[0]:self.bounds[1]]
+        norm = fields.reshape(n, -1, 2, *h.shape[2:]).norm(dim=2, keepdim=True)
+        gate = torch.relu(norm - 0.1) / norm.clamp(min=1e-6)
+        return self.head((h * gate.expand(n, -1, 2, *h.shape[2:]).reshape(n, -1, *h.shape[2:])).mean((-1, -2)))
+
+
+def test_a_gate_expanded_over_fields_sliced_at_a_buffers_bounds():
+    """Sinking the expand below the reshape compared sizes that the slice made unbacked:
+    a data-dependent guard, refused as "AOTAutograd cannot trace this model's backward"
+    before the sixty-fourth session (escnn's every NormNonLinearity; a helper's sweep)."""
+    torch.manual_seed(0)
+    model = NormGateOfFieldsAtBufferBounds().double()
+    dp = _against_the_loop(model, torch.randn(B, 1, 6, 6, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(B + 2, 1, 6, 6, dtype=torch.float64), dp=dp)
+
+
 class StartTokenAfterCausalAttention(nn.Module):
     """A causal mask built from the length, ``full((T, T), -inf).triu(1)``, then a learned
     start token prepended as ``x.new_zeros(B, 1, d) + start`` (a decoder's shifted
