@@ -690,6 +690,16 @@ def test_bags_of_2d_ids_over_batch_sizes(weighted: bool):
     _check_over_sizes(WeightedBags(weighted).double(), [(B, 6), (B + 1, 6), (B + 3, 6)])
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weights-expanded"])
+def test_bags_of_one_id_over_batch_sizes(weighted: bool):
+    """``[B, 1]`` ids: the offsets ``arange(0, B, 1)`` come with their step left out, which
+    the bag layout's reading of them took for a third argument ("mixes samples: not
+    enough values to unpack", on the symbolic graph, before the sixty-fourth session; a
+    red team's find)."""
+    torch.manual_seed(0)
+    _check_over_sizes(WeightedBags(weighted, k=1).double(), [(B, 1), (B + 1, 1), (B + 3, 1)])
+
+
 class FlatBagsOfTheModel(nn.Module):
     """DLRM's sparse features: ``[B, K]`` ids flattened, with offsets the model makes,
     ``arange(0, B·K, K)`` or ``arange(B) * K``."""

@@ -408,8 +408,9 @@ def _arange(node: Any) -> tuple[Any, Any, Any] | None:
             return None
         return tuple(v * factor for v in found)
     # On a graph compiled for any batch size, ``end`` is a symbolic size (a node).
-    if node.target is aten.arange.start_step:
-        return tuple(_meta(a) for a in node.args[:3])
+    if node.target is aten.arange.start_step:  # (its step left at 1 where a bag holds one id)
+        step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
+        return _meta(node.args[0]), _meta(node.args[1]), _meta(step)
     if node.target is aten.arange.start:
         return _meta(node.args[0]), _meta(node.args[1]), 1
     if node.target is aten.arange.default:
