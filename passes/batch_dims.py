@@ -544,7 +544,7 @@ def _written_unlike_along(node: fx.Node, dim: int) -> bool:
 
 # Random draws: each element its own, alike wherever it is.
 _DRAWS = {aten.randint.low, aten.randint.default, aten.normal.float_float, aten.rand_like.default,
-          aten.randn_like.default}
+          aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype}
 
 
 _FILL_ARGUMENT = {aten.full.default: 1, aten.new_full.default: 2, aten.full_like.default: 1}
@@ -866,6 +866,7 @@ _EXTRA_POINTWISE = [
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
     aten.rsub.Tensor, aten.rsub.Scalar, aten.zero.default, aten._conj.default, aten.conj_physical.default,
     aten.rand_like.default, aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
+    aten.randint_like.default, aten.randint_like.low_dtype,  # (BERT's random tokens: randint_like(ids, V))
     # draws of each element on its own (``torch.distributions``' Gamma, Poisson, Binomial)
     aten._standard_gamma.default, aten.poisson.default, aten.binomial.default, aten._standard_gamma_grad.default,
     aten._dirichlet_grad.default,  # (each element's, given the draw's total along its last dim)
@@ -4193,7 +4194,8 @@ _NUMBERS_AS_SIZES = {aten.arange.default, aten.arange.start, aten.arange.start_s
                      aten.randint.low, aten.randperm.default}
 
 
-_DRAWN_BETWEEN = {aten.randint.default, aten.randint.low, aten.randint.generator, aten.randint.low_generator}
+_DRAWN_BETWEEN = {aten.randint.default, aten.randint.low, aten.randint.generator, aten.randint.low_generator,
+                  aten.randint_like.default, aten.randint_like.low_dtype}
 
 
 def _batch_size_as_a_value(node: fx.Node, batch_size: Any) -> bool:

@@ -1209,6 +1209,7 @@ BATCH_SIZE_IN_THE_VALUES = {
     # (a draw among 0..B-1: alone, every sample draws 0)
     "drawn_below_the_batch_size": lambda h, x: h * torch.randint(0, x.shape[0], (x.shape[0], 1), dtype=h.dtype),
     "drawn_below_the_batch_size_by_default": lambda h, x: h * torch.randint(x.shape[0], (1, 3), dtype=h.dtype),
+    "drawn_like_the_rows_below_the_batch_size": lambda h, x: h * torch.randint_like(h, x.shape[0]),
 }
 
 
@@ -3061,7 +3062,11 @@ class DrawnMask(nn.Module):
         self.net = nn.Linear(4, 4)
         self.register_buffer("groups", torch.rand(4, 4))
 
-    def draw(self, size: int) -> torch.Tensor:
+    def draw(self, size: int, like: torch.Tensor | None = None) -> torch.Tensor:
+        if self.how == "randint_like":  # (BERT's random tokens: randint_like(ids, V))
+            return torch.randint_like(like, 2)
+        if self.how == "randint_like between":
+            return torch.randint_like(like, 0, 2)
         if self.how == "rand <":
             return (torch.rand(size, 4) < 0.5).to(DTYPE)
         if self.how == "randint":
@@ -3079,7 +3084,7 @@ class DrawnMask(nn.Module):
         return distribution.sample((size, 4))
 
     def forward(self, x, drawn=None):
-        g = self.draw(x.shape[0]) if drawn is None else drawn
+        g = self.draw(x.shape[0], x) if drawn is None else drawn
         return self.net((1 - g @ self.groups) * x).pow(2).sum(1)
 
 
@@ -3101,14 +3106,16 @@ def _against_the_loop_on_the_same_draws(model: nn.Module, features: int, redraw:
 
 
 @pytest.mark.parametrize("how", ["rand <", "randint", "normal", "gamma", "beta", "poisson", "binomial",
-                                 "binomial of counts broadcast"])
+                                 "binomial of counts broadcast", "randint_like", "randint_like between"])
 def test_a_random_mask_drawn_at_the_batch_size_is_each_sample_s_own(how):
     """``randint`` and ``normal`` at the batch's size, and ``torch.distributions``' Gamma,
     Beta, Poisson and Binomial samples (gluonts' implicit quantile head draws its levels
     from a Beta), were refused before the sixty-second session ("a shared tensor whose
-    values vary along the batch dim"; a red team's and a helper's finds), ``rand`` was not."""
+    values vary along the batch dim"; a red team's and a helper's finds), ``rand`` was not.
+    ``randint_like`` of the batch was refused before the sixty-fourth ("no batch-dim
+    propagation"; a red team's find)."""
     model = DrawnMask(how).to(DTYPE)
-    _against_the_loop_on_the_same_draws(model, 4, lambda x: model.draw(x.shape[0]))
+    _against_the_loop_on_the_same_draws(model, 4, lambda x: model.draw(x.shape[0], x))
 
 
 class _Replayed(torch.autograd.Function):
