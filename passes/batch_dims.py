@@ -4194,8 +4194,7 @@ _NUMBERS_AS_SIZES = {aten.arange.default, aten.arange.start, aten.arange.start_s
                      aten.randint.low, aten.randperm.default}
 
 
-_DRAWN_BETWEEN = {aten.randint.default, aten.randint.low, aten.randint.generator, aten.randint.low_generator,
-                  aten.randint_like.default, aten.randint_like.low_dtype}
+_DRAWN_BETWEEN = {aten.randint.default, aten.randint.low, aten.randint.generator, aten.randint.low_generator}
 
 
 def _batch_size_as_a_value(node: fx.Node, batch_size: Any) -> bool:

@@ -1209,7 +1209,6 @@ BATCH_SIZE_IN_THE_VALUES = {
     # (a draw among 0..B-1: alone, every sample draws 0)
     "drawn_below_the_batch_size": lambda h, x: h * torch.randint(0, x.shape[0], (x.shape[0], 1), dtype=h.dtype),
     "drawn_below_the_batch_size_by_default": lambda h, x: h * torch.randint(x.shape[0], (1, 3), dtype=h.dtype),
-    "drawn_like_the_rows_below_the_batch_size": lambda h, x: h * torch.randint_like(h, x.shape[0]),
 }
 
 
