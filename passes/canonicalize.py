@@ -1432,8 +1432,8 @@ def unique_rows_gathered_back_pass(gm: fx.GraphModule) -> fx.GraphModule:
                     env[step] = unique.args[0]
                     continue
                 args, kwargs = fx.node.map_arg((step.args, step.kwargs), lambda a, env=env: env.get(a, a))
-                if step.target in _VIEWS_OF_ROWS:  # one row for each index, not each distinct one
-                    args = (args[0], [-1, *step.args[1][1:]])
+                if step.target in _VIEWS_OF_ROWS or step.target is torch.ops.aten.expand.default:
+                    args = (args[0], [-1, *step.args[1][1:]])  # one row for each index, not each distinct one
                 env[step] = _call(gm, step.target, args, step, kwargs)
         node.replace_all_uses_with(env[chain[-1]])
         gm.graph.erase_node(node)
@@ -1472,7 +1472,8 @@ def _keeps_the_rows(view: fx.Node, after: set) -> bool:
     sizes = view.args[2] if view.target is torch.ops.aten.unflatten.int else view.args[1][1:]
     if view.target is torch.ops.aten.unflatten.int and view.args[1] % before.dim() < 1:
         return False
-    inferred = view.target is torch.ops.aten.unflatten.int  # (one -1 beside the rows' -1: no)
+    # (a view's one -1 beside the rows' -1: no; an expand's -1 keeps its size)
+    inferred = view.target in (torch.ops.aten.unflatten.int, torch.ops.aten.expand.default)
     return not any((isinstance(n, fx.Node) and n in after) or (isinstance(n, int) and n <= 0 and not (
         inferred and n == -1)) for n in sizes)
 
@@ -1480,6 +1481,7 @@ def _keeps_the_rows(view: fx.Node, after: set) -> bool:
 # Ops along the dims their ``dim`` names, which must not be 0 (the distinct values' dim).
 _ALONG_OTHER_DIMS = {torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim, torch.ops.aten.amax.default,
                      torch.ops.aten.amin.default, torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default,
+                     torch.ops.aten.softmax.int, torch.ops.aten.log_softmax.int,
                      torch.ops.aten.linalg_vector_norm.default}
 
 
@@ -1530,13 +1532,22 @@ def _rows_of_unique(rows: fx.Node, unique: fx.Node) -> list | None:
                 return None
             pending.append(args[0])
         elif torch.Tag.pointwise in getattr(target, "tags", ()) and pure_op(target):
-            # the other operands broadcast over the rows (fewer dims, or one row)
-            rank = node.meta["val"].dim()
-            if len(others) != 1 or others[0].meta["val"].dim() != rank or any(
-                    a is not others[0] and a.meta["val"].dim() >= rank
+            # the operands computed from the distinct values hold their rows (a row and its
+            # own norm: ``F.normalize``); the others broadcast over the rows (fewer dims, or one row)
+            value = node.meta["val"]
+            rank = value.dim()
+            if not others or any(not isinstance(a.meta.get("val"), torch.Tensor) for a in others) or any(
+                    a.meta["val"].dim() != rank or not statically_known_true(
+                    a.meta["val"].shape[0] == value.shape[0]) for a in others) or any(
+                    a not in others and a.meta["val"].dim() >= rank
                     and not statically_known_true(a.meta["val"].shape[0] == 1) for a in node.all_input_nodes):
                 return None
-            pending.append(others[0])
+            pending.extend(others)
+        elif target is aten.expand.default and one_dim and [a for a in others if isinstance(
+                a.meta.get("val"), torch.Tensor)] == [args[0]] and _keeps_the_rows(node, after) \
+                and args[0].meta["val"].dim() == node.meta["val"].dim():
+            # a row's own value broadcast along it (``F.normalize``'s norm expanded to the row)
+            pending.append(args[0])
         elif target in _ALONG_OTHER_DIMS and one_dim and len(others) == 1 and args[0] is others[0]:
             dims = named_arg(node, "dim", None)
             dims = [dims] if isinstance(dims, int) else dims

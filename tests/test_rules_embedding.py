@@ -780,6 +780,12 @@ class DistinctRowsGatheredBack(nn.Module):
         elif self.kind == "tokens of each entity viewed":  # NodePiece through pykeen's Embedding
             tokens = self.tokens[u]
             rows = self.proj(self.emb(tokens).view(*tokens.shape, 4).mean(1)).relu()
+        elif self.kind == "each row normalised":  # pykeen's normalizers: F.normalize, then a log-softmax
+            rows = self.proj(F.normalize(self.emb(u), dim=1).log_softmax(1))
+        elif self.kind == "over the count of distinct values":
+            rows = self.emb(u) / u.shape[0]
+        elif self.kind == "beside the sum over the distinct values":
+            rows = self.emb(u) + self.emb(u).sum(0).expand(u.shape[0], 4)
         elif self.kind == "halves of the rows":  # [2U, 2]: inv picks half rows of other distinct values
             rows = self.emb(u).reshape(-1, 2).repeat(1, 2)
         elif self.kind == "rows of the table":
@@ -800,18 +806,21 @@ class DistinctRowsGatheredBack(nn.Module):
     ("tokens of each entity", [3, 7, 3, 1]),
     ("a view of each lookup", [3, 7, 3, 1]),
     ("tokens of each entity viewed", [3, 7, 3, 1]),
+    ("each row normalised", [3, 7, 3, 1]),
     ("rows of the table", [3, 7, 3, 1]),
 ])
 def test_rows_of_distinct_indices_gathered_back_are_each_samples_lookup(kind, ids):
     """``f(u)[inv]`` is ``f(ids)`` (``unique_rows_gathered_back_pass``); it was refused
     ("no batch-dim propagation for aten._unique2"), through a view that keeps the rows
     (pykeen's every representation but an ``Embedding``, a helper's sweep) until the
-    sixty-fourth session."""
+    sixty-fourth session, and so was a row combined with its own norm or normalised by a
+    ``softmax.int`` (a red team's find)."""
     torch.manual_seed(0)
     model = DistinctRowsGatheredBack(kind).double()
     ids = torch.tensor(ids)
     used = ["emb.weight", "head.weight", "head.bias"]
-    if kind in ("lookup", "tokens of each entity", "a view of each lookup", "tokens of each entity viewed"):
+    if kind in ("lookup", "tokens of each entity", "a view of each lookup", "tokens of each entity viewed",
+                "each row normalised"):
         used += ["proj.weight", "proj.bias"]
     ref = reference(model, (ids,), lambda out, i: out.pow(2).sum())
     dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.3, loss_reduction="sum", compiler="eager")
@@ -826,7 +835,9 @@ def test_rows_of_distinct_indices_gathered_back_are_each_samples_lookup(kind, id
 
 @pytest.mark.parametrize("kind, ids", [("centred over the distinct values", [3, 7, 3, 1]),
                                        ("rows moved off dim 0", [3, 3, 3, 3]),
-                                       ("halves of the rows", [3, 7, 3, 1])])
+                                       ("halves of the rows", [3, 7, 3, 1]),
+                                       ("over the count of distinct values", [3, 7, 3, 1]),
+                                       ("beside the sum over the distinct values", [3, 7, 3, 1])])
 def test_rows_of_distinct_indices_mixed_before_the_gather_are_refused(kind, ids):
     problems = fxdp.validate(DistinctRowsGatheredBack(kind).double(), torch.tensor(ids))
     assert problems and any("aten._unique2" in p.op for p in problems), problems
