@@ -4233,10 +4233,14 @@ _ALONG_DIMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.m
                aten.cummax.default, aten.cummin.default, aten._softmax.default, aten._log_softmax.default,
                aten.softmax.int, aten.log_softmax.int,
                aten.count_nonzero.default, aten.count_nonzero.dim_IntList, aten.any.dim, aten.all.dim,
-               aten.any.default, aten.all.default, aten.any.dims, aten.all.dims}
+               aten.any.default, aten.all.default, aten.any.dims, aten.all.dims,
+               # (no dim argument: every dim, which holds for the last two of a determinant)
+               aten._safe_softmax.default, aten.norm.ScalarOpt_dim, aten.trace.default, aten.det.default,
+               aten.linalg_det.default, aten._linalg_det.default, aten.logdet.default,
+               aten._linalg_slogdet.default, aten.linalg_slogdet.default}
 _CONTRACTED = {aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default, aten.mv.default,
                aten.dot.default, aten.linear.default, aten.embedding_bag.default, aten.embedding_bag.padding_idx,
-               aten._embedding_bag.default}
+               aten._embedding_bag.default, aten._cdist_forward.default}
 _NORMALISED = {aten.layer_norm.default, aten.native_layer_norm.default}
 
 

@@ -1206,6 +1206,9 @@ BATCH_SIZE_IN_THE_VALUES = {
         x.shape[0], x.shape[0], dtype=h.dtype).mean(0)[:, None],
     "each_sample_repeated_by_the_batch_size_and_summed": lambda h, x: h[:, None].expand(
         x.shape[0], x.shape[0], 3).sum(1),
+    "the_trace_of_a_square_by_the_batch": lambda h, x: h * h.new_ones(x.shape[0], x.shape[0]).trace(),
+    "the_log_determinant_of_a_square_by_the_batch": lambda h, x: h * (
+        2 * torch.eye(x.shape[0], dtype=h.dtype)).logdet(),
     # (a draw among 0..B-1: alone, every sample draws 0)
     "drawn_below_the_batch_size": lambda h, x: h * torch.randint(0, x.shape[0], (x.shape[0], 1), dtype=h.dtype),
     "drawn_below_the_batch_size_by_default": lambda h, x: h * torch.randint(x.shape[0], (1, 3), dtype=h.dtype),
