@@ -1295,9 +1295,13 @@ def unit_scale_pass(gm: fx.GraphModule) -> fx.GraphModule:
         sizes = zip((*out.shape, *out.stride()), (*before.shape, *before.stride()))
         same_layout = out.dtype == before.dtype and out.dim() == before.dim() \
             and all(statically_known_true(a == b) for a, b in sizes)
-        # (a copy of a view whose memory another view writes keeps the values before that write)
+        # (a copy of a view whose memory another view writes keeps the values before that write;
+        # the memory of a write's result is the memory it wrote: ``v.add_(1) * 1``, then ``h.mul_(3)``)
+        memory = _memory_of(source)
+        while memory.op == "call_function" and writes_in_place(memory.target) and isinstance(memory.args[0], fx.Node):
+            memory = _memory_of(memory.args[0])
         if same_layout and not written_through(node) and not written_through(source) \
-                and not _written_somewhere(_memory_of(source)):
+                and not _written_somewhere(memory):
             node.replace_all_uses_with(source)
             changed = True
     return _finished(gm, changed)

@@ -352,6 +352,35 @@ def test_a_fresh_filter_written_by_a_block_and_at_indices_is_exact(block_first, 
     _check(BlocksThenIndices(block_first).double(), torch.randn(B, 1, 6, 6, dtype=torch.float64), grad_sample)
 
 
+class CopyOfAWrittenView(nn.Module):
+    """``o = v * 1`` of a view's in-place result, then the base written again: ``o`` is a
+    copy and keeps the values before that write (``unit_scale_pass`` made it the view
+    itself, so it showed the later write: forward off by 5.8 before the sixty-fourth
+    session; a red team's find)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.l = nn.Linear(4, 5)
+
+    def forward(self, x):
+        h = self.l(x) + 1
+        v = h.view(-1, 5) if self.how == "view" else h.unsqueeze(1)
+        v.add_(1)
+        o = (v * 1).reshape(-1, 5)
+        h.mul_(3)
+        return torch.cat([o, h], 1)
+
+
+@pytest.mark.parametrize("how", ["view", "unsqueeze"])
+def test_a_copy_of_a_written_view_keeps_its_values_when_the_base_is_written_later(how):
+    torch.manual_seed(0)
+    model = CopyOfAWrittenView(how).double()
+    x = torch.randn(B, 4, dtype=torch.float64)
+    torch.testing.assert_close(fxdp.transform(copy.deepcopy(model), compiler="eager")(x), model(x))
+    _check(model, x, grad_sample=True)
+
+
 class ParameterWrittenAfterAView(nn.Module):
     """A parameter's values copied in place into a fresh tensor that a view taken before
     the write keeps from being rewritten as data flow, then used with the parameter by
