@@ -3067,7 +3067,12 @@ def _retakeable(other: fx.Node, at: int, order: dict) -> bool:
 
 def _view_of(base: fx.Node, value: fx.Node) -> fx.Node:
     """The view of ``base`` itself through which ``value`` (a view of a view, or a
-    write's result) shows its memory (``base`` where ``value`` is ``base``)."""
+    write's result) shows its memory (``base`` where ``value`` is ``base``, or where an
+    ``as_strided`` on the way may reach memory outside that view: ``f[:, 3:4].as_strided(
+    (5,), (5,), 1)`` shows column 1)."""
+    escapes = False
     while value is not base and value.args[0] is not base:
+        escapes |= value.target in (torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default)
         value = value.args[0]
-    return value
+    return base if escapes or value.target in (torch.ops.aten.as_strided.default,
+                                               torch.ops.aten.as_strided_.default) else value

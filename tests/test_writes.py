@@ -381,6 +381,32 @@ def test_a_copy_of_a_written_view_keeps_its_values_when_the_base_is_written_late
     _check(model, x, grad_sample=True)
 
 
+class WrittenAgainThroughAsStrided(nn.Module):
+    """A column of a fresh tensor written with a parameter, then tripled by a write
+    through ``as_strided`` of another column's slice, which reaches the first column: the
+    first write, made data flow as if the later one could not reach it, lost the
+    tripling (forward and gradients wrong before the sixty-fourth session; a red
+    team's find)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 5)
+        self.p = nn.Parameter(torch.randn(5))
+
+    def forward(self, x):
+        f = torch.zeros(5, 5, dtype=x.dtype)
+        v = f[:, 1]
+        v.add_(self.p)
+        f[:, 3:4].as_strided((5,), (5,), 1).mul_(3.0)  # column 1 again
+        return self.l(x) * v
+
+
+def test_a_later_write_through_as_strided_may_reach_any_earlier_write():
+    with pytest.raises(fxdp.UnsupportedError, match="writes values computed from parameters in place"):
+        fxdp.transform(WrittenAgainThroughAsStrided().double(), compiler="eager")(
+            torch.randn(B, 4, dtype=torch.float64))
+
+
 class ParameterWrittenAfterAView(nn.Module):
     """A parameter's values copied in place into a fresh tensor that a view taken before
     the write keeps from being rewritten as data flow, then used with the parameter by
