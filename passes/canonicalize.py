@@ -1466,8 +1466,9 @@ _VIEWS_IN_ROWS = {torch.ops.aten.flatten.using_ints, torch.ops.aten.unflatten.in
 
 
 def _keeps_the_rows(view: fx.Node, after: set) -> bool:
-    """Whether ``view`` keeps its input's rows as they are (dim 0 unchanged) with other
-    sizes that are no values computed from ``unique`` (those in ``after``) and not 0."""
+    """Whether ``view`` (a view, reshape, ``flatten``, ``unflatten`` or ``expand``) keeps
+    its input's rows as they are (dim 0 unchanged) with other sizes that are no values
+    computed from ``unique`` (those in ``after``) and not 0."""
     before, value = view.args[0].meta["val"], view.meta["val"]
     if before.dim() < 1 or value.dim() < 1 or not statically_known_true(value.shape[0] == before.shape[0]):
         return False
