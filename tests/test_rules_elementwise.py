@@ -3364,8 +3364,8 @@ def test_positions_picked_by_the_whole_batchs_indices_along_another_dim_are_refu
     """``index_select``'s and ``take_along_dim``'s results were read as batched along the
     data's batch dim alone: silently another function than the loop's, every sample's
     gradient holding the positions the other samples chose. ``gather``'s was read as
-    batched along the indices' dim 1 and refused only at the sum over it, which named no
-    cause."""
+    batched along dim 1, where the transposed data has its batch, and refused only at the
+    sum over it, which named no cause."""
     torch.manual_seed(0)
     dp = fxdp.transform(_PositionsOfEverySample(how).double(), max_grad_norm=1.0, compiler="eager")
     with pytest.raises(fxdp.UnsupportedError, match="every other sample chose"):
