@@ -1510,6 +1510,8 @@ def _rows_of_unique(rows: fx.Node, unique: fx.Node) -> list | None:
                 node.meta.get("val"), torch.Tensor):
             return None
         chain.add(node)
+        if distinct(node):  # the distinct values as values (``emb((u + 1) % n)``): the indices'
+            continue
         target, args = node.target, node.args
         others = [a for a in node.all_input_nodes if a in after]
         if target is aten.index_select.default and one_dim and args[1] == 0:

@@ -780,6 +780,8 @@ class DistinctRowsGatheredBack(nn.Module):
         elif self.kind == "tokens of each entity viewed":  # NodePiece through pykeen's Embedding
             tokens = self.tokens[u]
             rows = self.proj(self.emb(tokens).view(*tokens.shape, 4).mean(1)).relu()
+        elif self.kind == "a lookup of the next id":  # ids computed from the distinct values
+            rows = self.proj(self.emb((u + 1) % 10) * self.emb(u))
         elif self.kind == "each row normalised":  # pykeen's normalizers: F.normalize, then a log-softmax
             rows = self.proj(F.normalize(self.emb(u), dim=1).log_softmax(1))
         elif self.kind == "over the count of distinct values":
@@ -807,6 +809,8 @@ class DistinctRowsGatheredBack(nn.Module):
     ("a view of each lookup", [3, 7, 3, 1]),
     ("tokens of each entity viewed", [3, 7, 3, 1]),
     ("each row normalised", [3, 7, 3, 1]),
+    ("a lookup of the next id", [3, 7, 3, 1]),
+    ("a lookup of the next id", [[3, 7], [3, 1], [9, 9]]),
     ("rows of the table", [3, 7, 3, 1]),
 ])
 def test_rows_of_distinct_indices_gathered_back_are_each_samples_lookup(kind, ids):
@@ -814,13 +818,14 @@ def test_rows_of_distinct_indices_gathered_back_are_each_samples_lookup(kind, id
     ("no batch-dim propagation for aten._unique2"), through a view that keeps the rows
     (pykeen's every representation but an ``Embedding``, a helper's sweep) until the
     sixty-fourth session, and so was a row combined with its own norm or normalised by a
-    ``softmax.int`` (a red team's find)."""
+    ``softmax.int``, or a lookup at ids computed from the distinct values (red teams'
+    finds)."""
     torch.manual_seed(0)
     model = DistinctRowsGatheredBack(kind).double()
     ids = torch.tensor(ids)
     used = ["emb.weight", "head.weight", "head.bias"]
     if kind in ("lookup", "tokens of each entity", "a view of each lookup", "tokens of each entity viewed",
-                "each row normalised"):
+                "each row normalised", "a lookup of the next id"):
         used += ["proj.weight", "proj.bias"]
     ref = reference(model, (ids,), lambda out, i: out.pow(2).sum())
     dp = fxdp.transform(model, grad_sample=True, max_grad_norm=0.3, loss_reduction="sum", compiler="eager")
