@@ -1436,7 +1436,7 @@ def unique_rows_gathered_back_pass(gm: fx.GraphModule) -> fx.GraphModule:
                     env[step] = unique.args[0]
                     continue
                 args, kwargs = fx.node.map_arg((step.args, step.kwargs), lambda a, env=env: env.get(a, a))
-                if step.target in _VIEWS_OF_ROWS or step.target is torch.ops.aten.expand.default:
+                if step.target in _SIZED_ROWS:
                     args = (args[0], [-1, *step.args[1][1:]])  # one row for each index, not each distinct one
                 env[step] = _call(gm, step.target, args, step, kwargs)
         node.replace_all_uses_with(env[chain[-1]])
@@ -1459,9 +1459,10 @@ def _unique_of(inverse: fx.Node) -> fx.Node | None:
     return None
 
 
-# Views given every size, dim 0's among them (rebuilt with ``-1`` there), and views of
-# the dims after dim 0 alone.
+# Views given every size, dim 0's among them, and ops so given sizes (all rebuilt with
+# ``-1`` there: an expand's keeps the size); views of the dims after dim 0 alone.
 _VIEWS_OF_ROWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+_SIZED_ROWS = {*_VIEWS_OF_ROWS, torch.ops.aten.expand.default}
 _VIEWS_IN_ROWS = {torch.ops.aten.flatten.using_ints, torch.ops.aten.unflatten.int}
 
 
