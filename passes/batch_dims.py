@@ -2658,6 +2658,8 @@ def _scattered_into_own_rows(node: fx.Node, arg_batch: list, index_at: int, inde
             return None  # batched along another dim, or rows other than the index's
     samples = _meta(index).shape[index_dim] // ib.inner
     rows = out.shape[dim] // samples
+    if statically_known_true(rows * samples != out.shape[dim]):
+        return None  # not a whole number of rows per sample (fewer rows than samples: pooled together)
     self_batch = arg_batch[0]
     if isinstance(self_batch, BatchDim) and not bool(self_batch.inner == rows):
         return None

@@ -350,10 +350,12 @@ def test_warps_by_shared_parameters_over_batch_sizes(kind: str, dtype: torch.dty
         assert {p.name: p.strategy for p in dp_model.explain().plans}[shared] == STRATEGY
 
 
-@pytest.mark.parametrize("case", ["along_the_batch", "positions_from_the_batch"])
+@pytest.mark.parametrize("case", ["along_the_batch", "positions_from_the_batch", "samples_pooled"])
 def test_writes_at_shared_positions_only(case: str):
     """``index_add``/``index_copy``/``index_fill``/``index_reduce`` keep samples apart
-    along any other dim than the batch's, at positions every sample shares."""
+    along any other dim than the batch's, at positions every sample shares. Samples
+    pooled into fewer rows than there are samples (a graph network's ``index_add`` of
+    nodes into graphs, each node a sample) write their own positions into one tensor."""
     class Writes(nn.Module):
         def __init__(self):
             super().__init__()
@@ -363,13 +365,16 @@ def test_writes_at_shared_positions_only(case: str):
             h = self.fc(x)
             if case == "along_the_batch":
                 return torch.zeros_like(h).index_add(0, torch.arange(h.shape[0]).flip(0), h)
+            if case == "samples_pooled":
+                return torch.zeros(4, T, D, dtype=h.dtype).index_add(0, ids, h)
             return torch.zeros_like(h).index_add(2, ids, h[..., :1].expand(-1, -1, ids.shape[0]))
 
     x = torch.randn(B, T, D, dtype=torch.float64)
     ids = torch.tensor([3, 0, 1, 2, 2])  # B == D: read as each sample's own
     problems = fxdp.validate(Writes().double(), x, ids)
     reason = {"along_the_batch": "it writes along the batch dim",
-              "positions_from_the_batch": "its index vector comes from the batch"}[case]
+              "positions_from_the_batch": "its index vector comes from the batch",
+              "samples_pooled": "its index vector comes from the batch"}[case]
     assert [p.op for p in problems] == ["aten.index_add.default"] and reason in problems[0].reason, problems
 
 
