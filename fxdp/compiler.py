@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import operator
 import os
 import re
 import threading
@@ -235,8 +236,10 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
 
     Returns:
         (placeholders, fake_args, param_names {node: name}, placeholder_batch, batch_size,
-        notes): ``notes`` name the inputs whose sizes could have misled the size rule,
-        for the error message should the analysis refuse the model.
+        notes, guessed): ``notes`` name the inputs whose sizes could have misled the size
+        rule, for the error message should the analysis refuse the model; ``guessed``
+        gives a note for each other input the size rule alone took as batched, for the
+        message should an op that reads it refuse (``_notes_on_guesses``).
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fake_args = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
@@ -274,6 +277,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
     batch_size = sizing = None
     explicitly_batched: set[fx.Node] = set()
     notes: list[str] = []
+    guessed: dict[fx.Node, str] = {}  # batched by the size rule alone: a note should an op that reads them refuse
     for rank, node, fake, position, name in inputs:
         dim, explicit = options.batch_dim_of(position, name)
         if dim is None:
@@ -308,7 +312,10 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
         if explicit:
             explicitly_batched.add(node)
         else:
-            notes.extend(_size_rule_note(name or source_name(node), fake, dim, batched, batch_size))
+            note = _size_rule_note(name or source_name(node), fake, dim, batched, batch_size)
+            notes.extend(note)
+            if batched and not note:
+                guessed[node] = _batched_by_size_note(name or source_name(node), fake, dim, batch_size)
     # A leaf tensor that needs a gradient is taken for data only where it gives the batch
     # size (``x.requires_grad_()`` for input gradients) or in_dims says it is batched: a
     # size that matches B elsewhere may be chance.
@@ -322,7 +329,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
             "is batched data, name its batch dim in in_dims.")
     if options.max_grad_norm is not None:  # (a graph without parameters of its own too)
         _refuse_parameters_behind_inputs(computed, placeholder_batch, bool(param_names))
-    return placeholders, fake_args, param_names, placeholder_batch, batch_size, notes
+    return placeholders, fake_args, param_names, placeholder_batch, batch_size, notes, guessed
 
 
 def _refuse_parameters_behind_inputs(computed: list[tuple[fx.Node, torch.Tensor]],
@@ -408,6 +415,43 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
+def _batched_by_size_note(name: str, fake: torch.Tensor, dim: int, batch_size: Any) -> str:
+    """The note on an input the size rule alone took as batched (``edge_index`` of shape
+    ``[2, E]`` beside a batch of two graphs' features)."""
+    shape = tuple(internals.size_hint(size) for size in fake.shape)  # (no guard: see _size_rule_note)
+    return (f"{name} (shape {shape}) was taken as batched at dim {dim} because its size there is "
+            f"B = {internals.size_hint(batch_size)}; if it is shared by all samples (indices every sample "
+            f"reads, a graph's edges), pass in_dims={{{name!r}: None}}")
+
+
+def _notes_on_guesses(guessed: dict[fx.Node, str], mixing: Sequence[fx.Node]) -> list[str]:
+    """The notes of ``guessed`` (canonical placeholder -> note) whose inputs an op at
+    which the analysis found a problem reads as they are, or through views, pieces and
+    casts of them (``h.index_select(-2, edge_index[0])``): there the size rule's reading
+    may be the problem. Inputs that reach the op only through other computations stay
+    unnamed (an attention mask reaches everything after the attention)."""
+    from fxdp.passes.writes import is_view
+
+    shown: dict[fx.Node, fx.Node] = {}
+    for placeholder in guessed:
+        stack = [placeholder]
+        while stack:
+            node = stack.pop()
+            if node in shown:
+                continue
+            shown[node] = placeholder
+            stack.extend(u for u in node.users if u.args and u.args[0] is node and (
+                is_view(u) or u.target in _AS_THEY_ARE or u.target is operator.getitem))
+    hit = {shown[a] for node in mixing for a in (node, *node.all_input_nodes) if a in shown}
+    return [note for placeholder, note in guessed.items() if placeholder in hit]
+
+
+# Ops that show their first argument's values as they are (pieces, copies, casts).
+_AS_THEY_ARE = {torch.ops.aten.unbind.int, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
+                torch.ops.aten.chunk.default, torch.ops.aten.clone.default, torch.ops.aten._to_copy.default,
+                torch.ops.aten.to.dtype, torch.ops.aten.contiguous.default}
+
+
 class NoBatchDim(ValueError):
     """The graph's first tensor argument has no batch dim (a graph Dynamo resumes after
     the loss takes the 0-d loss first)."""
@@ -469,7 +513,7 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                   names: dict[int, str] | None = None, arg_names: Sequence[str] = ()):
     """Canonicalise and analyse; no compilation. Used by ``validate`` and ``explain``."""
     refuse_unfollowable(gm)
-    placeholders, fake_args, param_names, placeholder_batch, batch_size, notes = classify_inputs(
+    placeholders, fake_args, param_names, placeholder_batch, batch_size, notes, guessed = classify_inputs(
         gm, example_inputs, options, names, arg_names)
     fake_mode = internals.fake_mode_of([a for a in fake_args if isinstance(a, torch.Tensor)])
     canon = canonicalize_pass(gm, fake_args, fake_mode=fake_mode)
@@ -512,6 +556,9 @@ def analyse_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Op
                 c_param_names, fake_mode, unmapped))):
         analysis = batch_dim_pass(canon, c_batch, c_param_names, batch_size=batch_size, stored_outputs=stored)
     analysis.problems += unmapped_problems(canon, unmapped, analysis.mixing)
+    if analysis.problems:
+        notes += _notes_on_guesses({canon_placeholders[index[n]]: note for n, note in guessed.items()},
+                                   analysis.mixing)
     analysis.notes = list(dict.fromkeys(notes))
     if analysis.loss not in (None, "batchmean", options.loss_reduction):
         reason = (f"the loss inside the graph is a {analysis.loss} over the batch but "

@@ -290,6 +290,51 @@ def test_in_dims_reaches_tensors_inside_a_tuple_argument(cell, in_dims):
     _check_sum_sq(model, _sum_sq_step(model, x, hx, options={"in_dims": in_dims}), ref)
 
 
+class SharedEdges(nn.Module):
+    """Message passing on one graph every sample shares: ``edge_index`` is ``[2, E]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, edge_index):
+        h = self.lin(x)
+        return torch.zeros_like(h).index_add(-2, edge_index[1], h.index_select(-2, edge_index[0])) + h
+
+
+def test_an_input_batched_by_its_size_alone_is_named_where_it_refuses():
+    """A batch of two samples and a graph's ``edge_index`` ``[2, E]``: the size rule takes
+    the edges as batched, the gather they index refuses, and the error says to pass
+    ``in_dims`` (was: nothing named the input, whose other dims are not of size B). An
+    input batched by its size that only reaches the refused op through other values is
+    not named; with ``in_dims`` the model is exact."""
+    torch.manual_seed(0)
+    model = SharedEdges().to(DTYPE)
+    x, edges = randn(2, 5, 4), torch.tensor([[0, 1, 1, 2, 3, 4], [1, 0, 2, 1, 4, 3]])
+    with pytest.raises(fxdp.UnsupportedError) as info:
+        fxdp.transform(copy.deepcopy(model), compiler="eager")(x, edges)
+    message = str(info.value)
+    assert "Note: edge_index (shape (2, 6)) was taken as batched at dim 0" in message, message
+    assert "pass in_dims={'edge_index': None}" in message, message
+    torch._dynamo.reset()
+
+    class Gated(nn.Module):  # the gate is batched; what mixes samples is the mean over the batch
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, gate):
+            h = self.lin(x) * gate.sigmoid()
+            return h - h.mean(0)
+
+    with pytest.raises(fxdp.UnsupportedError) as info:
+        fxdp.transform(Gated().to(DTYPE), compiler="eager")(randn(2, 4), randn(2, 4, seed=3))
+    assert "Note" not in str(info.value), str(info.value)
+    torch._dynamo.reset()
+    ref = reference(model, [x, edges], _first_sq, in_dims=(0, None))
+    _check_sum_sq(model, _sum_sq_step(model, x, edges, options={"in_dims": (0, None)}), ref)
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_in_dims_by_name_for_keyword_arguments(batch_first):
     """``nn.TransformerEncoderLayer`` with keyword masks and ``B == T``: the size rule
