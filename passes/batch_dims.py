@@ -3200,9 +3200,6 @@ def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> B
     indices = node.args[1]
     by_batch = indices[b.dim]
     dim, repeats = batch_index_dim(by_batch) or (None, 1)
-    if _one_block_of_samples(by_batch, b, data.shape[b.dim]) \
-            and all(ix is None for i, ix in enumerate(indices) if i != b.dim):
-        return BatchDim(b.dim)  # ``flat[k * B + arange(B)]``: block ``k``, the samples in order
     # ``arange`` over the whole dim: the identity on its rows, a merged batch dim
     # (``[B·C, …]``, BertForMultipleChoice) included; or each row ``k`` times in a row
     # (``arange(B).unsqueeze(-1).repeat(1, k).view(-1)``): ``k`` rows per sample.
@@ -3226,42 +3223,6 @@ def _index_batch_by_arange(node: fx.Node, b: BatchDim, index_batches: list) -> B
         if not ib.at(b.dim).same_as(region) or ib.dim + broadcast - _meta(ix).dim() != at:
             raise MixesSamples("batched indices do not line up with torch.arange(B) on the batch dim")
     return region.at((min(dims) if _adjacent(dims) else 0) + at)
-
-
-def _one_block_of_samples(index: Any, b: BatchDim, size: Any) -> bool:
-    """Whether ``index`` is ``arange(B) + k·B`` for a whole ``k`` (or ``arange(B)``,
-    ``k = 0``; a negative ``k`` counts from the end), where
-    ``b`` merges ``outer`` blocks of the ``B`` samples, one row each, into a dim of
-    ``size`` rows (``h.reshape(T * B, H)`` of a time-major ``[T, B, H]``): it picks block
-    ``k`` whole, sample ``s`` at row ``s``, as ``h[k]`` would (a time-major RNN's last
-    step read off its flattened states, ``flat[(T - 1) * B + arange(B)]``)."""
-    if not (isinstance(index, fx.Node) and isinstance(b.dim, int) and statically_known_true(b.inner == 1)
-            and statically_known_true(b.outer > 1) and _meta(index).dim() == 1):
-        return False
-    batch_size = size // b.outer
-    if arange_dim(index) == 0:  # block 0
-        return statically_known_true(_meta(index).shape[0] == batch_size)
-    if index.target not in (aten.add.Tensor, aten.add.Scalar):
-        return False
-    for rows, offset in (index.args, index.args[::-1]):
-        offset = _meta(offset)
-        if arange_dim(rows) == 0 and _meta(rows).dim() == 1 and isinstance(offset, (int, torch.SymInt)) \
-                and not isinstance(offset, bool) and statically_known_true(_meta(rows).shape[0] == batch_size) \
-                and statically_known_true(offset % batch_size == 0):
-            return True  # (a block beyond the last, or before the first counted from the end, is an IndexError)
-    return False
-
-
-def _picks_blocks_only(node: fx.Node, batch: dict) -> bool:
-    """Whether ``node``, a value computed with ``B`` (``k * B + arange(B)``), is used only
-    as the index that picks one block of samples of a merged batch (``_one_block_of_samples``)."""
-    def picks(user: fx.Node) -> bool:
-        data = user.args[0]
-        b = batch.get(data)
-        return (user.target is aten.index.Tensor and isinstance(b, BatchDim) and isinstance(b.dim, int)
-                and b.dim < len(user.args[1]) and user.args[1][b.dim] is node
-                and _one_block_of_samples(node, b, _meta(data).shape[b.dim]))
-    return bool(node.users) and all(picks(user) for user in node.users)
 
 
 @_register(aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default)
@@ -5318,7 +5279,7 @@ def _propagate_rules(gm: fx.GraphModule, placeholder_batch: dict, param_names: d
     for node in batch_size_values:
         # (a mask of ones made inside counts B·T: as the loss's normaliser it is judged as such;
         # an index into the flattened batch moved by B·T, as its rows are checked at run time)
-        if node not in normaliser_divisors and node not in flat_indices and not _picks_blocks_only(node, batch):
+        if node not in normaliser_divisors and node not in flat_indices:
             problems.append(Problem(op_name(node.target), module_path_of(node), "", _BATCH_SIZE_AS_A_VALUE,
                                     source_of(node)))
             mixing.append(node)

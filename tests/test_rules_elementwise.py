@@ -4544,49 +4544,6 @@ def test_a_python_range_over_the_batch_picks_each_sample_s_row(how):
         _PickedByARange("as values").double(), torch.randn(4, 5, D, dtype=torch.float64), torch.tensor([4, 2, 3, 0])))
 
 
-class _LastStepOfAFlatTimeMajorRun(nn.Module):
-    """A time-major GRU's states flattened to ``[T·B, H]`` and its last step read as
-    ``flat[(T - 1) * B + arange(B)]``; ``how`` names a variant that picks other rows."""
-
-    def __init__(self, how: str):
-        super().__init__()
-        self.how = how
-        self.rnn = nn.GRU(D, 3)
-        self.out = nn.Linear(3, 2)
-
-    def forward(self, x):  # x [B, T, D]
-        B, T = x.shape[0], x.shape[1]
-        h, _ = self.rnn(x.transpose(0, 1))
-        if self.how == "batch first":  # rows (T - 1)·B … of [B·T, H]: whole samples' steps, not one per sample
-            return self.out(h.transpose(0, 1).reshape(B * T, -1)[(T - 1) * B + torch.arange(B)])
-        flat = h.reshape(T * B, -1)
-        if self.how == "between blocks":
-            return self.out(flat[B + 1 + torch.arange(B)])
-        if self.how == "reversed":
-            return self.out(flat[(T - 1) * B + torch.arange(B).flip(0)])
-        if self.how == "middle and first steps":
-            return self.out(flat[(T // 2) * B + torch.arange(B)] * flat[torch.arange(B)])
-        return self.out(flat[(T - 1) * B + torch.arange(B)])
-
-
-def test_one_block_of_a_flattened_time_major_batch():
-    """``flat[k * B + arange(B)]`` of a ``[T·B, …]`` merged time-major is block ``k``,
-    sample ``s`` at row ``s`` (refused before the sixty-fifth session: "it indexes the
-    batch dim with a tensor other than torch.arange(B)", and its offset computed with
-    the batch size as a number); not so a batch-first flattening, an offset between
-    blocks or the samples in another order."""
-    torch.manual_seed(0)
-    for how in ("last step", "middle and first steps"):
-        model = _LastStepOfAFlatTimeMajorRun(how).double()
-        dp = _against_the_loop(model, torch.randn(3, 4, D, dtype=torch.float64))
-        _against_the_loop(model, torch.randn(5, 7, D, dtype=torch.float64), dp=dp)  # B and T symbolic
-    for how in ("batch first", "between blocks", "reversed"):
-        torch._dynamo.reset()
-        problems = fxdp.validate(_LastStepOfAFlatTimeMajorRun(how).double(), torch.randn(3, 4, D, dtype=torch.float64))
-        assert [p.op for p in problems] == ["aten.index.Tensor"], (how, problems)
-        assert "it indexes the batch dim with a tensor other than torch.arange(B)" in problems[0].reason, how
-
-
 @pytest.mark.parametrize("how", ["written", "an arange written"])
 def test_a_range_over_the_batch_written_in_place_is_no_range(how):
     """``rows[-1] = 0`` before ``scores[rows, positions]``: the last sample reads the
