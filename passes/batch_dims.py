@@ -1362,6 +1362,35 @@ def _squeeze(node, arg_batch):
     return b.at(b.dim - sum(1 for d in dims if d < b.dim))
 
 
+@_register(aten.as_strided.default)
+def _as_strided(node, arg_batch):
+    """``x.as_strided(size, stride, offset)`` of a contiguous ``x`` at the start of its
+    memory, batched along dim 0 (the backward of a write into a view, ``out.narrow(-1, 0, 2).copy_(h)``, traced
+    where the forward differentiates itself: ``grad.new_empty_strided(…)``, ``copy_``,
+    ``as_strided``), with ``x``'s strides and ``B`` rows, each row within its own
+    sample's block of memory (the offset, a storage offset, and the window's extent
+    short of one row's stride): batched along dim 0 as ``x``. Any other reads memory
+    the graph cannot place."""
+    b = arg_batch[0]
+    if b is None:
+        return None
+    x, out = node.args[0], _meta(node)
+    base = _meta(x)
+    size, stride = [_meta(n) for n in node.args[1]], [_meta(n) for n in node.args[2]]
+    offset = _meta(named_arg(node, "storage_offset", 0) if len(node.args) < 4 else node.args[3])
+    offset = 0 if offset is None else offset
+    if not (isinstance(b, BatchDim) and b.dim == 0 and b.plain and isinstance(x, fx.Node)
+            and base.is_contiguous() and statically_known_true(base.storage_offset() == 0)
+            and len(size) == base.dim() == out.dim() and base.dim() >= 1
+            and all(statically_known_true(a == c) for a, c in zip(stride, base.stride()))
+            and statically_known_true(size[0] == base.shape[0]) and statically_known_true(offset >= 0)
+            and statically_known_true(offset + sum((n - 1) * st for n, st in zip(size[1:], stride[1:])) < stride[0])):
+        raise _NoPropagation("no batch-dim propagation for aten.as_strided.default (other than a window "
+                             "of each row of a contiguous tensor): fxdp cannot tell whether it keeps "
+                             "samples independent; register a rule for it with fxdp.register_rule")
+    return BatchDim(0)
+
+
 @_register(aten.expand.default, aten.expand_as.default, aten.broadcast_to.default)
 def _expand(node, arg_batch):
     b = arg_batch[0]
@@ -3378,6 +3407,7 @@ _CREATION = {
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
     aten.full.default, aten.empty.memory_format, aten.randn.default, aten.rand.default,
     aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+    aten.empty_strided.default, aten.new_empty_strided.default,  # (the gradient of a write into a view)
     aten.scalar_tensor.default, aten.eye.default, aten.ones_like.default,
     # Sizes are shared: every sample has the same ``B`` and ``T``.
     aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default,
@@ -3391,10 +3421,12 @@ _SIZED_BY_ARGUMENT = {
     aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format,
     aten.randn.default, aten.rand.default, aten.randint.default, aten.randint.low, aten.normal.float_float,
     aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+    aten.empty_strided.default, aten.new_empty_strided.default,
 }
 
 
-_NEW_LIKE = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default}
+_NEW_LIKE = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+             aten.new_empty_strided.default}
 
 
 def _check_batch_rows(node: fx.Node, layout: Any, batch_size: Any) -> None:

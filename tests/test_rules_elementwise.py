@@ -4544,6 +4544,49 @@ def test_a_python_range_over_the_batch_picks_each_sample_s_row(how):
         _PickedByARange("as values").double(), torch.randn(4, 5, D, dtype=torch.float64), torch.tensor([4, 2, 3, 0])))
 
 
+class _ForcesThroughAWriteIntoAView(nn.Module):
+    """An energy whose forward writes into a view of a fresh tensor (e3nn's ``Extract``
+    and ``Gate``), and its forces ``-dE/dx`` by ``torch.func.vjp`` in the forward: the
+    write's backward reads the gradient through ``new_empty_strided`` and ``as_strided``.
+    ``window`` instead takes ``h.as_strided`` itself (``(size, stride, offset)``)."""
+
+    def __init__(self, window=None):
+        super().__init__()
+        self.window = window
+        self.lin = nn.Linear(3, 4)
+
+    def energy(self, x):
+        h = self.lin(x)
+        out = h.new_zeros(h.shape[:-1] + (2,))
+        out.narrow(-1, 0, 2).copy_(h.narrow(-1, 2, 2))
+        return (out.tanh() * h[..., :2]).sum(-1)
+
+    def forward(self, x):
+        if self.window is not None:
+            size, stride, offset = self.window
+            h = self.lin(x).tanh()
+            return h.as_strided((x.shape[0], *size), stride, offset) * 2
+        e, vjp = torch.func.vjp(self.energy, x)
+        return torch.cat([e[:, None], -vjp(torch.ones_like(e))[0]], 1)
+
+
+def test_as_strided_windows_of_each_sample_s_row():
+    """``as_strided`` with a tensor's own strides and ``B`` rows, each row's window
+    inside its own sample's memory, is batched as the tensor (refused before the
+    sixty-fifth session, as ``new_empty_strided``, with no rule: forces by
+    ``torch.func.vjp`` through a write into a view, a helper's sweep of e3nn). Windows
+    that reach into the next row, or with strides of their own, stay refused."""
+    torch.manual_seed(0)
+    model = _ForcesThroughAWriteIntoAView().double()
+    dp = _against_the_loop(model, torch.randn(4, 3, dtype=torch.float64))
+    _against_the_loop(model, torch.randn(6, 3, dtype=torch.float64), dp=dp)
+    _against_the_loop(_ForcesThroughAWriteIntoAView(((3,), (4, 1), 1)).double(), torch.randn(4, 3, dtype=torch.float64))
+    for window in (((4,), (4, 1), 1), ((2,), (2, 1), 0), ((2,), (4, 2), 0)):
+        torch._dynamo.reset()
+        problems = fxdp.validate(_ForcesThroughAWriteIntoAView(window).double(), torch.randn(4, 3, dtype=torch.float64))
+        assert [p.op for p in problems] == ["aten.as_strided.default"], (window, problems)
+
+
 @pytest.mark.parametrize("how", ["written", "an arange written"])
 def test_a_range_over_the_batch_written_in_place_is_no_range(how):
     """``rows[-1] = 0`` before ``scores[rows, positions]``: the last sample reads the
