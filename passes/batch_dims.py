@@ -1365,12 +1365,12 @@ def _squeeze(node, arg_batch):
 @_register(aten.as_strided.default)
 def _as_strided(node, arg_batch):
     """``x.as_strided(size, stride, offset)`` of a contiguous ``x`` at the start of its
-    memory, batched along dim 0 (the backward of a write into a view, ``out.narrow(-1, 0, 2).copy_(h)``, traced
-    where the forward differentiates itself: ``grad.new_empty_strided(…)``, ``copy_``,
-    ``as_strided``), with ``x``'s strides and ``B`` rows, each row within its own
-    sample's block of memory (the offset, a storage offset, and the window's extent
-    short of one row's stride): batched along dim 0 as ``x``. Any other reads memory
-    the graph cannot place."""
+    memory, batched along dim 0, with ``x``'s strides and ``B`` rows, each row's window
+    within its own sample's block of memory (the offset, a storage offset, and the
+    window's extent short of one row's stride): batched along dim 0 as ``x``. The
+    backward of a write into a view (``out.narrow(-1, 0, 2).copy_(h)``) is such a
+    window, traced where the forward differentiates itself: ``grad.new_empty_strided(…)``,
+    ``copy_``, ``as_strided``. Any other window reads memory the graph cannot place."""
     b = arg_batch[0]
     if b is None:
         return None
