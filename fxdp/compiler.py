@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-import operator
 import os
 import re
 import threading
@@ -26,9 +25,9 @@ from fxdp.errors import Problem, UnsupportedError, format_problems
 from fxdp.options import Options
 from fxdp.passes.autocast import ambient_autocast, no_autocast
 from fxdp.passes.batch_dims import (
-    SHAPED_LIKE, UNKNOWN, CountedKeys, SameCounts, batch_dim_pass, module_path_of, op_name, reached, source_of,
+    _COPIES, SHAPED_LIKE, UNKNOWN, CountedKeys, SameCounts, batch_dim_pass, module_path_of, op_name, reached, source_of,
 )
-from fxdp.passes.canonicalize import canonicalize_pass
+from fxdp.passes.canonicalize import _aliases, canonicalize_pass
 from fxdp.passes.masked_rows import rows_in_place_pass
 from fxdp.passes.chunk_loops import chunk_loops_as_whole_pass, unmapped_problems
 from fxdp.passes.rewrite_backward import (BackwardPlan, backward_rewrite_pass, constant_gradients, gradient_outputs,
@@ -430,8 +429,6 @@ def _notes_on_guesses(guessed: dict[fx.Node, str], mixing: Sequence[fx.Node]) ->
     casts of them (``h.index_select(-2, edge_index[0])``): there the size rule's reading
     may be the problem. Inputs that reach the op only through other computations stay
     unnamed (an attention mask reaches everything after the attention)."""
-    from fxdp.passes.writes import is_view
-
     shown: dict[fx.Node, fx.Node] = {}
     for placeholder in guessed:
         stack = [placeholder]
@@ -440,16 +437,10 @@ def _notes_on_guesses(guessed: dict[fx.Node, str], mixing: Sequence[fx.Node]) ->
             if node in shown:
                 continue
             shown[node] = placeholder
-            stack.extend(u for u in node.users if u.args and u.args[0] is node and (
-                is_view(u) or u.target in _AS_THEY_ARE or u.target is operator.getitem))
+            stack.extend(u for u in node.users if u.op == "call_function" and u.args and u.args[0] is node
+                         and (_aliases(u) or u.target in _COPIES))
     hit = {shown[a] for node in mixing for a in (node, *node.all_input_nodes) if a in shown}
     return [note for placeholder, note in guessed.items() if placeholder in hit]
-
-
-# Ops that show their first argument's values as they are (pieces, copies, casts).
-_AS_THEY_ARE = {torch.ops.aten.unbind.int, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
-                torch.ops.aten.chunk.default, torch.ops.aten.clone.default, torch.ops.aten._to_copy.default,
-                torch.ops.aten.to.dtype, torch.ops.aten.contiguous.default}
 
 
 class NoBatchDim(ValueError):

@@ -1377,7 +1377,7 @@ def _as_strided(node, arg_batch):
     x, out = node.args[0], _meta(node)
     base = _meta(x)
     size, stride = [_meta(n) for n in node.args[1]], [_meta(n) for n in node.args[2]]
-    offset = _meta(named_arg(node, "storage_offset", 0) if len(node.args) < 4 else node.args[3])
+    offset = _meta(named_arg(node, "storage_offset", None))
     offset = 0 if offset is None else offset
     if not (isinstance(b, BatchDim) and b.dim == 0 and b.plain and isinstance(x, fx.Node)
             and base.is_contiguous() and statically_known_true(base.storage_offset() == 0)
